@@ -1,0 +1,39 @@
+"""commgemm: collective GEMMs for JAX with their communication overlapped."""
+
+from commgemm.config import Algorithm, Collective, Method, OverlapConfig, select_algorithm
+from commgemm.gemm import gemm
+from commgemm.ops import (
+    all_gather_matmul,
+    bulk_overlap,
+    matmul_2d,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
+from commgemm.registry import (
+    OverlapBuffer,
+    create_overlap_buffer,
+    destroy_all_overlap_buffers,
+    destroy_overlap_buffer,
+    get_overlap_buffer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "Collective",
+    "Method",
+    "OverlapBuffer",
+    "OverlapConfig",
+    "all_gather_matmul",
+    "bulk_overlap",
+    "create_overlap_buffer",
+    "destroy_all_overlap_buffers",
+    "destroy_overlap_buffer",
+    "gemm",
+    "get_overlap_buffer",
+    "matmul_2d",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "select_algorithm",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from commgemm.cli import main
+
+sys.exit(main())

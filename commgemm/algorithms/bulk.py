@@ -1,0 +1,36 @@
+"""Method.BULK: one GEMM and one independent collective of another buffer, issued together.
+
+This is what the reference uses in the backward pass (e.g. the dW GEMM overlapped with the
+all-gather of the next layer's input). With no data dependency between the two, XLA runs the
+collective asynchronously beside the GEMM.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from commgemm.algorithms.common import matmul
+from commgemm.config import Collective, OverlapConfig
+
+
+def bulk_overlap(
+    x: jax.Array,
+    w: jax.Array,
+    comm_operand: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    collective: Collective,
+    comm_axis: int,
+    w_transposed: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """(x @ w, collective(comm_operand)): the GEMM is local; the collective acts on `comm_axis`."""
+    out = matmul(x, w, config, w_transposed).astype(config.out_dtype)
+    if collective is Collective.ALL_GATHER:
+        comm = lax.all_gather(comm_operand, axis_name, axis=comm_axis, tiled=True)
+    elif collective is Collective.REDUCE_SCATTER:
+        comm = lax.psum_scatter(comm_operand, axis_name, scatter_dimension=comm_axis, tiled=True)
+    else:
+        comm = lax.psum(comm_operand, axis_name)
+    return out, comm

@@ -1,0 +1,48 @@
+"""Pieces every algorithm uses: the local GEMM under a config, and ring permutations."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from commgemm.config import OverlapConfig
+from commgemm.operands import local_matmul
+
+
+def matmul(a: jax.Array, w: jax.Array, config: OverlapConfig, w_transposed: bool) -> jax.Array:
+    """a [r, K] @ w -> [r, n] in config.accumulate_dtype."""
+    return local_matmul(a, w, w_transposed=w_transposed, accumulate_dtype=config.accumulate_dtype)
+
+
+def reduce_dtype(config: OverlapConfig) -> str:
+    """The dtype partial sums travel in: config.reduce_dtype, else the output dtype."""
+    return config.reduce_dtype or config.out_dtype
+
+
+def ring_perm(size: int, shift: int) -> list[tuple[int, int]]:
+    """ppermute pairs sending from each device to the one `shift` places further round the ring."""
+    return [(i, (i + shift) % size) for i in range(size)]
+
+
+def send(chunks: list[jax.Array], axis_name: str, size: int, shift: int) -> list[jax.Array]:
+    """Each chunk moved `shift` places round the ring of `axis_name` (one ppermute each)."""
+    perm = ring_perm(size, shift)
+    return [lax.ppermute(c, axis_name, perm) for c in chunks]
+
+
+def split_rows(a: jax.Array, parts: int) -> list[jax.Array]:
+    """a [r, ...] as `parts` equal row blocks (r divisible by parts, checked by the caller)."""
+    rows = a.shape[0] // parts
+    return [a[i * rows : (i + 1) * rows] for i in range(parts)]
+
+
+def after(value: jax.Array, previous: jax.Array | None) -> jax.Array:
+    """`value`, held back until `previous` exists.
+
+    Chunked collectives have no data dependency on one another, so XLA's combiner passes merge
+    them into one (undoing the pipeline). Tying chunk c+1's collective input to chunk c's
+    collective output keeps them separate and in order, while the GEMMs stay free to overlap.
+    """
+    if previous is None:
+        return value
+    return lax.optimization_barrier((value, previous))[0]

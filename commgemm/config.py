@@ -1,0 +1,211 @@
+"""Enums and the frozen `OverlapConfig` that selects how a collective GEMM is overlapped.
+
+The names follow the reference system (CommOverlapType, CommOverlapMethod, CommOverlapAlgo) so its
+users feel at home.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+class Collective(enum.Enum):
+    """Which collective accompanies the GEMM (the reference's CommOverlapType)."""
+
+    NONE = "none"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+class Method(enum.Enum):
+    """How the collective is overlapped with the GEMM (the reference's CommOverlapMethod).
+
+    NONE: the collective, then one GEMM (the serial baseline).
+    BULK: one GEMM and one *independent* collective issued together (`bulk_overlap`).
+    PIPELINE: the operand is split in `num_splits` chunks; each chunk's collective overlaps the
+      neighbouring chunk's GEMM.
+    RING_EXCHANGE: point-to-point ring (`lax.ppermute`); each step's transfer overlaps the
+      previous step's GEMM.
+    AUTO: the autotuner's cached choice, or a cost model's when nothing is cached.
+    """
+
+    NONE = "none"
+    BULK = "bulk"
+    PIPELINE = "pipeline"
+    RING_EXCHANGE = "ring_exchange"
+    AUTO = "auto"
+
+
+class Algorithm(enum.Enum):
+    """The concrete collective x method pairing (the reference's CommOverlapAlgo, plus ours)."""
+
+    NO_OVERLAP = "no_overlap"
+    BULK_OVERLAP_AG = "bulk_overlap_ag"
+    BULK_OVERLAP_RS = "bulk_overlap_rs"
+    BULK_OVERLAP_AR = "bulk_overlap_ar"  # ours
+    SPLIT_PIPELINED_AG = "split_pipelined_ag"  # ours: chunked lax.all_gather
+    SPLIT_PIPELINED_AG_P2P = "split_pipelined_ag_p2p"
+    SPLIT_PIPELINED_RS = "split_pipelined_rs"
+    SPLIT_PIPELINED_RS_P2P = "split_pipelined_rs_p2p"
+    SPLIT_PIPELINED_AR = "split_pipelined_ar"  # ours: chunked lax.psum
+    SPLIT_PIPELINED_AR_P2P = "split_pipelined_ar_p2p"  # ours: ring reduce-scatter + all-gather
+    ATOMIC_GEMM_RS = "atomic_gemm_rs"
+    ATOMIC_GEMM_AG_P2P = "atomic_gemm_ag_p2p"
+    ATOMIC_GEMM_RS_P2P = "atomic_gemm_rs_p2p"
+
+
+#: Algorithms that need a fused (atomic) GEMM kernel, which commgemm does not ship yet.
+ATOMIC_ALGORITHMS = frozenset(
+    {Algorithm.ATOMIC_GEMM_RS, Algorithm.ATOMIC_GEMM_AG_P2P, Algorithm.ATOMIC_GEMM_RS_P2P}
+)
+
+_ALGORITHMS: dict[tuple[Collective, Method, bool], Algorithm] = {
+    (Collective.ALL_GATHER, Method.BULK, False): Algorithm.BULK_OVERLAP_AG,
+    (Collective.REDUCE_SCATTER, Method.BULK, False): Algorithm.BULK_OVERLAP_RS,
+    (Collective.ALL_REDUCE, Method.BULK, False): Algorithm.BULK_OVERLAP_AR,
+    (Collective.ALL_GATHER, Method.PIPELINE, False): Algorithm.SPLIT_PIPELINED_AG,
+    (Collective.ALL_GATHER, Method.RING_EXCHANGE, False): Algorithm.SPLIT_PIPELINED_AG_P2P,
+    (Collective.REDUCE_SCATTER, Method.PIPELINE, False): Algorithm.SPLIT_PIPELINED_RS,
+    (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE, False): Algorithm.SPLIT_PIPELINED_RS_P2P,
+    (Collective.ALL_REDUCE, Method.PIPELINE, False): Algorithm.SPLIT_PIPELINED_AR,
+    (Collective.ALL_REDUCE, Method.RING_EXCHANGE, False): Algorithm.SPLIT_PIPELINED_AR_P2P,
+    (Collective.REDUCE_SCATTER, Method.PIPELINE, True): Algorithm.ATOMIC_GEMM_RS,
+    (Collective.ALL_GATHER, Method.RING_EXCHANGE, True): Algorithm.ATOMIC_GEMM_AG_P2P,
+    (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE, True): Algorithm.ATOMIC_GEMM_RS_P2P,
+}
+
+
+def select_algorithm(
+    collective: Collective, method: Method, *, atomic_gemm: bool = False
+) -> Algorithm:
+    """Maps (collective, method, atomic_gemm) to the concrete `Algorithm`.
+
+    Raises:
+      ValueError: the pairing does not exist; the message lists the ones that do.
+    """
+    collective, method = Collective(collective), Method(method)
+    if method is Method.AUTO:
+        raise ValueError("method=AUTO is resolved by the autotuner before an algorithm is chosen")
+    if collective is Collective.NONE or method is Method.NONE:
+        if atomic_gemm:
+            raise ValueError(
+                "atomic_gemm=True needs an overlapped method (PIPELINE or RING_EXCHANGE) "
+                "and a collective"
+            )
+        return Algorithm.NO_OVERLAP
+    try:
+        return _ALGORITHMS[(collective, method, bool(atomic_gemm))]
+    except KeyError:
+        allowed = ", ".join(
+            f"({c.name}, {m.name}{', atomic' if a else ''})" for c, m, a in _ALGORITHMS
+        )
+        raise ValueError(
+            f"unsupported pairing collective={collective.name}, method={method.name}, "
+            f"atomic_gemm={atomic_gemm}; supported: {allowed}"
+        ) from None
+
+
+def _dtype_name(value: object, field: str) -> str:
+    try:
+        return np.dtype(value).name  # ml_dtypes registers bfloat16 / float8 with numpy
+    except TypeError as err:
+        raise ValueError(f"{field}={value!r} is not a dtype") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapConfig:
+    """How one collective GEMM is overlapped. Frozen and hashable: a jit static argument.
+
+    Attributes:
+      collective: the collective; None means "implied by the op" (or inferred by `gemm`).
+      method: see `Method`.
+      num_splits: chunks per step (PIPELINE: chunks of the whole operand; RING_EXCHANGE: chunks
+        of each ring step). Must divide the split dimension.
+      bidirectional: RING_EXCHANGE in both directions at once (about P/2 steps instead of P-1).
+      aggregate: ALL_GATHER ring only: exchange both ways and run one GEMM on the two chunks that
+        arrived in a step (the reference's aggregate_ag).
+      atomic_gemm: ask for a fused atomic GEMM (ATOMIC_GEMM_*); not available yet, fails at plan.
+      accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type).
+      reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as
+        XLA's own reduce-scatter of the GEMM output would.
+      out_dtype: dtype of the result; None: the input dtype.
+      save_gathered_input: AG backward: keep the gathered X from the forward pass for dW (more
+        memory, no second all-gather) instead of re-gathering it overlapped with the dX GEMM.
+    """
+
+    collective: Collective | None = None
+    method: Method = Method.NONE
+    num_splits: int = 1
+    bidirectional: bool = False
+    aggregate: bool = False
+    atomic_gemm: bool = False
+    accumulate_dtype: str = "float32"
+    reduce_dtype: str | None = None
+    out_dtype: str | None = None
+    save_gathered_input: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.collective is not None:
+            try:
+                set_(self, "collective", Collective(self.collective))
+            except ValueError:
+                allowed = [c.name for c in Collective]
+                raise ValueError(
+                    f"collective={self.collective!r} is not a Collective; allowed: {allowed}"
+                ) from None
+        try:
+            set_(self, "method", Method(self.method))
+        except ValueError:
+            allowed = [m.name for m in Method]
+            raise ValueError(
+                f"method={self.method!r} is not a Method; allowed: {allowed}"
+            ) from None
+        if isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int | np.integer):
+            raise ValueError(f"num_splits={self.num_splits!r} must be an int >= 1")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+        set_(self, "num_splits", int(self.num_splits))
+        set_(self, "accumulate_dtype", _dtype_name(self.accumulate_dtype, "accumulate_dtype"))
+        for field in ("reduce_dtype", "out_dtype"):
+            value = getattr(self, field)
+            if value is not None:
+                set_(self, field, _dtype_name(value, field))
+        if not np.issubdtype(np.dtype(self.accumulate_dtype), np.floating):
+            raise ValueError(
+                f"accumulate_dtype={self.accumulate_dtype} must be a floating dtype (float32)"
+            )
+        if self.bidirectional and self.method not in (Method.RING_EXCHANGE, Method.AUTO):
+            raise ValueError(
+                f"bidirectional=True needs method=RING_EXCHANGE, got method={self.method.name}"
+            )
+        if self.aggregate:
+            if self.method not in (Method.RING_EXCHANGE, Method.AUTO):
+                raise ValueError(
+                    f"aggregate=True needs method=RING_EXCHANGE, got method={self.method.name}"
+                )
+            if self.collective not in (None, Collective.ALL_GATHER):
+                raise ValueError(
+                    f"aggregate=True is for ALL_GATHER only, got collective={self.collective.name}"
+                )
+        if self.collective is not None and self.method is not Method.AUTO:
+            select_algorithm(self.collective, self.method, atomic_gemm=self.atomic_gemm)
+
+    def replace(self, **changes: object) -> OverlapConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def algorithm(self, collective: Collective | None = None) -> Algorithm:
+        """The concrete `Algorithm` for this config, with `collective` filling in a None."""
+        coll = self.collective if self.collective is not None else collective
+        if coll is None:
+            raise ValueError("the collective is not set: pass collective= or call an op")
+        if self.collective is not None and collective is not None and self.collective != collective:
+            raise ValueError(
+                f"config.collective={self.collective.name} but this op performs {collective.name}"
+            )
+        return select_algorithm(coll, self.method, atomic_gemm=self.atomic_gemm)

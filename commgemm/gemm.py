@@ -1,0 +1,241 @@
+"""The global entry `gemm`: reads the operands' shardings and the requested output sharding,
+infers the collective, and runs the matching per-shard op under `jax.shard_map`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from commgemm.config import Collective, OverlapConfig
+from commgemm.operands import check_dtypes, check_matmul_shapes
+from commgemm.ops import (
+    all_gather_matmul,
+    matmul_2d,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
+from commgemm.registry import resolve
+
+Spec = tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What `gemm` decided: the collective (NONE for the XLA fall-back), the mesh axis (or the
+    (row, k) axes of the 2-D case), x's split dimension and the three specs it runs with."""
+
+    collective: Collective | None
+    axis: str | tuple[str, str] | None
+    row_dim: int
+    x_spec: Spec
+    w_spec: Spec
+    out_spec: Spec
+
+
+def _entries(spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]) -> Spec:
+    """A PartitionSpec as one entry per dimension: None or a single mesh-axis name."""
+    entries = tuple(spec) if spec is not None else ()
+    if len(entries) > ndim:
+        raise ValueError(f"{what} spec {spec} has {len(entries)} entries for {ndim} dimensions")
+    out: list[str | None] = []
+    for e in entries + (None,) * (ndim - len(entries)):
+        if isinstance(e, tuple | list):
+            e = tuple(e)
+            if len(e) == 0:
+                e = None
+            elif len(e) == 1:
+                e = e[0]
+        if e is not None and not isinstance(e, tuple) and e not in mesh_axes:
+            raise ValueError(f"{what} spec {spec} names axis {e!r}, not in the mesh {mesh_axes}")
+        out.append(e)
+    named = [a for a in out if a is not None]
+    if len(set(map(str, named))) != len(named):
+        raise ValueError(f"{what} spec {spec} uses a mesh axis twice")
+    return tuple(out)
+
+
+def _mesh_of(x: jax.Array, out_sharding: NamedSharding | PartitionSpec):
+    if isinstance(out_sharding, NamedSharding):
+        return out_sharding.mesh
+    if isinstance(getattr(x, "sharding", None), NamedSharding):
+        return x.sharding.mesh
+    mesh = jax.typeof(x).sharding.mesh
+    if mesh.axis_names:
+        return mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.axis_names:
+        return mesh
+    raise ValueError(
+        "gemm cannot find the mesh: pass out_sharding as a NamedSharding, or call with arrays "
+        "placed by jax.device_put(..., NamedSharding(mesh, spec)), or inside jax.set_mesh(mesh)"
+    )
+
+
+def _spec_of(a: jax.Array, given: PartitionSpec | None, mesh) -> PartitionSpec | None:
+    """The operand's spec: given, read off a placed array, or off an Explicit-axes tracer."""
+    if given is not None:
+        return given
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    typed = jax.typeof(a).sharding
+    if mesh.axis_names and all(t == AxisType.Explicit for t in mesh.axis_types):
+        return typed.spec
+    return None
+
+
+def _implied_specs(collective: Collective, out: Spec, ndim: int) -> tuple[Spec, Spec]:
+    """x and w specs implied by a collective and the requested output spec (rank-2 layouts)."""
+    rows, n = out[:-1], out[-1]
+    if collective is Collective.ALL_GATHER and n is not None:
+        return (n,) + (None,) * (ndim - 1), (None, n)
+    sharded = [a for a in rows if a is not None]
+    if collective is Collective.REDUCE_SCATTER and len(sharded) == 1 and n is None:
+        a = sharded[0]
+        return tuple(None if r == a else r for r in rows) + (a,), (a, None)
+    raise ValueError(
+        f"cannot work out the operand shardings for collective={collective.name} and output spec "
+        f"{out}: pass x_spec= and w_spec="
+    )
+
+
+def classify(x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
+    """The collective a sharding triple asks for; collective None means "let XLA do it"."""
+    x_rows, x_k = x_spec[:-1], x_spec[-1]
+    w_k, w_n = w_spec
+    out_rows, out_n = out_spec[:-1], out_spec[-1]
+    sharded = [i for i, a in enumerate(x_rows) if a is not None]
+
+    def same_rows_except(dim: int, x_val, out_val) -> bool:
+        return all(
+            (xr == orow) if i != dim else (xr == x_val and orow == out_val)
+            for i, (xr, orow) in enumerate(zip(x_rows, out_rows, strict=True))
+        )
+
+    layout = functools.partial(Layout, x_spec=x_spec, w_spec=w_spec, out_spec=out_spec)
+    if x_k is None and w_k is None and w_n is not None and out_n == w_n:
+        for dim in sharded:
+            a = x_rows[dim]
+            if a == w_n and same_rows_except(dim, a, None):
+                return layout(Collective.ALL_GATHER, a, dim)
+    if x_k is not None and w_k == x_k and w_n is None and out_n is None:
+        a = x_k
+        if x_rows == out_rows and a not in x_rows:
+            return layout(Collective.ALL_REDUCE, a, 0)
+        for dim, orow in enumerate(out_rows):
+            if orow == a and same_rows_except(dim, None, a):
+                return layout(Collective.REDUCE_SCATTER, a, dim)
+    if (
+        len(x_spec) == 2
+        and None not in x_spec
+        and x_spec[0] != x_spec[1]
+        and w_spec == (x_spec[0], None)
+        and out_spec == (x_spec[0], None)
+    ):
+        return layout(Collective.NONE, (x_spec[0], x_spec[1]), 0)
+    return layout(None, None, 0)
+
+
+def gemm(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_sharding: NamedSharding | PartitionSpec,
+    config: OverlapConfig | int | None = None,
+    x_spec: PartitionSpec | None = None,
+    w_spec: PartitionSpec | None = None,
+) -> jax.Array:
+    """x @ w on sharded arrays, with the collective the shardings imply overlapped by `config`.
+
+    Args:
+      x: [..., K] global, sharded on a mesh. w: [K, N] global.
+      out_sharding: the result's NamedSharding, or a PartitionSpec on x's mesh.
+      config: OverlapConfig / buffer id / None (serial). Its collective, if set, must match the
+        one the shardings imply (and lets `gemm` work out x_spec / w_spec when it cannot read them).
+      x_spec, w_spec: the operands' PartitionSpecs, needed only under jit on a mesh with Auto
+        axes (there a tracer carries no sharding); read off the arrays otherwise.
+    Layouts (a, r, c mesh axes):
+      x P(a, None), w P(None, a) -> out P(None, a): all-gather + GEMM (any row dim of N-D x).
+      x P(None, a), w P(a, None) -> out P(a, None): GEMM + reduce-scatter.
+      x P(None, a), w P(a, None) -> out P(None, None): GEMM + all-reduce.
+      x P(r, c),    w P(r, None) -> out P(r, None): the 2-D case (`matmul_2d`).
+      Other mesh axes on row dims pass through unchanged. Any other layout is computed by plain
+      XLA (dot + resharding), correct and without overlap.
+    Returns:
+      [..., N] with `out_sharding`.
+    """
+    cfg, _ = resolve(config)
+    check_dtypes(x, w)
+    check_matmul_shapes(x, w)
+    mesh = _mesh_of(x, out_sharding)
+    names = tuple(mesh.axis_names)
+    if isinstance(out_sharding, NamedSharding):
+        if tuple(out_sharding.mesh.axis_names) != names:
+            raise ValueError(f"out_sharding's mesh {out_sharding.mesh} differs from x's mesh")
+        out_spec_raw = out_sharding.spec
+    elif isinstance(out_sharding, PartitionSpec):
+        out_spec_raw = out_sharding
+    else:
+        raise TypeError(
+            f"out_sharding must be a NamedSharding or PartitionSpec, got {type(out_sharding)}"
+        )
+    out = _entries(out_spec_raw, x.ndim, "out_sharding", names)
+    xs, ws = _spec_of(x, x_spec, mesh), _spec_of(w, w_spec, mesh)
+    if xs is None or ws is None:
+        if cfg.collective is None:
+            raise ValueError(
+                "gemm cannot read the operands' shardings under jit on a mesh with Auto axes: "
+                "pass x_spec= and w_spec=, set config.collective, or use Explicit mesh axes"
+            )
+        implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
+        xs = xs if xs is not None else PartitionSpec(*implied_x)
+        ws = ws if ws is not None else PartitionSpec(*implied_w)
+    layout = classify(_entries(xs, x.ndim, "x", names), _entries(ws, 2, "w", names), out)
+    if layout.collective is None:
+        if cfg.collective not in (None, Collective.NONE):
+            raise ValueError(
+                f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, "
+                f"w {ws} -> out {PartitionSpec(*out)}, which need no such collective"
+            )
+        return _xla_gemm(x, w, mesh, PartitionSpec(*out), cfg)
+    if cfg.collective is not None and cfg.collective not in (layout.collective, Collective.NONE):
+        raise ValueError(
+            f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, w {ws} "
+            f"-> out {PartitionSpec(*out)}, which imply {layout.collective.name}"
+        )
+    if layout.collective is Collective.NONE:
+        row_axis, k_axis = layout.axis
+        body = functools.partial(matmul_2d, row_axis=row_axis, k_axis=k_axis, config=config)
+    else:
+        op = {
+            Collective.ALL_GATHER: all_gather_matmul,
+            Collective.REDUCE_SCATTER: matmul_reduce_scatter,
+            Collective.ALL_REDUCE: matmul_all_reduce,
+        }[layout.collective]
+        body = functools.partial(op, axis_name=layout.axis, config=config, axis=layout.row_dim)
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(PartitionSpec(*layout.x_spec), PartitionSpec(*layout.w_spec)),
+        out_specs=PartitionSpec(*layout.out_spec),
+        check_vma=False,
+    )
+    return mapped(x, w)
+
+
+def _xla_gemm(x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig):
+    """Plain XLA: one dot, float32 accumulation, then the requested sharding."""
+    out = lax.dot_general(
+        x,
+        w,
+        (((x.ndim - 1,), (0,)), ((), ())),
+        preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
+    ).astype(cfg.out_dtype or x.dtype)
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(out, NamedSharding(mesh, out_spec))
+    return lax.with_sharding_constraint(out, NamedSharding(mesh, out_spec))

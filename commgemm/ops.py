@@ -1,0 +1,270 @@
+"""Per-shard collective GEMMs, called inside `jax.shard_map` like the lax collectives.
+
+P is the size of mesh axis `axis_name`. Every op takes `config`: an `OverlapConfig`, a buffer id
+from `create_overlap_buffer`, or None (Method.NONE, the serial baseline).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.algorithms import BY_METHOD
+from commgemm.algorithms.bulk import bulk_overlap as _bulk
+from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.operands import (
+    axis_size,
+    check_divisible,
+    check_dtypes,
+    check_matmul_shapes,
+    collapse_rows,
+    normalize_axis,
+)
+from commgemm.plan import make_plan
+from commgemm.registry import resolve
+
+ConfigLike = OverlapConfig | int | None
+
+
+def _as_rows(x: jax.Array, axis: int, x_transposed: bool) -> tuple[jax.Array, object]:
+    if x_transposed:
+        if x.ndim != 2:
+            raise ValueError(f"x_transposed=True needs a 2-D x [K, m], got shape {x.shape}")
+        x = x.T
+    return collapse_rows(x, normalize_axis(axis, x.ndim))
+
+
+def _run(
+    collective: Collective,
+    fn_name: str,
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: ConfigLike,
+    axis: int,
+    w_transposed: bool,
+    x_transposed: bool,
+) -> jax.Array:
+    x2d, restore = _as_rows(x, axis, x_transposed)
+    plan = make_plan(
+        x2d,
+        w,
+        axis_name,
+        config,
+        collective,
+        rows=x2d.shape[0],
+        w_transposed=w_transposed,
+        op=fn_name,
+    )
+    algorithm = getattr(BY_METHOD[plan.config.method], fn_name)
+    return restore(algorithm(x2d, w, axis_name, plan.config, w_transposed=w_transposed))
+
+
+def all_gather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    config: ConfigLike = None,
+    axis: int = 0,
+    w_transposed: bool = False,
+    x_transposed: bool = False,
+) -> jax.Array:
+    """all_gather(x) @ w with the gather overlapped with the GEMM.
+
+    Args:
+      x: [m, K], the local row block of X [P*m, K] (sharded on `axis_name` along rows). N-D x
+        [..., K] is gathered along `axis` (default 0), e.g. [B, S, H] with axis=1 for sequence
+        parallelism. With x_transposed, x is [K, m].
+      w: [K, n] local (or [n, K] with w_transposed).
+    Returns:
+      [P*m, n] (N-D: x's shape with dimension `axis` multiplied by P and K replaced by n),
+      replicated over `axis_name`; dtype config.out_dtype or x's.
+    Raises:
+      ValueError / TypeError on bad shapes, dtypes, axis names or configs (at trace time).
+    """
+    return _run(
+        Collective.ALL_GATHER,
+        "all_gather_matmul",
+        x,
+        w,
+        axis_name,
+        config,
+        axis,
+        w_transposed,
+        x_transposed,
+    )
+
+
+def matmul_reduce_scatter(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    config: ConfigLike = None,
+    axis: int = 0,
+    w_transposed: bool = False,
+    x_transposed: bool = False,
+) -> jax.Array:
+    """reduce_scatter(x @ w): the GEMM of a K-sharded pair, its sum scattered over rows.
+
+    Args:
+      x: [M, k], this device's K-slice (k = K/P) of X [M, K]; N-D x [..., k] is scattered along
+        `axis` (default 0).
+      w: [k, N], this device's K-slice of W [K, N] (or [N, k] with w_transposed).
+    Returns:
+      [M/P, N]: this device's row block of X @ W (sharded on `axis_name` along rows).
+    """
+    return _run(
+        Collective.REDUCE_SCATTER,
+        "matmul_reduce_scatter",
+        x,
+        w,
+        axis_name,
+        config,
+        axis,
+        w_transposed,
+        x_transposed,
+    )
+
+
+def matmul_all_reduce(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    config: ConfigLike = None,
+    axis: int = 0,
+    w_transposed: bool = False,
+    x_transposed: bool = False,
+) -> jax.Array:
+    """all_reduce(x @ w) for a K-sharded pair.
+
+    Args:
+      x: [M, k], this device's K-slice of X [M, K]; `axis` is the dimension RING_EXCHANGE and
+        PIPELINE split (default 0).
+      w: [k, N], this device's K-slice of W (or [N, k] with w_transposed).
+    Returns:
+      [M, N] = X @ W, replicated over `axis_name`.
+    """
+    return _run(
+        Collective.ALL_REDUCE,
+        "matmul_all_reduce",
+        x,
+        w,
+        axis_name,
+        config,
+        axis,
+        w_transposed,
+        x_transposed,
+    )
+
+
+def matmul_2d(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    row_axis: str,
+    k_axis: str,
+    config: ConfigLike = None,
+) -> jax.Array:
+    """The 2-D mesh case: x P(row_axis, k_axis), w P(row_axis, None) -> out P(row_axis, None).
+
+    The contracting dimension is sharded on both axes: x's columns on `k_axis`, w's rows on
+    `row_axis`. W's rows are all-gathered over `row_axis`, this device's K block is multiplied,
+    and the partial sums are all-reduced over `k_axis`.
+
+    Args:
+      x: [m, K/Y] local (Y = size of k_axis).
+      w: [K/X, N] local (X = size of row_axis).
+    Returns:
+      [m, N], this device's row block of X @ W, replicated over `k_axis`.
+    Methods: NONE (gather, GEMM, all-reduce); PIPELINE (N in num_splits column chunks, each
+    chunk's gather and all-reduce overlapping its neighbours' GEMMs); RING_EXCHANGE (gather, then
+    the ring reduce-scatter + all-gather over k_axis).
+    """
+    cfg, _ = resolve(config)
+    check_dtypes(x, w)
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"matmul_2d needs 2-D x and w, got {x.shape} and {w.shape}")
+    if row_axis == k_axis:
+        raise ValueError(f"row_axis and k_axis must differ, both are {row_axis!r}")
+    n_rows, n_k = axis_size(row_axis), axis_size(k_axis)
+    k_total = w.shape[0] * n_rows
+    if x.shape[1] * n_k != k_total:
+        raise ValueError(
+            f"contracting dimensions differ: x {x.shape} x {k_axis}={n_k} gives K="
+            f"{x.shape[1] * n_k}, w {w.shape} x {row_axis}={n_rows} gives K={k_total}"
+        )
+    if cfg.method in (Method.BULK, Method.AUTO) or cfg.atomic_gemm:
+        raise ValueError(
+            f"matmul_2d supports methods NONE, PIPELINE and RING_EXCHANGE, got "
+            f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
+        )
+    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
+    k_index = lax.axis_index(k_axis)
+
+    def local_k_block(w_cols: jax.Array) -> jax.Array:
+        gathered = lax.all_gather(w_cols, row_axis, axis=0, tiled=True)  # [K, n]
+        return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
+
+    if cfg.method is Method.RING_EXCHANGE:
+        return matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
+    splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
+    check_divisible(w.shape[1], splits, "matmul_2d: N", "num_splits")
+    width = w.shape[1] // splits
+    base = cfg.replace(method=Method.NONE, num_splits=1, bidirectional=False)
+    outs = [
+        matmul_all_reduce(x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base)
+        for c in range(splits)
+    ]
+    return jnp.concatenate(outs, axis=1)
+
+
+def bulk_overlap(
+    x: jax.Array,
+    w: jax.Array,
+    comm_operand: jax.Array,
+    axis_name: str,
+    *,
+    collective: Collective | str,
+    comm_axis: int = 0,
+    config: ConfigLike = None,
+    w_transposed: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """BULK overlap: a local GEMM x @ w and an independent collective of `comm_operand`, together.
+
+    Args:
+      x: [..., K]; w: [K, n] (or [n, K] with w_transposed).
+      comm_operand: any array; gathered (ALL_GATHER, tiled along comm_axis), reduce-scattered
+        (REDUCE_SCATTER, tiled along comm_axis) or summed (ALL_REDUCE) over `axis_name`.
+    Returns:
+      (x @ w [..., n] in config.out_dtype or x's dtype, the collective's result).
+    """
+    cfg, _ = resolve(config)
+    collective = Collective(collective)
+    if collective is Collective.NONE:
+        raise ValueError(
+            "bulk_overlap needs a collective: ALL_GATHER, REDUCE_SCATTER or ALL_REDUCE"
+        )
+    check_dtypes(x, w)
+    check_matmul_shapes(x, w, w_transposed=w_transposed)
+    size = axis_size(axis_name)
+    if not -comm_operand.ndim <= comm_axis < comm_operand.ndim:
+        raise ValueError(f"comm_axis={comm_axis} is out of range for shape {comm_operand.shape}")
+    if collective is Collective.REDUCE_SCATTER:
+        check_divisible(comm_operand.shape[comm_axis], size, "comm_operand's comm_axis", "P")
+    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
+    x2d, restore = collapse_rows(x, 0)
+    out, comm = _bulk(
+        x2d,
+        w,
+        comm_operand,
+        axis_name,
+        cfg,
+        collective=collective,
+        comm_axis=comm_axis % comm_operand.ndim,
+        w_transposed=w_transposed,
+    )
+    return restore(out), comm

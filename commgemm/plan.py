@@ -1,0 +1,97 @@
+"""Plan time: turn an op's arguments into a validated (config, algorithm) before any collective.
+
+Every check here raises at trace time, so a wrong shape never becomes a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from commgemm.config import ATOMIC_ALGORITHMS, Algorithm, Collective, Method, OverlapConfig
+from commgemm.operands import axis_size, check_divisible, check_dtypes, check_matmul_shapes
+from commgemm.registry import OverlapBuffer, resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated call: `config` has out_dtype filled in and method never AUTO."""
+
+    config: OverlapConfig
+    algorithm: Algorithm
+    axis_size: int
+
+
+def _check_buffer(buf: OverlapBuffer, x: jax.Array, size: int) -> None:
+    if buf.tp_size is not None and buf.tp_size != size:
+        raise ValueError(
+            f"overlap buffer {buf.id} was created for tp_size={buf.tp_size}, "
+            f"but the mesh axis has size {size}"
+        )
+    if buf.buffer_shape is not None and tuple(x.shape) != buf.buffer_shape:
+        raise ValueError(
+            f"overlap buffer {buf.id} was created for shape {buf.buffer_shape}, got x {x.shape}"
+        )
+    if buf.buffer_dtype is not None and x.dtype.name != buf.buffer_dtype:
+        raise ValueError(
+            f"overlap buffer {buf.id} was created for dtype {buf.buffer_dtype}, got x {x.dtype}"
+        )
+
+
+def split_requirement(collective: Collective, method: Method, size: int, splits: int) -> int:
+    """What x's split dimension (rows of the 2-D view) must be divisible by."""
+    if collective is Collective.ALL_GATHER:
+        return splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1
+    if collective is Collective.REDUCE_SCATTER:
+        return size * (splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1)
+    if method is Method.PIPELINE:
+        return splits
+    return size * splits if method is Method.RING_EXCHANGE else 1
+
+
+def make_plan(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig | int | None,
+    collective: Collective,
+    *,
+    rows: int,
+    w_transposed: bool,
+    op: str,
+) -> Plan:
+    """Validates one per-shard call. `rows` is the size of x's split dimension in its 2-D view."""
+    cfg, buf = resolve(config)
+    check_dtypes(x, w)
+    check_matmul_shapes(x, w, w_transposed=w_transposed)
+    size = axis_size(axis_name)
+    if buf is not None:
+        _check_buffer(buf, x, size)
+    if cfg.method is Method.AUTO:
+        from commgemm.tune import resolve_auto  # the tuner imports the ops: import lazily
+
+        cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed)
+    algorithm = cfg.algorithm(collective)
+    if algorithm in (
+        Algorithm.BULK_OVERLAP_AG,
+        Algorithm.BULK_OVERLAP_RS,
+        Algorithm.BULK_OVERLAP_AR,
+    ):
+        raise ValueError(
+            f"{op} with method=BULK is not supported: BULK overlaps a GEMM with an independent "
+            "collective of another buffer (use commgemm.bulk_overlap); for this op use "
+            "PIPELINE or RING_EXCHANGE"
+        )
+    if algorithm in ATOMIC_ALGORITHMS:
+        raise NotImplementedError(
+            f"{algorithm.name} needs a fused atomic-GEMM kernel, which commgemm does not ship "
+            "yet; use atomic_gemm=False (the split algorithm of the same method)"
+        )
+    need = split_requirement(collective, cfg.method, size, cfg.num_splits)
+    why = {1: "1", size: "P (the axis size)", cfg.num_splits: "num_splits"}.get(
+        need, f"P*num_splits ({size}*{cfg.num_splits})"
+    )
+    check_divisible(rows, need, f"{op}: x's split dimension", why)
+    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=collective)
+    return Plan(cfg, algorithm, size)

@@ -1,0 +1,66 @@
+"""Meshes, shard_map wrappers, float64 references and tolerances shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+
+#: (rtol, atol per sqrt(K)) against a float64 reference of the same (rounded) inputs.
+#: float32: accumulation error grows ~ eps * sqrt(K). bfloat16: the output (and, for RS/AR, the
+#: partial sums on the wire) are rounded to 8 bits of mantissa.
+TOLERANCES = {np.float32: (1e-5, 1e-5), ml_dtypes.bfloat16: (2e-2, 2e-2)}
+
+
+def mesh1d(size: int, name: str = "x") -> Mesh:
+    return Mesh(np.array(jax.devices()[:size]), (name,))
+
+
+def mesh2d(rows: int, cols: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[: rows * cols]).reshape(rows, cols), ("x", "y"))
+
+
+def shard(fn, mesh: Mesh, in_specs, out_specs):
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    )
+
+
+def random(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float64 x @ w over the last axis of x."""
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+def assert_close(out, ref: np.ndarray, dtype, k: int) -> None:
+    rtol, atol = TOLERANCES[dtype]
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(k))
+
+
+def configs(collective: cg.Collective):
+    """Every method x bidirectional x num_splits in {1, 2, 4} the collective supports."""
+    yield cg.OverlapConfig(method=cg.Method.NONE)
+    for s in (1, 2, 4):
+        yield cg.OverlapConfig(method=cg.Method.PIPELINE, num_splits=s)
+        for bidi in (False, True):
+            yield cg.OverlapConfig(method=cg.Method.RING_EXCHANGE, num_splits=s, bidirectional=bidi)
+        if collective is cg.Collective.ALL_GATHER:
+            yield cg.OverlapConfig(method=cg.Method.RING_EXCHANGE, num_splits=s, aggregate=True)
+
+
+def config_id(cfg: cg.OverlapConfig) -> str:
+    extra = ("-bidi" if cfg.bidirectional else "") + ("-agg" if cfg.aggregate else "")
+    return f"{cfg.method.name}-s{cfg.num_splits}{extra}"
+
+
+__all__ = ["P"]

@@ -1,0 +1,102 @@
+"""OverlapConfig validation, the algorithm table and the overlap-buffer registry."""
+
+import pytest
+
+import commgemm as cg
+from commgemm import Algorithm as A
+from commgemm import Collective as C
+from commgemm import Method as M
+
+
+@pytest.mark.parametrize(
+    "collective,method,atomic,expected",
+    [
+        (C.ALL_GATHER, M.NONE, False, A.NO_OVERLAP),
+        (C.NONE, M.RING_EXCHANGE, False, A.NO_OVERLAP),
+        (C.ALL_GATHER, M.BULK, False, A.BULK_OVERLAP_AG),
+        (C.REDUCE_SCATTER, M.BULK, False, A.BULK_OVERLAP_RS),
+        (C.ALL_GATHER, M.PIPELINE, False, A.SPLIT_PIPELINED_AG),
+        (C.ALL_GATHER, M.RING_EXCHANGE, False, A.SPLIT_PIPELINED_AG_P2P),
+        (C.REDUCE_SCATTER, M.PIPELINE, False, A.SPLIT_PIPELINED_RS),
+        (C.REDUCE_SCATTER, M.RING_EXCHANGE, False, A.SPLIT_PIPELINED_RS_P2P),
+        (C.ALL_REDUCE, M.RING_EXCHANGE, False, A.SPLIT_PIPELINED_AR_P2P),
+        (C.REDUCE_SCATTER, M.PIPELINE, True, A.ATOMIC_GEMM_RS),
+        (C.ALL_GATHER, M.RING_EXCHANGE, True, A.ATOMIC_GEMM_AG_P2P),
+        (C.REDUCE_SCATTER, M.RING_EXCHANGE, True, A.ATOMIC_GEMM_RS_P2P),
+    ],
+)
+def test_select_algorithm(collective, method, atomic, expected):
+    assert cg.select_algorithm(collective, method, atomic_gemm=atomic) is expected
+
+
+@pytest.mark.parametrize(
+    "collective,method,atomic",
+    [
+        (C.ALL_GATHER, M.PIPELINE, True),
+        (C.ALL_REDUCE, M.RING_EXCHANGE, True),
+        (C.ALL_GATHER, M.BULK, True),
+        (C.NONE, M.NONE, True),
+    ],
+)
+def test_select_algorithm_rejects(collective, method, atomic):
+    with pytest.raises(ValueError, match="atomic|unsupported pairing"):
+        cg.select_algorithm(collective, method, atomic_gemm=atomic)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_splits=0), "num_splits=0 must be >= 1"),
+        (dict(num_splits=2.0), "num_splits=2.0 must be an int"),
+        (dict(method="warp"), "method='warp' is not a Method"),
+        (dict(collective="scatter"), "collective='scatter' is not a Collective"),
+        (dict(method="bulk", bidirectional=True), "bidirectional=True needs method=RING_EXCHANGE"),
+        (dict(method="pipeline", aggregate=True), "aggregate=True needs method=RING_EXCHANGE"),
+        (
+            dict(method="ring_exchange", aggregate=True, collective="reduce_scatter"),
+            "aggregate=True is for ALL_GATHER",
+        ),
+        (dict(accumulate_dtype="int32"), "accumulate_dtype=int32 must be a floating"),
+        (dict(out_dtype="no-such-dtype"), "out_dtype='no-such-dtype' is not a dtype"),
+        (
+            dict(collective="all_reduce", method="ring_exchange", atomic_gemm=True),
+            "unsupported pairing",
+        ),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cg.OverlapConfig(**kwargs)
+
+
+def test_config_is_hashable_and_normalised():
+    a = cg.OverlapConfig(method="ring_exchange", accumulate_dtype="float32", out_dtype="bfloat16")
+    b = cg.OverlapConfig(method=M.RING_EXCHANGE, out_dtype=__import__("ml_dtypes").bfloat16)
+    assert a == b and hash(a) == hash(b)
+    assert a.method is M.RING_EXCHANGE and a.out_dtype == "bfloat16"
+    assert a.replace(num_splits=2).num_splits == 2
+
+
+def test_registry_ids():
+    cfg = cg.OverlapConfig(method="pipeline", num_splits=2)
+    a = cg.create_overlap_buffer(cfg)
+    assert cg.create_overlap_buffer(cg.OverlapConfig(method="pipeline", num_splits=2)) == a
+    b = cg.create_overlap_buffer(cfg.replace(num_splits=4))
+    c = cg.create_overlap_buffer(cfg, tp_size=4)
+    assert len({a, b, c}) == 3
+    assert cg.get_overlap_buffer(a).config == cfg
+    cg.destroy_overlap_buffer(a)
+    with pytest.raises(KeyError, match=str(a)):
+        cg.get_overlap_buffer(a)
+    with pytest.raises(KeyError, match=str(a)):
+        cg.destroy_overlap_buffer(a)
+    cg.destroy_all_overlap_buffers()
+    with pytest.raises(KeyError, match=str(b)):
+        cg.get_overlap_buffer(b)
+
+
+def test_registry_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="OverlapConfig"):
+        cg.create_overlap_buffer({"method": "pipeline"})
+    with pytest.raises(ValueError, match="tp_size=0"):
+        cg.create_overlap_buffer(cg.OverlapConfig(), tp_size=0)

@@ -1,0 +1,93 @@
+"""Bad inputs raise clear errors at trace time, before any collective is issued."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, random, shard
+
+import commgemm as cg
+
+
+def call(op, x, w, size=4, x_spec=P("x", None), w_spec=P(None, "x"), out=P(None, "x"), **kw):
+    f = shard(
+        lambda a, b: op(a, b, kw.pop("axis_name", "x"), **kw), mesh1d(size), (x_spec, w_spec), out
+    )
+    return f(x, w)
+
+
+def test_k_mismatch(rng):
+    with pytest.raises(ValueError, match="contracting dimensions differ"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (12, 8)))
+
+
+def test_not_divisible_by_num_splits(rng):
+    cfg = cg.OverlapConfig(method="pipeline", num_splits=3)
+    with pytest.raises(ValueError, match="must be divisible by num_splits=3"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
+
+
+def test_not_divisible_by_axis_size(rng):
+    with pytest.raises(ValueError, match=r"x's split dimension=6 must be divisible by P"):
+        call(
+            cg.matmul_reduce_scatter,
+            random(rng, (6, 16)),
+            random(rng, (16, 8)),
+            x_spec=P(None, "x"),
+            w_spec=P("x", None),
+            out=P("x", None),
+        )
+
+
+def test_unknown_axis_name(rng):
+    with pytest.raises(ValueError, match="axis_name='tp' is not a mesh axis"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), axis_name="tp")
+
+
+@pytest.mark.parametrize("method", ["bulk"])
+def test_unsupported_pairing(rng, method):
+    with pytest.raises(ValueError, match="method=BULK is not supported"):
+        call(
+            cg.all_gather_matmul,
+            random(rng, (32, 16)),
+            random(rng, (16, 8)),
+            config=cg.OverlapConfig(method=method),
+        )
+
+
+def test_atomic_gemm_not_available(rng):
+    cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    with pytest.raises(NotImplementedError, match="ATOMIC_GEMM_AG_P2P needs a fused"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
+
+
+def test_integer_dtype(rng):
+    x = np.ones((32, 16), np.int32)
+    with pytest.raises(TypeError, match="dtype int32; commgemm GEMMs need floating"):
+        call(cg.all_gather_matmul, x, x.T.copy())
+
+
+def test_mismatched_dtypes(rng):
+    with pytest.raises(TypeError, match="x has dtype float32 but w has dtype bfloat16"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), jnp.ones((16, 8), jnp.bfloat16))
+
+
+def test_unknown_buffer_id(rng):
+    with pytest.raises(KeyError, match="no overlap buffer with id 987654"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=987654)
+
+
+def test_buffer_tp_size_mismatch(rng):
+    buf = cg.create_overlap_buffer(cg.OverlapConfig(), tp_size=8)
+    with pytest.raises(ValueError, match="tp_size=8"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=buf)
+
+
+def test_bad_axis(rng):
+    with pytest.raises(ValueError, match="axis=1 must name a row dimension"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), axis=1)
+
+
+def test_config_collective_contradicts_op(rng):
+    cfg = cg.OverlapConfig(collective="reduce_scatter")
+    with pytest.raises(ValueError, match="this op performs ALL_GATHER"):
+        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
