@@ -133,8 +133,10 @@ class OverlapConfig:
       reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as
         XLA's own reduce-scatter of the GEMM output would.
       out_dtype: dtype of the result; None: the input dtype.
-      save_gathered_input: AG backward: keep the gathered X from the forward pass for dW (more
-        memory, no second all-gather) instead of re-gathering it overlapped with the dX GEMM.
+      save_gathered_input: AG backward: keep the gathered X [P*m, K] from the forward pass for
+        dW (default: the forward has it anyway, and keeping it spares the backward a second
+        all-gather of the largest operand) instead of saving only the local x and re-gathering
+        it beside the dX GEMM (BULK overlap; P times less activation memory, for long sequences).
     """
 
     collective: Collective | None = None

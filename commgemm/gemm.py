@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig
+from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
 from commgemm.operands import check_dtypes, check_matmul_shapes
 from commgemm.ops import (
     all_gather_matmul,
@@ -149,7 +150,10 @@ def gemm(
     config: OverlapConfig | int | None = None,
     x_spec: PartitionSpec | None = None,
     w_spec: PartitionSpec | None = None,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    activation: Activation = None,
+    return_pre_activation: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x @ w on sharded arrays, with the collective the shardings imply overlapped by `config`.
 
     Args:
@@ -157,6 +161,8 @@ def gemm(
       out_sharding: the result's NamedSharding, or a PartitionSpec on x's mesh.
       config: OverlapConfig / buffer id / None (serial). Its collective, if set, must match the
         one the shardings imply (and lets `gemm` work out x_spec / w_spec when it cannot read them).
+      bias, activation, return_pre_activation: the epilogue (see `all_gather_matmul`); bias [N]
+        is sharded like the output's last dimension.
       x_spec, w_spec: the operands' PartitionSpecs, needed only under jit on a mesh with Auto
         axes (there a tracer carries no sharding); read off the arrays otherwise.
     Layouts (a, r, c mesh axes):
@@ -172,6 +178,7 @@ def gemm(
     cfg, _ = resolve(config)
     check_dtypes(x, w)
     check_matmul_shapes(x, w)
+    check_epilogue(bias, activation, w.shape[1], x.dtype)
     mesh = _mesh_of(x, out_sharding)
     names = tuple(mesh.axis_names)
     if isinstance(out_sharding, NamedSharding):
@@ -202,30 +209,41 @@ def gemm(
                 f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, "
                 f"w {ws} -> out {PartitionSpec(*out)}, which need no such collective"
             )
-        return _xla_gemm(x, w, mesh, PartitionSpec(*out), cfg)
+        z = _xla_gemm(x, w, mesh, PartitionSpec(*out), cfg)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.collective is not None and cfg.collective not in (layout.collective, Collective.NONE):
         raise ValueError(
             f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, w {ws} "
             f"-> out {PartitionSpec(*out)}, which imply {layout.collective.name}"
         )
+    epilogue = dict(activation=activation, return_pre_activation=return_pre_activation)
     if layout.collective is Collective.NONE:
         row_axis, k_axis = layout.axis
-        body = functools.partial(matmul_2d, row_axis=row_axis, k_axis=k_axis, config=config)
+        body = functools.partial(
+            matmul_2d, row_axis=row_axis, k_axis=k_axis, config=config, **epilogue
+        )
     else:
         op = {
             Collective.ALL_GATHER: all_gather_matmul,
             Collective.REDUCE_SCATTER: matmul_reduce_scatter,
             Collective.ALL_REDUCE: matmul_all_reduce,
         }[layout.collective]
-        body = functools.partial(op, axis_name=layout.axis, config=config, axis=layout.row_dim)
+        body = functools.partial(
+            op, axis_name=layout.axis, config=config, axis=layout.row_dim, **epilogue
+        )
+    out_spec = PartitionSpec(*layout.out_spec)
+    specs = (PartitionSpec(*layout.x_spec), PartitionSpec(*layout.w_spec))
+    args = (x, w)
+    if bias is not None:
+        specs, args = specs + (PartitionSpec(layout.out_spec[-1]),), args + (bias,)
     mapped = jax.shard_map(
-        body,
+        lambda a, b, *c: body(a, b, bias=c[0] if c else None),
         mesh=mesh,
-        in_specs=(PartitionSpec(*layout.x_spec), PartitionSpec(*layout.w_spec)),
-        out_specs=PartitionSpec(*layout.out_spec),
+        in_specs=specs,
+        out_specs=(out_spec, out_spec) if return_pre_activation else out_spec,
         check_vma=False,
     )
-    return mapped(x, w)
+    return mapped(*args)
 
 
 def _xla_gemm(x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig):

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms import BY_METHOD
 from commgemm.algorithms.bulk import bulk_overlap as _bulk
+from commgemm.autodiff import collective_matmul
 from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
 from commgemm.operands import (
     axis_size,
     check_divisible,
@@ -45,7 +46,10 @@ def _run(
     axis: int,
     w_transposed: bool,
     x_transposed: bool,
-) -> jax.Array:
+    bias: jax.Array | None,
+    activation: Activation,
+    return_pre_activation: bool,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     x2d, restore = _as_rows(x, axis, x_transposed)
     plan = make_plan(
         x2d,
@@ -57,8 +61,16 @@ def _run(
         w_transposed=w_transposed,
         op=fn_name,
     )
-    algorithm = getattr(BY_METHOD[plan.config.method], fn_name)
-    return restore(algorithm(x2d, w, axis_name, plan.config, w_transposed=w_transposed))
+    check_epilogue(bias, activation, w.shape[0] if w_transposed else w.shape[1], x.dtype)
+    z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
+    return apply_epilogue(restore(z), bias, activation, return_pre_activation)
+
+
+_EPILOGUE_DOC = """
+    Epilogue (all ops): `bias` [n] (the output's last dimension, sharded like it) is added once,
+    after any reduction; `activation` in {None, "gelu", "gelu_tanh"} follows; with
+    `return_pre_activation=True` the op returns (y, pre_activation). Differentiable: the backward
+    pass is overlapped with the forward's method (see commgemm.autodiff)."""
 
 
 def all_gather_matmul(
@@ -70,7 +82,10 @@ def all_gather_matmul(
     axis: int = 0,
     w_transposed: bool = False,
     x_transposed: bool = False,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    activation: Activation = None,
+    return_pre_activation: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """all_gather(x) @ w with the gather overlapped with the GEMM.
 
     Args:
@@ -78,6 +93,7 @@ def all_gather_matmul(
         [..., K] is gathered along `axis` (default 0), e.g. [B, S, H] with axis=1 for sequence
         parallelism. With x_transposed, x is [K, m].
       w: [K, n] local (or [n, K] with w_transposed).
+      bias: [n], sharded like w's columns.
     Returns:
       [P*m, n] (N-D: x's shape with dimension `axis` multiplied by P and K replaced by n),
       replicated over `axis_name`; dtype config.out_dtype or x's.
@@ -94,6 +110,9 @@ def all_gather_matmul(
         axis,
         w_transposed,
         x_transposed,
+        bias,
+        activation,
+        return_pre_activation,
     )
 
 
@@ -106,13 +125,17 @@ def matmul_reduce_scatter(
     axis: int = 0,
     w_transposed: bool = False,
     x_transposed: bool = False,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    activation: Activation = None,
+    return_pre_activation: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """reduce_scatter(x @ w): the GEMM of a K-sharded pair, its sum scattered over rows.
 
     Args:
       x: [M, k], this device's K-slice (k = K/P) of X [M, K]; N-D x [..., k] is scattered along
         `axis` (default 0).
       w: [k, N], this device's K-slice of W [K, N] (or [N, k] with w_transposed).
+      bias: [N], replicated; added once, after the reduction.
     Returns:
       [M/P, N]: this device's row block of X @ W (sharded on `axis_name` along rows).
     """
@@ -126,6 +149,9 @@ def matmul_reduce_scatter(
         axis,
         w_transposed,
         x_transposed,
+        bias,
+        activation,
+        return_pre_activation,
     )
 
 
@@ -138,13 +164,17 @@ def matmul_all_reduce(
     axis: int = 0,
     w_transposed: bool = False,
     x_transposed: bool = False,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    activation: Activation = None,
+    return_pre_activation: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """all_reduce(x @ w) for a K-sharded pair.
 
     Args:
       x: [M, k], this device's K-slice of X [M, K]; `axis` is the dimension RING_EXCHANGE and
         PIPELINE split (default 0).
       w: [k, N], this device's K-slice of W (or [N, k] with w_transposed).
+      bias: [N], replicated; added once, after the reduction.
     Returns:
       [M, N] = X @ W, replicated over `axis_name`.
     """
@@ -158,6 +188,9 @@ def matmul_all_reduce(
         axis,
         w_transposed,
         x_transposed,
+        bias,
+        activation,
+        return_pre_activation,
     )
 
 
@@ -168,7 +201,10 @@ def matmul_2d(
     row_axis: str,
     k_axis: str,
     config: ConfigLike = None,
-) -> jax.Array:
+    bias: jax.Array | None = None,
+    activation: Activation = None,
+    return_pre_activation: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The 2-D mesh case: x P(row_axis, k_axis), w P(row_axis, None) -> out P(row_axis, None).
 
     The contracting dimension is sharded on both axes: x's columns on `k_axis`, w's rows on
@@ -202,6 +238,7 @@ def matmul_2d(
             f"matmul_2d supports methods NONE, PIPELINE and RING_EXCHANGE, got "
             f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
         )
+    check_epilogue(bias, activation, w.shape[1], x.dtype)
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
     k_index = lax.axis_index(k_axis)
 
@@ -210,7 +247,8 @@ def matmul_2d(
         return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
 
     if cfg.method is Method.RING_EXCHANGE:
-        return matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
+        z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
     check_divisible(w.shape[1], splits, "matmul_2d: N", "num_splits")
     width = w.shape[1] // splits
@@ -219,7 +257,8 @@ def matmul_2d(
         matmul_all_reduce(x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base)
         for c in range(splits)
     ]
-    return jnp.concatenate(outs, axis=1)
+    z = jnp.concatenate(outs, axis=1)
+    return apply_epilogue(z, bias, activation, return_pre_activation)
 
 
 def bulk_overlap(
@@ -268,3 +307,7 @@ def bulk_overlap(
         w_transposed=w_transposed,
     )
     return restore(out), comm
+
+
+for _op in (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce):
+    _op.__doc__ += _EPILOGUE_DOC

@@ -69,9 +69,10 @@ def make_plan(
     if buf is not None:
         _check_buffer(buf, x, size)
     if cfg.method is Method.AUTO:
-        from commgemm.tune import resolve_auto  # the tuner imports the ops: import lazily
-
-        cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed)
+        raise NotImplementedError(
+            "method=AUTO needs the autotuner, which is not built yet: pick NONE, PIPELINE or "
+            "RING_EXCHANGE (BENCHMARKS.md lists what was measured on GPUs)"
+        )
     algorithm = cfg.algorithm(collective)
     if algorithm in (
         Algorithm.BULK_OVERLAP_AG,

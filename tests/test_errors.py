@@ -91,3 +91,27 @@ def test_config_collective_contradicts_op(rng):
     cfg = cg.OverlapConfig(collective="reduce_scatter")
     with pytest.raises(ValueError, match="this op performs ALL_GATHER"):
         call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
+
+
+def test_auto_not_available_yet(rng):
+    with pytest.raises(NotImplementedError, match="method=AUTO needs the autotuner"):
+        call(
+            cg.all_gather_matmul,
+            random(rng, (32, 16)),
+            random(rng, (16, 8)),
+            config=cg.OverlapConfig(method="auto"),
+        )
+
+
+def test_bad_epilogue(rng):
+    x, w = random(rng, (32, 16)), random(rng, (16, 8))
+    with pytest.raises(ValueError, match="activation='relu' is not one of"):
+        call(cg.all_gather_matmul, x, w, activation="relu")
+    with pytest.raises(ValueError, match=r"bias must have shape \(2,\)"):
+        f = shard(
+            lambda a, b, c: cg.all_gather_matmul(a, b, "x", bias=c),
+            mesh1d(4),
+            (P("x", None), P(None, "x"), P("x")),
+            P(None, "x"),
+        )
+        f(x, w, np.ones(16, np.float32))

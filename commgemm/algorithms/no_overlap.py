@@ -13,11 +13,18 @@ from commgemm.config import OverlapConfig
 
 
 def all_gather_matmul(
-    x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig, *, w_transposed: bool
-) -> jax.Array:
-    """x [m, K] local rows of X [P*m, K]; w [K, n] -> all_gather(x) @ w [P*m, n]."""
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+    return_gathered: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """x [m, K] local rows of X [P*m, K]; w [K, n] -> all_gather(x) @ w [P*m, n] (and X)."""
     gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-    return matmul(gathered, w, config, w_transposed).astype(config.out_dtype)
+    out = matmul(gathered, w, config, w_transposed).astype(config.out_dtype)
+    return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(

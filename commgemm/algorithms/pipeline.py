@@ -13,17 +13,29 @@ from commgemm.operands import axis_size
 
 
 def all_gather_matmul(
-    x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig, *, w_transposed: bool
-) -> jax.Array:
-    """x [m, K] local rows of X [P*m, K] -> X @ w [P*m, n]; m divisible by num_splits."""
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+    return_gathered: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """x [m, K] local rows of X [P*m, K] -> X @ w [P*m, n] (and X); m divisible by num_splits."""
     size, splits = axis_size(axis_name), config.num_splits
-    outs, gathered = [], None
+    outs, gathered = [], []
     for chunk in split_rows(x, splits):
-        gathered = lax.all_gather(after(chunk, gathered), axis_name, axis=0, tiled=True)
-        outs.append(matmul(gathered, w, config, w_transposed).astype(config.out_dtype))
-    # outs[c] holds chunk c of every device: [s, P, m/s, n] -> device-major [P*m, n].
-    out = jnp.stack(outs).reshape(splits, size, -1, outs[0].shape[-1])
-    return out.transpose(1, 0, 2, 3).reshape(-1, outs[0].shape[-1])
+        previous = gathered[-1] if gathered else None
+        gathered.append(lax.all_gather(after(chunk, previous), axis_name, axis=0, tiled=True))
+        outs.append(matmul(gathered[-1], w, config, w_transposed).astype(config.out_dtype))
+    out = _device_major(outs, size)
+    return (out, _device_major(gathered, size)) if return_gathered else out
+
+
+def _device_major(chunks: list[jax.Array], size: int) -> jax.Array:
+    """chunks[c] holds chunk c of every device, [P*r, d] -> device-major rows [P*s*r, d]."""
+    stacked = jnp.stack(chunks).reshape(len(chunks), size, -1, chunks[0].shape[-1])
+    return stacked.transpose(1, 0, 2, 3).reshape(-1, chunks[0].shape[-1])
 
 
 def matmul_reduce_scatter(

@@ -25,9 +25,16 @@ def _steps(size: int, bidirectional: bool) -> tuple[int, int]:
 
 
 def all_gather_matmul(
-    x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig, *, w_transposed: bool
-) -> jax.Array:
-    """x [m, K] local rows of X [P*m, K] -> X @ w [P*m, n]; m divisible by num_splits.
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+    return_gathered: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """x [m, K] local rows of X [P*m, K] -> X @ w [P*m, n] (and X, assembled from the chunks
+    that passed through); m divisible by num_splits.
 
     Starts with the local chunk (no wait), as the reference's ring does.
     """
@@ -36,6 +43,7 @@ def all_gather_matmul(
     piece = m // config.num_splits
     n = w.shape[0] if w_transposed else w.shape[1]
     out = jnp.zeros((size * m, n), config.out_dtype)
+    gathered = jnp.zeros((size * m, x.shape[1]), x.dtype) if return_gathered else None
     n_fwd, n_bwd = _steps(size, config.bidirectional or config.aggregate)
 
     def write(out: jax.Array, pieces: list[jax.Array], src: jax.Array) -> jax.Array:
@@ -51,6 +59,10 @@ def all_gather_matmul(
         # Issue the next transfers before this step's GEMMs: they depend only on the last ones.
         next_fwd = send(fwd, axis_name, size, +1) if t < n_fwd else None
         next_bwd = send(bwd, axis_name, size, -1) if t < n_bwd else None
+        if return_gathered:
+            gathered = write(gathered, fwd, (me - t) % size)
+            if 0 < t <= n_bwd:
+                gathered = write(gathered, bwd, (me + t) % size)
         if t == 0:
             out = write(out, gemm(fwd), me)
         elif config.aggregate and t <= n_bwd:
@@ -63,7 +75,7 @@ def all_gather_matmul(
             if t <= n_bwd:
                 out = write(out, gemm(bwd), (me + t) % size)
         fwd, bwd = next_fwd, next_bwd
-    return out
+    return (out, gathered) if return_gathered else out
 
 
 def _reduce_scatter_chains(

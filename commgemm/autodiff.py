@@ -1,0 +1,110 @@
+"""Custom VJPs that keep the backward pass overlapped, in the same method family as the forward.
+
+  AG + GEMM   forward: Y = all_gather(X) @ W
+              backward: dX = reduce_scatter(dY @ W^T)       (GEMM + RS, same method)
+                        dW = all_gather(X)^T @ dY            (X saved from the forward, or
+                                                              re-gathered beside the dX GEMM: BULK)
+  GEMM + RS   forward: Y = reduce_scatter(X @ W)
+              backward: dX = all_gather(dY) @ W^T            (AG + GEMM, same method; the ring
+                        dW = X^T @ all_gather(dY)             also returns the gathered dY)
+  GEMM + AR   forward: Y = all_reduce(X @ W)
+              backward: dP = the transpose of the all-reduce applied to dY; dX = dP @ W^T,
+                        dW = X^T @ dP (both local)
+
+All functions act on the 2-D views [rows, K]; the epilogue (bias, GELU) stays outside, where JAX
+differentiates it and XLA fuses the bias gradient and GELU derivative into one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.algorithms import BY_METHOD
+from commgemm.config import Collective, OverlapConfig
+
+
+def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
+    """dW for out = a @ W: a^T @ d as [K, n], or d^T @ a as [n, K] when W is stored transposed."""
+    lhs, rhs = (d, a) if w_transposed else (a, d)
+    grad = lax.dot_general(
+        lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.dtype(cfg.accumulate_dtype)
+    )
+    return grad.astype(w.dtype)
+
+
+def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
+    """The forward's method for the backward collectives; gradients come out in x's dtype."""
+    return cfg.replace(
+        aggregate=False,
+        bidirectional=cfg.bidirectional or cfg.aggregate,
+        collective=None,
+        out_dtype=x.dtype.name,
+    )
+
+
+def _uses_vma(x: jax.Array, axis_name: str) -> bool:
+    """Whether the enclosing shard_map tracks varying axes (check_vma=True): there the transpose
+    of an all-reduce is the identity; without it, it is another all-reduce."""
+    return axis_name in getattr(jax.typeof(x), "vma", frozenset())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
+def collective_matmul(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+) -> jax.Array:
+    """The validated 2-D collective GEMM `collective` with method cfg.method (see ops)."""
+    return _forward(collective, x, w, axis_name, cfg, w_transposed)[0]
+
+
+_FN = {
+    Collective.ALL_GATHER: "all_gather_matmul",
+    Collective.REDUCE_SCATTER: "matmul_reduce_scatter",
+    Collective.ALL_REDUCE: "matmul_all_reduce",
+}
+
+
+def _forward(collective, x, w, axis_name, cfg, w_transposed):
+    module = BY_METHOD[cfg.method]
+    if collective is Collective.ALL_GATHER and cfg.save_gathered_input:
+        out, gathered = module.all_gather_matmul(
+            x, w, axis_name, cfg, w_transposed=w_transposed, return_gathered=True
+        )
+        return out, (x, w, gathered)
+    out = getattr(module, _FN[collective])(x, w, axis_name, cfg, w_transposed=w_transposed)
+    return out, (x, w, None)
+
+
+def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
+    x, w, gathered = residuals
+    module = BY_METHOD[cfg.method]
+    back = _backward_config(cfg, x)
+    if collective is Collective.ALL_GATHER:
+        if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
+            gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
+        dx = module.matmul_reduce_scatter(dy, w, axis_name, back, w_transposed=not w_transposed)
+        return dx, _weight_grad(gathered, dy, w, w_transposed, cfg)
+    if collective is Collective.REDUCE_SCATTER:
+        dx, dy_gathered = module.all_gather_matmul(
+            dy, w, axis_name, back, w_transposed=not w_transposed, return_gathered=True
+        )
+        return dx, _weight_grad(x, dy_gathered, w, w_transposed, cfg)
+    dp = dy if _uses_vma(x, axis_name) else lax.psum(dy, axis_name)
+    dx = lax.dot_general(
+        dp,
+        w,
+        (((1,), (0 if w_transposed else 1,)), ((), ())),
+        preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
+    ).astype(x.dtype)
+    return dx, _weight_grad(x, dp, w, w_transposed, cfg)
+
+
+collective_matmul.defvjp(_forward, _backward)

@@ -1,0 +1,210 @@
+"""Gradients of every op x method against jax.grad of the unsharded plain composition."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import P, config_id, mesh1d, shard
+from jax.sharding import NamedSharding
+from jax.test_util import check_grads
+
+import commgemm as cg
+
+F64 = dict(accumulate_dtype="float64")
+CONFIGS = [
+    cg.OverlapConfig(**F64),
+    cg.OverlapConfig(method="pipeline", num_splits=2, **F64),
+    cg.OverlapConfig(method="ring_exchange", **F64),
+    cg.OverlapConfig(method="ring_exchange", bidirectional=True, num_splits=2, **F64),
+]
+AG_CONFIGS = CONFIGS + [
+    cg.OverlapConfig(method="ring_exchange", aggregate=True, **F64),
+    cg.OverlapConfig(method="ring_exchange", save_gathered_input=False, **F64),
+    cg.OverlapConfig(method="pipeline", num_splits=2, save_gathered_input=False, **F64),
+]
+SPECS = {  # op: (x spec, w spec, bias spec, out spec)
+    "ag": (P("x", None), P(None, "x"), P("x"), P(None, "x")),
+    "rs": (P(None, "x"), P("x", None), P(), P("x", None)),
+    "ar": (P(None, "x"), P("x", None), P(), P(None, None)),
+}
+OPS = {"ag": cg.all_gather_matmul, "rs": cg.matmul_reduce_scatter, "ar": cg.matmul_all_reduce}
+
+
+def plain(x, w, b, activation):
+    z = jnp.dot(x, w, precision="highest") + b
+    return jax.nn.gelu(z, approximate=activation == "gelu_tanh") if activation else z
+
+
+def sharded(op, cfg, size, activation):
+    xs, ws, bs, os = SPECS[op]
+    return shard(
+        lambda a, b, c: OPS[op](a, b, "x", config=cfg, bias=c, activation=activation),
+        mesh1d(size),
+        (xs, ws, bs),
+        os,
+    )
+
+
+def _data(rng, size, dtype=np.float64):
+    m, k, n = size * 4, size * 6, size * 2
+    return (
+        rng.standard_normal((m, k)).astype(dtype),
+        rng.standard_normal((k, n)).astype(dtype),
+        rng.standard_normal(n).astype(dtype),
+    )
+
+
+def _loss(fn):
+    return lambda x, w, b: jnp.sum(jnp.sin(fn(x, w, b)))
+
+
+def _cases():
+    for op in OPS:
+        for cfg in AG_CONFIGS if op == "ag" else CONFIGS:
+            yield pytest.param(
+                op,
+                cfg,
+                id=f"{op}-{config_id(cfg)}" + ("" if cfg.save_gathered_input else "-regather"),
+            )
+
+
+@pytest.mark.parametrize("op,cfg", list(_cases()))
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_gradients_match_plain_composition(rng, op, cfg, activation):
+    size = 4
+    x, w, b = _data(rng, size)
+    got = jax.grad(_loss(sharded(op, cfg, size, activation)), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(_loss(lambda *a: plain(*a, activation)), argnums=(0, 1, 2))(x, w, b)
+    for name, g, r in zip("xwb", got, want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(r), rtol=1e-9, atol=1e-9, err_msg=f"d{name}"
+        )
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("size", [2, 8])
+def test_check_grads_float64(rng, op, size):
+    x, w, b = _data(rng, size)
+    cfg = cg.OverlapConfig(method="ring_exchange", bidirectional=True, **F64)
+    check_grads(sharded(op, cfg, size, "gelu"), (x, w, b), order=1, modes=["rev"])
+
+
+def test_pre_activation_is_returned(rng):
+    size, cfg = 4, cg.OverlapConfig(method="ring_exchange", **F64)
+    x, w, b = _data(rng, size)
+    xs, ws, bs, os = SPECS["ag"]
+    f = shard(
+        lambda a, c, d: cg.all_gather_matmul(
+            a, c, "x", config=cfg, bias=d, activation="gelu", return_pre_activation=True
+        ),
+        mesh1d(size),
+        (xs, ws, bs),
+        (os, os),
+    )
+    y, z = f(x, w, b)
+    np.testing.assert_allclose(np.asarray(z), x @ w + b, rtol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(jax.nn.gelu(z, approximate=False)), rtol=1e-12
+    )
+
+
+def test_bias_added_once_after_reduction(rng):
+    size = 8
+    x, w, b = _data(rng, size)
+    for op in ("rs", "ar"):
+        out = sharded(op, cg.OverlapConfig(method="ring_exchange", **F64), size, None)(x, w, b)
+        np.testing.assert_allclose(np.asarray(out), x @ w + b, rtol=1e-12, atol=1e-12)
+
+
+def _backward_hlo(op, cfg, size=4):
+    x, w, b = _data(np.random.default_rng(0), size, np.float32)
+    grad = jax.jit(jax.grad(_loss(sharded(op, cfg, size, None)), argnums=(0, 1)))
+    return grad.lower(x, w, b).compile().as_text()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_ring_backward_uses_collective_permutes_only(op):
+    text = _backward_hlo(op, cg.OverlapConfig(method="ring_exchange"))
+    assert "collective-permute" in text
+    for collective in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert f" {collective}(" not in text and f" {collective}-start(" not in text, collective
+
+
+def test_regather_backward_is_one_bulk_all_gather():
+    text = _backward_hlo("ag", cg.OverlapConfig(method="ring_exchange", save_gathered_input=False))
+    assert text.count(" all-gather(") + text.count(" all-gather-start(") == 1
+    assert " reduce-scatter(" not in text
+
+
+def test_remat_and_bf16_params(rng):
+    """jax.checkpoint around the op; bf16 params with float32 accumulation."""
+    size, bf16 = 4, ml_dtypes.bfloat16
+    x, w, b = (a.astype(bf16) for a in _data(rng, size, np.float32))
+    f = jax.checkpoint(sharded("ag", cg.OverlapConfig(method="ring_exchange"), size, "gelu"))
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2)))(x, w, b)
+    xf, wf, bf = (np.asarray(a, np.float64) for a in (x, w, b))
+    want = jax.grad(lambda *a: jnp.sum(plain(*a, "gelu")), (0, 1, 2))(xf, wf, bf)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == bf16
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=5e-2, atol=5e-2)
+
+
+def test_gemm_global_gradients(rng):
+    mesh = mesh1d(4)
+    x, w, b = _data(rng, 4)
+    xd = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+    wd = jax.device_put(w, NamedSharding(mesh, P("x", None)))
+    cfg = cg.OverlapConfig(method="ring_exchange", **F64)
+
+    def loss(a, c, d):
+        y = cg.gemm(
+            a,
+            c,
+            out_sharding=NamedSharding(mesh, P("x", None)),
+            config=cfg,
+            x_spec=P(None, "x"),
+            w_spec=P("x", None),
+            bias=d,
+            activation="gelu",
+        )
+        return jnp.sum(jnp.sin(y))
+
+    got = jax.jit(jax.grad(loss, (0, 1, 2)))(xd, wd, b)
+    want = jax.grad(_loss(lambda *a: plain(*a, "gelu")), (0, 1, 2))(x, w, b)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-9, atol=1e-9)
+
+
+def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
+    """20 SGD steps of AG+GEMM -> GELU -> GEMM+RS on 8 devices vs the unsharded model."""
+    size, s, h, f, lr = 8, 64, 16, 32, 0.05
+    x = rng.standard_normal((s, h))
+    target = rng.standard_normal((s, h))
+    params = (rng.standard_normal((h, f)) / 4, np.zeros(f), rng.standard_normal((f, h)) / 6)
+    cfg = cg.OverlapConfig(method="ring_exchange", bidirectional=True, **F64)
+
+    def body(xs, w1, b1, w2):
+        hid = cg.all_gather_matmul(xs, w1, "x", config=cfg, bias=b1, activation="gelu_tanh")
+        return cg.matmul_reduce_scatter(hid, w2, "x", config=cfg)
+
+    mlp = shard(
+        body, mesh1d(size), (P("x", None), P(None, "x"), P("x"), P("x", None)), P("x", None)
+    )
+
+    def reference_mlp(xs, w1, b1, w2):
+        return jax.nn.gelu(xs @ w1 + b1, approximate=True) @ w2
+
+    def train(model):
+        loss = lambda p: jnp.mean((model(x, *p) - target) ** 2)  # noqa: E731
+        step = jax.jit(jax.value_and_grad(loss))
+        p, losses = tuple(map(jnp.asarray, params)), []
+        for _ in range(20):
+            value, grads = step(p)
+            p = tuple(a - lr * g for a, g in zip(p, grads, strict=True))
+            losses.append(float(value))
+        return np.array(losses)
+
+    sharded_losses, plain_losses = train(mlp), train(reference_mlp)
+    assert plain_losses[-1] < plain_losses[0]
+    np.testing.assert_allclose(sharded_losses, plain_losses, rtol=1e-10)
