@@ -1,5 +1,6 @@
 """commgemm: collective GEMMs for JAX with their communication overlapped."""
 
+from commgemm import bench, numerics
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig, select_algorithm
 from commgemm.gemm import gemm
 from commgemm.ops import (
@@ -26,6 +27,7 @@ __all__ = [
     "OverlapBuffer",
     "OverlapConfig",
     "all_gather_matmul",
+    "bench",
     "bulk_overlap",
     "create_overlap_buffer",
     "destroy_all_overlap_buffers",
@@ -35,5 +37,6 @@ __all__ = [
     "matmul_2d",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "numerics",
     "select_algorithm",
 ]

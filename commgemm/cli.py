@@ -1,4 +1,4 @@
-"""`commgemm demo | info` (and `python -m commgemm ...`)."""
+"""`commgemm demo | bench | info` (and `python -m commgemm ...`)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iters", type=int, default=5)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.set_defaults(run=_demo)
+    from commgemm.bench import cli as bench_cli
+
+    bench = sub.add_parser("bench", help="overlap report: GEMM, collective, serial, methods")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(run=bench_cli.run)
     info = sub.add_parser("info", help="devices, backend, versions, XLA flags")
     info.set_defaults(run=_info)
     return parser

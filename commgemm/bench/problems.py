@@ -1,0 +1,167 @@
+"""Benchmark problems: presets, method specs, and the sharded callables each one times."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+
+#: (M tokens, K, N) totals across the TP group.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "llama70b_mlp": (8192, 8192, 28672),
+    "llama8b_mlp": (8192, 4096, 14336),
+    "comm_heavy": (16384, 8192, 4096),
+    "notebook": (2048, 2048, 1024),
+}
+OPS = ("ag", "rs", "ar", "2d")
+
+
+def parse_method(spec: str) -> cg.OverlapConfig:
+    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg'."""
+    name, _, splits = spec.partition(":")
+    num_splits = int(splits) if splits else 1
+    table = {
+        "none": dict(method="none"),
+        "pipeline": dict(method="pipeline"),
+        "ring": dict(method="ring_exchange"),
+        "ring-bidi": dict(method="ring_exchange", bidirectional=True),
+        "ring-agg": dict(method="ring_exchange", aggregate=True),
+    }
+    if name not in table:
+        raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")
+    return cg.OverlapConfig(num_splits=num_splits, **table[name])
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"shape {text!r} must be M,K,N (three positive integers)")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One op on one mesh: global operands and the specs of x, w and the output."""
+
+    op: str
+    shape: tuple[int, int, int]
+    dtype: str
+    mesh: Mesh
+    x_spec: P
+    w_spec: P
+    out_spec: P
+
+    @property
+    def size(self) -> int:
+        return self.mesh.devices.size
+
+    def operands(self, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+        """Random x [M, K] and w [K, N], made on the devices with their shardings."""
+        m, k, n = self.shape
+        return self._random((m, k), self.x_spec, seed), self._random((k, n), self.w_spec, seed + 1)
+
+    def overlapped(self, cfg: cg.OverlapConfig) -> Callable:
+        call = functools.partial(
+            cg.gemm,
+            out_sharding=NamedSharding(self.mesh, self.out_spec),
+            config=cfg,
+            x_spec=self.x_spec,
+            w_spec=self.w_spec,
+        )
+        return jax.jit(call)
+
+    def xla(self) -> Callable:
+        """What a user writes without commgemm: one dot, XLA chooses the collectives."""
+        out = NamedSharding(self.mesh, self.out_spec)
+        return jax.jit(lambda x, w: jnp.dot(x, w), out_shardings=out)
+
+    def _local(self, body: Callable, in_specs, out_specs) -> Callable:
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            )
+        )
+
+    def _random(self, shape: tuple[int, ...], spec: P, seed: int) -> jax.Array:
+        dtype = jnp.dtype(self.dtype)
+        key = jax.random.key(seed)
+        make = jax.jit(
+            lambda: jax.random.normal(key, shape, dtype),
+            out_shardings=NamedSharding(self.mesh, spec),
+        )
+        return make()
+
+    def gemm_alone(self) -> tuple[Callable, tuple[jax.Array, jax.Array]]:
+        """The same local GEMM as the op on every device, with no communication (the bound's
+        first term), and its operands: one [lm, lk] @ [lk, ln] block per device."""
+        m, k, n = self.shape
+        p = self.size
+        if self.op == "2d":
+            rows, cols = self.mesh.devices.shape
+            lm, lk, ln = m // rows, k // cols, n
+        else:
+            lm, lk, ln = {"ag": (m, k, n // p), "rs": (m, k // p, n), "ar": (m, k // p, n)}[self.op]
+        spec = P(tuple(self.mesh.axis_names))
+        dtype = jnp.dtype(self.dtype)
+
+        def body(a, b):
+            return jnp.dot(a[0], b[0], preferred_element_type=jnp.float32).astype(dtype)[None]
+
+        fn = self._local(body, (spec, spec), spec)
+        return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
+
+    def comm_alone(self) -> Callable:
+        """The op's collective with no GEMM, on the tensor it moves (bound's second term)."""
+        names = self.mesh.axis_names
+        if self.op == "ag":
+            return self._local(
+                lambda a: lax.all_gather(a, names[0], tiled=True), self.x_spec, P(None, None)
+            )
+        if self.op == "rs":
+            return self._local(
+                lambda a: lax.psum_scatter(a, names[0], tiled=True),
+                P(None, None),
+                P(names[0], None),
+            )
+        if self.op == "ar":
+            return self._local(lambda a: lax.psum(a, names[0]), P(None, None), P(None, None))
+        return self._local(
+            lambda a: lax.psum(lax.all_gather(a, "x", tiled=True), "y"), P("x", None), P(None, None)
+        )
+
+    def comm_operand(self) -> jax.Array:
+        """What `comm_alone` moves: x for AG; a full [M, N] partial product per device for RS and
+        AR; w for the 2-D case."""
+        m, k, n = self.shape
+        if self.op == "ag":
+            return self._random((m, k), self.x_spec, 3)
+        if self.op in ("rs", "ar"):
+            return self._random((m, n), P(None, None), 3)
+        return self._random((k, n), P("x", None), 3)
+
+
+def make_problem(op: str, shape: tuple[int, int, int], dtype: str, devices=None) -> Problem:
+    """Global (M, K, N) on all `devices` (1-D mesh 'tp'; the 2-D case a ('x', 'y') mesh)."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r} must be one of {OPS}")
+    devices = list(devices if devices is not None else jax.devices())
+    if op == "2d":
+        rows = 2 if len(devices) % 2 == 0 and len(devices) > 1 else 1
+        mesh = Mesh(np.array(devices).reshape(rows, -1), ("x", "y"))
+        return Problem(op, shape, dtype, mesh, P("x", "y"), P("x", None), P("x", None))
+    mesh = Mesh(np.array(devices), ("tp",))
+    specs = {
+        "ag": (P("tp", None), P(None, "tp"), P(None, "tp")),
+        "rs": (P(None, "tp"), P("tp", None), P("tp", None)),
+        "ar": (P(None, "tp"), P("tp", None), P(None, None)),
+    }[op]
+    return Problem(op, shape, dtype, mesh, *specs)

@@ -1,0 +1,87 @@
+"""`benchmark()`: device-side timing of a JAX callable without timing Python dispatch."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkResult:
+    """Per-call device times in milliseconds."""
+
+    mean: float
+    median: float
+    stdev: float
+    min: float
+    max: float
+    p95: float
+    p99: float
+    iters: int
+    warmup: int
+    samples: tuple[float, ...]
+    dispatch_bound: bool
+
+    def __repr__(self) -> str:
+        flag = " (dispatch-bound: times include launch gaps)" if self.dispatch_bound else ""
+        return (
+            f"BenchmarkResult(median={self.median:.4f} ms, mean={self.mean:.4f}, "
+            f"stdev={self.stdev:.4f}, min={self.min:.4f}, max={self.max:.4f}, p95={self.p95:.4f}, "
+            f"p99={self.p99:.4f}, iters={self.iters}){flag}"
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def benchmark(
+    fn: Callable, *args, iters: int = 50, warmup: int = 3, in_flight: int = 8
+) -> BenchmarkResult:
+    """Times `fn(*args)` (a jitted function) `iters` times after `warmup` calls.
+
+    How: JAX dispatches asynchronously, so the calls are enqueued ahead (up to `in_flight` at a
+    time) and the device runs them back to back. Each sample is the time between the completion
+    of one call and the next (`block_until_ready` on every output shard): the device time of
+    that call, with the Python dispatch of later calls happening meanwhile and so not timed.
+    If dispatching fell behind the device (the queue ran dry), `dispatch_bound` is set and the
+    samples include launch gaps: use bigger problems.
+    """
+    if iters < 2:
+        raise ValueError(f"iters={iters} must be >= 2")
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup} must be >= 1 (the first call compiles)")
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    pending: collections.deque = collections.deque()
+    done_at: list[float] = []
+    dispatched = 0
+    queue_ran_dry = 0
+    # One extra call first: its completion is the start mark of the first sample.
+    while len(done_at) < iters + 1:
+        while dispatched < iters + 1 and len(pending) < in_flight:
+            pending.append(fn(*args))
+            dispatched += 1
+        jax.block_until_ready(pending.popleft())
+        done_at.append(time.perf_counter())
+        if not pending and dispatched < iters + 1:
+            queue_ran_dry += 1
+    samples = np.diff(np.array(done_at)) * 1e3
+    return BenchmarkResult(
+        mean=float(np.mean(samples)),
+        median=float(np.median(samples)),
+        stdev=float(statistics.stdev(samples)),
+        min=float(np.min(samples)),
+        max=float(np.max(samples)),
+        p95=float(np.percentile(samples, 95)),
+        p99=float(np.percentile(samples, 99)),
+        iters=iters,
+        warmup=warmup,
+        samples=tuple(float(s) for s in samples),
+        dispatch_bound=queue_ran_dry > iters // 10,
+    )

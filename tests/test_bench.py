@@ -1,0 +1,118 @@
+"""benchmark(), numerics.compare(), overlap_report() and the `commgemm bench | info` CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import commgemm as cg
+from commgemm.cli import main
+
+
+def test_benchmark_fields_consistent():
+    f = jax.jit(lambda a: jnp.tanh(a @ a))
+    r = cg.bench.benchmark(f, jnp.ones((128, 128)), iters=12, warmup=2)
+    assert r.min <= r.median <= r.max
+    assert r.p95 <= r.p99 <= r.max and r.min <= r.mean <= r.max
+    assert r.stdev >= 0 and len(r.samples) == 12 and all(s > 0 for s in r.samples)
+    assert "median=" in repr(r)
+
+
+def test_benchmark_rejects_bad_arguments():
+    f = jax.jit(lambda a: a)
+    with pytest.raises(ValueError, match="iters=1"):
+        cg.bench.benchmark(f, jnp.ones(2), iters=1)
+    with pytest.raises(ValueError, match="warmup=0"):
+        cg.bench.benchmark(f, jnp.ones(2), warmup=0)
+
+
+def test_compare_finds_worst_element_and_bad_region(rng):
+    ref = rng.standard_normal((8, 8))
+    test = ref.copy()
+    test[6, 1] += 0.5  # bottom-left region, the worst element
+    test[5, 2] += 0.01
+    r = cg.numerics.compare(ref, test, atol=1e-3, rtol=0.0, region_grid=(2, 2))
+    assert not r and r.worst_index == (6, 1)
+    assert r.worst_test == pytest.approx(test[6, 1]) and r.worst_ref == pytest.approx(ref[6, 1])
+    assert r.max_diff == pytest.approx(0.5)
+    assert r.pct_over == pytest.approx(100 * 2 / 64)
+    regions = {idx: bad for idx, _, bad in r.regions}
+    assert regions[(1, 0)] == pytest.approx(100 * 2 / 16)
+    assert regions[(0, 0)] == regions[(0, 1)] == regions[(1, 1)] == 0.0
+    assert "FAIL" in str(r)
+
+
+def test_compare_passes_within_tolerance(rng):
+    ref = rng.standard_normal((5, 7))
+    r = cg.numerics.compare(ref, ref + 1e-7, atol=1e-6, rtol=1e-6)
+    assert r and r.pct_over == 0.0 and r.max_diff < 1e-6
+
+
+def test_compare_nan_and_inf_always_fail(rng):
+    ref = rng.standard_normal((4, 4))
+    test = ref.copy()
+    test[0, 0], test[1, 1], test[2, 2] = np.nan, np.inf, -np.inf
+    r = cg.numerics.compare(ref, test, atol=1e9, rtol=1e9)
+    assert not r and r.nan_count == 1 and r.inf_count == 2
+    assert "1 NaN, 2 Inf" in str(r)
+
+
+def test_compare_on_sharded_arrays(rng):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ref = rng.standard_normal((16, 8))
+    test = ref.copy()
+    test[15, 7] += 1.0
+    sharded = jax.device_put(test, NamedSharding(mesh, P("x", None)))
+    r = cg.numerics.compare(ref, sharded, atol=1e-6, rtol=0)
+    assert r.worst_index == (15, 7) and not r
+
+
+def test_compare_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="shape"):
+        cg.numerics.compare(np.ones((2, 2)), np.ones((2, 3)), atol=0, rtol=0)
+
+
+def test_overlap_report_figures():
+    report = cg.bench.overlap_report("rs", (256, 128, 64), methods=["none", "ring:2"],
+                                     dtype="float32", iters=3)
+    assert report.t_gemm_ms > 0 and report.t_comm_ms > 0
+    for row in report.rows:
+        bound = max(report.t_gemm_ms, report.t_comm_ms)
+        assert row.vs_bound == pytest.approx(row.t_ms / bound)
+        assert row.hidden == pytest.approx(
+            (report.t_gemm_ms + report.t_comm_ms - row.t_ms) / min(report.t_gemm_ms,
+                                                                   report.t_comm_ms))
+    assert [r.name for r in report.rows] == ["xla", "none", "ring:2"]
+    assert report.rows[2].max_error < 1e-3
+
+
+def test_parse_method_and_shape():
+    cfg = cg.bench.parse_method("ring-bidi:2")
+    assert cfg.method is cg.Method.RING_EXCHANGE and cfg.bidirectional and cfg.num_splits == 2
+    with pytest.raises(ValueError, match="unknown method 'warp'"):
+        cg.bench.parse_method("warp")
+    with pytest.raises(ValueError, match="M,K,N"):
+        cg.bench.parse_shape("1,2")
+
+
+def test_cli_bench_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(["bench", "--op", "ag", "--shape", "256,64,64", "--dtype", "f32", "--iters", "3",
+                 "--methods", "none,ring,pipeline:2", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["environment"]["device_count"] == 8
+    names = [r["name"] for r in data["report"]["rows"]]
+    assert names == ["xla", "none", "ring", "pipeline:2"]
+    assert all(len(r["timing"]["samples"]) == 3 for r in data["report"]["rows"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["device_count"] == 8 and "jax" in info
