@@ -60,7 +60,8 @@ def test_compare_nan_and_inf_always_fail(rng):
 
 
 def test_compare_on_sharded_arrays(rng):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
     ref = rng.standard_normal((16, 8))
@@ -77,15 +78,17 @@ def test_compare_rejects_shape_mismatch():
 
 
 def test_overlap_report_figures():
-    report = cg.bench.overlap_report("rs", (256, 128, 64), methods=["none", "ring:2"],
-                                     dtype="float32", iters=3)
+    report = cg.bench.overlap_report(
+        "rs", (256, 128, 64), methods=["none", "ring:2"], dtype="float32", iters=3
+    )
     assert report.t_gemm_ms > 0 and report.t_comm_ms > 0
     for row in report.rows:
         bound = max(report.t_gemm_ms, report.t_comm_ms)
         assert row.vs_bound == pytest.approx(row.t_ms / bound)
         assert row.hidden == pytest.approx(
-            (report.t_gemm_ms + report.t_comm_ms - row.t_ms) / min(report.t_gemm_ms,
-                                                                   report.t_comm_ms))
+            (report.t_gemm_ms + report.t_comm_ms - row.t_ms)
+            / min(report.t_gemm_ms, report.t_comm_ms)
+        )
     assert [r.name for r in report.rows] == ["xla", "none", "ring:2"]
     assert report.rows[2].max_error < 1e-3
 
@@ -101,8 +104,25 @@ def test_parse_method_and_shape():
 
 def test_cli_bench_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    code = main(["bench", "--op", "ag", "--shape", "256,64,64", "--dtype", "f32", "--iters", "3",
-                 "--methods", "none,ring,pipeline:2", "--json", str(out), "--plot", str(png)])
+    code = main(
+        [
+            "bench",
+            "--op",
+            "ag",
+            "--shape",
+            "256,64,64",
+            "--dtype",
+            "f32",
+            "--iters",
+            "3",
+            "--methods",
+            "none,ring,pipeline:2",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     assert data["environment"]["device_count"] == 8
