@@ -81,3 +81,10 @@ def test_ring_dot_count():
 
 def test_compiles_for_jax_version():
     assert jax.__version__
+
+
+def test_ring_steps_are_named_for_profiles():
+    text = _hlo(cg.all_gather_matmul, cg.OverlapConfig(method="ring_exchange"))
+    assert all(f"ring_ag_step{t}" in text for t in range(4))
+    text = _hlo(cg.matmul_reduce_scatter, cg.OverlapConfig(method="ring_exchange"), k_sharded=True)
+    assert all(f"ring_rs_step{t}" in text for t in range(4))

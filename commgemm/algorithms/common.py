@@ -10,8 +10,11 @@ from commgemm.operands import local_matmul
 
 
 def matmul(a: jax.Array, w: jax.Array, config: OverlapConfig, w_transposed: bool) -> jax.Array:
-    """a [r, K] @ w -> [r, n] in config.accumulate_dtype."""
-    return local_matmul(a, w, w_transposed=w_transposed, accumulate_dtype=config.accumulate_dtype)
+    """a [r, K] @ w -> [r, n] in config.accumulate_dtype (named "gemm" in profiles)."""
+    with jax.named_scope("gemm"):
+        return local_matmul(
+            a, w, w_transposed=w_transposed, accumulate_dtype=config.accumulate_dtype
+        )
 
 
 def reduce_dtype(config: OverlapConfig) -> str:

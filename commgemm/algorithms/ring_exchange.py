@@ -51,8 +51,9 @@ def all_gather_matmul(
             out = lax.dynamic_update_slice_in_dim(out, p, src * m + j * piece, axis=0)
         return out
 
-    def gemm(pieces: list[jax.Array]) -> list[jax.Array]:
-        return [matmul(p, w, config, w_transposed).astype(config.out_dtype) for p in pieces]
+    def gemm(pieces: list[jax.Array], step: int) -> list[jax.Array]:
+        with jax.named_scope(f"ring_ag_step{step}"):  # visible in `commgemm bench --trace`
+            return [matmul(p, w, config, w_transposed).astype(config.out_dtype) for p in pieces]
 
     fwd = bwd = split_rows(x, config.num_splits)
     for t in range(n_fwd + 1):
@@ -64,16 +65,16 @@ def all_gather_matmul(
             if 0 < t <= n_bwd:
                 gathered = write(gathered, bwd, (me + t) % size)
         if t == 0:
-            out = write(out, gemm(fwd), me)
+            out = write(out, gemm(fwd, t), me)
         elif config.aggregate and t <= n_bwd:
             # One GEMM over the two chunks that arrived this step.
-            both = gemm([jnp.concatenate([f, b]) for f, b in zip(fwd, bwd, strict=True)])
+            both = gemm([jnp.concatenate([f, b]) for f, b in zip(fwd, bwd, strict=True)], t)
             out = write(out, [o[:piece] for o in both], (me - t) % size)
             out = write(out, [o[piece:] for o in both], (me + t) % size)
         else:
-            out = write(out, gemm(fwd), (me - t) % size)
+            out = write(out, gemm(fwd, t), (me - t) % size)
             if t <= n_bwd:
-                out = write(out, gemm(bwd), (me + t) % size)
+                out = write(out, gemm(bwd, t), (me + t) % size)
         fwd, bwd = next_fwd, next_bwd
     return (out, gathered) if return_gathered else out
 
@@ -92,9 +93,10 @@ def _reduce_scatter_chains(
     n_fwd, n_bwd = _steps(size, config.bidirectional)
     travel = reduce_dtype(config)
 
-    def partial(block: jax.Array) -> list[jax.Array]:
+    def partial(block: jax.Array, step: int) -> list[jax.Array]:
         rows = lax.dynamic_index_in_dim(blocks, block % size, axis=0, keepdims=False)
-        return [matmul(p, w, config, w_transposed) for p in split_rows(rows, config.num_splits)]
+        with jax.named_scope(f"ring_rs_step{step}"):  # visible in `commgemm bench --trace`
+            return [matmul(p, w, config, w_transposed) for p in split_rows(rows, config.num_splits)]
 
     def add(received: list[jax.Array] | None, local: list[jax.Array]) -> list[jax.Array]:
         if received is None:
@@ -106,9 +108,9 @@ def _reduce_scatter_chains(
         # Both the transfer of the last sums and this step's GEMMs are issued before the add.
         recv_f = None if fwd is None else send([a.astype(travel) for a in fwd], axis_name, size, 1)
         recv_b = None if bwd is None else send([a.astype(travel) for a in bwd], axis_name, size, -1)
-        fwd = add(recv_f, partial(me + n_fwd - t))
+        fwd = add(recv_f, partial(me + n_fwd - t, t))
         if t < n_bwd:
-            bwd = add(recv_b, partial(me - n_bwd + t))
+            bwd = add(recv_b, partial(me - n_bwd + t, t))
         elif t == n_bwd:
             ended_b, bwd = recv_b, None  # the backward chain ends here, on this device's block
     if ended_b is not None:
