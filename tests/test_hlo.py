@@ -88,3 +88,21 @@ def test_ring_steps_are_named_for_profiles():
     assert all(f"ring_ag_step{t}" in text for t in range(4))
     text = _hlo(cg.matmul_reduce_scatter, cg.OverlapConfig(method="ring_exchange"), k_sharded=True)
     assert all(f"ring_rs_step{t}" in text for t in range(4))
+
+
+@pytest.mark.parametrize(
+    "op,k_sharded", [(cg.all_gather_matmul, False), (cg.matmul_reduce_scatter, True)]
+)
+def test_ring_pieces_carry_schedule_hints(op, k_sharded):
+    """With num_splits > 1, each piece's transfer is tied to the previous GEMM (an optimization
+    barrier in the lowered program) so the GPU scheduler interleaves transfers and GEMMs."""
+    x = np.zeros((64, 64), np.float32)
+    w = np.zeros((64, 32), np.float32)
+    specs = (
+        ((P(None, "x"), P("x", None)), P("x", None))
+        if k_sharded
+        else ((P("x", None), P(None, "x")), P(None, "x"))
+    )
+    cfg = cg.OverlapConfig(method="ring_exchange", num_splits=2)
+    f = shard(lambda a, b: op(a, b, "x", config=cfg), mesh1d(4), *specs)
+    assert "optimization_barrier" in f.lower(x, w).as_text()

@@ -27,10 +27,9 @@ def ring_perm(size: int, shift: int) -> list[tuple[int, int]]:
     return [(i, (i + shift) % size) for i in range(size)]
 
 
-def send(chunks: list[jax.Array], axis_name: str, size: int, shift: int) -> list[jax.Array]:
-    """Each chunk moved `shift` places round the ring of `axis_name` (one ppermute each)."""
-    perm = ring_perm(size, shift)
-    return [lax.ppermute(c, axis_name, perm) for c in chunks]
+def send_one(chunk: jax.Array, axis_name: str, size: int, shift: int) -> jax.Array:
+    """`chunk` moved `shift` places round the ring of `axis_name` (one ppermute)."""
+    return lax.ppermute(chunk, axis_name, ring_perm(size, shift))
 
 
 def split_rows(a: jax.Array, parts: int) -> list[jax.Array]:
@@ -39,13 +38,13 @@ def split_rows(a: jax.Array, parts: int) -> list[jax.Array]:
     return [a[i * rows : (i + 1) * rows] for i in range(parts)]
 
 
-def after(value: jax.Array, previous: jax.Array | None) -> jax.Array:
+def after(value: jax.Array, previous: object | None) -> jax.Array:
     """`value`, held back until `previous` exists.
 
     Chunked collectives have no data dependency on one another, so XLA's combiner passes merge
     them into one (undoing the pipeline). Tying chunk c+1's collective input to chunk c's
     collective output keeps them separate and in order, while the GEMMs stay free to overlap.
     """
-    if previous is None:
+    if previous is None or not jax.tree.leaves(previous):
         return value
     return lax.optimization_barrier((value, previous))[0]

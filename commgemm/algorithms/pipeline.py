@@ -25,7 +25,9 @@ def all_gather_matmul(
     size, splits = axis_size(axis_name), config.num_splits
     outs, gathered = [], []
     for chunk in split_rows(x, splits):
-        previous = gathered[-1] if gathered else None
+        # Chunk c's gather waits for gather c-1 (so XLA cannot combine them) and for GEMM c-2
+        # (so the scheduler runs GEMM c-1 beside it rather than all gathers first).
+        previous = (gathered[-1:], outs[-2:-1])
         gathered.append(lax.all_gather(after(chunk, previous), axis_name, axis=0, tiled=True))
         outs.append(matmul(gathered[-1], w, config, w_transposed).astype(config.out_dtype))
     out = _device_major(outs, size)
@@ -49,7 +51,7 @@ def matmul_reduce_scatter(
     for c in range(splits):
         chunk = blocks[:, c].reshape(-1, x.shape[-1])
         partial = matmul(chunk, w, config, w_transposed).astype(reduce_dtype(config))
-        partial = after(partial, outs[-1] if outs else None)
+        partial = after(partial, outs[-1:])
         outs.append(lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True))
     return jnp.concatenate(outs).astype(config.out_dtype)
 
@@ -61,5 +63,5 @@ def matmul_all_reduce(
     outs: list[jax.Array] = []
     for chunk in split_rows(x, config.num_splits):
         partial = matmul(chunk, w, config, w_transposed).astype(reduce_dtype(config))
-        outs.append(lax.psum(after(partial, outs[-1] if outs else None), axis_name))
+        outs.append(lax.psum(after(partial, outs[-1:]), axis_name))
     return jnp.concatenate(outs).astype(config.out_dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms.common import matmul, reduce_dtype, send, split_rows
+from commgemm.algorithms.common import after, matmul, reduce_dtype, send_one, split_rows
 from commgemm.config import OverlapConfig
 from commgemm.operands import axis_size
 
@@ -51,30 +51,38 @@ def all_gather_matmul(
             out = lax.dynamic_update_slice_in_dim(out, p, src * m + j * piece, axis=0)
         return out
 
-    def gemm(pieces: list[jax.Array], step: int) -> list[jax.Array]:
+    def gemm(rows: jax.Array, step: int) -> jax.Array:
         with jax.named_scope(f"ring_ag_step{step}"):  # visible in `commgemm bench --trace`
-            return [matmul(p, w, config, w_transposed).astype(config.out_dtype) for p in pieces]
+            return matmul(rows, w, config, w_transposed).astype(config.out_dtype)
 
     fwd = bwd = split_rows(x, config.num_splits)
+    last = None  # the latest GEMM output; the next transfer waits for it (see below)
     for t in range(n_fwd + 1):
-        # Issue the next transfers before this step's GEMMs: they depend only on the last ones.
-        next_fwd = send(fwd, axis_name, size, +1) if t < n_fwd else None
-        next_bwd = send(bwd, axis_name, size, -1) if t < n_bwd else None
         if return_gathered:
             gathered = write(gathered, fwd, (me - t) % size)
             if 0 < t <= n_bwd:
                 gathered = write(gathered, bwd, (me + t) % size)
-        if t == 0:
-            out = write(out, gemm(fwd, t), me)
-        elif config.aggregate and t <= n_bwd:
-            # One GEMM over the two chunks that arrived this step.
-            both = gemm([jnp.concatenate([f, b]) for f, b in zip(fwd, bwd, strict=True)], t)
-            out = write(out, [o[:piece] for o in both], (me - t) % size)
-            out = write(out, [o[piece:] for o in both], (me + t) % size)
-        else:
-            out = write(out, gemm(fwd, t), (me - t) % size)
-            if t <= n_bwd:
-                out = write(out, gemm(bwd, t), (me + t) % size)
+        next_fwd, next_bwd = [], []
+        for j in range(config.num_splits):
+            # Piece j's transfer has no data dependency on this step's GEMMs, but it is held
+            # until the previous piece's GEMM is done: XLA's GPU scheduler keeps one
+            # collective-permute in flight and otherwise ran the first transfer alone.
+            if t < n_fwd:
+                next_fwd.append(send_one(after(fwd[j], last), axis_name, size, +1))
+            if t < n_bwd:
+                next_bwd.append(send_one(after(bwd[j], last), axis_name, size, -1))
+            if t == 0:
+                results = [(gemm(fwd[j], t), me)]
+            elif config.aggregate and t <= n_bwd:
+                both = gemm(jnp.concatenate([fwd[j], bwd[j]]), t)  # one GEMM, two chunks
+                results = [(both[:piece], (me - t) % size), (both[piece:], (me + t) % size)]
+            else:
+                results = [(gemm(fwd[j], t), (me - t) % size)]
+                if t <= n_bwd:
+                    results.append((gemm(bwd[j], t), (me + t) % size))
+            for result, src in results:
+                out = lax.dynamic_update_slice_in_dim(out, result, src * m + j * piece, axis=0)
+            last = results[-1][0]
         fwd, bwd = next_fwd, next_bwd
     return (out, gathered) if return_gathered else out
 
@@ -98,23 +106,34 @@ def _reduce_scatter_chains(
         with jax.named_scope(f"ring_rs_step{step}"):  # visible in `commgemm bench --trace`
             return [matmul(p, w, config, w_transposed) for p in split_rows(rows, config.num_splits)]
 
-    def add(received: list[jax.Array] | None, local: list[jax.Array]) -> list[jax.Array]:
-        if received is None:
-            return local
-        return [r.astype(p.dtype) + p for r, p in zip(received, local, strict=True)]
+    def add(received: jax.Array | None, local: jax.Array) -> jax.Array:
+        return local if received is None else received.astype(local.dtype) + local
+
+    def transfer(acc: list[jax.Array] | None, j: int, last, shift: int) -> jax.Array | None:
+        # Held until the previous GEMM is done, as in all_gather_matmul.
+        if acc is None:
+            return None
+        return send_one(after(acc[j].astype(travel), last), axis_name, size, shift)
 
     fwd = bwd = ended_b = None
+    last = None
     for t in range(n_fwd + 1):
-        # Both the transfer of the last sums and this step's GEMMs are issued before the add.
-        recv_f = None if fwd is None else send([a.astype(travel) for a in fwd], axis_name, size, 1)
-        recv_b = None if bwd is None else send([a.astype(travel) for a in bwd], axis_name, size, -1)
-        fwd = add(recv_f, partial(me + n_fwd - t, t))
-        if t < n_bwd:
-            bwd = add(recv_b, partial(me - n_bwd + t, t))
-        elif t == n_bwd:
-            ended_b, bwd = recv_b, None  # the backward chain ends here, on this device's block
+        local_f = partial(me + n_fwd - t, t)
+        local_b = partial(me - n_bwd + t, t) if t < n_bwd else None
+        new_f, new_b, ended = [], [], []
+        for j in range(config.num_splits):
+            recv_f, recv_b = transfer(fwd, j, last, +1), transfer(bwd, j, last, -1)
+            new_f.append(add(recv_f, local_f[j]))
+            last = local_f[j]
+            if local_b is not None:
+                new_b.append(add(recv_b, local_b[j]))
+                last = local_b[j]
+            elif recv_b is not None:
+                ended.append(recv_b)  # the backward chain ends here, on this device's block
+        fwd, bwd = new_f, (new_b or None)
+        ended_b = ended or ended_b
     if ended_b is not None:
-        fwd = add(ended_b, fwd)
+        fwd = [add(e, f) for e, f in zip(ended_b, fwd, strict=True)]
     return jnp.concatenate(fwd)
 
 
