@@ -2,7 +2,9 @@
 
 from commgemm import bench, numerics
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig, select_algorithm
+from commgemm.distributed import initialize
 from commgemm.gemm import gemm
+from commgemm.launch import launch
 from commgemm.ops import (
     all_gather_matmul,
     bulk_overlap,
@@ -33,6 +35,8 @@ __all__ = [
     "destroy_all_overlap_buffers",
     "destroy_overlap_buffer",
     "gemm",
+    "initialize",
+    "launch",
     "get_overlap_buffer",
     "matmul_2d",
     "matmul_all_reduce",

@@ -17,10 +17,10 @@ def _demo(args: argparse.Namespace) -> int:
     from commgemm.devices import environment
 
     env = environment()
-    console = Console()
+    console = Console(quiet=env["process_index"] != 0)  # one table, from process 0
     console.print(
-        f"commgemm demo on {env['device_count']} x {env['device_kind']} ({env['backend']}), "
-        f"M=K=N={args.size}, {args.dtype}"
+        f"commgemm demo on {env['device_count']} x {env['device_kind']} ({env['backend']}) in "
+        f"{env['process_count']} process(es), M=K=N={args.size}, {args.dtype}"
     )
     rows = run_demo(m=args.size, k=args.size, n=args.size, iters=args.iters, dtype=args.dtype)
     table = Table("op", "method", "max |error|", "tolerance", "median ms", "check")
@@ -39,6 +39,42 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from commgemm.launch import LaunchError, launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+        return launch(
+            args.n,
+            command,
+            cpu_devices=args.cpu_devices,
+            gpus_per_process=args.gpus_per_process,
+            timeout_s=args.timeout,
+        )
+    except LaunchError as err:
+        print(f"commgemm launch: {err}", file=sys.stderr)
+        return 1
+
+
+def _relaunch(processes: int, argv: list[str]) -> int:
+    """`demo` / `bench` with --processes N: the same command in N processes."""
+    from commgemm.launch import LaunchError, gpu_count, launch
+
+    gpus = gpu_count()
+    if gpus and gpus % processes:
+        print(f"--processes {processes} does not divide the {gpus} GPUs", file=sys.stderr)
+        return 2
+    try:
+        return launch(
+            processes,
+            [sys.executable, "-m", "commgemm", *argv],
+            gpus_per_process=gpus // processes if gpus else None,
+        )
+    except LaunchError as err:
+        print(f"commgemm: {err}", file=sys.stderr)
+        return 1
+
+
 def _info(args: argparse.Namespace) -> int:
     from commgemm.devices import environment
 
@@ -53,20 +89,59 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=1024, help="M = K = N (default 1024)")
     demo.add_argument("--iters", type=int, default=5)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    demo.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run in N processes under jax.distributed (see `commgemm launch`)",
+    )
     demo.set_defaults(run=_demo)
     from commgemm.bench import cli as bench_cli
 
     bench = sub.add_parser("bench", help="overlap report: GEMM, collective, serial, methods")
     bench_cli.add_arguments(bench)
+    bench.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run in N processes under jax.distributed (see `commgemm launch`)",
+    )
     bench.set_defaults(run=bench_cli.run)
+    launch = sub.add_parser("launch", help="run a command in N processes under jax.distributed")
+    launch.add_argument("-n", type=int, required=True, help="number of processes")
+    launch.add_argument("--cpu-devices", type=int, help="virtual CPU devices per process")
+    launch.add_argument("--gpus-per-process", type=int, help="GPUs per process (GPU runs)")
+    launch.add_argument("--timeout", type=float, default=600.0, help="limit for the whole run (s)")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
+    launch.set_defaults(run=_launch)
     info = sub.add_parser("info", help="devices, backend, versions, XLA flags")
     info.set_defaults(run=_info)
     return parser
 
 
+def _without_processes(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from commgemm import distributed
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    setup_devices()
+    if getattr(args, "processes", 1) > 1 and not distributed.launched():
+        return _relaunch(args.processes, _without_processes(argv))
+    if distributed.launched():
+        distributed.initialize()
+    elif args.command != "launch":
+        setup_devices()
     return args.run(args)
 
 

@@ -31,6 +31,7 @@ def environment() -> dict[str, object]:
         "backend": jax.default_backend(),
         "device_count": len(devices),
         "process_count": jax.process_count(),
+        "process_index": jax.process_index(),
         "device_kind": devices[0].device_kind,
         "devices": [str(d) for d in devices],
         "jax": jax.__version__,

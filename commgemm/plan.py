@@ -10,6 +10,7 @@ import dataclasses
 import jax
 
 from commgemm.config import ATOMIC_ALGORITHMS, Algorithm, Collective, Method, OverlapConfig
+from commgemm.distributed import check_same_plan
 from commgemm.operands import axis_size, check_divisible, check_dtypes, check_matmul_shapes
 from commgemm.registry import OverlapBuffer, resolve
 
@@ -95,4 +96,8 @@ def make_plan(
     )
     check_divisible(rows, need, f"{op}: x's split dimension", why)
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=collective)
+    check_same_plan(
+        f"{op}(x {x.dtype.name}{list(x.shape)}, w {w.dtype.name}{list(w.shape)}, "
+        f"axis {axis_name!r} of {size}, {cfg})"
+    )
     return Plan(cfg, algorithm, size)

@@ -8,6 +8,7 @@ The pure-JAX algorithms need no workspace of their own: XLA allocates it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 
 import numpy as np
@@ -30,7 +31,11 @@ class OverlapBuffer:
 _lock = threading.Lock()
 _by_id: dict[int, OverlapBuffer] = {}
 _by_key: dict[tuple, int] = {}
-_next_id = 1
+
+
+def _stable_id(key: tuple) -> int:
+    """The same parameters give the same id in every process (no counter, no order)."""
+    return int(hashlib.blake2b(repr(key).encode(), digest_size=6).hexdigest(), 16)
 
 
 def create_overlap_buffer(
@@ -40,8 +45,9 @@ def create_overlap_buffer(
     buffer_dtype: object | None = None,
     tp_size: int | None = None,
 ) -> int:
-    """Registers `config` and returns its id. The same parameters give the same id while the
-    buffer lives; different parameters give different ids."""
+    """Registers `config` and returns its id. The id is a hash of the parameters, so the same
+    parameters give the same id in every process and after a destroy; different parameters give
+    different ids."""
     if not isinstance(config, OverlapConfig):
         raise TypeError(f"config must be an OverlapConfig, got {type(config).__name__}")
     shape = None if buffer_shape is None else tuple(int(d) for d in buffer_shape)
@@ -51,12 +57,10 @@ def create_overlap_buffer(
     if tp_size is not None and int(tp_size) < 1:
         raise ValueError(f"tp_size={tp_size} must be >= 1")
     key = (config, shape, dtype, tp_size)
-    global _next_id
+    buffer_id = _stable_id(key)
     with _lock:
         if key in _by_key:
             return _by_key[key]
-        buffer_id = _next_id
-        _next_id += 1
         _by_id[buffer_id] = OverlapBuffer(buffer_id, config, shape, dtype, tp_size)
         _by_key[key] = buffer_id
         return buffer_id

@@ -47,13 +47,14 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         parse_method(m)  # fail before any work
     dtype = {"bf16": "bfloat16", "f32": "float32"}[args.dtype]
-    console = Console()
+    import jax
+
+    lead = jax.process_index() == 0  # every process measures; process 0 reports
+    console = Console(quiet=not lead)
     trace = contextlib.nullcontext()
     if args.trace:
-        import jax
-
         trace = jax.profiler.trace(str(args.trace))
-    with Progress(console=console, transient=True) as progress, trace:
+    with Progress(console=console, transient=True, disable=not lead) as progress, trace:
         task = progress.add_task("benchmark", total=len(methods) + 3)
 
         def step(name: str) -> None:
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         err = "" if r.max_error is None else f"{r.max_error:.2e}"
         table.add_row(r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.hidden:.2f}", err)
     console.print(table)
+    if not lead:
+        return 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "report": report.as_dict()}, indent=2))
