@@ -71,15 +71,17 @@ def all_gather_matmul(
                 next_fwd.append(send_one(after(fwd[j], last), axis_name, size, +1))
             if t < n_bwd:
                 next_bwd.append(send_one(after(bwd[j], last), axis_name, size, -1))
+            # GEMMs are chained in order too: otherwise XLA's dot merger fuses the pieces'
+            # GEMMs (they share w) into one that waits for every piece.
             if t == 0:
-                results = [(gemm(fwd[j], t), me)]
+                results = [(gemm(after(fwd[j], last), t), me)]
             elif config.aggregate and t <= n_bwd:
-                both = gemm(jnp.concatenate([fwd[j], bwd[j]]), t)  # one GEMM, two chunks
+                both = gemm(after(jnp.concatenate([fwd[j], bwd[j]]), last), t)  # two chunks
                 results = [(both[:piece], (me - t) % size), (both[piece:], (me + t) % size)]
             else:
-                results = [(gemm(fwd[j], t), (me - t) % size)]
+                results = [(gemm(after(fwd[j], last), t), (me - t) % size)]
                 if t <= n_bwd:
-                    results.append((gemm(bwd[j], t), (me + t) % size))
+                    results.append((gemm(after(bwd[j], results[0][0]), t), (me + t) % size))
             for result, src in results:
                 out = lax.dynamic_update_slice_in_dim(out, result, src * m + j * piece, axis=0)
             last = results[-1][0]
@@ -101,10 +103,14 @@ def _reduce_scatter_chains(
     n_fwd, n_bwd = _steps(size, config.bidirectional)
     travel = reduce_dtype(config)
 
-    def partial(block: jax.Array, step: int) -> list[jax.Array]:
+    def pieces(block: jax.Array) -> list[jax.Array]:
         rows = lax.dynamic_index_in_dim(blocks, block % size, axis=0, keepdims=False)
+        return split_rows(rows, config.num_splits)
+
+    def partial(rows: jax.Array, step: int, last) -> jax.Array:
+        # Chained after the previous GEMM: keeps XLA's dot merger from fusing the pieces.
         with jax.named_scope(f"ring_rs_step{step}"):  # visible in `commgemm bench --trace`
-            return [matmul(p, w, config, w_transposed) for p in split_rows(rows, config.num_splits)]
+            return matmul(after(rows, last), w, config, w_transposed)
 
     def add(received: jax.Array | None, local: jax.Array) -> jax.Array:
         return local if received is None else received.astype(local.dtype) + local
@@ -118,16 +124,16 @@ def _reduce_scatter_chains(
     fwd = bwd = ended_b = None
     last = None
     for t in range(n_fwd + 1):
-        local_f = partial(me + n_fwd - t, t)
-        local_b = partial(me - n_bwd + t, t) if t < n_bwd else None
+        rows_f = pieces(me + n_fwd - t)
+        rows_b = pieces(me - n_bwd + t) if t < n_bwd else None
         new_f, new_b, ended = [], [], []
         for j in range(config.num_splits):
             recv_f, recv_b = transfer(fwd, j, last, +1), transfer(bwd, j, last, -1)
-            new_f.append(add(recv_f, local_f[j]))
-            last = local_f[j]
-            if local_b is not None:
-                new_b.append(add(recv_b, local_b[j]))
-                last = local_b[j]
+            last = partial(rows_f[j], t, last)
+            new_f.append(add(recv_f, last))
+            if rows_b is not None:
+                last = partial(rows_b[j], t, last)
+                new_b.append(add(recv_b, last))
             elif recv_b is not None:
                 ended.append(recv_b)  # the backward chain ends here, on this device's block
         fwd, bwd = new_f, (new_b or None)
