@@ -27,7 +27,7 @@ WINDOWED_EINSUM = (
     "--xla_gpu_multi_streamed_windowed_einsum=true "
     "--xla_gpu_use_memcpy_local_p2p=true"
 )
-METHODS = ["none", "pipeline:2", "pipeline:4", "ring", "ring:2", "ring:4", "ring:8"]
+METHODS = ["none", "pipeline:2", "pipeline:4", "ring", "ring:2", "ring:4", "ring:8", "auto"]
 #: mode: (extra XLA_FLAGS, extra environment, methods). Each runs in its own process.
 MODES = {
     "default": ("", {}, METHODS),

@@ -3,6 +3,7 @@
 from commgemm import bench, numerics
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig, select_algorithm
 from commgemm.distributed import initialize
+from commgemm.flags import xla_flags
 from commgemm.gemm import gemm
 from commgemm.launch import launch
 from commgemm.ops import (
@@ -43,4 +44,5 @@ __all__ = [
     "matmul_reduce_scatter",
     "numerics",
     "select_algorithm",
+    "xla_flags",
 ]

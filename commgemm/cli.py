@@ -1,4 +1,4 @@
-"""`commgemm demo | bench | info` (and `python -m commgemm ...`)."""
+"""`commgemm demo | bench | tune | launch | info` (and `python -m commgemm ...`)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,26 @@ def _relaunch(processes: int, argv: list[str]) -> int:
         return 1
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from commgemm.bench.problems import PRESETS, parse_shape
+    from commgemm.tune import cache_path, tune
+
+    shape = PRESETS[args.preset] if args.preset else parse_shape(args.shape)
+    dtype = {"bf16": "bfloat16", "f32": "float32"}[args.dtype]
+    methods = args.methods.split(",") if args.methods else None
+    result = tune(args.op, shape, dtype=dtype, methods=methods, iters=args.iters)
+    table = Table("method", "median ms", "vs_bound", title=result.key)
+    for name, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
+        table.add_row(name, f"{t:.3f}", f"{result.vs_bound[name]:.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"best: {result.best} (stored in {cache_path()})")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from commgemm.devices import environment
 
@@ -107,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="run in N processes under jax.distributed (see `commgemm launch`)",
     )
     bench.set_defaults(run=bench_cli.run)
+    tune = sub.add_parser("tune", help="measure candidate plans, cache the best for AUTO")
+    tune.add_argument("--op", choices=["ag", "rs", "ar"], default="ag")
+    group = tune.add_mutually_exclusive_group(required=True)
+    group.add_argument("--shape", help="M,K,N totals across the TP group")
+    group.add_argument(
+        "--preset", choices=["llama70b_mlp", "llama8b_mlp", "comm_heavy", "notebook"]
+    )
+    tune.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    tune.add_argument("--methods", help="comma-separated specs (default: every candidate)")
+    tune.add_argument("--iters", type=int, default=20)
+    tune.set_defaults(run=_tune)
     launch = sub.add_parser("launch", help="run a command in N processes under jax.distributed")
     launch.add_argument("-n", type=int, required=True, help="number of processes")
     launch.add_argument("--cpu-devices", type=int, help="virtual CPU devices per process")

@@ -36,6 +36,8 @@ def demo_configs(op: str) -> list[tuple[str, cg.OverlapConfig]]:
         ("RING_EXCHANGE bidi", cg.OverlapConfig(method="ring_exchange", bidirectional=True)),
         ("RING_EXCHANGE x2", cg.OverlapConfig(method="ring_exchange", num_splits=2)),
     ]
+    if op != "2d":
+        out.append(("AUTO", cg.OverlapConfig(method="auto")))
     if op == "ag":
         out.append(
             ("RING_EXCHANGE aggregate", cg.OverlapConfig(method="ring_exchange", aggregate=True))

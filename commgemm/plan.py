@@ -70,10 +70,9 @@ def make_plan(
     if buf is not None:
         _check_buffer(buf, x, size)
     if cfg.method is Method.AUTO:
-        raise NotImplementedError(
-            "method=AUTO needs the autotuner, which is not built yet: pick NONE, PIPELINE or "
-            "RING_EXCHANGE (BENCHMARKS.md lists what was measured on GPUs)"
-        )
+        from commgemm.tune import resolve_auto  # the tuner measures ops: import it lazily
+
+        cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed)
     algorithm = cfg.algorithm(collective)
     if algorithm in (
         Algorithm.BULK_OVERLAP_AG,

@@ -100,3 +100,14 @@ def test_registry_rejects_bad_arguments():
         cg.create_overlap_buffer({"method": "pipeline"})
     with pytest.raises(ValueError, match="tp_size=0"):
         cg.create_overlap_buffer(cg.OverlapConfig(), tp_size=0)
+
+
+def test_xla_flags(monkeypatch):
+    assert cg.xla_flags() == ""
+    flags = cg.xla_flags(cublas_gemm=True, copy_engine_p2p=True)
+    assert "--xla_gpu_enable_triton_gemm=false" in flags
+    assert "--xla_gpu_use_memcpy_local_p2p=true" in flags
+    monkeypatch.setenv("XLA_FLAGS", "")
+    with pytest.raises(RuntimeError, match="already started its backends"):
+        __import__("jax").devices()
+        cg.xla_flags(cublas_gemm=True, apply=True)

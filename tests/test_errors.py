@@ -93,16 +93,6 @@ def test_config_collective_contradicts_op(rng):
         call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
 
 
-def test_auto_not_available_yet(rng):
-    with pytest.raises(NotImplementedError, match="method=AUTO needs the autotuner"):
-        call(
-            cg.all_gather_matmul,
-            random(rng, (32, 16)),
-            random(rng, (16, 8)),
-            config=cg.OverlapConfig(method="auto"),
-        )
-
-
 def test_bad_epilogue(rng):
     x, w = random(rng, (32, 16)), random(rng, (16, 8))
     with pytest.raises(ValueError, match="activation='relu' is not one of"):

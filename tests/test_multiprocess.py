@@ -27,7 +27,7 @@ def test_every_collective_and_method_across_processes(processes, devices):
     text = out.getvalue()
     assert code == 0, text
     assert f"on 8 x cpu (cpu) in {processes} process(es)" in text
-    assert "21 of 21 correct" in text
+    assert "24 of 24 correct" in text
 
 
 def test_process_that_dies_fails_the_launch_quickly():

@@ -26,7 +26,7 @@ OPS = ("ag", "rs", "ar", "2d")
 
 
 def parse_method(spec: str) -> cg.OverlapConfig:
-    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg'."""
+    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto'."""
     name, _, splits = spec.partition(":")
     num_splits = int(splits) if splits else 1
     table = {
@@ -35,6 +35,7 @@ def parse_method(spec: str) -> cg.OverlapConfig:
         "ring": dict(method="ring_exchange"),
         "ring-bidi": dict(method="ring_exchange", bidirectional=True),
         "ring-agg": dict(method="ring_exchange", aggregate=True),
+        "auto": dict(method="auto"),
     }
     if name not in table:
         raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")

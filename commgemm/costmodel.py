@@ -1,0 +1,180 @@
+"""A cost model for Method.AUTO when the autotuner has no measurement: the schedule of each
+candidate simulated on two resources (the GEMM stream and the communication stream), with
+measured (or default) FLOP rate, link bandwidth and per-transfer latency.
+
+The graphs mirror what the algorithms ask XLA for: transfers one at a time (XLA's GPU scheduler
+keeps one collective in flight), each ring piece's transfer after the previous piece's GEMM,
+GEMMs in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.plan import split_requirement
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineFigures:
+    """flops_per_s: one device's GEMM rate; bytes_per_s: what one device receives per second in
+    a collective; latency_s: fixed cost of one transfer (and of one GEMM launch); interference:
+    how much slower a GEMM runs beside a transfer (they share SMs and memory bandwidth)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    latency_s: float
+    interference: float = 0.25
+
+
+#: Defaults when nothing was measured: about what the 2xH200 suite measured (bf16 GEMM about
+#: 700 TFLOP/s, NVLink all-gather about 240 GB/s received; overlapped GEMMs ran about 25%
+#: slower than alone), and a slow CPU.
+DEFAULT_FIGURES = {
+    "gpu": MachineFigures(7.0e14, 2.4e11, 2.0e-5),
+    "cpu": MachineFigures(2.0e10, 5.0e9, 5.0e-5),
+}
+
+
+@dataclasses.dataclass
+class _Task:
+    resource: str
+    duration: float
+    deps: list[int]
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.tasks: list[_Task] = []
+
+    def add(self, resource: str, duration: float, *deps: int | None) -> int:
+        self.tasks.append(_Task(resource, duration, [d for d in deps if d is not None]))
+        return len(self.tasks) - 1
+
+    def makespan(self) -> float:
+        """Tasks run in insertion order on their resource, each after its dependencies."""
+        free: dict[str, float] = {}
+        end: list[float] = []
+        for task in self.tasks:
+            start = max([free.get(task.resource, 0.0)] + [end[d] for d in task.deps])
+            end.append(start + task.duration)
+            free[task.resource] = end[-1]
+        return max(end, default=0.0)
+
+
+def _times(
+    collective: Collective,
+    shape: tuple[int, int, int],
+    size: int,
+    itemsize: int,
+    fig: MachineFigures,
+) -> tuple[float, float]:
+    """(GEMM time, collective time) of one device without overlap."""
+    m, k, n = shape
+    flops = 2.0 * m * k * n / size
+    received = {
+        Collective.ALL_GATHER: (size - 1) * (m // size) * k,
+        Collective.REDUCE_SCATTER: (size - 1) * (m // size) * n,
+        Collective.ALL_REDUCE: 2 * (size - 1) * (m // size) * n,
+    }[collective]
+    return flops / fig.flops_per_s, received * itemsize / fig.bytes_per_s
+
+
+def predict(
+    collective: Collective,
+    cfg: OverlapConfig,
+    shape: tuple[int, int, int],
+    size: int,
+    itemsize: int,
+    fig: MachineFigures,
+) -> float:
+    """Predicted seconds for one call of `cfg` (method NONE, PIPELINE or RING_EXCHANGE)."""
+    t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
+    lat = fig.latency_s
+    g = _Graph()
+    if size == 1 or cfg.method is Method.NONE:
+        if collective is Collective.ALL_GATHER:
+            g.add("gemm", t_gemm + lat, g.add("comm", t_comm + lat))
+        else:
+            g.add("comm", t_comm + lat, g.add("gemm", t_gemm + lat))
+        return g.makespan()
+    s = cfg.num_splits
+    t_gemm *= 1.0 + fig.interference
+    if cfg.method is Method.PIPELINE:
+        gemms: list[int] = []
+        comm = None
+        for c in range(s):
+            if collective is Collective.ALL_GATHER:
+                hint = gemms[c - 2] if c >= 2 else None
+                comm = g.add("comm", t_comm / s + lat, comm, hint)
+                gemms.append(g.add("gemm", t_gemm / s + lat, comm))
+            else:
+                gemms.append(g.add("gemm", t_gemm / s + lat, gemms[-1] if gemms else None))
+                comm = g.add("comm", t_comm / s + lat, comm, gemms[-1])
+        return g.makespan()
+    # RING_EXCHANGE: steps of P-1 transfers (both ways at once when bidirectional).
+    bidi = cfg.bidirectional or cfg.aggregate
+    n_fwd, n_bwd = (size // 2, (size - 1) // 2) if bidi else (size - 1, 0)
+    step_gemm = t_gemm / size / s
+    if collective is Collective.ALL_GATHER:
+        transfer = t_comm / (size - 1) / s
+        arrived: dict[tuple[int, int, str], int] = {}
+        last = None
+        for t in range(n_fwd + 1):
+            for j in range(s):
+                for way, steps in (("fwd", n_fwd), ("bwd", n_bwd)):
+                    if t < steps:
+                        arrived[(t, j, way)] = g.add(
+                            f"comm-{way}", transfer + lat, arrived.get((t - 1, j, way)), last
+                        )
+                last = g.add("gemm", step_gemm + lat, arrived.get((t - 1, j, "fwd")), last)
+                if 0 < t <= n_bwd:
+                    last = g.add("gemm", step_gemm + lat, arrived.get((t - 1, j, "bwd")), last)
+        return g.makespan()
+    transfer = t_comm / (2 if collective is Collective.ALL_REDUCE else 1) / (size - 1) / s
+    sent: dict[tuple[int, int, str], int] = {}
+    last = None
+    for t in range(n_fwd + 1):
+        for j in range(s):
+            for way, steps in (("fwd", n_fwd), ("bwd", n_bwd)):
+                if way == "bwd" and t >= steps:
+                    continue
+                last = g.add("gemm", step_gemm + lat, last)
+                if t < steps:  # the partial sum (received + this GEMM) moves on
+                    sent[(t, j, way)] = g.add(
+                        f"comm-{way}", transfer + lat, last, sent.get((t - 1, j, way))
+                    )
+    if collective is Collective.ALL_REDUCE:
+        g.add("comm-fwd", t_comm / 2 + lat, *sent.values(), last)
+    return g.makespan()
+
+
+def candidates(collective: Collective, rows: int, size: int) -> list[OverlapConfig]:
+    """Configs the model (and the tuner) consider, keeping those x's split dimension allows."""
+    out = [OverlapConfig()]
+    for s in (2, 4, 8):
+        out.append(OverlapConfig(method=Method.PIPELINE, num_splits=s))
+    for s in (1, 2, 4, 8):
+        out.append(OverlapConfig(method=Method.RING_EXCHANGE, num_splits=s))
+        if size > 2:
+            out.append(OverlapConfig(method=Method.RING_EXCHANGE, num_splits=s, bidirectional=True))
+    return [
+        c for c in out if rows % split_requirement(collective, c.method, size, c.num_splits) == 0
+    ]
+
+
+def choose(
+    collective: Collective,
+    shape: tuple[int, int, int],
+    rows: int,
+    size: int,
+    itemsize: int,
+    fig: MachineFigures,
+) -> tuple[OverlapConfig, float]:
+    """The candidate with the least predicted time (the first, i.e. simplest, among equals)."""
+    scored = [
+        (predict(collective, c, shape, size, itemsize, fig), i, c)
+        for i, c in enumerate(candidates(collective, rows, size))
+    ]
+    best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
+    return best[2], best[0]

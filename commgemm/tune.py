@@ -1,0 +1,188 @@
+"""The autotuner behind Method.AUTO: measure candidate plans, keep the winner in an on-disk cache
+keyed by device kind, mesh size, op, global shape and dtype; without an entry, the cost model
+(commgemm.costmodel) decides, from the machine figures the tuner measured or from defaults.
+
+Cache: $COMMGEMM_TUNE_CACHE, else ~/.cache/commgemm/tune.json. One JSON object:
+  {"plans": {key: {"method": "ring:2", "t_ms": ..., "vs_bound": ..., "measured": ISO date}},
+   "machines": {device_kind/P: {"flops_per_s": ..., "bytes_per_s": ..., "latency_s": ...}}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+
+from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.costmodel import DEFAULT_FIGURES, MachineFigures, candidates, choose
+
+OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Collective.ALL_REDUCE}
+SPEC_OF = {v: k for k, v in OPS.items()}
+
+
+def cache_path() -> pathlib.Path:
+    env = os.environ.get("COMMGEMM_TUNE_CACHE")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path.home() / ".cache" / "commgemm" / "tune.json"
+
+
+def plan_key(device_kind: str, size: int, op: str, shape: tuple[int, int, int], dtype: str) -> str:
+    m, k, n = shape
+    return f"{device_kind}/P{size}/{op}/{m}x{k}x{n}/{np.dtype(dtype).name}"
+
+
+def machine_key(device_kind: str, size: int) -> str:
+    return f"{device_kind}/P{size}"
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime: float) -> dict:
+    del mtime  # part of the cache key only: a rewritten file is read again
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"tune cache {path} is not a JSON object")
+    return data
+
+
+def load_cache(path: pathlib.Path | None = None) -> dict:
+    """The cache's contents ({} if there is no file yet)."""
+    path = path or cache_path()
+    if not path.exists():
+        return {"plans": {}, "machines": {}}
+    data = _read(str(path), path.stat().st_mtime)
+    return {"plans": dict(data.get("plans", {})), "machines": dict(data.get("machines", {}))}
+
+
+def _write(data: dict, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+def spec_of(cfg: OverlapConfig) -> str:
+    """The method spec string (as `commgemm bench --methods` takes) of a config."""
+    name = {Method.NONE: "none", Method.PIPELINE: "pipeline"}.get(cfg.method)
+    if name is None:
+        name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"
+    return name if cfg.num_splits == 1 or cfg.method is Method.NONE else f"{name}:{cfg.num_splits}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    key: str
+    best: str
+    times_ms: dict[str, float]
+    vs_bound: dict[str, float]
+    machine: MachineFigures
+
+
+def tune(
+    op: str,
+    shape: tuple[int, int, int],
+    *,
+    dtype: str = "bfloat16",
+    methods: list[str] | None = None,
+    iters: int = 20,
+    path: pathlib.Path | None = None,
+    progress=None,
+) -> TuneResult:
+    """Measures every candidate (`overlap_report`, one run), stores the fastest and the machine
+    figures the run implies (GEMM rate, received bytes per second) in the cache."""
+    from commgemm.bench.overlap import overlap_report
+
+    if op not in OPS:
+        raise ValueError(f"op={op!r}: the tuner handles {sorted(OPS)}")
+    size = len(jax.devices())
+    collective = OPS[op]
+    rows = shape[0] // size if collective is Collective.ALL_GATHER else shape[0]
+    if methods is None:
+        methods = [spec_of(c) for c in candidates(collective, rows, size)]
+    report = overlap_report(
+        op, shape, methods=methods, dtype=dtype, iters=iters, include_xla=False, progress=progress
+    )
+    rows_by_name = {r.name: r for r in report.rows}
+    best = min(rows_by_name.values(), key=lambda r: r.t_ms)
+    kind = jax.devices()[0].device_kind
+    itemsize = np.dtype(dtype).itemsize
+    m, k, n = shape
+    received = {
+        "ag": (size - 1) * (m // size) * k,
+        "rs": (size - 1) * (m // size) * n,
+        "ar": 2 * (size - 1) * (m // size) * n,
+    }[op]
+    default = DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
+    machine = MachineFigures(
+        flops_per_s=2.0 * m * k * n / size / (report.t_gemm_ms * 1e-3),
+        bytes_per_s=received * itemsize / (report.t_comm_ms * 1e-3)
+        if size > 1
+        else default.bytes_per_s,
+        latency_s=default.latency_s,
+        interference=default.interference,
+    )
+    path = path or cache_path()
+    data = load_cache(path)
+    key = plan_key(kind, size, op, shape, dtype)
+    data["plans"][key] = {
+        "method": best.name,
+        "t_ms": best.t_ms,
+        "vs_bound": best.vs_bound,
+        "measured": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    data["machines"][machine_key(kind, size)] = dataclasses.asdict(machine)
+    _write(data, path)
+    return TuneResult(
+        key,
+        best.name,
+        {r.name: r.t_ms for r in report.rows},
+        {r.name: r.vs_bound for r in report.rows},
+        machine,
+    )
+
+
+def resolve_auto(
+    cfg: OverlapConfig,
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    *,
+    w_transposed: bool,
+) -> OverlapConfig:
+    """The concrete config for method=AUTO on this per-shard call: the cached winner for the
+    global shape, else the cost model's choice. Dtype fields and save_gathered_input are kept."""
+    from commgemm.bench.problems import parse_method
+
+    rows = x.shape[0]
+    n_local = w.shape[0] if w_transposed else w.shape[1]
+    if collective is Collective.ALL_GATHER:
+        shape = (size * rows, x.shape[1], size * n_local)
+    else:
+        shape = (rows, size * x.shape[1], n_local)
+    kind = jax.devices()[0].device_kind
+    data = load_cache()
+    entry = data["plans"].get(plan_key(kind, size, SPEC_OF[collective], shape, x.dtype.name))
+    if entry is not None:
+        chosen = parse_method(entry["method"])
+    else:
+        figures = data["machines"].get(machine_key(kind, size))
+        fig = (
+            MachineFigures(**figures)
+            if figures
+            else DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
+        )
+        chosen, _ = choose(collective, shape, rows, size, x.dtype.itemsize, fig)
+    return cfg.replace(
+        method=chosen.method,
+        num_splits=chosen.num_splits,
+        bidirectional=chosen.bidirectional,
+        aggregate=chosen.aggregate,
+    )

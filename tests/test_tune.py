@@ -1,0 +1,124 @@
+"""The cost model (on fake machine figures), the autotuner's cache and Method.AUTO."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import P, assert_close, mesh1d, random, reference, shard
+
+import commgemm as cg
+from commgemm import costmodel, tune
+from commgemm.cli import main
+from commgemm.config import Collective
+
+AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+SHAPE = (8192, 4096, 8192)
+
+
+def fake(flops: float, bandwidth: float, latency: float = 1e-5) -> costmodel.MachineFigures:
+    return costmodel.MachineFigures(flops, bandwidth, latency, interference=0.0)
+
+
+def test_makespan_of_two_streams():
+    g = costmodel._Graph()
+    comm = g.add("comm", 2.0)
+    gemm_local = g.add("gemm", 1.0)
+    g.add("gemm", 1.0, comm, gemm_local)
+    assert g.makespan() == 3.0  # the remote GEMM waits for the transfer, not for the local one
+
+
+def test_negligible_communication_picks_serial():
+    """A fast link: the extra launches of any overlap cost more than they hide."""
+    cfg, _ = costmodel.choose(AG, SHAPE, SHAPE[0] // 4, 4, 2, fake(1e15, 1e15, latency=1e-4))
+    assert cfg.method is cg.Method.NONE
+
+
+@pytest.mark.parametrize("collective", [AG, RS])
+def test_balanced_gemm_and_communication_picks_an_overlap(collective):
+    fig = fake(1e12, 1e9)  # GEMM and transfer of similar length
+    rows = SHAPE[0] // 4 if collective is AG else SHAPE[0]
+    cfg, predicted = costmodel.choose(collective, SHAPE, rows, 4, 2, fig)
+    assert cfg.method in (cg.Method.RING_EXCHANGE, cg.Method.PIPELINE)
+    serial = costmodel.predict(collective, cg.OverlapConfig(), SHAPE, 4, 2, fig)
+    t_gemm, t_comm = costmodel._times(collective, SHAPE, 4, 2, fig)
+    assert max(t_gemm, t_comm) <= predicted < serial
+    assert serial == pytest.approx(t_gemm + t_comm, rel=1e-3)
+
+
+def test_candidates_respect_divisibility():
+    for cfg in costmodel.candidates(AG, rows=6, size=4):
+        assert 6 % cfg.num_splits == 0
+    assert {c.num_splits for c in costmodel.candidates(RS, rows=8, size=4)} <= {1, 2}
+
+
+def test_tune_caches_the_winner_and_auto_uses_it(tmp_path, monkeypatch, rng):
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    result = tune.tune(
+        "ag", (256, 32, 64), dtype="float32", methods=["none", "ring", "ring:2"], iters=3
+    )
+    assert result.best == min(result.times_ms, key=result.times_ms.get)
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert data["plans"][result.key]["method"] == result.best
+    assert data["machines"]["cpu/P8"]["flops_per_s"] > 0
+
+    x, w = random(rng, (256, 32)), random(rng, (32, 64))
+    resolved = tune.resolve_auto(
+        cg.OverlapConfig(method="auto"), AG, x[:32], w[:, :8], 8, w_transposed=False
+    )
+    assert tune.spec_of(resolved) == result.best
+    f = shard(
+        lambda a, b: cg.all_gather_matmul(a, b, "x", config=cg.OverlapConfig(method="auto")),
+        mesh1d(8),
+        (P("x", None), P(None, "x")),
+        P(None, "x"),
+    )
+    assert_close(f(x, w), reference(x, w), np.float32, 32)
+
+
+@pytest.mark.parametrize(
+    "op", [cg.all_gather_matmul, cg.matmul_reduce_scatter, cg.matmul_all_reduce]
+)
+def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "none.json"))
+    auto = cg.OverlapConfig(method="auto", bidirectional=False)
+    if op is cg.all_gather_matmul:
+        x, w = random(rng, (64, 16)), random(rng, (16, 32))
+        specs, out = (P("x", None), P(None, "x")), P(None, "x")
+    else:
+        x, w = random(rng, (64, 32)), random(rng, (32, 16))
+        specs, out = (
+            (P(None, "x"), P("x", None)),
+            P("x" if op is cg.matmul_reduce_scatter else None, None),
+        )
+    f = shard(lambda a, b: op(a, b, "x", config=auto), mesh1d(4), specs, out)
+    assert_close(f(x, w), reference(x, w), np.float32, x.shape[1])
+    assert not (tmp_path / "none.json").exists()
+
+
+def test_spec_round_trip():
+    for spec in ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg"):
+        assert tune.spec_of(cg.bench.parse_method(spec)) == spec
+
+
+def test_cli_tune(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "t.json"))
+    assert (
+        main(
+            [
+                "tune",
+                "--op",
+                "rs",
+                "--shape",
+                "256,64,32",
+                "--dtype",
+                "f32",
+                "--iters",
+                "3",
+                "--methods",
+                "none,ring",
+            ]
+        )
+        == 0
+    )
+    assert "best:" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "t.json").read_text())["plans"]) == 1
