@@ -173,9 +173,7 @@ def markdown(out: pathlib.Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument(
-        "--mode", default="all", choices=["all", *MODES]
-    )
+    parser.add_argument("--mode", default="all", choices=["all", *MODES])
     parser.add_argument(
         "--modes",
         default="default,cublas,nccl_ctas4,windowed_einsum",

@@ -137,6 +137,9 @@ class OverlapConfig:
         dW (default: the forward has it anyway, and keeping it spares the backward a second
         all-gather of the largest operand) instead of saving only the local x and re-gathering
         it beside the dX GEMM (BULK overlap; P times less activation memory, for long sequences).
+      chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
+        XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
+        in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; benchmarks/NOTES.md).
     """
 
     collective: Collective | None = None
@@ -149,6 +152,7 @@ class OverlapConfig:
     reduce_dtype: str | None = None
     out_dtype: str | None = None
     save_gathered_input: bool = True
+    chain_gemms: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -73,7 +73,9 @@ def spec_of(cfg: OverlapConfig) -> str:
     name = {Method.NONE: "none", Method.PIPELINE: "pipeline"}.get(cfg.method)
     if name is None:
         name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"
-    return name if cfg.num_splits == 1 or cfg.method is Method.NONE else f"{name}:{cfg.num_splits}"
+    if cfg.num_splits > 1 and cfg.method is not Method.NONE:
+        name = f"{name}:{cfg.num_splits}"
+    return f"{name}-chain" if cfg.chain_gemms else name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,3 +106,20 @@ def test_ring_pieces_carry_schedule_hints(op, k_sharded):
     cfg = cg.OverlapConfig(method="ring_exchange", num_splits=2)
     f = shard(lambda a, b: op(a, b, "x", config=cfg), mesh1d(4), *specs)
     assert "optimization_barrier" in f.lower(x, w).as_text()
+
+
+def test_chain_gemms_orders_the_pieces_gemms():
+    """chain_gemms adds a barrier before every GEMM but the first; off, only transfers wait."""
+    x, w = np.zeros((64, 64), np.float32), np.zeros((64, 32), np.float32)
+
+    def barriers(chain):
+        cfg = cg.OverlapConfig(method="ring_exchange", num_splits=2, chain_gemms=chain)
+        f = shard(
+            lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg),
+            mesh1d(2),
+            (P("x", None), P(None, "x")),
+            P(None, "x"),
+        )
+        return f.lower(x, w).as_text().count("optimization_barrier")
+
+    assert barriers(True) > barriers(False) >= 1

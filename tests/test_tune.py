@@ -96,7 +96,7 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
 
 
 def test_spec_round_trip():
-    for spec in ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg"):
+    for spec in ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain"):
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
 
 

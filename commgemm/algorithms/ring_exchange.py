@@ -45,6 +45,7 @@ def all_gather_matmul(
     out = jnp.zeros((size * m, n), config.out_dtype)
     gathered = jnp.zeros((size * m, x.shape[1]), x.dtype) if return_gathered else None
     n_fwd, n_bwd = _steps(size, config.bidirectional or config.aggregate)
+    in_order = after if config.chain_gemms else (lambda value, _: value)
 
     def write(out: jax.Array, pieces: list[jax.Array], src: jax.Array) -> jax.Array:
         for j, p in enumerate(pieces):
@@ -74,14 +75,14 @@ def all_gather_matmul(
             # GEMMs are chained in order too: otherwise XLA's dot merger fuses the pieces'
             # GEMMs (they share w) into one that waits for every piece.
             if t == 0:
-                results = [(gemm(after(fwd[j], last), t), me)]
+                results = [(gemm(in_order(fwd[j], last), t), me)]
             elif config.aggregate and t <= n_bwd:
-                both = gemm(after(jnp.concatenate([fwd[j], bwd[j]]), last), t)  # two chunks
+                both = gemm(in_order(jnp.concatenate([fwd[j], bwd[j]]), last), t)  # two chunks
                 results = [(both[:piece], (me - t) % size), (both[piece:], (me + t) % size)]
             else:
-                results = [(gemm(after(fwd[j], last), t), (me - t) % size)]
+                results = [(gemm(in_order(fwd[j], last), t), (me - t) % size)]
                 if t <= n_bwd:
-                    results.append((gemm(after(bwd[j], results[0][0]), t), (me + t) % size))
+                    results.append((gemm(in_order(bwd[j], results[0][0]), t), (me + t) % size))
             for result, src in results:
                 out = lax.dynamic_update_slice_in_dim(out, result, src * m + j * piece, axis=0)
             last = results[-1][0]
@@ -102,6 +103,7 @@ def _reduce_scatter_chains(
     blocks = x.reshape(size, -1, x.shape[-1])
     n_fwd, n_bwd = _steps(size, config.bidirectional)
     travel = reduce_dtype(config)
+    in_order = after if config.chain_gemms else (lambda value, _: value)
 
     def pieces(block: jax.Array) -> list[jax.Array]:
         rows = lax.dynamic_index_in_dim(blocks, block % size, axis=0, keepdims=False)
@@ -110,7 +112,7 @@ def _reduce_scatter_chains(
     def partial(rows: jax.Array, step: int, last) -> jax.Array:
         # Chained after the previous GEMM: keeps XLA's dot merger from fusing the pieces.
         with jax.named_scope(f"ring_rs_step{step}"):  # visible in `commgemm bench --trace`
-            return matmul(after(rows, last), w, config, w_transposed)
+            return matmul(in_order(rows, last), w, config, w_transposed)
 
     def add(received: jax.Array | None, local: jax.Array) -> jax.Array:
         return local if received is None else received.astype(local.dtype) + local

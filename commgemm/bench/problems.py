@@ -26,7 +26,9 @@ OPS = ("ag", "rs", "ar", "2d")
 
 
 def parse_method(spec: str) -> cg.OverlapConfig:
-    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto'."""
+    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto';
+    a '-chain' suffix ('ring:4-chain') turns chain_gemms on."""
+    spec, chain = (spec[: -len("-chain")], True) if spec.endswith("-chain") else (spec, False)
     name, _, splits = spec.partition(":")
     num_splits = int(splits) if splits else 1
     table = {
@@ -39,7 +41,7 @@ def parse_method(spec: str) -> cg.OverlapConfig:
     }
     if name not in table:
         raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")
-    return cg.OverlapConfig(num_splits=num_splits, **table[name])
+    return cg.OverlapConfig(num_splits=num_splits, chain_gemms=chain, **table[name])
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
