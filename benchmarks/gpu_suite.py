@@ -17,11 +17,8 @@ import subprocess
 import sys
 import time
 
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from commgemm.launch import SAFE_ENV  # the NVLink-multicast-off variables
+
 WINDOWED_EINSUM = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 "
     "--xla_gpu_multi_streamed_windowed_einsum=true "

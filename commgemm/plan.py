@@ -90,8 +90,12 @@ def make_plan(
             "yet; use atomic_gemm=False (the split algorithm of the same method)"
         )
     need = split_requirement(collective, cfg.method, size, cfg.num_splits)
-    why = {1: "1", size: "P (the axis size)", cfg.num_splits: "num_splits"}.get(
-        need, f"P*num_splits ({size}*{cfg.num_splits})"
+    split = cfg.method in (Method.PIPELINE, Method.RING_EXCHANGE)
+    per_device = collective is Collective.REDUCE_SCATTER or (
+        collective is Collective.ALL_REDUCE and cfg.method is Method.RING_EXCHANGE
+    )
+    why = {(True, True): "P*num_splits", (True, False): "P", (False, True): "num_splits"}.get(
+        (per_device, split), "1"
     )
     check_divisible(rows, need, f"{op}: x's split dimension", why)
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=collective)
