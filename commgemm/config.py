@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -181,7 +182,7 @@ class OverlapConfig:
             value = getattr(self, field)
             if value is not None:
                 set_(self, field, _dtype_name(value, field))
-        if not np.issubdtype(np.dtype(self.accumulate_dtype), np.floating):
+        if not jnp.issubdtype(np.dtype(self.accumulate_dtype), jnp.floating):  # bf16 counts
             raise ValueError(
                 f"accumulate_dtype={self.accumulate_dtype} must be a floating dtype (float32)"
             )

@@ -75,6 +75,7 @@ def test_config_is_hashable_and_normalised():
     assert a == b and hash(a) == hash(b)
     assert a.method is M.RING_EXCHANGE and a.out_dtype == "bfloat16"
     assert a.replace(num_splits=2).num_splits == 2
+    assert cg.OverlapConfig(accumulate_dtype="bfloat16").accumulate_dtype == "bfloat16"
 
 
 def test_registry_ids():

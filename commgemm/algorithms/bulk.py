@@ -26,7 +26,7 @@ def bulk_overlap(
     w_transposed: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """(x @ w, collective(comm_operand)): the GEMM is local; the collective acts on `comm_axis`."""
-    out = matmul(x, w, config, w_transposed).astype(config.out_dtype)
+    out = matmul(x, w, config, w_transposed, result_dtype=config.out_dtype)
     if collective is Collective.ALL_GATHER:
         comm = lax.all_gather(comm_operand, axis_name, axis=comm_axis, tiled=True)
     elif collective is Collective.REDUCE_SCATTER:

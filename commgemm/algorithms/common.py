@@ -3,18 +3,44 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import OverlapConfig
 from commgemm.operands import local_matmul
 
 
-def matmul(a: jax.Array, w: jax.Array, config: OverlapConfig, w_transposed: bool) -> jax.Array:
-    """a [r, K] @ w -> [r, n] in config.accumulate_dtype (named "gemm" in profiles)."""
+def matmul(
+    a: jax.Array,
+    w: jax.Array,
+    config: OverlapConfig,
+    w_transposed: bool,
+    *,
+    result_dtype: str | None = None,
+) -> jax.Array:
+    """a [r, K] @ w -> [r, n], accumulated in config.accumulate_dtype and returned in
+    `result_dtype` (default: the accumulate dtype). Named "gemm" in profiles.
+
+    A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
+    its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and
+    round once at the end, the same as accumulating in float32 and casting, but without writing
+    a float32 [r, n] and reading it back (on 2xH200 that separate cast made the serial
+    llama70b GEMM+RS 10% slower; BENCHMARKS.md).
+    """
+    direct = (
+        result_dtype is not None
+        and config.accumulate_dtype == "float32"
+        and jnp.dtype(result_dtype).itemsize == 2
+        and jnp.issubdtype(jnp.dtype(result_dtype), jnp.floating)
+    )
     with jax.named_scope("gemm"):
-        return local_matmul(
-            a, w, w_transposed=w_transposed, accumulate_dtype=config.accumulate_dtype
+        out = local_matmul(
+            a,
+            w,
+            w_transposed=w_transposed,
+            accumulate_dtype=result_dtype if direct else config.accumulate_dtype,
         )
+    return out if result_dtype is None else out.astype(result_dtype)
 
 
 def reduce_dtype(config: OverlapConfig) -> str:

@@ -29,7 +29,7 @@ def all_gather_matmul(
         # (so the scheduler runs GEMM c-1 beside it rather than all gathers first).
         previous = (gathered[-1:], outs[-2:-1])
         gathered.append(lax.all_gather(after(chunk, previous), axis_name, axis=0, tiled=True))
-        outs.append(matmul(gathered[-1], w, config, w_transposed).astype(config.out_dtype))
+        outs.append(matmul(gathered[-1], w, config, w_transposed, result_dtype=config.out_dtype))
     out = _device_major(outs, size)
     return (out, _device_major(gathered, size)) if return_gathered else out
 
@@ -50,7 +50,7 @@ def matmul_reduce_scatter(
     outs: list[jax.Array] = []
     for c in range(splits):
         chunk = blocks[:, c].reshape(-1, x.shape[-1])
-        partial = matmul(chunk, w, config, w_transposed).astype(reduce_dtype(config))
+        partial = matmul(chunk, w, config, w_transposed, result_dtype=reduce_dtype(config))
         partial = after(partial, outs[-1:])
         outs.append(lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True))
     return jnp.concatenate(outs).astype(config.out_dtype)
@@ -62,6 +62,6 @@ def matmul_all_reduce(
     """x [M, k], w [k, n] -> the sum [M, n]; M divisible by num_splits."""
     outs: list[jax.Array] = []
     for chunk in split_rows(x, config.num_splits):
-        partial = matmul(chunk, w, config, w_transposed).astype(reduce_dtype(config))
+        partial = matmul(chunk, w, config, w_transposed, result_dtype=reduce_dtype(config))
         outs.append(lax.psum(after(partial, outs[-1:]), axis_name))
     return jnp.concatenate(outs).astype(config.out_dtype)

@@ -54,7 +54,7 @@ def all_gather_matmul(
 
     def gemm(rows: jax.Array, step: int) -> jax.Array:
         with jax.named_scope(f"ring_ag_step{step}"):  # visible in `commgemm bench --trace`
-            return matmul(rows, w, config, w_transposed).astype(config.out_dtype)
+            return matmul(rows, w, config, w_transposed, result_dtype=config.out_dtype)
 
     fwd = bwd = split_rows(x, config.num_splits)
     last = None  # the latest GEMM output; the next transfer waits for it (see below)
@@ -112,10 +112,12 @@ def _reduce_scatter_chains(
     def partial(rows: jax.Array, step: int, last) -> jax.Array:
         # Chained after the previous GEMM: keeps XLA's dot merger from fusing the pieces.
         with jax.named_scope(f"ring_rs_step{step}"):  # visible in `commgemm bench --trace`
-            return matmul(in_order(rows, last), w, config, w_transposed)
+            return matmul(in_order(rows, last), w, config, w_transposed, result_dtype=travel)
 
     def add(received: jax.Array | None, local: jax.Array) -> jax.Array:
-        return local if received is None else received.astype(local.dtype) + local
+        """The running sum, kept in the accumulate dtype between transfers."""
+        acc = jnp.dtype(config.accumulate_dtype)
+        return local.astype(acc) if received is None else received.astype(acc) + local.astype(acc)
 
     def transfer(acc: list[jax.Array] | None, j: int, last, shift: int) -> jax.Array | None:
         # Held until the previous GEMM is done, as in all_gather_matmul.
