@@ -24,7 +24,7 @@ WINDOWED_EINSUM = (
     "--xla_gpu_multi_streamed_windowed_einsum=true "
     "--xla_gpu_use_memcpy_local_p2p=true"
 )
-METHODS = ["none", "pipeline:2", "pipeline:4", "ring", "ring:2", "ring:4", "ring:8", "auto"]
+METHODS = ["none", "pipeline:4", "ring", "ring:2", "fused", "fused-w8", "fused-wgm", "auto"]
 #: mode: (extra XLA_FLAGS, extra environment, methods). Each runs in its own process.
 MODES = {
     "default": ("", {}, METHODS),
@@ -125,9 +125,8 @@ def markdown(out: pathlib.Path) -> str:
     base, torch = load("xla_default.json"), load("torch_async_tp.json")
     if base is None:
         return "no results\n"
-    ours_modes = [m for m in MODES if MODES[m][2] and load(f"xla_{m}.json")]
     header = ["preset", "op", "gemm ms", "comm ms", "XLA dot", "serial (NONE)"]
-    header += [f"best ours ({m})" for m in ours_modes]
+    header += ["best split (ring/pipeline)", "best fused", "AUTO"]
     header += ["XLA windowed einsum", "PyTorch async TP"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
@@ -136,6 +135,13 @@ def markdown(out: pathlib.Path) -> str:
             if r["preset"] == preset and r["op"] == op:
                 return r
         return None
+
+    def best(rows, bound, keep) -> str:
+        rows = [r for r in rows if keep(r["name"])]
+        if not rows:
+            return "not run"
+        r = min(rows, key=lambda r: r["t_ms"])
+        return f"{r['t_ms'] / bound:.2f} ({r['name']})"
 
     for rep in base["reports"]:
         preset, op, bound = rep["preset"], rep["op"], rep["bound_ms"]
@@ -147,15 +153,10 @@ def markdown(out: pathlib.Path) -> str:
             f"{rep['t_comm_ms']:.3f}",
             f"{by['xla']['t_ms'] / bound:.2f}",
             f"{by['none']['t_ms'] / bound:.2f}",
+            best(rep["rows"], bound, lambda n: n.startswith(("ring", "pipeline"))),
+            best(rep["rows"], bound, lambda n: n.startswith("fused")),
+            f"{by['auto']['t_ms'] / bound:.2f}" if "auto" in by else "not run",
         ]
-        for mode in ours_modes:
-            r = find(load(f"xla_{mode}.json"), preset, op)
-            ours = [x for x in (r or {}).get("rows", []) if x["name"] not in ("xla", "none")]
-            if ours:
-                best = min(ours, key=lambda x: x["t_ms"])
-                cells.append(f"{best['t_ms'] / bound:.2f} ({best['name']})")
-            else:
-                cells.append("not run")
         w = find(load("xla_windowed_einsum.json"), preset, op)
         cells.append(f"{w['rows'][0]['t_ms'] / bound:.2f}" if w else "not run")
         t = next(
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--mode", default="all", choices=["all", *MODES])
     parser.add_argument(
         "--modes",
-        default="default,cublas,nccl_ctas4,windowed_einsum",
+        default="default,windowed_einsum",
         help="the modes an 'all' run spawns",
     )
     parser.add_argument("--iters", type=int, default=30)

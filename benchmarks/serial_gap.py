@@ -33,8 +33,15 @@ for preset, op in (case.split(":") for case in args.cases.split(",")):
     }
     times = {r.name: round(r.t_ms, 3) for r in report.rows}
     result[f"{preset} {op}"] = {"times_ms": times, "schedules": hlo}
-    print(preset, op, "gemm", round(report.t_gemm_ms, 3), "comm", round(report.t_comm_ms, 3),
-          list(times.values()))
+    print(
+        preset,
+        op,
+        "gemm",
+        round(report.t_gemm_ms, 3),
+        "comm",
+        round(report.t_comm_ms, 3),
+        list(times.values()),
+    )
     for name, events in hlo.items():
         print("  ", name, " | ".join(events))
 (args.out / "serial_gap.json").write_text(json.dumps(result, indent=1))

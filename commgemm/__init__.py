@@ -1,7 +1,14 @@
 """commgemm: collective GEMMs for JAX with their communication overlapped."""
 
 from commgemm import bench, numerics
-from commgemm.config import Algorithm, Collective, Method, OverlapConfig, select_algorithm
+from commgemm.config import (
+    Algorithm,
+    Collective,
+    FusedTiles,
+    Method,
+    OverlapConfig,
+    select_algorithm,
+)
 from commgemm.distributed import initialize
 from commgemm.flags import xla_flags
 from commgemm.gemm import gemm
@@ -26,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Algorithm",
     "Collective",
+    "FusedTiles",
     "Method",
     "OverlapBuffer",
     "OverlapConfig",

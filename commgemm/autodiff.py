@@ -7,6 +7,8 @@
   GEMM + RS   forward: Y = reduce_scatter(X @ W)
               backward: dX = all_gather(dY) @ W^T            (AG + GEMM, same method; the ring
                         dW = X^T @ all_gather(dY)             also returns the gathered dY)
+  A fused forward (atomic_gemm, one kernel) has a RING_EXCHANGE backward; its AG gathers X
+  again for dW (the kernel keeps the gathered rows to itself).
   GEMM + AR   forward: Y = all_reduce(X @ W)
               backward: dP = the transpose of the all-reduce applied to dY; dX = dP @ W^T,
                         dW = X^T @ dP (both local)
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms import BY_METHOD
+from commgemm.algorithms import BY_METHOD, module_for
 from commgemm.config import Collective, OverlapConfig
 
 
@@ -37,8 +39,10 @@ def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, c
 
 
 def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
-    """The forward's method for the backward collectives; gradients come out in x's dtype."""
+    """The forward's method for the backward collectives (a fused forward's backward runs the
+    ring, RING_EXCHANGE); gradients come out in x's dtype."""
     return cfg.replace(
+        atomic_gemm=False,
         aggregate=False,
         bidirectional=cfg.bidirectional or cfg.aggregate,
         collective=None,
@@ -73,7 +77,7 @@ _FN = {
 
 
 def _forward(collective, x, w, axis_name, cfg, w_transposed):
-    module = BY_METHOD[cfg.method]
+    module = module_for(cfg)
     if collective is Collective.ALL_GATHER and cfg.save_gathered_input:
         out, gathered = module.all_gather_matmul(
             x, w, axis_name, cfg, w_transposed=w_transposed, return_gathered=True

@@ -59,7 +59,8 @@ class Algorithm(enum.Enum):
     ATOMIC_GEMM_RS_P2P = "atomic_gemm_rs_p2p"
 
 
-#: Algorithms that need a fused (atomic) GEMM kernel, which commgemm does not ship yet.
+#: Algorithms that run a fused (atomic) GEMM kernel: AG_P2P and RS_P2P on Hopper GPUs
+#: (commgemm.algorithms.fused); ATOMIC_GEMM_RS has no kernel.
 ATOMIC_ALGORITHMS = frozenset(
     {Algorithm.ATOMIC_GEMM_RS, Algorithm.ATOMIC_GEMM_AG_P2P, Algorithm.ATOMIC_GEMM_RS_P2P}
 )
@@ -118,6 +119,37 @@ def _dtype_name(value: object, field: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class FusedTiles:
+    """The tiling of the fused kernels (atomic_gemm; jax's Hopper matmul kernel): each of a
+    CTA's two compute warpgroups owns a tile_m x tile_n output block, the two stacked along N
+    (or M with wg_along_m); `stages` K-steps are loaded ahead; CTAs walk the output tiles in
+    bands `grid_tile_width` tiles wide (L2 reuse)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    wg_along_m: bool = False
+    grid_tile_width: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")
+        if self.stages < 2:
+            raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.wg_along_m else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (1 if self.wg_along_m else 2)
+
+
+@dataclasses.dataclass(frozen=True)
 class OverlapConfig:
     """How one collective GEMM is overlapped. Frozen and hashable: a jit static argument.
 
@@ -129,7 +161,9 @@ class OverlapConfig:
       bidirectional: RING_EXCHANGE in both directions at once (about P/2 steps instead of P-1).
       aggregate: ALL_GATHER ring only: exchange both ways and run one GEMM on the two chunks that
         arrived in a step (the reference's aggregate_ag).
-      atomic_gemm: ask for a fused atomic GEMM (ATOMIC_GEMM_*); not available yet, fails at plan.
+      atomic_gemm: with RING_EXCHANGE, one fused kernel does the GEMM and the ring transfers
+        (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P; Hopper GPUs, one process, bf16/fp16; see
+        commgemm.algorithms.fused). Where it cannot run, the op raises at plan time.
       accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type).
       reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as
         XLA's own reduce-scatter of the GEMM output would.
@@ -138,6 +172,7 @@ class OverlapConfig:
         dW (default: the forward has it anyway, and keeping it spares the backward a second
         all-gather of the largest operand) instead of saving only the local x and re-gathering
         it beside the dX GEMM (BULK overlap; P times less activation memory, for long sequences).
+      fused_tiles: atomic_gemm: the kernel's `FusedTiles` (None: the default tiling).
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; benchmarks/NOTES.md).
@@ -154,6 +189,7 @@ class OverlapConfig:
     out_dtype: str | None = None
     save_gathered_input: bool = True
     chain_gemms: bool = False
+    fused_tiles: FusedTiles | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -199,6 +235,11 @@ class OverlapConfig:
                 raise ValueError(
                     f"aggregate=True is for ALL_GATHER only, got collective={self.collective.name}"
                 )
+        if self.fused_tiles is not None:
+            if not isinstance(self.fused_tiles, FusedTiles):
+                raise ValueError(f"fused_tiles={self.fused_tiles!r} must be a FusedTiles")
+            if not self.atomic_gemm:
+                raise ValueError("fused_tiles needs atomic_gemm=True (the fused kernels)")
         if self.collective is not None and self.method is not Method.AUTO:
             select_algorithm(self.collective, self.method, atomic_gemm=self.atomic_gemm)
 

@@ -51,6 +51,32 @@ def split_requirement(collective: Collective, method: Method, size: int, splits:
     return size * splits if method is Method.RING_EXCHANGE else 1
 
 
+def _check_fused(
+    algorithm: Algorithm,
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+) -> None:
+    """ATOMIC_GEMM_AG_P2P / _RS_P2P run one fused kernel (commgemm.algorithms.fused) where it
+    can run; anything else is a clear error, not a silent fallback."""
+    if algorithm is Algorithm.ATOMIC_GEMM_RS:
+        raise NotImplementedError(
+            "ATOMIC_GEMM_RS (PIPELINE with atomic_gemm) has no kernel; the fused reduce-scatter "
+            "is method=RING_EXCHANGE with atomic_gemm=True (ATOMIC_GEMM_RS_P2P)"
+        )
+    from commgemm.algorithms import fused  # imports Pallas lazily
+
+    reason = fused.unsupported_reason(collective, x, w, size, cfg, w_transposed=w_transposed)
+    if reason is not None:
+        raise ValueError(
+            f"{algorithm.name} (the fused GEMM kernel) cannot run this call: {reason}. Use "
+            "atomic_gemm=False for the split algorithm of the same method"
+        )
+
+
 def make_plan(
     x: jax.Array,
     w: jax.Array,
@@ -85,10 +111,7 @@ def make_plan(
             "PIPELINE or RING_EXCHANGE"
         )
     if algorithm in ATOMIC_ALGORITHMS:
-        raise NotImplementedError(
-            f"{algorithm.name} needs a fused atomic-GEMM kernel, which commgemm does not ship "
-            "yet; use atomic_gemm=False (the split algorithm of the same method)"
-        )
+        _check_fused(algorithm, collective, x, w, size, cfg, w_transposed)
     need = split_requirement(collective, cfg.method, size, cfg.num_splits)
     split = cfg.method in (Method.PIPELINE, Method.RING_EXCHANGE)
     per_device = collective is Collective.REDUCE_SCATTER or (

@@ -26,6 +26,11 @@ OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Colle
 SPEC_OF = {v: k for k, v in OPS.items()}
 
 
+#: Tilings of the fused kernel the tuner also measures, beside the default ("fused"); on 2xH200
+#: each was the fastest on some preset (benchmarks/NOTES.md).
+FUSED_TILINGS = ("fused-w8", "fused-wgm")
+
+
 def cache_path() -> pathlib.Path:
     env = os.environ.get("COMMGEMM_TUNE_CACHE")
     if env:
@@ -70,6 +75,10 @@ def _write(data: dict, path: pathlib.Path) -> None:
 
 def spec_of(cfg: OverlapConfig) -> str:
     """The method spec string (as `commgemm bench --methods` takes) of a config."""
+    if cfg.atomic_gemm:
+        from commgemm.bench.problems import fused_spec
+
+        return fused_spec(cfg.fused_tiles)
     name = {Method.NONE: "none", Method.PIPELINE: "pipeline"}.get(cfg.method)
     if name is None:
         name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"
@@ -107,7 +116,14 @@ def tune(
     collective = OPS[op]
     rows = shape[0] // size if collective is Collective.ALL_GATHER else shape[0]
     if methods is None:
-        methods = [spec_of(c) for c in candidates(collective, rows, size)]
+        from commgemm.algorithms.fused import reason_for_shape
+
+        fused = collective is not Collective.ALL_REDUCE and (
+            reason_for_shape(collective, shape, size, dtype) is None
+        )
+        methods = [spec_of(c) for c in candidates(collective, rows, size, fused=fused)]
+        if fused:
+            methods += list(FUSED_TILINGS)
     report = overlap_report(
         op, shape, methods=methods, dtype=dtype, iters=iters, include_xla=False, progress=progress
     )
@@ -172,19 +188,38 @@ def resolve_auto(
     kind = jax.devices()[0].device_kind
     data = load_cache()
     entry = data["plans"].get(plan_key(kind, size, SPEC_OF[collective], shape, x.dtype.name))
-    if entry is not None:
-        chosen = parse_method(entry["method"])
-    else:
+    chosen = parse_method(entry["method"]) if entry is not None else None
+    fused_ok = _fused_runs(cfg, collective, x, w, size, w_transposed)
+    if chosen is None or (chosen.atomic_gemm and not fused_ok):
         figures = data["machines"].get(machine_key(kind, size))
         fig = (
             MachineFigures(**figures)
             if figures
             else DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
         )
-        chosen, _ = choose(collective, shape, rows, size, x.dtype.itemsize, fig)
+        chosen, _ = choose(collective, shape, rows, size, x.dtype.itemsize, fig, fused=fused_ok)
     return cfg.replace(
         method=chosen.method,
         num_splits=chosen.num_splits,
         bidirectional=chosen.bidirectional,
         aggregate=chosen.aggregate,
+        atomic_gemm=chosen.atomic_gemm,
+        fused_tiles=chosen.fused_tiles,
     )
+
+
+def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
+    """Whether the fused kernel can run this call under cfg's dtype fields."""
+    from commgemm.algorithms.fused import unsupported_reason
+
+    if collective is Collective.ALL_REDUCE:
+        return False
+    trial = cfg.replace(
+        method=Method.RING_EXCHANGE,
+        num_splits=1,
+        bidirectional=False,
+        aggregate=False,
+        atomic_gemm=True,
+        fused_tiles=None,
+    )
+    return unsupported_reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

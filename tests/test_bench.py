@@ -1,6 +1,7 @@
 """benchmark(), numerics.compare(), overlap_report() and the `commgemm bench | info` CLI."""
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +21,31 @@ def test_benchmark_fields_consistent():
     assert "median=" in repr(r)
 
 
+def test_benchmark_groups_calls():
+    """Each sample averages `group` calls: the function runs warmup + iters * group + 1 times and
+    the samples' sum is the wall time between the first and last timed completions."""
+    jitted = jax.jit(lambda a: jnp.tanh(a @ a))
+    calls = []
+
+    def f(a):
+        calls.append(1)
+        return jitted(a)
+
+    start = time.perf_counter()
+    r = cg.bench.benchmark(f, jnp.ones((64, 64)), iters=5, warmup=2, group=3)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    assert len(calls) == 2 + 5 * 3 + 1 and len(r.samples) == 5 and r.group == 3
+    assert 0 < sum(r.samples) * 3 <= elapsed_ms
+
+
 def test_benchmark_rejects_bad_arguments():
     f = jax.jit(lambda a: a)
     with pytest.raises(ValueError, match="iters=1"):
         cg.bench.benchmark(f, jnp.ones(2), iters=1)
     with pytest.raises(ValueError, match="warmup=0"):
         cg.bench.benchmark(f, jnp.ones(2), warmup=0)
+    with pytest.raises(ValueError, match="group=0"):
+        cg.bench.benchmark(f, jnp.ones(2), group=0)
 
 
 def test_compare_finds_worst_element_and_bad_region(rng):

@@ -112,3 +112,15 @@ def test_xla_flags(monkeypatch):
     with pytest.raises(RuntimeError, match="already started its backends"):
         __import__("jax").devices()
         cg.xla_flags(cublas_gemm=True, apply=True)
+
+
+def test_fused_tiles_validation():
+    cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, fused_tiles=cg.FusedTiles())
+    assert hash(cfg) == hash(cfg.replace())
+    with pytest.raises(ValueError, match="fused_tiles needs atomic_gemm=True"):
+        cg.OverlapConfig(method="ring_exchange", fused_tiles=cg.FusedTiles())
+    with pytest.raises(ValueError, match="FusedTiles.stages=1 must be >= 2"):
+        cg.FusedTiles(stages=1)
+    with pytest.raises(ValueError, match="FusedTiles.tile_n=0 must be a positive int"):
+        cg.FusedTiles(tile_n=0)
+    assert (cg.FusedTiles().cta_m, cg.FusedTiles().cta_n) == (128, 256)

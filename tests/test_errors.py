@@ -1,6 +1,7 @@
 """Bad inputs raise clear errors at trace time, before any collective is issued."""
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import P, mesh1d, random, shard
@@ -54,10 +55,40 @@ def test_unsupported_pairing(rng, method):
         )
 
 
-def test_atomic_gemm_not_available(rng):
+def test_fused_kernel_needs_a_hopper_gpu(rng):
+    """On the CPU the fused kernel cannot run: a plan-time error that says why, no fallback."""
     cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
-    with pytest.raises(NotImplementedError, match="ATOMIC_GEMM_AG_P2P needs a fused"):
-        call(cg.all_gather_matmul, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
+    x, w = random(rng, (512, 64), ml_dtypes.bfloat16), random(rng, (64, 1024), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="ATOMIC_GEMM_AG_P2P .* it runs on GPUs; this backend"):
+        call(cg.all_gather_matmul, x, w, config=cfg)
+
+
+@pytest.mark.parametrize(
+    "dtype,cfg,why",
+    [
+        (np.float32, {}, "bfloat16 or float16 operands, got float32"),
+        (ml_dtypes.bfloat16, {"out_dtype": "float32"}, "out_dtype=float32 differs"),
+        (ml_dtypes.bfloat16, {"num_splits": 2}, "num_splits, bidirectional and aggregate"),
+    ],
+)
+def test_fused_kernel_rejects_what_it_cannot_do(rng, dtype, cfg, why):
+    config = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, **cfg)
+    x, w = random(rng, (512, 64), dtype), random(rng, (64, 1024), dtype)
+    with pytest.raises(ValueError, match=why):
+        call(cg.all_gather_matmul, x, w, config=config)
+
+
+def test_fused_kernel_tile_divisibility(rng):
+    cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    x, w = random(rng, (256, 64), ml_dtypes.bfloat16), random(rng, (64, 1024), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="rows per device=.* must be divisible by the tile 128"):
+        call(cg.all_gather_matmul, x, w, config=cfg)
+
+
+def test_pipelined_atomic_rs_has_no_kernel(rng):
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+    with pytest.raises(NotImplementedError, match="ATOMIC_GEMM_RS .* has no kernel"):
+        call(cg.matmul_reduce_scatter, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
 
 
 def test_integer_dtype(rng):

@@ -96,8 +96,56 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
 
 
 def test_spec_round_trip():
-    for spec in ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain"):
+    specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain")
+    fused = ("fused", "fused-w8", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-n64")
+    for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
+    tiles = cg.bench.parse_method("fused-wgm-w8").fused_tiles
+    assert tiles.wg_along_m and tiles.grid_tile_width == 8 and tiles.cta_m == 256
+    with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
+        cg.bench.parse_method("fused-x3")
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("collective", [AG, RS])
+def test_fused_prediction(size, collective):
+    """A GEMM-bound call: the fused kernel costs the GEMM plus a latency a step, below serial
+    and every split method. A link-bound one: P-1 transfers plus one step's GEMM."""
+    rows = SHAPE[0] // size if collective is AG else SHAPE[0]
+    fused = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    fast_link = fake(1e12, 1e12, latency=1e-6)
+    t_gemm, t_comm = costmodel._times(collective, SHAPE, size, 2, fast_link)
+    predicted = costmodel.predict(collective, fused, SHAPE, size, 2, fast_link)
+    assert predicted == pytest.approx(t_gemm + size * 1e-6)
+    cfg, best = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link, fused=True)
+    assert cfg == fused and best == predicted
+    slow_link = fake(1e13, 1e9, latency=0.0)
+    t_gemm, t_comm = costmodel._times(collective, SHAPE, size, 2, slow_link)
+    predicted = costmodel.predict(collective, fused, SHAPE, size, 2, slow_link)
+    assert predicted == pytest.approx(t_comm + t_gemm / size)
+    without, _ = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link)
+    assert not without.atomic_gemm  # only offered where the caller found it can run
+
+
+def test_auto_never_picks_the_fused_kernel_where_it_cannot_run(tmp_path, monkeypatch):
+    """A cache entry (say, copied from a GPU machine) naming the fused kernel: on this CPU,
+    AUTO falls back to the cost model's choice among the split methods."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
+    x, w = np.zeros((512, 64), np.float32), np.zeros((64, 128), np.float32)
+    key = tune.plan_key(cg_device_kind(), 2, "ag", (1024, 64, 256), "float32")
+    path.write_text(json.dumps({"plans": {key: {"method": "fused-w8"}}, "machines": {}}))
+    resolved = tune.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
+    assert not resolved.atomic_gemm and resolved.method is not cg.Method.AUTO
+    path.write_text(json.dumps({"plans": {key: {"method": "ring:2"}}, "machines": {}}))
+    resolved = tune.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
+    assert tune.spec_of(resolved) == "ring:2"
+
+
+def cg_device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
 
 
 def test_cli_tune(tmp_path, monkeypatch, capsys):

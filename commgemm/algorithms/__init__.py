@@ -3,7 +3,7 @@
 from types import ModuleType
 
 from commgemm.algorithms import no_overlap, pipeline, ring_exchange
-from commgemm.config import Method
+from commgemm.config import Method, OverlapConfig
 
 #: Method -> module with all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce.
 BY_METHOD: dict[Method, ModuleType] = {
@@ -11,3 +11,12 @@ BY_METHOD: dict[Method, ModuleType] = {
     Method.PIPELINE: pipeline,
     Method.RING_EXCHANGE: ring_exchange,
 }
+
+
+def module_for(config: OverlapConfig) -> ModuleType:
+    """The module that runs `config`: the fused kernels for atomic_gemm, else its method's."""
+    if config.atomic_gemm:
+        from commgemm.algorithms import fused  # imports Pallas lazily
+
+        return fused
+    return BY_METHOD[config.method]

@@ -35,6 +35,7 @@ class OverlapReport:
     t_gemm_ms: float
     t_comm_ms: float
     rows: tuple[OverlapRow, ...]
+    failures: tuple[tuple[str, str], ...] = ()  # (method, error) for methods that could not run
 
     @property
     def bound_ms(self) -> float:
@@ -60,6 +61,7 @@ class OverlapReport:
                 }
                 for r in self.rows
             ],
+            "failures": [list(f) for f in self.failures],
         }
 
 
@@ -102,7 +104,7 @@ def overlap_report(
     ).median
     x, w = problem.operands()
     reference = problem.overlapped(cg.OverlapConfig())(x, w)
-    rows = []
+    rows, failures = [], []
     if include_xla:
         step("xla jnp.dot")
         rows.append(
@@ -113,8 +115,15 @@ def overlap_report(
         name = spec if isinstance(spec, str) else repr(spec)
         step(name)
         fn = problem.overlapped(cfg)
-        error = _max_error(fn(x, w), reference)
+        try:
+            error = _max_error(fn(x, w), reference)
+        except (ValueError, NotImplementedError) as err:  # e.g. fused kernel on a CPU
+            failures.append((name, str(err)))
+            step(f"{name} cannot run: {err}")
+            continue
         rows.append(
             _row(name, benchmark(fn, x, w, iters=iters, warmup=warmup), t_gemm, t_comm, error)
         )
-    return OverlapReport(op, tuple(shape), dtype, problem.size, t_gemm, t_comm, tuple(rows))
+    return OverlapReport(
+        op, tuple(shape), dtype, problem.size, t_gemm, t_comm, tuple(rows), tuple(failures)
+    )

@@ -25,9 +25,45 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 OPS = ("ag", "rs", "ar", "2d")
 
 
+def parse_fused(spec: str) -> cg.OverlapConfig:
+    """'fused' with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
+    (warpgroups along M), '-m256' / '-n64' (tile_m / tile_n), e.g. 'fused-wgm-w8'."""
+    fields: dict[str, object] = {}
+    keys = {"w": "grid_tile_width", "s": "stages", "m": "tile_m", "n": "tile_n"}
+    for part in spec.split("-")[1:]:
+        if part == "wgm":
+            fields["wg_along_m"] = True
+        elif part[:1] in keys and part[1:].isdigit():
+            fields[keys[part[0]]] = int(part[1:])
+        else:
+            raise ValueError(
+                f"unknown fused tiling {part!r} in {spec!r}; use -w<N>, -s<N>, -m<N>, -n<N>, -wgm"
+            )
+    tiles = cg.FusedTiles(**fields) if fields else None
+    return cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, fused_tiles=tiles)
+
+
+def fused_spec(tiles: cg.FusedTiles | None) -> str:
+    """The inverse of `parse_fused`."""
+    parts = ["fused"]
+    default = cg.FusedTiles()
+    tiles = tiles or default
+    if tiles.wg_along_m:
+        parts.append("wgm")
+    for key, field in (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width")):
+        if getattr(tiles, field) != getattr(default, field):
+            parts.append(f"{key}{getattr(tiles, field)}")
+    if tiles.tile_k != default.tile_k:
+        raise ValueError(f"tile_k={tiles.tile_k} has no spec (only {default.tile_k})")
+    return "-".join(parts)
+
+
 def parse_method(spec: str) -> cg.OverlapConfig:
-    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto';
-    a '-chain' suffix ('ring:4-chain') turns chain_gemms on."""
+    """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto',
+    'fused' (RING_EXCHANGE with atomic_gemm: one kernel, Hopper GPUs; tilings as in
+    `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on."""
+    if spec == "fused" or spec.startswith("fused-"):
+        return parse_fused(spec)
     spec, chain = (spec[: -len("-chain")], True) if spec.endswith("-chain") else (spec, False)
     name, _, splits = spec.partition(":")
     num_splits = int(splits) if splits else 1

@@ -25,6 +25,7 @@ class BenchmarkResult:
     p99: float
     iters: int
     warmup: int
+    group: int
     samples: tuple[float, ...]
     dispatch_bound: bool
 
@@ -33,7 +34,7 @@ class BenchmarkResult:
         return (
             f"BenchmarkResult(median={self.median:.4f} ms, mean={self.mean:.4f}, "
             f"stdev={self.stdev:.4f}, min={self.min:.4f}, max={self.max:.4f}, p95={self.p95:.4f}, "
-            f"p99={self.p99:.4f}, iters={self.iters}){flag}"
+            f"p99={self.p99:.4f}, iters={self.iters}x{self.group}){flag}"
         )
 
     def as_dict(self) -> dict:
@@ -41,14 +42,18 @@ class BenchmarkResult:
 
 
 def benchmark(
-    fn: Callable, *args, iters: int = 50, warmup: int = 3, in_flight: int = 8
+    fn: Callable, *args, iters: int = 50, warmup: int = 3, in_flight: int = 8, group: int = 4
 ) -> BenchmarkResult:
-    """Times `fn(*args)` (a jitted function) `iters` times after `warmup` calls.
+    """Times `fn(*args)` (a jitted function): `iters` samples, each the mean over `group` calls,
+    after `warmup` calls.
 
     How: JAX dispatches asynchronously, so the calls are enqueued ahead (up to `in_flight` at a
-    time) and the device runs them back to back. Each sample is the time between the completion
-    of one call and the next (`block_until_ready` on every output shard): the device time of
-    that call, with the Python dispatch of later calls happening meanwhile and so not timed.
+    time) and the device runs them back to back. A sample is the time between the completion
+    (`block_until_ready` on every output shard) of call i and of call i+group, divided by
+    group: the device time per call, with the Python dispatch of later calls happening meanwhile
+    and so not timed. Averaging over a group matters on several GPUs: the host sees each
+    completion a little late, by a varying amount, so single-call deltas jitter (on 2xH200
+    some fell below the bound) while their sum over a group does not.
     If dispatching fell behind the device (the queue ran dry), `dispatch_bound` is set and the
     samples include launch gaps: use bigger problems.
     """
@@ -56,22 +61,25 @@ def benchmark(
         raise ValueError(f"iters={iters} must be >= 2")
     if warmup < 1:
         raise ValueError(f"warmup={warmup} must be >= 1 (the first call compiles)")
+    if group < 1:
+        raise ValueError(f"group={group} must be >= 1")
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    calls = iters * group + 1  # the first completion is the start mark of the first sample
     pending: collections.deque = collections.deque()
     done_at: list[float] = []
     dispatched = 0
     queue_ran_dry = 0
-    # One extra call first: its completion is the start mark of the first sample.
-    while len(done_at) < iters + 1:
-        while dispatched < iters + 1 and len(pending) < in_flight:
+    while len(done_at) < calls:
+        while dispatched < calls and len(pending) < in_flight:
             pending.append(fn(*args))
             dispatched += 1
         jax.block_until_ready(pending.popleft())
         done_at.append(time.perf_counter())
-        if not pending and dispatched < iters + 1:
+        if not pending and dispatched < calls:
             queue_ran_dry += 1
-    samples = np.diff(np.array(done_at)) * 1e3
+    marks = np.array(done_at[::group])
+    samples = np.diff(marks) * 1e3 / group
     return BenchmarkResult(
         mean=float(np.mean(samples)),
         median=float(np.median(samples)),
@@ -82,6 +90,7 @@ def benchmark(
         p99=float(np.percentile(samples, 99)),
         iters=iters,
         warmup=warmup,
+        group=group,
         samples=tuple(float(s) for s in samples),
-        dispatch_bound=queue_ran_dry > iters // 10,
+        dispatch_bound=queue_ran_dry > (calls - 1) // 10,
     )

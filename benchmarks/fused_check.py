@@ -1,0 +1,156 @@
+"""GPU check of the fused kernels (ATOMIC_GEMM_AG_P2P / _RS_P2P), which cannot run on the CPU:
+outputs and gradients against a float32 reference (HIGHEST precision) on fresh random data, for
+several shapes (presets and others), tilings and w layouts, on all GPUs; and the plan-time
+errors. Exits non-zero if any check fails.
+
+    PYTHONPATH=. python benchmarks/fused_check.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+from commgemm.bench.problems import parse_method
+
+#: (M, K, N) global shapes; AG needs M/P % 128, N/P % 256, K % 64; RS M/P % 128, N % 256.
+SHAPES = [(512, 256, 512), (2048, 1024, 1536), (4096, 3072, 2048), (8192, 4096, 14336)]
+TILINGS = ["fused", "fused-w8", "fused-wgm"]
+#: bf16 output: |error| <= REL * max|reference| (8 mantissa bits; RS partial sums also rounded).
+REL = 1.5e-2
+
+
+def sharded(op: str, mesh: Mesh, cfg: cg.OverlapConfig, w_transposed: bool):
+    if op == "ag":
+        specs, out = (
+            (P("x", None), P(None, "x") if not w_transposed else P("x", None)),
+            P(None, "x"),
+        )
+        fn = cg.all_gather_matmul
+    else:
+        specs, out = (
+            (P(None, "x"), P("x", None) if not w_transposed else P(None, "x")),
+            P("x", None),
+        )
+        fn = cg.matmul_reduce_scatter
+    return jax.shard_map(
+        lambda a, b: fn(a, b, "x", config=cfg, w_transposed=w_transposed),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=out,
+        check_vma=False,
+    )
+
+
+def relative_error(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def check(op, shape, spec, w_transposed, mesh, seed) -> dict:
+    m, k, n = shape
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.bfloat16)
+    stored = w.T if w_transposed else w
+    f = jax.jit(sharded(op, mesh, parse_method(spec), w_transposed))
+    out = f(x, stored)
+    ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    result = dict(
+        op=op,
+        shape=shape,
+        spec=spec,
+        w_transposed=w_transposed,
+        out_rel_error=relative_error(out, ref),
+    )
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * g.astype(jnp.float32))
+
+    dx, dw = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, stored)
+
+    def ref_fn(a, b):
+        b = b.T if w_transposed else b
+        return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+
+    rdx, rdw = jax.jit(jax.grad(loss(ref_fn), argnums=(0, 1)))(x, stored)
+    result |= dict(dx_rel_error=relative_error(dx, rdx), dw_rel_error=relative_error(dw, rdw))
+    result["ok"] = all(result[e] <= REL for e in ("out_rel_error", "dx_rel_error", "dw_rel_error"))
+    return result
+
+
+def errors(mesh) -> list[dict]:
+    """Plan-time errors the fused path must raise (not hang, not fall back silently)."""
+    cases = [
+        (
+            "rows not divisible by the tile",
+            "ag",
+            (2 * 64, 256, 512),
+            jnp.bfloat16,
+            "must be divisible by the tile",
+        ),
+        ("float32 operands", "ag", (512, 256, 512), jnp.float32, "bfloat16 or float16"),
+    ]
+    out = []
+    for name, op, (m, k, n), dtype, expect in cases:
+        x, w = jnp.zeros((m, k), dtype), jnp.zeros((k, n), dtype)
+        try:
+            jax.jit(sharded(op, mesh, parse_method("fused"), False))(x, w)
+            out.append(dict(case=name, ok=False, error="no error raised"))
+        except ValueError as err:
+            out.append(dict(case=name, ok=expect in str(err), error=str(err)[:300]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    results, seed = [], 0
+    cases = [(s, op, "fused", wt) for s in SHAPES for op in ("ag", "rs") for wt in (False, True)]
+    cases += [(SHAPES[-1], op, spec, False) for op in ("ag", "rs") for spec in TILINGS[1:]]
+    for shape, op, spec, w_transposed in cases:
+        seed += 1
+        try:
+            r = check(op, shape, spec, w_transposed, mesh, seed)
+        except Exception as err:  # record and go on
+            r = dict(
+                op=op,
+                shape=shape,
+                spec=spec,
+                ok=False,
+                error=f"{type(err).__name__}: {str(err)[:500]}",
+            )
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    errs = errors(mesh)
+    for e in errs:
+        print(json.dumps(e), flush=True)
+    ok = all(r["ok"] for r in results + errs)
+    (args.out / "fused_check.json").write_text(
+        json.dumps(
+            dict(devices=len(jax.devices()), rel_tolerance=REL, ok=ok, checks=results, errors=errs),
+            indent=1,
+        )
+    )
+    print(
+        f"fused check: {sum(r['ok'] for r in results)}/{len(results)} numeric, "
+        f"{sum(e['ok'] for e in errs)}/{len(errs)} errors; ok={ok}"
+    )
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""ATOMIC_GEMM_AG_P2P and ATOMIC_GEMM_RS_P2P: the GEMM and the ring transfers in one GPU kernel.
+
+The split methods (PIPELINE, RING_EXCHANGE) leave the order of GEMMs and transfers to XLA's
+scheduler, which keeps one collective-permute in flight and starts each transfer only where the
+compute stream reaches it. Here one persistent Mosaic GPU kernel (Pallas, Hopper) does both, the
+way the reference's atomic GEMMs do with userbuffers:
+
+  AG: jax's own `all_gather_lhs_matmul`: while a CTA multiplies a tile of x it also writes that
+      tile, already in shared memory, into the next device's buffer over NVLink; step s
+      multiplies the block that arrived in step s-1.
+  RS: ours, built on jax's Hopper matmul kernel: step s computes the partial product of the row
+      block that ends on device d+P-s-1 ... d, adds the partial sum received from device d-1
+      (read in the epilogue), and writes the tile straight into device d+1's buffer; the last
+      step writes this device's rows of the sum. Partial sums travel in the output dtype.
+
+Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
+with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
+spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
+divide into the kernel's tiles. The backward pass of a fused op runs the RING_EXCHANGE method.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import Collective, FusedTiles, OverlapConfig
+
+
+def tuning_config(tiles: FusedTiles):
+    """`tiles` as the TuningConfig of jax's Hopper matmul kernel."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    dim = hm.MatmulDimension
+    return hm.TuningConfig(
+        tile_m=tiles.tile_m,
+        tile_n=tiles.tile_n,
+        tile_k=tiles.tile_k,
+        max_concurrent_steps=tiles.stages,
+        grid_tile_width=tiles.grid_tile_width,
+        wg_dimension=dim.M if tiles.wg_along_m else dim.N,
+    )
+
+
+def _gpu_reason() -> str | None:
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return f"it runs on GPUs; this backend is {devices[0].platform}"
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    if not capability.startswith("9"):
+        return f"it needs a Hopper GPU (compute capability 9.x), got {capability or 'unknown'}"
+    if jax.process_count() != 1:
+        return "it needs one process driving all GPUs (got several processes)"
+    try:
+        from jax.experimental.pallas.ops.gpu import (
+            collective_matmul_mgpu,  # noqa: F401
+            hopper_matmul_mgpu,  # noqa: F401
+        )
+    except ImportError as err:  # jax too old, or jaxlib without Mosaic GPU
+        return f"this jax has no Mosaic GPU collective kernels ({err})"
+    return None
+
+
+def unsupported_reason(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+) -> str | None:
+    """Why the fused kernel cannot run this per-shard call (x the 2-D view [rows, K], w [K, n]
+    or [n, K] with w_transposed), or None when it can."""
+    if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return f"there is no fused kernel for {collective.name}"
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it needs bfloat16 or float16 operands, got {x.dtype}"
+    for field in ("out_dtype", "reduce_dtype"):
+        value = getattr(config, field)
+        if value is not None and jnp.dtype(value) != x.dtype:
+            return f"{field}={value} differs from the operands' {x.dtype}"
+    if config.accumulate_dtype != "float32":
+        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
+    if config.num_splits != 1 or config.bidirectional or config.aggregate:
+        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    tiles = config.fused_tiles or FusedTiles()
+    rows, k = x.shape
+    m = rows if collective is Collective.ALL_GATHER else rows // size
+    n = w.shape[0] if w_transposed else w.shape[1]
+    for what, value, by in (("rows per device", m, tiles.cta_m), ("N", n, tiles.cta_n)):
+        if value % by:
+            return f"{what}={value} must be divisible by the tile {by}"
+    if k % tiles.tile_k:
+        return f"K={k} must be divisible by the tile {tiles.tile_k}"
+    if (reason := _gpu_reason()) is not None:
+        return reason
+    if size != jax.device_count():
+        return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
+    return None
+
+
+def reason_for_shape(
+    collective: Collective,
+    shape: tuple[int, int, int],
+    size: int,
+    dtype: str,
+    config: OverlapConfig | None = None,
+) -> str | None:
+    """`unsupported_reason` for a global (M, K, N) problem over `size` devices (the tuner's
+    view): AG x [M/P, K], w [K, N/P]; RS x [M, K/P], w [K/P, N]."""
+    m, k, n = shape
+    if collective is Collective.ALL_GATHER:
+        x_shape, w_shape = (m // size, k), (k, n // size)
+    else:
+        x_shape, w_shape = (m, k // size), (k // size, n)
+    config = config or OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    return unsupported_reason(
+        collective,
+        jax.ShapeDtypeStruct(x_shape, dtype),
+        jax.ShapeDtypeStruct(w_shape, dtype),
+        size,
+        config,
+        w_transposed=False,
+    )
+
+
+def _kernel_params(grid: int) -> dict:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return dict(
+        grid=(grid,),
+        grid_names=("cluster_grid",),
+        cluster=(1,),
+        cluster_names=("cluster",),
+        num_threads=3,  # two compute warpgroups and one that issues the loads
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
+    return w.T if w_transposed else w
+
+
+def all_gather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+    return_gathered: bool = False,
+) -> jax.Array | tuple[jax.Array, None]:
+    """x [m, K] local rows, w [K, n] -> all_gather(x) @ w [P*m, n], in one kernel.
+
+    With return_gathered the second result is None: the kernel keeps the gathered rows in its
+    own scratch, so the backward pass gathers x again (beside its dX GEMM).
+    """
+    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
+
+    with jax.named_scope("fused_ag_gemm"):
+        out = collective_matmul_mgpu.all_gather_lhs_matmul(
+            x,
+            _as_kn(w, w_transposed),
+            axis_name,
+            config=tuning_config(config.fused_tiles or FusedTiles()),
+            dtype=x.dtype,
+        )
+    return (out, None) if return_gathered else out
+
+
+def matmul_reduce_scatter(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+) -> jax.Array:
+    """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    size = lax.axis_size(axis_name)
+    w = _as_kn(w, w_transposed)
+    rows, n = x.shape[0] // size, w.shape[1]
+    num_sms = jax.devices()[0].core_count
+    tuning = tuning_config(config.fused_tiles or FusedTiles())
+    signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
+
+    def body(x_ref, w_ref, out_ref, inbox_ref):
+        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        wg = lax.axis_index("wg")
+        here = lax.axis_index(axis_name)
+        succ = lax.rem(here + 1, size)
+        for step in range(size):
+            block = lax.rem(here + 2 * size - step - 1, size)
+            last = step == size - 1
+            if step:  # the partial sum of this block from device d-1 must have landed
+                pl.semaphore_wait(received, value=step * signals_per_step, decrement=False)
+            hm.kernel(
+                x_ref.at[pl.ds(block * rows, rows)],
+                w_ref,
+                inbox_ref.at[step - 1] if step else None,
+                out_ref if last else plgpu.remote_ref(inbox_ref, succ).at[step],
+                config=tuning,
+            )
+            if not last:
+
+                @pl.when(wg < 2)
+                def _signal():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the writes have landed
+                    pl.semaphore_signal(received, device_id=succ)
+
+    with jax.named_scope("fused_gemm_rs"):
+        out, _ = plgpu.kernel(
+            body,
+            out_type=[
+                jax.ShapeDtypeStruct((rows, n), x.dtype),
+                jax.ShapeDtypeStruct((size - 1, rows, n), x.dtype),  # partial sums received
+            ],
+            **_kernel_params(num_sms),
+        )(x, w)
+    return out
+
+
+def matmul_all_reduce(*args, **kwargs):
+    raise NotImplementedError("there is no fused GEMM + all-reduce kernel")
