@@ -115,12 +115,19 @@ def errors(mesh) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--shapes", default="all", help="indices into SHAPES, e.g. 3 (or all)")
+    parser.add_argument("--ops", default="ag,rs")
+    parser.add_argument("--tilings", default=",".join(TILINGS), help="on the largest shape")
+    parser.add_argument("--name", default="fused_check")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    ops = args.ops.split(",")
+    tilings = [t for t in args.tilings.split(",") if t and t != "fused"]
     args.out.mkdir(parents=True, exist_ok=True)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     results, seed = [], 0
-    cases = [(s, op, "fused", wt) for s in SHAPES for op in ("ag", "rs") for wt in (False, True)]
-    cases += [(SHAPES[-1], op, spec, False) for op in ("ag", "rs") for spec in TILINGS[1:]]
+    cases = [(s, op, "fused", wt) for s in shapes for op in ops for wt in (False, True)]
+    cases += [(shapes[-1], op, spec, False) for op in ops for spec in tilings]
     for shape, op, spec, w_transposed in cases:
         seed += 1
         try:
@@ -139,7 +146,7 @@ def main() -> None:
     for e in errs:
         print(json.dumps(e), flush=True)
     ok = all(r["ok"] for r in results + errs)
-    (args.out / "fused_check.json").write_text(
+    (args.out / f"{args.name}.json").write_text(
         json.dumps(
             dict(devices=len(jax.devices()), rel_tolerance=REL, ok=ok, checks=results, errors=errs),
             indent=1,

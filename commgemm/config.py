@@ -123,7 +123,8 @@ class FusedTiles:
     """The tiling of the fused kernels (atomic_gemm; jax's Hopper matmul kernel): each of a
     CTA's two compute warpgroups owns a tile_m x tile_n output block, the two stacked along N
     (or M with wg_along_m); `stages` K-steps are loaded ahead; CTAs walk the output tiles in
-    bands `grid_tile_width` tiles wide (L2 reuse)."""
+    bands `grid_tile_width` tiles wide (L2 reuse), along N, or along M with grid_minor_m (then
+    an AG step's CTAs all start on the first column of tiles, the ones that send x's rows)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -131,6 +132,7 @@ class FusedTiles:
     stages: int = 4
     wg_along_m: bool = False
     grid_tile_width: int = 1
+    grid_minor_m: bool = False
 
     def __post_init__(self) -> None:
         for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):

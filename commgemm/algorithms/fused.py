@@ -39,6 +39,7 @@ def tuning_config(tiles: FusedTiles):
         tile_k=tiles.tile_k,
         max_concurrent_steps=tiles.stages,
         grid_tile_width=tiles.grid_tile_width,
+        grid_minor_dim=dim.M if tiles.grid_minor_m else dim.N,
         wg_dimension=dim.M if tiles.wg_along_m else dim.N,
     )
 
