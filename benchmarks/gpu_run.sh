@@ -4,8 +4,9 @@
 #            tune every preset (cache in $OUT/r/tune.json, fused tilings among the candidates);
 #   stage 2: the checks stage 1 ran out of time for (XLA autotuning off: it only slows the
 #            compiles of the check), and the AG presets tuned again over more tilings;
-#   stage 3: the suite (our methods incl. fused and AUTO, XLA dot, XLA windowed einsum,
-#            PyTorch async TP) with AUTO reading the tune cache given as $2.
+#   stage 3: the tilings' gradient checks again (stage 2 found the backward config kept the
+#            fused tiling; fixed), then the suite (our methods incl. fused and AUTO, XLA dot, XLA
+#            windowed einsum, PyTorch async TP) with AUTO reading the tune cache given as $2.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -35,7 +36,11 @@ elif [ "$1" = 2 ]; then
   done 2>&1 | tee $OUT/r/tune2.log
 else
   cp "$2" $OUT/r/tune.json
-  timeout 520 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 25 --timeout 200 \
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 100 python3 benchmarks/fused_check.py \
+    --out $OUT/r --name fused_check3 --shapes 2 --tilings fused-w8,fused-wgm,fused-gm-w8 \
+    > $OUT/r/fused_check3.log 2>&1
+  tail -1 $OUT/r/fused_check3.log
+  timeout 420 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 25 --timeout 200 \
     --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite.log | grep -E "^\[|^\||timed out"
 fi
 tar czf $OUT/results.tgz -C $OUT r && rm -rf $OUT/r

@@ -43,6 +43,7 @@ def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
     ring, RING_EXCHANGE); gradients come out in x's dtype."""
     return cfg.replace(
         atomic_gemm=False,
+        fused_tiles=None,
         aggregate=False,
         bidirectional=cfg.bidirectional or cfg.aggregate,
         collective=None,
