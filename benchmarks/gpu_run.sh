@@ -7,9 +7,12 @@
 #   stage 3: the tilings' gradient checks again (stage 2 found the backward config kept the
 #            fused tiling; fixed), then the suite (our methods incl. fused and AUTO, XLA dot, XLA
 #            windowed einsum, PyTorch async TP) with AUTO reading the tune cache given as $2.
+#   stage 4: the final figures: comm_heavy (both ops) and llama8b RS tuned again over more
+#            tilings (epilogue blocks), then the suite with the variants timed in turn, 3 rounds.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
+#                bash benchmarks/gpu_run.sh 4 benchmarks/results/<run>/tune.json
 # Everything lands in $OUT/results.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,6 +37,19 @@ elif [ "$1" = 2 ]; then
     timeout 70 python3 -m commgemm tune --op ag --preset $preset --iters 12 \
       --methods fused-w8,fused-gm,fused-gm-w8,fused-w16,fused-wgm-w8 2>&1 | tail -9
   done 2>&1 | tee $OUT/r/tune2.log
+elif [ "$1" = 4 ]; then
+  cp "$2" $OUT/r/tune.json
+  {
+    timeout 60 python3 -m commgemm tune --op rs --preset comm_heavy --iters 10 --rounds 2 \
+      --methods fused,fused-w8,fused-s3-e128,fused-w8-s3-e128,fused-gm-w8 | tail -8
+    timeout 60 python3 -m commgemm tune --op rs --preset llama8b_mlp --iters 10 --rounds 2 \
+      --methods fused,fused-w8,fused-wgm,fused-s3-e128,fused-w8-s3-e128 | tail -8
+    timeout 60 python3 -m commgemm tune --op ag --preset comm_heavy --iters 10 --rounds 2 \
+      --methods fused-w8,fused-gm-w8,fused-gm-w16,fused-gm-w8-s3-e128 | tail -7
+  } 2>&1 | tee $OUT/r/tune4.log
+  timeout 400 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 10 --rounds 3 \
+    --timeout 250 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite.log \
+    | grep -E "^\[|^\||timed out"
 else
   cp "$2" $OUT/r/tune.json
   XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 100 python3 benchmarks/fused_check.py \

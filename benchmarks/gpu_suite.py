@@ -36,7 +36,7 @@ MODES = {
 PRESET_NAMES = ["llama70b_mlp", "llama8b_mlp", "comm_heavy"]
 
 
-def run_reports(presets, ops, methods, iters, include_xla) -> list[dict]:
+def run_reports(presets, ops, methods, iters, rounds, include_xla) -> list[dict]:
     import commgemm as cg
 
     out = []
@@ -49,6 +49,7 @@ def run_reports(presets, ops, methods, iters, include_xla) -> list[dict]:
                 methods=methods,
                 dtype="bfloat16",
                 iters=iters,
+                rounds=rounds,
                 include_xla=include_xla,
             )
             row = report.as_dict() | {"preset": preset}
@@ -76,6 +77,8 @@ def spawn(mode: str, out: pathlib.Path, args) -> None:
         str(out),
         "--iters",
         str(args.iters),
+        "--rounds",
+        str(args.rounds),
         "--presets",
         ",".join(args.presets),
         "--ops",
@@ -178,6 +181,7 @@ def main() -> None:
         help="the modes an 'all' run spawns",
     )
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1, help="variants timed in turn, pooled")
     parser.add_argument("--presets", default=",".join(PRESET_NAMES))
     parser.add_argument("--ops", default="ag,rs")
     parser.add_argument("--timeout", type=int, default=900)
@@ -197,7 +201,9 @@ def main() -> None:
     from commgemm.devices import environment
 
     methods = MODES[args.mode][2]
-    reports = run_reports(args.presets, args.ops, methods, args.iters, include_xla=True)
+    reports = run_reports(
+        args.presets, args.ops, methods, args.iters, args.rounds, include_xla=True
+    )
     path = args.out / f"xla_{args.mode}.json"
     path.write_text(
         json.dumps(

@@ -124,7 +124,8 @@ class FusedTiles:
     CTA's two compute warpgroups owns a tile_m x tile_n output block, the two stacked along N
     (or M with wg_along_m); `stages` K-steps are loaded ahead; CTAs walk the output tiles in
     bands `grid_tile_width` tiles wide (L2 reuse), along N, or along M with grid_minor_m (then
-    an AG step's CTAs all start on the first column of tiles, the ones that send x's rows)."""
+    an AG step's CTAs all start on the first column of tiles, the ones that send x's rows).
+    The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -133,14 +134,20 @@ class FusedTiles:
     wg_along_m: bool = False
     grid_tile_width: int = 1
     grid_minor_m: bool = False
+    epi: int = 64
 
     def __post_init__(self) -> None:
-        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")
         if self.stages < 2:
             raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
+        if self.tile_m % self.epi or self.tile_n % self.epi:
+            raise ValueError(
+                f"FusedTiles.epi={self.epi} must divide tile_m={self.tile_m} and "
+                f"tile_n={self.tile_n}"
+            )
 
     @property
     def cta_m(self) -> int:

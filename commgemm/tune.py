@@ -103,6 +103,7 @@ def tune(
     dtype: str = "bfloat16",
     methods: list[str] | None = None,
     iters: int = 20,
+    rounds: int = 1,
     path: pathlib.Path | None = None,
     progress=None,
 ) -> TuneResult:
@@ -125,7 +126,14 @@ def tune(
         if fused:
             methods += list(FUSED_TILINGS)
     report = overlap_report(
-        op, shape, methods=methods, dtype=dtype, iters=iters, include_xla=False, progress=progress
+        op,
+        shape,
+        methods=methods,
+        dtype=dtype,
+        iters=iters,
+        rounds=rounds,
+        include_xla=False,
+        progress=progress,
     )
     rows_by_name = {r.name: r for r in report.rows}
     best = min(rows_by_name.values(), key=lambda r: r.t_ms)

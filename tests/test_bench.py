@@ -97,6 +97,20 @@ def test_compare_rejects_shape_mismatch():
         cg.numerics.compare(np.ones((2, 2)), np.ones((2, 3)), atol=0, rtol=0)
 
 
+def test_overlap_report_rounds_and_failures():
+    """rounds=2 pools two turns of `iters` samples per variant; a method that cannot run here
+    (the fused kernel, on a CPU) is listed with its reason instead of stopping the report."""
+    report = cg.bench.overlap_report(
+        "ag", (1024, 64, 2048), methods=["ring", "fused"], dtype="bfloat16", iters=3, rounds=2
+    )
+    assert [r.name for r in report.rows] == ["xla", "ring"]
+    assert all(len(r.result.samples) == 6 for r in report.rows)
+    assert report.failures[0][0] == "fused" and "runs on GPUs" in report.failures[0][1]
+    assert report.as_dict()["failures"] == [list(report.failures[0])]
+    with pytest.raises(ValueError, match="rounds=0"):
+        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], rounds=0)
+
+
 def test_overlap_report_figures():
     report = cg.bench.overlap_report(
         "rs", (256, 128, 64), methods=["none", "ring:2"], dtype="float32", iters=3

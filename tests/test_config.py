@@ -123,4 +123,6 @@ def test_fused_tiles_validation():
         cg.FusedTiles(stages=1)
     with pytest.raises(ValueError, match="FusedTiles.tile_n=0 must be a positive int"):
         cg.FusedTiles(tile_n=0)
+    with pytest.raises(ValueError, match="FusedTiles.epi=96 must divide tile_m=128"):
+        cg.FusedTiles(epi=96)
     assert (cg.FusedTiles().cta_m, cg.FusedTiles().cta_n) == (128, 256)

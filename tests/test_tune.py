@@ -97,7 +97,15 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
 
 def test_spec_round_trip():
     specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain")
-    fused = ("fused", "fused-w8", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-n64", "fused-gm-w8")
+    fused = (
+        "fused",
+        "fused-w8",
+        "fused-wgm",
+        "fused-wgm-m64-s3-w4",
+        "fused-n64",
+        "fused-gm-w8",
+        "fused-s3-e128",
+    )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
     tiles = cg.bench.parse_method("fused-wgm-w8").fused_tiles

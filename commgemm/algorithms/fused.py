@@ -40,6 +40,8 @@ def tuning_config(tiles: FusedTiles):
         max_concurrent_steps=tiles.stages,
         grid_tile_width=tiles.grid_tile_width,
         grid_minor_dim=dim.M if tiles.grid_minor_m else dim.N,
+        epi_tile_m=tiles.epi,
+        epi_tile_n=tiles.epi,
         wg_dimension=dim.M if tiles.wg_along_m else dim.N,
     )
 

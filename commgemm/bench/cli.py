@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="time the variants in turn this many times, pooled"
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write every raw figure here")
     parser.add_argument("--plot", type=pathlib.Path, help="write a vs_bound bar chart (PNG)")
     parser.add_argument("--trace", type=pathlib.Path, help="write a jax.profiler trace here")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         trace = jax.profiler.trace(str(args.trace))
     with Progress(console=console, transient=True, disable=not lead) as progress, trace:
-        task = progress.add_task("benchmark", total=len(methods) + 3)
+        task = progress.add_task("benchmark", total=len(methods) + args.rounds * (len(methods) + 3))
 
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"{args.op} {name}")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=dtype,
             iters=args.iters,
             warmup=args.warmup,
+            rounds=args.rounds,
             progress=step,
         )
     env = environment()

@@ -10,7 +10,7 @@ import jax
 
 import commgemm as cg
 from commgemm.bench.problems import Problem, make_problem, parse_method
-from commgemm.bench.timing import BenchmarkResult, benchmark
+from commgemm.bench.timing import BenchmarkResult, benchmark, pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,43 +87,54 @@ def overlap_report(
     dtype: str = "bfloat16",
     iters: int = 50,
     warmup: int = 3,
+    rounds: int = 1,
     include_xla: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> OverlapReport:
     """Times, in one run: the GEMM alone, the collective alone, XLA's own `jnp.dot` (if asked)
-    and `cg.gemm` with each method (max |error| against the serial baseline beside each)."""
+    and `cg.gemm` with each method (max |error| against the serial baseline beside each).
+
+    With rounds > 1 the variants are timed in turn, `rounds` times over, `iters` samples each
+    time, and each variant's samples are pooled: a drift of the GPU's clock during the run
+    (seen on 2xH200: the same program 5% apart at the start and the end) then reaches every
+    variant alike instead of favouring the ones timed first or last.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
     problem: Problem = make_problem(op, shape, dtype, mesh_devices)
     step = progress or (lambda _: None)
-    step("gemm alone")
-    gemm_fn, gemm_args = problem.gemm_alone()
-    t_gemm = benchmark(gemm_fn, *gemm_args, iters=iters, warmup=warmup).median
-    del gemm_args
-    step("collective alone")
-    t_comm = benchmark(
-        problem.comm_alone(), problem.comm_operand(), iters=iters, warmup=warmup
-    ).median
     x, w = problem.operands()
     reference = problem.overlapped(cg.OverlapConfig())(x, w)
-    rows, failures = [], []
+    gemm_fn, gemm_args = problem.gemm_alone()
+    timed: list[tuple[str, Callable, tuple]] = [
+        ("gemm alone", gemm_fn, gemm_args),
+        ("collective alone", problem.comm_alone(), (problem.comm_operand(),)),
+    ]
     if include_xla:
-        step("xla jnp.dot")
-        rows.append(
-            _row("xla", benchmark(problem.xla(), x, w, iters=iters, warmup=warmup), t_gemm, t_comm)
-        )
+        timed.append(("xla", problem.xla(), (x, w)))
+    errors, failures = {}, []
     for spec in methods:
         cfg = parse_method(spec) if isinstance(spec, str) else spec
         name = spec if isinstance(spec, str) else repr(spec)
-        step(name)
+        step(f"{name} (compile, check)")
         fn = problem.overlapped(cfg)
         try:
-            error = _max_error(fn(x, w), reference)
+            errors[name] = _max_error(fn(x, w), reference)
         except (ValueError, NotImplementedError) as err:  # e.g. fused kernel on a CPU
             failures.append((name, str(err)))
             step(f"{name} cannot run: {err}")
             continue
-        rows.append(
-            _row(name, benchmark(fn, x, w, iters=iters, warmup=warmup), t_gemm, t_comm, error)
-        )
+        timed.append((name, fn, (x, w)))
+    results: dict[str, list[BenchmarkResult]] = {name: [] for name, _, _ in timed}
+    for r in range(rounds):
+        for name, fn, args in timed:
+            step(f"{name} (round {r + 1} of {rounds})" if rounds > 1 else name)
+            results[name].append(benchmark(fn, *args, iters=iters, warmup=warmup if r == 0 else 1))
+    pooled = {name: pool(rs) for name, rs in results.items()}
+    t_gemm, t_comm = pooled.pop("gemm alone").median, pooled.pop("collective alone").median
+    rows = tuple(
+        _row(name, result, t_gemm, t_comm, errors.get(name)) for name, result in pooled.items()
+    )
     return OverlapReport(
-        op, tuple(shape), dtype, problem.size, t_gemm, t_comm, tuple(rows), tuple(failures)
+        op, tuple(shape), dtype, problem.size, t_gemm, t_comm, rows, tuple(failures)
     )

@@ -27,10 +27,10 @@ OPS = ("ag", "rs", "ar", "2d")
 
 def parse_fused(spec: str) -> cg.OverlapConfig:
     """'fused' with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
-    (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), e.g.
-    'fused-wgm-w8'."""
+    (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
+    (epilogue blocks), e.g. 'fused-wgm-w8'."""
     fields: dict[str, object] = {}
-    keys = {"w": "grid_tile_width", "s": "stages", "m": "tile_m", "n": "tile_n"}
+    keys = {"w": "grid_tile_width", "s": "stages", "m": "tile_m", "n": "tile_n", "e": "epi"}
     for part in spec.split("-")[1:]:
         if part == "wgm":
             fields["wg_along_m"] = True
@@ -41,7 +41,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -w<N>, -s<N>, -m<N>, -n<N>, -wgm, -gm"
+                "use -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, fused_tiles=tiles)
@@ -56,7 +56,8 @@ def fused_spec(tiles: cg.FusedTiles | None) -> str:
         parts.append("wgm")
     if tiles.grid_minor_m:
         parts.append("gm")
-    for key, field in (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width")):
+    fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
+    for key, field in fields + (("e", "epi"),):
         if getattr(tiles, field) != getattr(default, field):
             parts.append(f"{key}{getattr(tiles, field)}")
     if tiles.tile_k != default.tile_k:

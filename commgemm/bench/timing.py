@@ -80,6 +80,14 @@ def benchmark(
             queue_ran_dry += 1
     marks = np.array(done_at[::group])
     samples = np.diff(marks) * 1e3 / group
+    return summarize(
+        samples, warmup=warmup, group=group, dispatch_bound=queue_ran_dry > (calls - 1) // 10
+    )
+
+
+def summarize(samples, *, warmup: int, group: int, dispatch_bound: bool = False) -> BenchmarkResult:
+    """A `BenchmarkResult` of per-call times in ms (samples)."""
+    samples = np.asarray(samples, dtype=float)
     return BenchmarkResult(
         mean=float(np.mean(samples)),
         median=float(np.median(samples)),
@@ -88,9 +96,19 @@ def benchmark(
         max=float(np.max(samples)),
         p95=float(np.percentile(samples, 95)),
         p99=float(np.percentile(samples, 99)),
-        iters=iters,
+        iters=len(samples),
         warmup=warmup,
         group=group,
         samples=tuple(float(s) for s in samples),
-        dispatch_bound=queue_ran_dry > (calls - 1) // 10,
+        dispatch_bound=dispatch_bound,
+    )
+
+
+def pool(results: list[BenchmarkResult]) -> BenchmarkResult:
+    """One result from several runs of the same function (their samples together)."""
+    return summarize(
+        [s for r in results for s in r.samples],
+        warmup=results[0].warmup,
+        group=results[0].group,
+        dispatch_bound=any(r.dispatch_bound for r in results),
     )
