@@ -9,10 +9,13 @@
 #            windowed einsum, PyTorch async TP) with AUTO reading the tune cache given as $2.
 #   stage 4: the final figures: comm_heavy (both ops) and llama8b RS tuned again over more
 #            tilings (epilogue blocks), then the suite with the variants timed in turn, 3 rounds.
+#   stage 5: the suite again, 5 rounds in shuffled order, vs_bound per round (stage 4 and an
+#            A/B of identical executables showed the GPUs' speed drifting during a run).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 4 benchmarks/results/<run>/tune.json
+#                bash benchmarks/gpu_run.sh 5 benchmarks/results/<run>/tune.json
 # Everything lands in $OUT/results.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,6 +40,11 @@ elif [ "$1" = 2 ]; then
     timeout 70 python3 -m commgemm tune --op ag --preset $preset --iters 12 \
       --methods fused-w8,fused-gm,fused-gm-w8,fused-w16,fused-wgm-w8 2>&1 | tail -9
   done 2>&1 | tee $OUT/r/tune2.log
+elif [ "$1" = 5 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \
+    --timeout 280 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite.log \
+    | grep -E "^\[|^\||timed out"
 elif [ "$1" = 4 ]; then
   cp "$2" $OUT/r/tune.json
   {

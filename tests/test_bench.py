@@ -105,6 +105,9 @@ def test_overlap_report_rounds_and_failures():
     )
     assert [r.name for r in report.rows] == ["xla", "ring"]
     assert all(len(r.result.samples) == 6 for r in report.rows)
+    for r in report.rows:  # vs_bound: the median of the per-round ratios
+        assert len(r.vs_bound_rounds) == 2
+        assert r.vs_bound == pytest.approx(float(np.median(r.vs_bound_rounds)))
     assert report.failures[0][0] == "fused" and "runs on GPUs" in report.failures[0][1]
     assert report.as_dict()["failures"] == [list(report.failures[0])]
     with pytest.raises(ValueError, match="rounds=0"):

@@ -4,9 +4,11 @@ and each method, all timed in one run, with vs_bound and hidden (../shared/DESIG
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 import commgemm as cg
 from commgemm.bench.problems import Problem, make_problem, parse_method
@@ -16,7 +18,9 @@ from commgemm.bench.timing import BenchmarkResult, benchmark, pool
 @dataclasses.dataclass(frozen=True)
 class OverlapRow:
     """One timed variant: t in ms (median), vs_bound = t / max(t_gemm, t_comm), and
-    hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden)."""
+    hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden).
+    With several rounds, vs_bound is the median over rounds of that ratio, each round's t and
+    bound measured in that round (vs_bound_rounds)."""
 
     name: str
     t_ms: float
@@ -24,6 +28,7 @@ class OverlapRow:
     hidden: float
     max_error: float | None
     result: BenchmarkResult
+    vs_bound_rounds: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,7 @@ class OverlapReport:
                     "vs_bound": r.vs_bound,
                     "hidden": r.hidden,
                     "max_error": r.max_error,
+                    "vs_bound_rounds": list(r.vs_bound_rounds),
                     "timing": r.result.as_dict(),
                 }
                 for r in self.rows
@@ -65,11 +71,11 @@ class OverlapReport:
         }
 
 
-def _row(name, result, t_gemm, t_comm, error=None) -> OverlapRow:
+def _row(name, result, t_gemm, t_comm, error=None, per_round=()) -> OverlapRow:
     t = result.median
-    return OverlapRow(
-        name, t, t / max(t_gemm, t_comm), (t_gemm + t_comm - t) / min(t_gemm, t_comm), error, result
-    )
+    vs_bound = float(np.median(per_round)) if per_round else t / max(t_gemm, t_comm)
+    hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm)
+    return OverlapRow(name, t, vs_bound, hidden, error, result, tuple(per_round))
 
 
 def _max_error(out: jax.Array, ref: jax.Array) -> float:
@@ -94,10 +100,12 @@ def overlap_report(
     """Times, in one run: the GEMM alone, the collective alone, XLA's own `jnp.dot` (if asked)
     and `cg.gemm` with each method (max |error| against the serial baseline beside each).
 
-    With rounds > 1 the variants are timed in turn, `rounds` times over, `iters` samples each
-    time, and each variant's samples are pooled: a drift of the GPU's clock during the run
-    (seen on 2xH200: the same program 5% apart at the start and the end) then reaches every
-    variant alike instead of favouring the ones timed first or last.
+    With rounds > 1 the variants (the GEMM and the collective alone included) are timed in
+    turn, `rounds` times over in a shuffled order, `iters` samples each time: t_ms pools each
+    variant's samples, and vs_bound is the median over rounds of t / bound within the round.
+    On 2xH200 the GPUs' speed drifts under sustained load (the GEMM alone moved by up to 15%
+    between rounds, identical executables by as much; benchmarks/NOTES.md), so a ratio of two
+    figures measured seconds apart is steadier than one of figures measured a minute apart.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")
@@ -127,13 +135,30 @@ def overlap_report(
         timed.append((name, fn, (x, w)))
     results: dict[str, list[BenchmarkResult]] = {name: [] for name, _, _ in timed}
     for r in range(rounds):
-        for name, fn, args in timed:
+        order = list(timed)
+        if rounds > 1:
+            random.Random(r).shuffle(order)
+        for name, fn, args in order:
             step(f"{name} (round {r + 1} of {rounds})" if rounds > 1 else name)
             results[name].append(benchmark(fn, *args, iters=iters, warmup=warmup if r == 0 else 1))
+    bounds = [
+        max(g.median, c.median)
+        for g, c in zip(results["gemm alone"], results["collective alone"], strict=True)
+    ]
     pooled = {name: pool(rs) for name, rs in results.items()}
     t_gemm, t_comm = pooled.pop("gemm alone").median, pooled.pop("collective alone").median
     rows = tuple(
-        _row(name, result, t_gemm, t_comm, errors.get(name)) for name, result in pooled.items()
+        _row(
+            name,
+            result,
+            t_gemm,
+            t_comm,
+            errors.get(name),
+            [r.median / b for r, b in zip(results[name], bounds, strict=True)]
+            if rounds > 1
+            else (),
+        )
+        for name, result in pooled.items()
     )
     return OverlapReport(
         op, tuple(shape), dtype, problem.size, t_gemm, t_comm, rows, tuple(failures)
