@@ -1,9 +1,10 @@
 """Same program, separate executables: is a gap between two identical configs (AUTO resolved
 to "fused" vs "fused", seen in the final suite) the method or the compiled executable?
 
-Compiles `--copies` executables of one config per case (distinct jit wrappers), times them in
-turn for `--rounds` rounds (pooled medians), beside serial, and diffs the optimized HLO of the
-first two copies (backend configs, which hold the serialized kernels, left out).
+Compiles `--copies` executables of one config per case (distinct jit wrappers; 'fused+auto':
+of each of two configs), times them in turn for `--rounds` rounds (pooled medians), beside
+serial, and diffs the optimized HLO of the first two (backend configs, which hold the serialized
+kernels, left out).
 
     PYTHONPATH=. python benchmarks/executable_ab.py --out DIR
 """
@@ -64,8 +65,10 @@ def main() -> None:
             "gemm alone": (gemm_fn, gemm_args),
             "none": (problem.overlapped(cg.OverlapConfig()), (x, w)),
         }
+        specs = spec.split("+")  # 'fused+auto': copies of each
         for i in range(args.copies):
-            fns[f"{spec} #{i}"] = (copy_of(problem, parse_method(spec), i), (x, w))
+            for sp in specs:
+                fns[f"{sp} #{i}"] = (copy_of(problem, parse_method(sp), i), (x, w))
         runs = {name: [] for name in fns}
         for r in range(args.rounds):
             for name, (fn, fargs) in fns.items():
@@ -86,8 +89,9 @@ def main() -> None:
                 + " ".join(f"{r.median / t_gemm:.3f}" for r in rs),
                 flush=True,
             )
-        a = hlo_lines(fns[f"{spec} #0"][0], x, w)
-        b = hlo_lines(fns[f"{spec} #1"][0], x, w)
+        second = f"{specs[1]} #0" if len(specs) > 1 else f"{spec} #1"
+        a = hlo_lines(fns[f"{specs[0]} #0"][0], x, w)
+        b = hlo_lines(fns[second][0], x, w)
         diff = [d for d in difflib.unified_diff(a, b, lineterm="", n=0) if d[:1] in "+-"]
         print(
             f"{case}: optimized HLO of copies 0 and 1: {len(a)} lines, {len(diff)} differ",
