@@ -94,7 +94,8 @@ def main() -> None:
         b = hlo_lines(fns[second][0], x, w)
         diff = [d for d in difflib.unified_diff(a, b, lineterm="", n=0) if d[:1] in "+-"]
         print(
-            f"{case}: optimized HLO of copies 0 and 1: {len(a)} lines, {len(diff)} differ",
+            f"{case}: optimized HLO of {specs[0]} #0 and {second}: {len(a)} lines, "
+            f"{len(diff)} differ",
             flush=True,
         )
         (args.out / f"hlo_{preset}_{op}.txt").write_text("\n".join(a))
