@@ -136,3 +136,24 @@ def test_bad_epilogue(rng):
             P(None, "x"),
         )
         f(x, w, np.ones(16, np.float32))
+
+
+def test_fused_kernel_environment_checks(monkeypatch):
+    """What the fused kernels need of the machine, each with its own reason (faked devices:
+    the CI has no GPU)."""
+    import types
+
+    import jax
+
+    from commgemm.algorithms import fused
+
+    def machine(capability: str, version: tuple, processes: int = 1) -> str | None:
+        gpu = types.SimpleNamespace(platform="gpu", compute_capability=capability)
+        monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+        monkeypatch.setattr(jax, "__version_info__", version)
+        monkeypatch.setattr(jax, "process_count", lambda: processes)
+        return fused._gpu_reason()
+
+    assert "Hopper GPU (compute capability 9.x), got 8.0" in machine("8.0", (0, 11, 2))
+    assert "needs jax >= 0.11" in machine("9.0", (0, 10, 2))
+    assert "one process driving all GPUs" in machine("9.0", (0, 11, 2), processes=2)

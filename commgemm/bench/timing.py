@@ -51,9 +51,10 @@ def benchmark(
     time) and the device runs them back to back. A sample is the time between the completion
     (`block_until_ready` on every output shard) of call i and of call i+group, divided by
     group: the device time per call, with the Python dispatch of later calls happening meanwhile
-    and so not timed. Averaging over a group matters on several GPUs: the host sees each
-    completion a little late, by a varying amount, so single-call deltas jitter (on 2xH200
-    some fell below the bound) while their sum over a group does not.
+    and so not timed. On several GPUs the host sees
+    completions late and sometimes in bursts, so single deltas jitter (on 2xH200 some fell far
+    below the bound); averaging over a group narrows that, without removing it, so use the
+    median, not the minimum.
     If dispatching fell behind the device (the queue ran dry), `dispatch_bound` is set and the
     samples include launch gaps: use bigger problems.
     """
