@@ -16,33 +16,16 @@ import time
 import traceback
 
 import jax
-from jax.sharding import NamedSharding
 
 import commgemm as cg
 from commgemm.algorithms import fused
 from commgemm.bench.problems import PRESETS, make_problem, parse_method
 from commgemm.bench.timing import benchmark
 
-TILINGS = {
-    "fused": fused.Tiles(),
-    "fused-w8": fused.Tiles(grid_tile_width=8),
-    "fused-wgm": fused.Tiles(wg_along_m=True),
-    "fused-s3": fused.Tiles(stages=3),
-}
+TILINGS = ["fused", "fused-w8", "fused-wgm", "fused-s3"]
 #: XLA's limit on collectives in flight (default 1), per jit.
 OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 FLAG_VARIANTS = {"ring:4 limit4": ("ring:4", 4), "ring:8 limit8": ("ring:8", 8)}
-
-
-def jitted(problem, cfg, compiler_options=None):
-    call = functools.partial(
-        cg.gemm,
-        out_sharding=NamedSharding(problem.mesh, problem.out_spec),
-        config=cfg,
-        x_spec=problem.x_spec,
-        w_spec=problem.w_spec,
-    )
-    return jax.jit(call, compiler_options=compiler_options)
 
 
 def max_error(a, b) -> float:
@@ -59,7 +42,7 @@ def mosaic_gemm_alone(problem, iters: int) -> float:
     lm, lk, ln = {"ag": (m, k, n // p), "rs": (m // p, k // p, n)}[problem.op]
     a = jax.random.normal(jax.random.key(1), (lm, lk), "bfloat16")
     b = jax.random.normal(jax.random.key(2), (lk, ln), "bfloat16")
-    fn = jax.jit(functools.partial(hm.matmul, c=None, config=fused.DEFAULT_TILES.tuning_config()))
+    fn = jax.jit(functools.partial(hm.matmul, c=None, config=fused.tuning_config(cg.FusedTiles())))
     t = benchmark(fn, a, b, iters=iters).median
     return t * (p if problem.op == "rs" else 1)  # RS: P row blocks of M/P each
 
@@ -78,21 +61,18 @@ def probe(preset: str, op: str, iters: int, log) -> dict:
         log(f"  mosaic gemm alone FAILED {type(err).__name__}: {str(err)[:800]}")
     log(f"  {preset} {op}: gemm {t_gemm:.3f} comm {t_comm:.3f} mosaic gemm {t_mosaic}")
     x, w = problem.operands()
-    reference = jitted(problem, cg.OverlapConfig())(x, w)
-    variants = [("xla", problem.xla(), None)]
-    variants += [(m, jitted(problem, parse_method(m)), None) for m in ("none", "ring", "ring:2")]
+    reference = problem.overlapped(cg.OverlapConfig())(x, w)
+    variants = [("xla", problem.xla())]
+    variants += [(m, problem.overlapped(parse_method(m))) for m in ("none", "ring", "ring:2")]
     variants += [
-        (name, jitted(problem, parse_method(m), {OVERLAP_LIMIT: limit}), None)
+        (name, problem.overlapped(parse_method(m), {OVERLAP_LIMIT: limit}))
         for name, (m, limit) in FLAG_VARIANTS.items()
     ]
-    variants += [(name, None, tiles) for name, tiles in TILINGS.items()]
+    variants += [(name, problem.overlapped(parse_method(name))) for name in TILINGS]
     rows = []
-    for name, fn, tiles in variants:
+    for name, fn in variants:
         try:
-            if tiles is not None:
-                fused.TILES_OVERRIDE = tiles
-                fn = jitted(problem, parse_method("fused"))
-            out = fn(x, w)  # compiles (with the override in place)
+            out = fn(x, w)  # compiles
             error = max_error(out, reference)
             del out
             r = benchmark(fn, x, w, iters=iters)
@@ -114,8 +94,6 @@ def probe(preset: str, op: str, iters: int, log) -> dict:
             rows.append(dict(name=name, error=f"{type(err).__name__}: {err}"[:3000]))
             log(f"  {preset} {op} {name} FAILED {type(err).__name__}: {str(err)[:800]}")
             traceback.print_exc()
-        finally:
-            fused.TILES_OVERRIDE = None
     return dict(
         preset=preset,
         op=op,

@@ -115,7 +115,9 @@ class Problem:
         m, k, n = self.shape
         return self._random((m, k), self.x_spec, seed), self._random((k, n), self.w_spec, seed + 1)
 
-    def overlapped(self, cfg: cg.OverlapConfig) -> Callable:
+    def overlapped(self, cfg: cg.OverlapConfig, compiler_options: dict | None = None) -> Callable:
+        """`cg.gemm` under `cfg`, jitted (with XLA `compiler_options` if given, e.g. debug
+        options that exist as flags only)."""
         call = functools.partial(
             cg.gemm,
             out_sharding=NamedSharding(self.mesh, self.out_spec),
@@ -123,7 +125,7 @@ class Problem:
             x_spec=self.x_spec,
             w_spec=self.w_spec,
         )
-        return jax.jit(call)
+        return jax.jit(call, compiler_options=compiler_options)
 
     def xla(self) -> Callable:
         """What a user writes without commgemm: one dot, XLA chooses the collectives."""
