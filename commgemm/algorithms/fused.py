@@ -8,15 +8,17 @@ way the reference's atomic GEMMs do with userbuffers:
   AG: jax's own `all_gather_lhs_matmul`: while a CTA multiplies a tile of x it also writes that
       tile, already in shared memory, into the next device's buffer over NVLink; step s
       multiplies the block that arrived in step s-1.
-  RS: ours, built on jax's Hopper matmul kernel: step s computes the partial product of the row
-      block that ends on device d+P-s-1 ... d, adds the partial sum received from device d-1
-      (read in the epilogue), and writes the tile straight into device d+1's buffer; the last
-      step writes this device's rows of the sum. Partial sums travel in the output dtype.
+  RS: ours, built on jax's Hopper matmul kernel: at step s device d computes its partial
+      product of row block (d - s - 1) mod P, adds the partial sum of that block received from
+      device d-1 (read in the epilogue; none at step 0), and writes each tile straight into
+      device d+1's buffer; at the last step the block is d's own and the sum goes to the output.
+      Partial sums travel in the output dtype.
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
-divide into the kernel's tiles. The backward pass of a fused op runs the RING_EXCHANGE method.
+divide into the kernel's tiles. Mosaic GPU itself also wants the mesh's devices in id order
+(it raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
 """
 
 from __future__ import annotations
