@@ -27,8 +27,9 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 
 
 #: Tilings of the fused kernel the tuner also measures, beside the default ("fused"); on 2xH200
-#: each was the fastest on some preset (benchmarks/NOTES.md).
-FUSED_TILINGS = ("fused-w8", "fused-wgm")
+#: each was the fastest on some preset (BENCHMARKS.md: fused-w8 on comm_heavy AG, fused-wgm on
+#: llama8b RS in the probe, fused-gm-w8 on llama8b AG in stage 2).
+FUSED_TILINGS = ("fused-w8", "fused-wgm", "fused-gm-w8")
 
 
 def cache_path() -> pathlib.Path:
