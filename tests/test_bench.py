@@ -1,6 +1,7 @@
 """benchmark(), numerics.compare(), overlap_report() and the `commgemm bench | info` CLI."""
 
 import json
+import re
 import time
 
 import jax
@@ -167,6 +168,15 @@ def test_cli_bench_writes_json_and_plot(tmp_path):
     assert names == ["xla", "none", "ring", "pipeline:2"]
     assert all(len(r["timing"]["samples"]) == 3 for r in data["report"]["rows"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_says_why_a_method_did_not_run(capsys):
+    code = main(
+        ["bench", "--op", "ag", "--shape", "256,64,64", "--dtype", "f32", "--iters", "2",
+         "--methods", "none,fused"]
+    )  # fmt: skip
+    assert code == 0
+    assert re.search(r"fused: not\s+run:\s+ATOMIC_GEMM_AG_P2P", capsys.readouterr().out)
 
 
 def test_cli_info(capsys):

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         err = "" if r.max_error is None else f"{r.max_error:.2e}"
         table.add_row(r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.hidden:.2f}", err)
     console.print(table)
+    for name, why in report.failures:
+        console.print(f"{name}: not run: {why}")
     if not lead:
         return 0
     if args.json:
