@@ -79,7 +79,7 @@ def spec_of(cfg: OverlapConfig) -> str:
     if cfg.atomic_gemm:
         from commgemm.bench.problems import fused_spec
 
-        return fused_spec(cfg.fused_tiles)
+        return fused_spec(cfg.fused_tiles, direct=cfg.method is Method.PIPELINE)
     name = {Method.NONE: "none", Method.PIPELINE: "pipeline"}.get(cfg.method)
     if name is None:
         name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"
@@ -103,13 +103,12 @@ def tune(
     *,
     dtype: str = "bfloat16",
     methods: list[str] | None = None,
-    iters: int = 20,
-    rounds: int = 1,
+    iters: int = 40,
     path: pathlib.Path | None = None,
     progress=None,
 ) -> TuneResult:
-    """Measures every candidate (`overlap_report`, one run), stores the fastest and the machine
-    figures the run implies (GEMM rate, received bytes per second) in the cache."""
+    """Measures every candidate (`overlap_report`: one run, interleaved), stores the fastest and
+    the machine figures the run implies (GEMM rate, received bytes per second) in the cache."""
     from commgemm.bench.overlap import overlap_report
 
     if op not in OPS:
@@ -132,7 +131,6 @@ def tune(
         methods=methods,
         dtype=dtype,
         iters=iters,
-        rounds=rounds,
         include_xla=False,
         progress=progress,
     )

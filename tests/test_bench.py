@@ -39,6 +39,40 @@ def test_benchmark_groups_calls():
     assert 0 < sum(r.samples) * 3 <= elapsed_ms
 
 
+def test_benchmark_interleaved_cycles_through_variants():
+    """Every cycle takes one sample (group + 1 calls) of each variant, in an order that changes
+    between cycles; each variant gets `iters` samples whose sum fits in the elapsed time."""
+    jitted = jax.jit(lambda a: jnp.tanh(a @ a))
+    log: list[str] = []
+
+    def variant(name):
+        def f(a):
+            log.append(name)
+            return jitted(a)
+
+        return f, (jnp.ones((64, 64)),)
+
+    names = ["a", "b", "c"]
+    start = time.perf_counter()
+    results = cg.bench.benchmark_interleaved(
+        {n: variant(n) for n in names}, iters=6, warmup=1, group=2
+    )
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    assert list(results) == names
+    timed = log[len(names) :]  # after one warm-up call each
+    assert len(timed) == 6 * 3 * (2 + 1)
+    blocks = [timed[i] for i in range(0, len(timed), 3)]  # one name per sample
+    assert all(timed[i : i + 3] == [blocks[i // 3]] * 3 for i in range(0, len(timed), 3))
+    cycles = [tuple(blocks[i : i + 3]) for i in range(0, len(blocks), 3)]
+    assert all(sorted(c) == names for c in cycles) and len(set(cycles)) > 1
+    assert all(len(r.samples) == 6 and r.group == 2 for r in results.values())
+    assert 0 < sum(sum(r.samples) * 2 for r in results.values()) <= elapsed_ms
+    with pytest.raises(ValueError, match="variants is empty"):
+        cg.bench.benchmark_interleaved({})
+    with pytest.raises(ValueError, match="iters=1"):
+        cg.bench.benchmark_interleaved({"a": variant("a")}, iters=1)
+
+
 def test_benchmark_rejects_bad_arguments():
     f = jax.jit(lambda a: a)
     with pytest.raises(ValueError, match="iters=1"):
@@ -98,21 +132,20 @@ def test_compare_rejects_shape_mismatch():
         cg.numerics.compare(np.ones((2, 2)), np.ones((2, 3)), atol=0, rtol=0)
 
 
-def test_overlap_report_rounds_and_failures():
-    """rounds=2 pools two turns of `iters` samples per variant; a method that cannot run here
-    (the fused kernel, on a CPU) is listed with its reason instead of stopping the report."""
+def test_overlap_report_failures_and_spans_on_cpu():
+    """A method that cannot run here (the fused kernel, on a CPU) is listed with its reason
+    instead of stopping the report; device spans, asked for on a CPU, say why they are absent."""
     report = cg.bench.overlap_report(
-        "ag", (1024, 64, 2048), methods=["ring", "fused"], dtype="bfloat16", iters=3, rounds=2
+        "ag", (1024, 64, 2048), methods=["ring", "fused"], dtype="bfloat16", iters=3, spans=2
     )
     assert [r.name for r in report.rows] == ["xla", "ring"]
-    assert all(len(r.result.samples) == 6 for r in report.rows)
-    for r in report.rows:  # vs_bound: the median of the per-round ratios
-        assert len(r.vs_bound_rounds) == 2
-        assert r.vs_bound == pytest.approx(float(np.median(r.vs_bound_rounds)))
+    assert all(len(r.result.samples) == 3 for r in report.rows)
     assert report.failures[0][0] == "fused" and "runs on GPUs" in report.failures[0][1]
     assert report.as_dict()["failures"] == [list(report.failures[0])]
-    with pytest.raises(ValueError, match="rounds=0"):
-        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], rounds=0)
+    assert "no GPU activity" in report.span_error
+    assert report.span_gemm_ms is None and all(r.span_ms is None for r in report.rows)
+    with pytest.raises(ValueError, match="spans=-1"):
+        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], spans=-1)
 
 
 def test_overlap_report_figures():

@@ -1,8 +1,10 @@
-"""Measuring tools: `benchmark()`, `overlap_report()`, presets and method specs."""
+"""Measuring tools: `benchmark()`, `benchmark_interleaved()`, `device_spans()`,
+`overlap_report()`, presets and method specs."""
 
 from commgemm.bench.overlap import OverlapReport, OverlapRow, overlap_report
 from commgemm.bench.problems import PRESETS, make_problem, parse_method, parse_shape
-from commgemm.bench.timing import BenchmarkResult, benchmark
+from commgemm.bench.spans import device_spans
+from commgemm.bench.timing import BenchmarkResult, benchmark, benchmark_interleaved
 
 __all__ = [
     "PRESETS",
@@ -10,6 +12,8 @@ __all__ = [
     "OverlapReport",
     "OverlapRow",
     "benchmark",
+    "benchmark_interleaved",
+    "device_spans",
     "make_problem",
     "overlap_report",
     "parse_method",

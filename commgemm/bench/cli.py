@@ -21,10 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_METHODS,
         help=f"comma-separated method specs (default {DEFAULT_METHODS})",
     )
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument(
+        "--iters", type=int, default=50, help="cycles: each times every variant once, interleaved"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="time the variants in turn this many times, pooled"
+        "--spans",
+        type=int,
+        default=0,
+        help="also profile this many calls per variant and report GPU-timestamp spans (GPU only)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="write every raw figure here")
     parser.add_argument("--plot", type=pathlib.Path, help="write a vs_bound bar chart (PNG)")
@@ -58,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         trace = jax.profiler.trace(str(args.trace))
     with Progress(console=console, transient=True, disable=not lead) as progress, trace:
-        task = progress.add_task("benchmark", total=len(methods) + args.rounds * (len(methods) + 3))
+        steps = len(methods) + 1 + (len(methods) + 3 if args.spans else 0)
+        task = progress.add_task("benchmark", total=steps)
 
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"{args.op} {name}")
@@ -70,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=dtype,
             iters=args.iters,
             warmup=args.warmup,
-            rounds=args.rounds,
+            spans=args.spans,
             progress=step,
         )
     env = environment()
@@ -79,12 +85,20 @@ def run(args: argparse.Namespace) -> int:
         f"{env['device_kind']}: gemm {report.t_gemm_ms:.3f} ms, "
         f"comm {report.t_comm_ms:.3f} ms"
     )
-    for col in ("method", "median ms", "vs_bound", "hidden", "max |err| vs serial"):
+    columns = ["method", "median ms", "vs_bound", "hidden", "max |err| vs serial"]
+    if report.span_gemm_ms is not None:
+        columns += ["span ms", "vs_bound (spans)"]
+    for col in columns:
         table.add_column(col)
     for r in report.rows:
         err = "" if r.max_error is None else f"{r.max_error:.2e}"
-        table.add_row(r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.hidden:.2f}", err)
+        cells = [r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.hidden:.2f}", err]
+        if r.span_ms is not None:
+            cells += [f"{r.span_ms:.3f}", f"{r.vs_bound_span:.2f}"]
+        table.add_row(*cells)
     console.print(table)
+    if report.span_error:
+        console.print(f"device spans not measured: {report.span_error}")
     for name, why in report.failures:
         console.print(f"{name}: not run: {why}")
     if not lead:

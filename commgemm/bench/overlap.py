@@ -4,7 +4,6 @@ and each method, all timed in one run, with vs_bound and hidden (../shared/DESIG
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable, Sequence
 
 import jax
@@ -12,15 +11,16 @@ import numpy as np
 
 import commgemm as cg
 from commgemm.bench.problems import Problem, make_problem, parse_method
-from commgemm.bench.timing import BenchmarkResult, benchmark, pool
+from commgemm.bench.spans import device_spans
+from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 
 
 @dataclasses.dataclass(frozen=True)
 class OverlapRow:
     """One timed variant: t in ms (median), vs_bound = t / max(t_gemm, t_comm), and
     hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden).
-    With several rounds, vs_bound is the median over rounds of that ratio, each round's t and
-    bound measured in that round (vs_bound_rounds)."""
+    With device spans measured, span_ms is the median span and vs_bound_span the same ratio
+    over the spans of the GEMM and the collective alone."""
 
     name: str
     t_ms: float
@@ -28,7 +28,8 @@ class OverlapRow:
     hidden: float
     max_error: float | None
     result: BenchmarkResult
-    vs_bound_rounds: tuple[float, ...] = ()
+    span_ms: float | None = None
+    vs_bound_span: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,9 @@ class OverlapReport:
     t_comm_ms: float
     rows: tuple[OverlapRow, ...]
     failures: tuple[tuple[str, str], ...] = ()  # (method, error) for methods that could not run
+    span_gemm_ms: float | None = None
+    span_comm_ms: float | None = None
+    span_error: str | None = None  # why device spans were not measured, when asked for
 
     @property
     def bound_ms(self) -> float:
@@ -55,6 +59,9 @@ class OverlapReport:
             "t_gemm_ms": self.t_gemm_ms,
             "t_comm_ms": self.t_comm_ms,
             "bound_ms": self.bound_ms,
+            "span_gemm_ms": self.span_gemm_ms,
+            "span_comm_ms": self.span_comm_ms,
+            "span_error": self.span_error,
             "rows": [
                 {
                     "name": r.name,
@@ -62,7 +69,8 @@ class OverlapReport:
                     "vs_bound": r.vs_bound,
                     "hidden": r.hidden,
                     "max_error": r.max_error,
-                    "vs_bound_rounds": list(r.vs_bound_rounds),
+                    "span_ms": r.span_ms,
+                    "vs_bound_span": r.vs_bound_span,
                     "timing": r.result.as_dict(),
                 }
                 for r in self.rows
@@ -71,17 +79,23 @@ class OverlapReport:
         }
 
 
-def _row(name, result, t_gemm, t_comm, error=None, per_round=()) -> OverlapRow:
-    t = result.median
-    vs_bound = float(np.median(per_round)) if per_round else t / max(t_gemm, t_comm)
-    hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm)
-    return OverlapRow(name, t, vs_bound, hidden, error, result, tuple(per_round))
-
-
 def _max_error(out: jax.Array, ref: jax.Array) -> float:
     return float(
         jax.jit(lambda a, b: abs(a.astype("float32") - b.astype("float32")).max())(out, ref)
     )
+
+
+def _spans(timed, calls: int, step) -> tuple[dict[str, float], str | None]:
+    """{name: median device span in ms} of each timed variant, or ({}, why not). Every variant
+    runs its calls even after a failure, so the processes of a multi-process run stay in step."""
+    out, error = {}, None
+    for name, (fn, args) in timed.items():
+        step(f"{name} (device spans)")
+        try:
+            out[name] = float(np.median(device_spans(fn, *args, calls=calls)))
+        except RuntimeError as err:
+            error = error or f"{name}: {err}"
+    return ({}, error) if error else (out, None)
 
 
 def overlap_report(
@@ -93,33 +107,33 @@ def overlap_report(
     dtype: str = "bfloat16",
     iters: int = 50,
     warmup: int = 3,
-    rounds: int = 1,
+    group: int = 4,
+    spans: int = 0,
     include_xla: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> OverlapReport:
     """Times, in one run: the GEMM alone, the collective alone, XLA's own `jnp.dot` (if asked)
     and `cg.gemm` with each method (max |error| against the serial baseline beside each).
 
-    With rounds > 1 the variants (the GEMM and the collective alone included) are timed in
-    turn, `rounds` times over in a shuffled order, `iters` samples each time: t_ms pools each
-    variant's samples, and vs_bound is the median over rounds of t / bound within the round.
-    On 2xH200 the GPUs' speed drifts under sustained load (the GEMM alone moved by up to 15%
-    between rounds, identical executables by as much; benchmarks/NOTES.md), so a ratio of two
-    figures measured seconds apart is steadier than one of figures measured a minute apart.
+    The variants are timed interleaved (`benchmark_interleaved`: `iters` cycles, each one
+    sample of `group` calls of every variant in a shuffled order), so the GPUs' drift under
+    sustained load reaches all of them alike. With spans > 0, each variant also runs `spans`
+    calls under the profiler (`device_spans`) and rows carry the GPU-timestamp figures; where
+    that cannot work (a CPU backend) span_error says why.
     """
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds} must be >= 1")
+    if spans < 0:
+        raise ValueError(f"spans={spans} must be >= 0")
     problem: Problem = make_problem(op, shape, dtype, mesh_devices)
     step = progress or (lambda _: None)
     x, w = problem.operands()
     reference = problem.overlapped(cg.OverlapConfig())(x, w)
     gemm_fn, gemm_args = problem.gemm_alone()
-    timed: list[tuple[str, Callable, tuple]] = [
-        ("gemm alone", gemm_fn, gemm_args),
-        ("collective alone", problem.comm_alone(), (problem.comm_operand(),)),
-    ]
+    timed: dict[str, tuple[Callable, tuple]] = {
+        "gemm alone": (gemm_fn, gemm_args),
+        "collective alone": (problem.comm_alone(), (problem.comm_operand(),)),
+    }
     if include_xla:
-        timed.append(("xla", problem.xla(), (x, w)))
+        timed["xla"] = (problem.xla(), (x, w))
     errors, failures = {}, []
     for spec in methods:
         cfg = parse_method(spec) if isinstance(spec, str) else spec
@@ -132,34 +146,38 @@ def overlap_report(
             failures.append((name, str(err)))
             step(f"{name} cannot run: {err}")
             continue
-        timed.append((name, fn, (x, w)))
-    results: dict[str, list[BenchmarkResult]] = {name: [] for name, _, _ in timed}
-    for r in range(rounds):
-        order = list(timed)
-        if rounds > 1:
-            random.Random(r).shuffle(order)
-        for name, fn, args in order:
-            step(f"{name} (round {r + 1} of {rounds})" if rounds > 1 else name)
-            results[name].append(benchmark(fn, *args, iters=iters, warmup=warmup if r == 0 else 1))
-    bounds = [
-        max(g.median, c.median)
-        for g, c in zip(results["gemm alone"], results["collective alone"], strict=True)
-    ]
-    pooled = {name: pool(rs) for name, rs in results.items()}
-    t_gemm, t_comm = pooled.pop("gemm alone").median, pooled.pop("collective alone").median
+        timed[name] = (fn, (x, w))
+    step(f"{len(timed)} variants interleaved, {iters} cycles")
+    results = benchmark_interleaved(timed, iters=iters, warmup=warmup, group=group)
+    span_ms, span_error = _spans(timed, spans, step) if spans else ({}, None)
+    t_gemm = results.pop("gemm alone").median
+    t_comm = results.pop("collective alone").median
+    span_bound = None
+    if span_ms:
+        span_bound = max(span_ms["gemm alone"], span_ms["collective alone"])
     rows = tuple(
-        _row(
+        OverlapRow(
             name,
-            result,
-            t_gemm,
-            t_comm,
+            result.median,
+            result.median / max(t_gemm, t_comm),
+            (t_gemm + t_comm - result.median) / min(t_gemm, t_comm),
             errors.get(name),
-            [r.median / b for r, b in zip(results[name], bounds, strict=True)]
-            if rounds > 1
-            else (),
+            result,
+            span_ms.get(name),
+            span_ms[name] / span_bound if span_bound else None,
         )
-        for name, result in pooled.items()
+        for name, result in results.items()
     )
     return OverlapReport(
-        op, tuple(shape), dtype, problem.size, t_gemm, t_comm, rows, tuple(failures)
+        op,
+        tuple(shape),
+        dtype,
+        problem.size,
+        t_gemm,
+        t_comm,
+        rows,
+        tuple(failures),
+        span_ms.get("gemm alone"),
+        span_ms.get("collective alone"),
+        span_error,
     )

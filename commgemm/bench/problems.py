@@ -26,13 +26,17 @@ OPS = ("ag", "rs", "ar", "2d")
 
 
 def parse_fused(spec: str) -> cg.OverlapConfig:
-    """'fused' with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
-    (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
-    (epilogue blocks), e.g. 'fused-wgm-w8'."""
+    """'fused' (the ring kernels, RING_EXCHANGE) or 'fused-direct' (GEMM+RS only: ATOMIC_GEMM_RS,
+    tiles reduce-added straight into their owner; method PIPELINE), with optional tiling
+    suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm' (warpgroups along M), '-gm' (grid
+    along M), '-m256' / '-n64' (tile_m / tile_n), '-e128' (epilogue blocks), e.g. 'fused-wgm-w8'."""
     fields: dict[str, object] = {}
     keys = {"w": "grid_tile_width", "s": "stages", "m": "tile_m", "n": "tile_n", "e": "epi"}
+    method = "ring_exchange"
     for part in spec.split("-")[1:]:
-        if part == "wgm":
+        if part == "direct" and method == "ring_exchange":
+            method = "pipeline"
+        elif part == "wgm":
             fields["wg_along_m"] = True
         elif part == "gm":
             fields["grid_minor_m"] = True
@@ -41,15 +45,15 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm"
+                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
-    return cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, fused_tiles=tiles)
+    return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
 
 
-def fused_spec(tiles: cg.FusedTiles | None) -> str:
-    """The inverse of `parse_fused`."""
-    parts = ["fused"]
+def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
+    """The inverse of `parse_fused` (direct: the ATOMIC_GEMM_RS kernel)."""
+    parts = ["fused", "direct"] if direct else ["fused"]
     default = cg.FusedTiles()
     tiles = tiles or default
     if tiles.wg_along_m:

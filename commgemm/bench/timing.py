@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -84,6 +85,63 @@ def benchmark(
     return summarize(
         samples, warmup=warmup, group=group, dispatch_bound=queue_ran_dry > (calls - 1) // 10
     )
+
+
+def benchmark_interleaved(
+    variants: Mapping[str, tuple[Callable, tuple]],
+    *,
+    iters: int = 30,
+    warmup: int = 3,
+    group: int = 4,
+    seed: int = 0,
+) -> dict[str, BenchmarkResult]:
+    """Times several jitted functions against each other: {name: (fn, args)} -> {name: result}.
+
+    Each of `iters` cycles takes one sample of every variant, in an order shuffled per cycle
+    (seeded, so every process of a multi-process run agrees on it). A sample enqueues group + 1
+    calls and is the time between the completions of the first and of the last, over group:
+    the device time per call, as in `benchmark`. Sample i of every variant comes from cycle i,
+    a fraction of a second wide, so a slow drift of the GPUs' speed (seen on 2xH200: up to 18%
+    over a minute under load) reaches every variant alike and ratios of medians stay fair.
+    `dispatch_bound` is set for a variant when, in over a tenth of its samples, the first call
+    had finished before the last one was enqueued (the device may have waited for Python).
+    """
+    if iters < 2:
+        raise ValueError(f"iters={iters} must be >= 2")
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup} must be >= 1 (the first call compiles)")
+    if group < 1:
+        raise ValueError(f"group={group} must be >= 1")
+    if not variants:
+        raise ValueError("variants is empty: give at least one {name: (fn, args)}")
+    for fn, args in variants.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    late = dict.fromkeys(variants, 0)
+    names = list(variants)
+    for cycle in range(iters):
+        order = list(names)
+        random.Random(seed * 1_000_003 + cycle).shuffle(order)
+        for name in order:
+            fn, args = variants[name]
+            outs = [fn(*args) for _ in range(group + 1)]
+            late[name] += _is_ready(outs[0])
+            jax.block_until_ready(outs[0])
+            start = time.perf_counter()
+            jax.block_until_ready(outs[-1])
+            samples[name].append((time.perf_counter() - start) * 1e3 / group)
+    return {
+        name: summarize(
+            samples[name], warmup=warmup, group=group, dispatch_bound=late[name] > iters // 10
+        )
+        for name in names
+    }
+
+
+def _is_ready(out) -> bool:
+    leaves = jax.tree.leaves(out)
+    return all(leaf.is_ready() for leaf in leaves if hasattr(leaf, "is_ready"))
 
 
 def summarize(samples, *, warmup: int, group: int, dispatch_bound: bool = False) -> BenchmarkResult:

@@ -1,0 +1,100 @@
+"""device_spans(): per-call GPU time from a profiler trace (synthetic traces on the CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import commgemm as cg
+from commgemm.bench.spans import spans_from_trace, split_calls
+
+
+def _trace(devices: dict[int, dict[str, list[tuple[int, int]]]]):
+    """A ProfileData with GPU planes: {device: {line name: [(start_ns, duration_ns)]}}, plus a
+    host plane whose events must be ignored."""
+    planes = [
+        'planes { id: 99 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0 '
+        "events { metadata_id: 1 offset_ps: 0 duration_ps: 999000000000 } } "
+        'event_metadata { key: 1 value { id: 1 name: "host" } } }'
+    ]
+    for dev, lines in devices.items():
+        body = []
+        for i, (name, events) in enumerate(lines.items()):
+            evs = " ".join(
+                f"events {{ metadata_id: 1 offset_ps: {s * 1000} duration_ps: {d * 1000} }}"
+                for s, d in events
+            )
+            body.append(f'lines {{ id: {i + 1} name: "{name}" timestamp_ns: 0 {evs} }}')
+        planes.append(
+            f'planes {{ id: {dev + 1} name: "/device:GPU:{dev}" {" ".join(body)} '
+            'event_metadata { key: 1 value { id: 1 name: "kernel" } } }'
+        )
+    text = "\n".join(planes)
+    data = jax.profiler.ProfileData
+    return data.from_serialized_xspace(data.text_proto_to_serialized_xspace(text))
+
+
+def test_split_calls_merges_overlapping_streams():
+    # two streams overlapping in call 1, a small gap inside call 2, a big gap between calls
+    intervals = [(0, 50), (30, 100), (110, 130), (1000, 1200), (1250, 1300)]
+    assert split_calls(intervals, min_gap_ns=500) == [(0, 130), (1000, 1300)]
+    assert split_calls(intervals, min_gap_ns=5) == [
+        (0, 100),
+        (110, 130),
+        (1000, 1200),
+        (1250, 1300),
+    ]
+    with pytest.raises(ValueError, match="ends before"):
+        split_calls([(5, 1)], min_gap_ns=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 400), st.integers(1, 300)), min_size=1, max_size=5),
+        min_size=1,
+        max_size=6,
+    ),
+    st.randoms(),
+)
+def test_split_calls_recovers_separated_calls(calls, rnd):
+    """Calls laid out 10 us apart, their kernels (start offset, duration) shuffled: each call's
+    span is its first start to its last end, whatever the order of the intervals."""
+    intervals, expected, base = [], [], 0
+    for kernels in calls:
+        spans = [(base + s, base + s + d) for s, d in kernels]
+        intervals += spans
+        expected.append((min(s for s, _ in spans), max(e for _, e in spans)))
+        base += 10_000
+    rnd.shuffle(intervals)
+    assert split_calls(intervals, min_gap_ns=5_000) == expected
+
+
+def test_spans_take_the_slowest_device_per_call():
+    # GPU 0: call 1 spans 0..300 over two streams; call 2 spans 5000..5100
+    # GPU 1: call 1 spans 10..210; call 2 spans 5000..5400 (the slower one)
+    data = _trace(
+        {
+            0: {"Stream #1(Compute)": [(0, 200), (5000, 100)], "Stream #2(NCCL)": [(100, 200)]},
+            1: {"Stream #1(Compute)": [(10, 200), (5000, 400)]},
+        }
+    )
+    spans = spans_from_trace(data, calls=2, min_gap_ns=1000)
+    np.testing.assert_allclose(spans, [300e-6, 400e-6])  # ms
+    with pytest.raises(RuntimeError, match="found 2 runs of activity for 3 calls"):
+        spans_from_trace(data, calls=3, min_gap_ns=1000)
+
+
+def test_spans_ignore_derived_lines_when_streams_exist():
+    data = _trace({0: {"Stream #1": [(0, 100), (5000, 100)], "XLA Modules": [(0, 6000)]}})
+    np.testing.assert_allclose(spans_from_trace(data, calls=2, min_gap_ns=1000), [1e-4, 1e-4])
+
+
+def test_device_spans_on_cpu_say_why():
+    f = jax.jit(lambda a: a @ a)
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        cg.bench.device_spans(f, jnp.ones((32, 32)), calls=2)
+    with pytest.raises(ValueError, match="calls=0"):
+        cg.bench.device_spans(f, jnp.ones((32, 32)), calls=0)
