@@ -11,6 +11,9 @@
 #            tilings (epilogue blocks), then the suite with the variants timed in turn, 3 rounds.
 #   stage 5: the suite again, 5 rounds in shuffled order, vs_bound per round (stage 4 and an
 #            A/B of identical executables showed the GPUs' speed drifting during a run).
+#   stage 6: (new session) the direct reduce-add kernel (ATOMIC_GEMM_RS, `fused-direct`): its
+#            outputs against float32 on every shape, then each RS preset timed (interleaved
+#            timing, device spans) beside the ring kernel; comm_heavy AG over more tilings.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -19,7 +22,7 @@
 # Everything lands in $OUT/results.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COMMGEMM_TUNE_CACHE=$OUT/r/tune.json
+export COLUMNS=200 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COMMGEMM_TUNE_CACHE=$OUT/r/tune.json
 mkdir -p $OUT/r
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > $OUT/r/gpus.txt
 if [ "$1" = 1 ]; then
@@ -40,6 +43,22 @@ elif [ "$1" = 2 ]; then
     timeout 70 python3 -m commgemm tune --op ag --preset $preset --iters 12 \
       --methods fused-w8,fused-gm,fused-gm-w8,fused-w16,fused-wgm-w8 2>&1 | tail -9
   done 2>&1 | tee $OUT/r/tune2.log
+elif [ "$1" = 6 ]; then
+  mkdir -p $OUT/r/stage6
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name direct_check \
+    --base fused-direct --ops rs --no-grads --tilings fused-direct-w8,fused-direct-wgm \
+    > $OUT/r/direct_check.log 2>&1
+  direct=$?
+  tail -4 $OUT/r/direct_check.log
+  rs_methods=none,fused,fused-w8
+  [ $direct = 0 ] && rs_methods=$rs_methods,fused-direct,fused-direct-w8,fused-direct-wgm
+  for preset in llama8b_mlp comm_heavy llama70b_mlp; do
+    timeout 120 python3 -m commgemm bench --op rs --preset $preset --iters 30 --spans 8 \
+      --methods $rs_methods --json $OUT/r/stage6/$preset-rs.json 2>&1 | tail -13
+  done 2>&1 | tee $OUT/r/stage6.log
+  timeout 120 python3 -m commgemm bench --op ag --preset comm_heavy --iters 30 --spans 8 \
+    --methods none,fused,fused-w8,fused-w4,fused-w16,fused-m256-n64-w8,fused-gm-w4,fused-wgm-w8 \
+    --json $OUT/r/stage6/comm_heavy-ag.json 2>&1 | tail -14 | tee -a $OUT/r/stage6.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

@@ -59,8 +59,8 @@ class Algorithm(enum.Enum):
     ATOMIC_GEMM_RS_P2P = "atomic_gemm_rs_p2p"
 
 
-#: Algorithms that run a fused (atomic) GEMM kernel: AG_P2P and RS_P2P on Hopper GPUs
-#: (commgemm.algorithms.fused); ATOMIC_GEMM_RS has no kernel.
+#: Algorithms that run a fused (atomic) GEMM kernel on Hopper GPUs (commgemm.algorithms.fused):
+#: AG_P2P and RS_P2P as rings, ATOMIC_GEMM_RS as direct reduce-adds into each owner.
 ATOMIC_ALGORITHMS = frozenset(
     {Algorithm.ATOMIC_GEMM_RS, Algorithm.ATOMIC_GEMM_AG_P2P, Algorithm.ATOMIC_GEMM_RS_P2P}
 )

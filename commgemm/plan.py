@@ -60,13 +60,8 @@ def _check_fused(
     cfg: OverlapConfig,
     w_transposed: bool,
 ) -> None:
-    """ATOMIC_GEMM_AG_P2P / _RS_P2P run one fused kernel (commgemm.algorithms.fused) where it
-    can run; anything else is a clear error, not a silent fallback."""
-    if algorithm is Algorithm.ATOMIC_GEMM_RS:
-        raise NotImplementedError(
-            "ATOMIC_GEMM_RS (PIPELINE with atomic_gemm) has no kernel; the fused reduce-scatter "
-            "is method=RING_EXCHANGE with atomic_gemm=True (ATOMIC_GEMM_RS_P2P)"
-        )
+    """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.algorithms.fused)
+    where it can run; anything else is a clear error, not a silent fallback."""
     from commgemm.algorithms import fused  # imports Pallas lazily
 
     reason = fused.unsupported_reason(collective, x, w, size, cfg, w_transposed=w_transposed)

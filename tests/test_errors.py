@@ -85,10 +85,15 @@ def test_fused_kernel_tile_divisibility(rng):
         call(cg.all_gather_matmul, x, w, config=cfg)
 
 
-def test_pipelined_atomic_rs_has_no_kernel(rng):
+def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):
+    """ATOMIC_GEMM_RS (the direct reduce-add kernel) checks its needs like the ring kernels."""
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
-    with pytest.raises(NotImplementedError, match="ATOMIC_GEMM_RS .* has no kernel"):
+    with pytest.raises(ValueError, match="ATOMIC_GEMM_RS .* cannot run this call: it needs bf"):
         call(cg.matmul_reduce_scatter, random(rng, (32, 16)), random(rng, (16, 8)), config=cfg)
+    x = random(rng, (4096, 1024), ml_dtypes.bfloat16)
+    w = random(rng, (1024, 2048), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="ATOMIC_GEMM_RS .* runs on GPUs"):
+        call(cg.matmul_reduce_scatter, x, w, config=cfg)
 
 
 def test_integer_dtype(rng):

@@ -105,13 +105,18 @@ def test_spec_round_trip():
         "fused-n64",
         "fused-gm-w8",
         "fused-s3-e128",
+        "fused-direct",
+        "fused-direct-wgm-w8",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
     tiles = cg.bench.parse_method("fused-wgm-w8").fused_tiles
     assert tiles.wg_along_m and tiles.grid_tile_width == 8 and tiles.cta_m == 256
+    assert cg.bench.parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
         cg.bench.parse_method("fused-x3")
+    with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
+        cg.bench.parse_method("fused-direct-direct")
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])

@@ -13,6 +13,8 @@ way the reference's atomic GEMMs do with userbuffers:
       device d-1 (read in the epilogue; none at step 0), and writes each tile straight into
       device d+1's buffer; at the last step the block is d's own and the sum goes to the output.
       Partial sums travel in the output dtype.
+  ATOMIC_GEMM_RS (method PIPELINE): `scatter_add_gemm`, no ring: every tile is reduce-added
+      straight into its owner's output, tiles of all blocks interleaved.
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
@@ -27,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import Collective, FusedTiles, OverlapConfig
+from commgemm.algorithms import scatter_add_gemm
+from commgemm.config import Collective, FusedTiles, Method, OverlapConfig
 
 
 def tuning_config(tiles: FusedTiles):
@@ -82,6 +85,8 @@ def unsupported_reason(
     or [n, K] with w_transposed), or None when it can."""
     if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         return f"there is no fused kernel for {collective.name}"
+    if config.method is Method.PIPELINE and collective is not Collective.REDUCE_SCATTER:
+        return "the fused PIPELINE kernel (ATOMIC_GEMM_RS) is a reduce-scatter"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
     for field in ("out_dtype", "reduce_dtype"):
@@ -186,7 +191,10 @@ def matmul_reduce_scatter(
     *,
     w_transposed: bool,
 ) -> jax.Array:
-    """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel."""
+    """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel:
+    the ring (RING_EXCHANGE) or the direct reduce-adds of `scatter_add_gemm` (PIPELINE)."""
+    if config.method is Method.PIPELINE:
+        return scatter_add_gemm.matmul_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
@@ -194,7 +202,7 @@ def matmul_reduce_scatter(
     size = lax.axis_size(axis_name)
     w = _as_kn(w, w_transposed)
     rows, n = x.shape[0] // size, w.shape[1]
-    num_sms = jax.devices()[0].core_count
+    num_sms = scatter_add_gemm.num_sms()
     tuning = tuning_config(config.fused_tiles or FusedTiles())
     signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
 
