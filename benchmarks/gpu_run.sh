@@ -14,6 +14,10 @@
 #   stage 6: (new session) the direct reduce-add kernel (ATOMIC_GEMM_RS, `fused-direct`): its
 #            outputs against float32 on every shape, then each RS preset timed (interleaved
 #            timing, device spans) beside the ring kernel; comm_heavy AG over more tilings.
+#   stage 7: fused-direct with gradients; tune the three issue presets (interleaved timing;
+#            fused-direct among the RS candidates).
+#   stage 8: the new default tiling (bands 8 wide) with gradients; the suite with AUTO reading stage 7's cache; llama13b_mlp is left untuned (AUTO's
+#            cost model alone); interleaved timing plus device spans.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -59,6 +63,24 @@ elif [ "$1" = 6 ]; then
   timeout 120 python3 -m commgemm bench --op ag --preset comm_heavy --iters 30 --spans 8 \
     --methods none,fused,fused-w8,fused-w4,fused-w16,fused-m256-n64-w8,fused-gm-w4,fused-wgm-w8 \
     --json $OUT/r/stage6/comm_heavy-ag.json 2>&1 | tail -14 | tee -a $OUT/r/stage6.log
+elif [ "$1" = 7 ]; then
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 150 python3 benchmarks/fused_check.py \
+    --out $OUT/r --name check7_direct --base fused-direct --ops rs --shapes 1,3 --tilings "" \
+    > $OUT/r/check7_direct.log 2>&1
+  tail -1 $OUT/r/check7_direct.log
+  for preset in llama70b_mlp llama8b_mlp comm_heavy; do
+    for op in ag rs; do
+      timeout 90 python3 -m commgemm tune --op $op --preset $preset --iters 30 2>&1 | tail -14
+    done
+  done 2>&1 | tee $OUT/r/tune7.log | grep -E "best|timed out|Error"
+elif [ "$1" = 8 ]; then
+  cp "$2" $OUT/r/tune.json
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 80 python3 benchmarks/fused_check.py \
+    --out $OUT/r --name check8_default --shapes 2 --tilings "" > $OUT/r/check8_default.log 2>&1
+  tail -1 $OUT/r/check8_default.log
+  timeout 470 python3 benchmarks/gpu_suite.py --out $OUT/r/suite8 --iters 30 --spans 8 \
+    --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite8.log \
+    | grep -E "^\[|^\||timed out"
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

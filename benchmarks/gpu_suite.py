@@ -24,7 +24,9 @@ WINDOWED_EINSUM = (
     "--xla_gpu_multi_streamed_windowed_einsum=true "
     "--xla_gpu_use_memcpy_local_p2p=true"
 )
-METHODS = ["none", "pipeline:4", "ring", "ring:2", "fused", "fused-w8", "fused-wgm", "auto"]
+#: "fused" has bands 8 tiles wide (the default since the scatter-add run; "fused-w1" the earlier
+#: default); "fused-direct" is GEMM+RS only (on AG it is listed among the failures).
+METHODS = ["none", "pipeline:4", "ring", "ring:2", "fused", "fused-w16", "fused-direct", "auto"]
 #: mode: (extra XLA_FLAGS, extra environment, methods). Each runs in its own process.
 MODES = {
     "default": ("", {}, METHODS),
@@ -33,10 +35,28 @@ MODES = {
     "nccl_ctas4": ("", {"NCCL_MAX_CTAS": "4", "NCCL_MIN_CTAS": "4"}, METHODS),
     "windowed_einsum": (WINDOWED_EINSUM, {}, []),
 }
-PRESET_NAMES = ["llama70b_mlp", "llama8b_mlp", "comm_heavy"]
+PRESET_NAMES = ["llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp"]
 
 
-def run_reports(presets, ops, methods, iters, rounds, include_xla) -> list[dict]:
+def auto_choice(op: str, preset: str) -> str:
+    """The method spec Method.AUTO resolves to for this preset (cache, else cost model)."""
+    import jax
+
+    import commgemm as cg
+    from commgemm.tune import OPS, resolve_auto, spec_of
+
+    m, k, n = cg.bench.PRESETS[preset]
+    size = jax.device_count()
+    if op == "ag":
+        x, w = (m // size, k), (k, n // size)
+    else:
+        x, w = (m, k // size), (k // size, n)
+    sds = [jax.ShapeDtypeStruct(s, "bfloat16") for s in (x, w)]
+    cfg = cg.OverlapConfig(method="auto")
+    return spec_of(resolve_auto(cfg, OPS[op], *sds, size, w_transposed=False))
+
+
+def run_reports(presets, ops, methods, iters, spans, include_xla) -> list[dict]:
     import commgemm as cg
 
     out = []
@@ -49,10 +69,10 @@ def run_reports(presets, ops, methods, iters, rounds, include_xla) -> list[dict]
                 methods=methods,
                 dtype="bfloat16",
                 iters=iters,
-                rounds=rounds,
+                spans=spans,
                 include_xla=include_xla,
             )
-            row = report.as_dict() | {"preset": preset}
+            row = report.as_dict() | {"preset": preset, "auto_choice": auto_choice(op, preset)}
             out.append(row)
             best = min(report.rows, key=lambda r: r.t_ms)
             print(
@@ -77,8 +97,8 @@ def spawn(mode: str, out: pathlib.Path, args) -> None:
         str(out),
         "--iters",
         str(args.iters),
-        "--rounds",
-        str(args.rounds),
+        "--spans",
+        str(args.spans),
         "--presets",
         ",".join(args.presets),
         "--ops",
@@ -118,21 +138,19 @@ def spawn_torch(out: pathlib.Path, args) -> None:
 
 
 def markdown(out: pathlib.Path) -> str:
-    """The suite table: vs_bound of each row as overlap_report gives it (with rounds, the median
-    over rounds of t / bound within the round; windowed einsum against its own process's bound);
-    PyTorch's median over our default-flags run's bound (another process, another time)."""
+    """The suite tables. First, vs_bound from the interleaved timing (`overlap_report`; windowed
+    einsum against its own process's bound; PyTorch's median, timed with CUDA events in other
+    processes, over our default-flags run's bound). Second, where device spans were measured,
+    the same ratios from the GPU's own timestamps (`device_spans`)."""
 
     def load(name):
         path = out / name
         return json.loads(path.read_text()) if path.exists() else None
 
     base, torch = load("xla_default.json"), load("torch_async_tp.json")
+    windowed = load("xla_windowed_einsum.json")
     if base is None:
         return "no results\n"
-    header = ["preset", "op", "gemm ms", "comm ms", "XLA dot", "serial (NONE)"]
-    header += ["best split (ring/pipeline)", "best fused", "AUTO"]
-    header += ["XLA windowed einsum", "PyTorch async TP"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def find(data, preset, op):
         for r in (data or {}).get("reports", []):
@@ -140,34 +158,52 @@ def markdown(out: pathlib.Path) -> str:
                 return r
         return None
 
-    def best(rows, bound, keep) -> str:
-        rows = [r for r in rows if keep(r["name"])]
+    def best(rows, keep, key="vs_bound") -> str:
+        rows = [r for r in rows if keep(r["name"]) and r.get(key) is not None]
         if not rows:
             return "not run"
-        r = min(rows, key=lambda r: r["vs_bound"])
-        return f"{r['vs_bound']:.2f} ({r['name']})"
+        r = min(rows, key=lambda r: r[key])
+        return f"{r[key]:.2f} ({r['name']})"
 
+    def cell(row, key="vs_bound") -> str:
+        return f"{row[key]:.2f}" if row and row.get(key) is not None else "not run"
+
+    header = ["preset", "op", "gemm ms", "comm ms", "XLA dot", "serial (NONE)"]
+    header += ["best split (ring/pipeline)", "best fused", "AUTO (its choice)"]
+    header += ["XLA windowed einsum", "PyTorch async TP"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    split = lambda n: n.startswith(("ring", "pipeline"))  # noqa: E731
+    fused = lambda n: n.startswith("fused")  # noqa: E731
     for rep in base["reports"]:
         preset, op, bound = rep["preset"], rep["op"], rep["bound_ms"]
         by = {r["name"]: r for r in rep["rows"]}
-        cells = [
-            preset,
-            op,
-            f"{rep['t_gemm_ms']:.3f}",
-            f"{rep['t_comm_ms']:.3f}",
-            f"{by['xla']['vs_bound']:.2f}",
-            f"{by['none']['vs_bound']:.2f}",
-            best(rep["rows"], bound, lambda n: n.startswith(("ring", "pipeline"))),
-            best(rep["rows"], bound, lambda n: n.startswith("fused")),
-            f"{by['auto']['vs_bound']:.2f}" if "auto" in by else "not run",
-        ]
-        w = find(load("xla_windowed_einsum.json"), preset, op)
-        cells.append(f"{w['rows'][0]['vs_bound']:.2f}" if w else "not run")
+        auto = f"{cell(by.get('auto'))} ({rep.get('auto_choice', '?')})"
+        w = find(windowed, preset, op)
         t = next(
             (r for r in (torch or {}).get("rows", []) if r["preset"] == preset and r["op"] == op),
             None,
         )
-        cells.append(f"{t['t_ms'] / bound:.2f}" if t else "not run")
+        cells = [preset, op, f"{rep['t_gemm_ms']:.3f}", f"{rep['t_comm_ms']:.3f}"]
+        cells += [cell(by.get("xla")), cell(by.get("none"))]
+        cells += [best(rep["rows"], split), best(rep["rows"], fused), auto]
+        cells += [cell(w["rows"][0]) if w else "not run"]
+        cells += [f"{t['t_ms'] / bound:.2f}" if t else "not run"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not any(rep.get("span_gemm_ms") for rep in base["reports"]):
+        return "\n".join(lines) + "\n"
+    header = ["preset", "op", "gemm span ms", "comm span ms", "XLA dot", "serial (NONE)"]
+    header += ["best fused", "AUTO", "XLA windowed einsum"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rep in base["reports"]:
+        if not rep.get("span_gemm_ms"):
+            continue
+        by = {r["name"]: r for r in rep["rows"]}
+        w = find(windowed, rep["preset"], rep["op"])
+        cells = [rep["preset"], rep["op"], f"{rep['span_gemm_ms']:.3f}"]
+        cells += [f"{rep['span_comm_ms']:.3f}"]
+        cells += [cell(by.get("xla"), "vs_bound_span"), cell(by.get("none"), "vs_bound_span")]
+        cells += [best(rep["rows"], fused, "vs_bound_span"), cell(by.get("auto"), "vs_bound_span")]
+        cells += [cell(w["rows"][0], "vs_bound_span") if w else "not run"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -181,8 +217,10 @@ def main() -> None:
         default="default,windowed_einsum",
         help="the modes an 'all' run spawns",
     )
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=1, help="variants timed in turn, pooled")
+    parser.add_argument("--iters", type=int, default=30, help="interleaved cycles per problem")
+    parser.add_argument(
+        "--spans", type=int, default=0, help="profiled calls per variant (device spans), 0: none"
+    )
     parser.add_argument("--presets", default=",".join(PRESET_NAMES))
     parser.add_argument("--ops", default="ag,rs")
     parser.add_argument("--timeout", type=int, default=900)
@@ -202,9 +240,7 @@ def main() -> None:
     from commgemm.devices import environment
 
     methods = MODES[args.mode][2]
-    reports = run_reports(
-        args.presets, args.ops, methods, args.iters, args.rounds, include_xla=True
-    )
+    reports = run_reports(args.presets, args.ops, methods, args.iters, args.spans, include_xla=True)
     path = args.out / f"xla_{args.mode}.json"
     path.write_text(
         json.dumps(

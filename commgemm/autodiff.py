@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.algorithms import BY_METHOD, module_for
-from commgemm.config import Collective, OverlapConfig
+from commgemm.config import Collective, Method, OverlapConfig
 
 
 def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
@@ -42,6 +42,7 @@ def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
     """The forward's method for the backward collectives (a fused forward's backward runs the
     ring, RING_EXCHANGE); gradients come out in x's dtype."""
     return cfg.replace(
+        method=Method.RING_EXCHANGE if cfg.atomic_gemm else cfg.method,
         atomic_gemm=False,
         fused_tiles=None,
         aggregate=False,
@@ -90,8 +91,8 @@ def _forward(collective, x, w, axis_name, cfg, w_transposed):
 
 def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
     x, w, gathered = residuals
-    module = BY_METHOD[cfg.method]
     back = _backward_config(cfg, x)
+    module = BY_METHOD[back.method]
     if collective is Collective.ALL_GATHER:
         if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
             gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = tune.add_mutually_exclusive_group(required=True)
     group.add_argument("--shape", help="M,K,N totals across the TP group")
     group.add_argument(
-        "--preset", choices=["llama70b_mlp", "llama8b_mlp", "comm_heavy", "notebook"]
+        "--preset", choices=["llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp", "notebook"]
     )
     tune.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     tune.add_argument("--methods", help="comma-separated specs (default: every candidate)")

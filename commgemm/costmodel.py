@@ -88,11 +88,14 @@ def predict(
     itemsize: int,
     fig: MachineFigures,
 ) -> float:
-    """Predicted seconds for one call of `cfg` (method NONE, PIPELINE or RING_EXCHANGE, or the
-    fused kernel: atomic_gemm)."""
+    """Predicted seconds for one call of `cfg` (method NONE, PIPELINE or RING_EXCHANGE, or a
+    fused kernel: atomic_gemm; the direct ATOMIC_GEMM_RS kernel spreads its transfers over the
+    whole GEMM, so it costs the larger of the two plus its two handshakes)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     lat = fig.latency_s
     if cfg.atomic_gemm and size > 1:
+        if cfg.method is Method.PIPELINE:  # ATOMIC_GEMM_RS: tiles reduce-added into each owner
+            return max(t_gemm, t_comm) + 2 * lat
         return _predict_fused(t_gemm, t_comm, size, lat)
     g = _Graph()
     if size == 1 or cfg.method is Method.NONE:
@@ -167,6 +170,8 @@ def candidates(
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
     with `fused`, also the fused kernel (for AG and RS, where the caller found it can run)."""
     out = [OverlapConfig()]
+    if fused and size > 1 and collective is Collective.REDUCE_SCATTER:
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
     for s in (2, 4, 8):

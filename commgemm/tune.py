@@ -26,10 +26,14 @@ OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Colle
 SPEC_OF = {v: k for k, v in OPS.items()}
 
 
-#: Tilings of the fused kernel the tuner also measures, beside the default ("fused"); on 2xH200
-#: each was the fastest on some preset (BENCHMARKS.md: fused-w8 on comm_heavy AG, fused-wgm on
-#: llama8b RS in the probe, fused-gm-w8 on llama8b AG in stage 2).
-FUSED_TILINGS = ("fused-w8", "fused-wgm", "fused-gm-w8")
+#: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates
+#: ("fused", and "fused-direct" for RS, both with bands 8 tiles wide); on 2xH200 each was the
+#: fastest, or within noise of it, on some preset (BENCHMARKS.md: fused-w16 on llama70b AG,
+#: fused-gm-w8 on llama8b AG, fused-gm-w4 on comm_heavy AG).
+FUSED_TILINGS = {
+    Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-gm-w4"),
+    Collective.REDUCE_SCATTER: ("fused-direct-w16",),
+}
 
 
 def cache_path() -> pathlib.Path:
@@ -124,7 +128,7 @@ def tune(
         )
         methods = [spec_of(c) for c in candidates(collective, rows, size, fused=fused)]
         if fused:
-            methods += list(FUSED_TILINGS)
+            methods += list(FUSED_TILINGS[collective])
     report = overlap_report(
         op,
         shape,

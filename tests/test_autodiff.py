@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.test_util import check_grads
 
 import commgemm as cg
+from commgemm.autodiff import _backward_config
 
 F64 = dict(accumulate_dtype="float64")
 CONFIGS = [
@@ -210,8 +211,10 @@ def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
     np.testing.assert_allclose(sharded_losses, plain_losses, rtol=1e-10)
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op):
+@pytest.mark.parametrize(
+    ("op", "spec"), [("ag", "fused-w8"), ("rs", "fused-w8"), ("rs", "fused-direct")]
+)
+def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
     """The fused kernels run only on Hopper GPUs (benchmarks/fused_check.py checks them there).
     Here a stand-in with the kernels' contract (the ring's result; AG without the gathered x)
     checks the plumbing around them: dispatch on atomic_gemm, a backward config without the
@@ -230,7 +233,7 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op):
         return (out, None) if return_gathered else out
 
     def rs_stand_in(x, w, axis_name, config, *, w_transposed):
-        assert config.atomic_gemm
+        assert config.atomic_gemm and config.method is cg.bench.parse_method(spec).method
         plain_cfg = config.replace(atomic_gemm=False, fused_tiles=None)
         return ring_exchange.matmul_reduce_scatter(
             x, w, axis_name, plain_cfg, w_transposed=w_transposed
@@ -239,9 +242,11 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op):
     monkeypatch.setattr(fused, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(fused, "all_gather_matmul", ag_stand_in)
     monkeypatch.setattr(fused, "matmul_reduce_scatter", rs_stand_in)
-    cfg = cg.bench.parse_method("fused-w8").replace(**F64)
+    cfg = cg.bench.parse_method(spec).replace(**F64)
     x, w, b = _data(rng, 4)
     got = jax.grad(_loss(sharded(op, cfg, 4, None)), argnums=(0, 1))(x, w, b)
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
+    back = _backward_config(cfg, x)
+    assert back.method is cg.Method.RING_EXCHANGE and not back.atomic_gemm

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import commgemm as cg
+from commgemm.bench import timing
 from commgemm.cli import main
 
 
@@ -39,11 +40,8 @@ def test_benchmark_groups_calls():
     assert 0 < sum(r.samples) * 3 <= elapsed_ms
 
 
-def test_benchmark_interleaved_cycles_through_variants():
-    """Every cycle takes one sample (group + 1 calls) of each variant, in an order that changes
-    between cycles; each variant gets `iters` samples whose sum fits in the elapsed time."""
+def _logged_variants(names, log):
     jitted = jax.jit(lambda a: jnp.tanh(a @ a))
-    log: list[str] = []
 
     def variant(name):
         def f(a):
@@ -52,25 +50,50 @@ def test_benchmark_interleaved_cycles_through_variants():
 
         return f, (jnp.ones((64, 64)),)
 
+    return {n: variant(n) for n in names}
+
+
+def test_benchmark_interleaved_cycles_through_variants(monkeypatch):
+    """Every cycle takes one sample (head + group calls) of each variant, in an order that
+    changes between cycles; each variant gets `iters` samples whose sum fits in the elapsed
+    time. (Start marks are made to look pending, so no sample is retried.)"""
+    monkeypatch.setattr(timing, "_is_ready", lambda out: False)
+    log: list[str] = []
     names = ["a", "b", "c"]
     start = time.perf_counter()
     results = cg.bench.benchmark_interleaved(
-        {n: variant(n) for n in names}, iters=6, warmup=1, group=2
+        _logged_variants(names, log), iters=6, warmup=1, group=2
     )
     elapsed_ms = (time.perf_counter() - start) * 1e3
     assert list(results) == names
     timed = log[len(names) :]  # after one warm-up call each
-    assert len(timed) == 6 * 3 * (2 + 1)
+    assert len(timed) == 6 * 3 * (1 + 2)
     blocks = [timed[i] for i in range(0, len(timed), 3)]  # one name per sample
     assert all(timed[i : i + 3] == [blocks[i // 3]] * 3 for i in range(0, len(timed), 3))
     cycles = [tuple(blocks[i : i + 3]) for i in range(0, len(blocks), 3)]
     assert all(sorted(c) == names for c in cycles) and len(set(cycles)) > 1
-    assert all(len(r.samples) == 6 and r.group == 2 for r in results.values())
+    for r in results.values():
+        assert len(r.samples) == 6 and r.group == 2 and r.head == 1 and not r.dispatch_bound
+        assert r.dispatch_ms > 0
     assert 0 < sum(sum(r.samples) * 2 for r in results.values()) <= elapsed_ms
     with pytest.raises(ValueError, match="variants is empty"):
         cg.bench.benchmark_interleaved({})
     with pytest.raises(ValueError, match="iters=1"):
-        cg.bench.benchmark_interleaved({"a": variant("a")}, iters=1)
+        cg.bench.benchmark_interleaved(_logged_variants(["a"], []), iters=1)
+
+
+def test_benchmark_interleaved_enqueues_more_ahead_when_the_mark_is_early(monkeypatch):
+    """A start mark already complete when the group is enqueued would be taken late: that
+    sample is dropped and the head doubles, up to MAX_HEAD, past which it is dispatch-bound."""
+    monkeypatch.setattr(timing, "_is_ready", lambda out: True)
+    log: list[str] = []
+    results = cg.bench.benchmark_interleaved(
+        _logged_variants(["a"], log), iters=3, warmup=1, group=2
+    )
+    r = results["a"]
+    assert r.head == timing.MAX_HEAD and r.dispatch_bound and len(r.samples) == 3
+    tries = [h + 2 for h in (1, 2, 4, 8, 16)] + [16 + 2] * 2
+    assert len(log) == 1 + sum(tries)
 
 
 def test_benchmark_rejects_bad_arguments():

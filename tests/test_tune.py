@@ -12,6 +12,7 @@ from commgemm.cli import main
 from commgemm.config import Collective
 
 AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+DIRECT = cg.OverlapConfig(method="pipeline", atomic_gemm=True)  # ATOMIC_GEMM_RS
 SHAPE = (8192, 4096, 8192)
 
 
@@ -99,19 +100,20 @@ def test_spec_round_trip():
     specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain")
     fused = (
         "fused",
-        "fused-w8",
+        "fused-w1",
         "fused-wgm",
         "fused-wgm-m64-s3-w4",
         "fused-n64",
-        "fused-gm-w8",
+        "fused-gm-w4",
         "fused-s3-e128",
         "fused-direct",
-        "fused-direct-wgm-w8",
+        "fused-direct-wgm-w16",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
-    tiles = cg.bench.parse_method("fused-wgm-w8").fused_tiles
-    assert tiles.wg_along_m and tiles.grid_tile_width == 8 and tiles.cta_m == 256
+    tiles = cg.bench.parse_method("fused-wgm-w4").fused_tiles
+    assert tiles.wg_along_m and tiles.grid_tile_width == 4 and tiles.cta_m == 256
+    assert tune.spec_of(cg.bench.parse_method("fused-w8")) == "fused"  # the default width
     assert cg.bench.parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
         cg.bench.parse_method("fused-x3")
@@ -131,11 +133,17 @@ def test_fused_prediction(size, collective):
     predicted = costmodel.predict(collective, fused, SHAPE, size, 2, fast_link)
     assert predicted == pytest.approx(t_gemm + size * 1e-6)
     cfg, best = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link, fused=True)
-    assert cfg == fused and best == predicted
+    if collective is RS:  # the direct kernel: no per-step latency, chosen over the ring
+        assert cfg == DIRECT and best == pytest.approx(t_gemm + 2e-6)
+        assert best <= predicted * (1 + 1e-12)
+    else:
+        assert cfg == fused and best == predicted
     slow_link = fake(1e13, 1e9, latency=0.0)
     t_gemm, t_comm = costmodel._times(collective, SHAPE, size, 2, slow_link)
     predicted = costmodel.predict(collective, fused, SHAPE, size, 2, slow_link)
     assert predicted == pytest.approx(t_comm + t_gemm / size)
+    if collective is RS:  # the direct kernel spreads the transfers over the whole GEMM
+        assert costmodel.predict(RS, DIRECT, SHAPE, size, 2, slow_link) == pytest.approx(t_comm)
     without, _ = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link)
     assert not without.atomic_gemm  # only offered where the caller found it can run
 

@@ -3,7 +3,9 @@
 `benchmark` infers device time from when the host sees completions. This reads the GPU's own
 timestamps instead (CUPTI, through `jax.profiler`): the calls run one at a time with an idle gap
 between them, and a call's time is from its first kernel's start to its last kernel's end, on
-whichever device took longest. It is a cross-check of `benchmark`, not a replacement: the gaps
+the device that took the least (as jax's own collective-matmul benchmark takes it: the
+others include waiting for the last device to start, which a one-process launch staggers).
+It is a cross-check of `benchmark`, not a replacement: the gaps
 let the GPUs rest, so sustained-load slowdowns show less here.
 """
 
@@ -38,7 +40,7 @@ def split_calls(
 
 def spans_from_trace(data, calls: int, min_gap_ns: float) -> list[float]:
     """Per-call times in ms from a `jax.profiler.ProfileData` holding `calls` calls on each GPU:
-    for call i, the longest over devices of its (last end - first start)."""
+    for call i, the least over devices of its (last end - first start)."""
     per_device: dict[str, list[tuple[float, float]]] = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU:"):
@@ -63,7 +65,7 @@ def spans_from_trace(data, calls: int, min_gap_ns: float) -> list[float]:
                 f"(idle gap threshold {min_gap_ns / 1e3:.0f} us)"
             )
     return [
-        max((found[i][1] - found[i][0]) / 1e6 for found in per_device.values())
+        min((found[i][1] - found[i][0]) / 1e6 for found in per_device.values())
         for i in range(calls)
     ]
 

@@ -29,6 +29,8 @@ class BenchmarkResult:
     group: int
     samples: tuple[float, ...]
     dispatch_bound: bool
+    dispatch_ms: float | None = None  # host time to enqueue one call (benchmark_interleaved)
+    head: int | None = None  # calls enqueued ahead of each sample (benchmark_interleaved)
 
     def __repr__(self) -> str:
         flag = " (dispatch-bound: times include launch gaps)" if self.dispatch_bound else ""
@@ -87,6 +89,10 @@ def benchmark(
     )
 
 
+#: The most calls `benchmark_interleaved` enqueues ahead of a sample's start mark.
+MAX_HEAD = 16
+
+
 def benchmark_interleaved(
     variants: Mapping[str, tuple[Callable, tuple]],
     *,
@@ -98,13 +104,18 @@ def benchmark_interleaved(
     """Times several jitted functions against each other: {name: (fn, args)} -> {name: result}.
 
     Each of `iters` cycles takes one sample of every variant, in an order shuffled per cycle
-    (seeded, so every process of a multi-process run agrees on it). A sample enqueues group + 1
-    calls and is the time between the completions of the first and of the last, over group:
-    the device time per call, as in `benchmark`. Sample i of every variant comes from cycle i,
-    a fraction of a second wide, so a slow drift of the GPUs' speed (seen on 2xH200: up to 18%
-    over a minute under load) reaches every variant alike and ratios of medians stay fair.
-    `dispatch_bound` is set for a variant when, in over a tenth of its samples, the first call
-    had finished before the last one was enqueued (the device may have waited for Python).
+    (seeded, so every process of a multi-process run agrees on it). Sample i of every variant
+    comes from cycle i, a fraction of a second wide, so a slow drift of the GPUs' speed (seen on
+    2xH200: up to 18% over a minute under load) reaches every variant alike.
+
+    A sample enqueues `head` calls and then `group` more, and is the time from the completion
+    of the last head call (the start mark) to that of the last call, over group: the device time
+    per call, the dispatch of the group having happened while the head ran. If the start mark
+    had already completed when the last call was enqueued, the host would take it late and the
+    sample would come out short, so that sample is dropped and the variant's head doubled (up
+    to MAX_HEAD). `dispatch_bound` is set when even MAX_HEAD calls were not enough in over a
+    tenth of the samples: enqueuing a call takes about as long as running it. `dispatch_ms`
+    is the median host time to enqueue one call.
     """
     if iters < 2:
         raise ValueError(f"iters={iters} must be >= 2")
@@ -118,22 +129,37 @@ def benchmark_interleaved(
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    dispatch: dict[str, list[float]] = {name: [] for name in variants}
     late = dict.fromkeys(variants, 0)
+    head = dict.fromkeys(variants, 1)
     names = list(variants)
     for cycle in range(iters):
         order = list(names)
         random.Random(seed * 1_000_003 + cycle).shuffle(order)
         for name in order:
             fn, args = variants[name]
-            outs = [fn(*args) for _ in range(group + 1)]
-            late[name] += _is_ready(outs[0])
-            jax.block_until_ready(outs[0])
+            while True:
+                calls = head[name] + group
+                enqueue = time.perf_counter()
+                outs = [fn(*args) for _ in range(calls)]
+                dispatch[name].append((time.perf_counter() - enqueue) * 1e3 / calls)
+                mark = outs[head[name] - 1]
+                if not _is_ready(mark) or head[name] >= MAX_HEAD:
+                    break
+                jax.block_until_ready(outs[-1])
+                head[name] *= 2
+            late[name] += _is_ready(mark)
+            jax.block_until_ready(mark)
             start = time.perf_counter()
             jax.block_until_ready(outs[-1])
             samples[name].append((time.perf_counter() - start) * 1e3 / group)
     return {
-        name: summarize(
-            samples[name], warmup=warmup, group=group, dispatch_bound=late[name] > iters // 10
+        name: dataclasses.replace(
+            summarize(
+                samples[name], warmup=warmup, group=group, dispatch_bound=late[name] > iters // 10
+            ),
+            dispatch_ms=float(np.median(dispatch[name])),
+            head=head[name],
         )
         for name in names
     }
