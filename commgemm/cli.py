@@ -8,6 +8,9 @@ import sys
 
 from commgemm.devices import setup_devices
 
+#: commgemm.bench.PRESETS' names (that module imports jax, which must wait for setup_devices).
+PRESET_NAMES = ("llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp", "notebook")
+
 
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -131,9 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--op", choices=["ag", "rs", "ar"], default="ag")
     group = tune.add_mutually_exclusive_group(required=True)
     group.add_argument("--shape", help="M,K,N totals across the TP group")
-    group.add_argument(
-        "--preset", choices=["llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp", "notebook"]
-    )
+    group.add_argument("--preset", choices=sorted(PRESET_NAMES))
     tune.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     tune.add_argument("--methods", help="comma-separated specs (default: every candidate)")
     tune.add_argument(

@@ -187,6 +187,12 @@ def test_overlap_report_figures():
     assert report.rows[2].max_error < 1e-3
 
 
+def test_cli_knows_every_preset():
+    from commgemm.cli import PRESET_NAMES
+
+    assert sorted(PRESET_NAMES) == sorted(cg.bench.PRESETS)
+
+
 def test_parse_method_and_shape():
     cfg = cg.bench.parse_method("ring-bidi:2")
     assert cfg.method is cg.Method.RING_EXCHANGE and cfg.bidirectional and cfg.num_splits == 2
