@@ -18,6 +18,8 @@
 #            fused-direct among the RS candidates).
 #   stage 8: the new default tiling (bands 8 wide) with gradients; the suite with AUTO reading stage 7's cache; llama13b_mlp is left untuned (AUTO's
 #            cost model alone); interleaved timing plus device spans.
+#   stage 9: the suite again, device spans now the busy time of each call (stage 8's spans ran
+#            first kernel to last and caught the host's launch gaps inside a fused call).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -80,6 +82,11 @@ elif [ "$1" = 8 ]; then
   tail -1 $OUT/r/check8_default.log
   timeout 470 python3 benchmarks/gpu_suite.py --out $OUT/r/suite8 --iters 30 --spans 8 \
     --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite8.log \
+    | grep -E "^\[|^\||timed out"
+elif [ "$1" = 9 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite9 --iters 30 --spans 8 \
+    --timeout 360 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite9.log \
     | grep -E "^\[|^\||timed out"
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json

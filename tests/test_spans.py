@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commgemm as cg
-from commgemm.bench.spans import spans_from_trace, split_calls
+from commgemm.bench.spans import busy_ns, spans_from_trace, split_calls
 
 
 def _trace(devices: dict[int, dict[str, list[tuple[int, int]]]]):
@@ -39,13 +39,10 @@ def _trace(devices: dict[int, dict[str, list[tuple[int, int]]]]):
 def test_split_calls_merges_overlapping_streams():
     # two streams overlapping in call 1, a small gap inside call 2, a big gap between calls
     intervals = [(0, 50), (30, 100), (110, 130), (1000, 1200), (1250, 1300)]
-    assert split_calls(intervals, min_gap_ns=500) == [(0, 130), (1000, 1300)]
-    assert split_calls(intervals, min_gap_ns=5) == [
-        (0, 100),
-        (110, 130),
-        (1000, 1200),
-        (1250, 1300),
-    ]
+    calls = split_calls(intervals, min_gap_ns=500)
+    assert calls == [[(0, 100), (110, 130)], [(1000, 1200), (1250, 1300)]]
+    assert [busy_ns(c) for c in calls] == [120, 250]
+    assert len(split_calls(intervals, min_gap_ns=5)) == 4
     with pytest.raises(ValueError, match="ends before"):
         split_calls([(5, 1)], min_gap_ns=1)
 
@@ -61,25 +58,30 @@ def test_split_calls_merges_overlapping_streams():
 )
 def test_split_calls_recovers_separated_calls(calls, rnd):
     """Calls laid out 10 us apart, their kernels (start offset, duration) shuffled: each call's
-    span is its first start to its last end, whatever the order of the intervals."""
+    busy time is the size of the union of its kernels' intervals, whatever their order."""
     intervals, expected, base = [], [], 0
     for kernels in calls:
-        spans = [(base + s, base + s + d) for s, d in kernels]
-        intervals += spans
-        expected.append((min(s for s, _ in spans), max(e for _, e in spans)))
+        covered = set()
+        for s, d in kernels:
+            intervals.append((base + s, base + s + d))
+            covered |= set(range(s, s + d))
+        expected.append(len(covered))
         base += 10_000
     rnd.shuffle(intervals)
-    assert split_calls(intervals, min_gap_ns=5_000) == expected
+    found = split_calls(intervals, min_gap_ns=5_000)
+    assert [busy_ns(c) for c in found] == expected
+    for call in found:  # merged: sorted, disjoint
+        assert all(a[1] < b[0] for a, b in zip(call, call[1:], strict=False))
 
 
 def test_spans_take_the_fastest_device_per_call():
     """The least over devices: the others include waiting for the last one to start."""
-    # GPU 0: call 1 spans 0..300 over two streams; call 2 spans 5000..5100
-    # GPU 1: call 1 spans 10..210; call 2 spans 5000..5400
+    # GPU 0: call 1 busy 0..300 over two streams; call 2 5000..5100
+    # GPU 1: call 1 busy 10..210; call 2 5000..5400 with a host gap of 200 inside
     data = _trace(
         {
             0: {"Stream #1(Compute)": [(0, 200), (5000, 100)], "Stream #2(NCCL)": [(100, 200)]},
-            1: {"Stream #1(Compute)": [(10, 200), (5000, 400)]},
+            1: {"Stream #1(Compute)": [(10, 200), (5000, 100), (5300, 100)]},
         }
     )
     spans = spans_from_trace(data, calls=2, min_gap_ns=1000)

@@ -2,11 +2,14 @@
 
 `benchmark` infers device time from when the host sees completions. This reads the GPU's own
 timestamps instead (CUPTI, through `jax.profiler`): the calls run one at a time with an idle gap
-between them, and a call's time is from its first kernel's start to its last kernel's end, on
-the device that took the least (as jax's own collective-matmul benchmark takes it: the
-others include waiting for the last device to start, which a one-process launch staggers).
-It is a cross-check of `benchmark`, not a replacement: the gaps
-let the GPUs rest, so sustained-load slowdowns show less here.
+between them, and a call's time is how long its device had at least one kernel or copy running
+(the union of their intervals), on the device that took the least (as jax's own
+collective-matmul benchmark takes it: the others include waiting for the last device to start,
+which a one-process launch staggers). Gaps where a device waited for the host inside a call
+(seen on 2xH200: up to 0.5 ms between a Mosaic kernel's setup and its launch, when the host is
+not running ahead) are left out; a kernel that spins waiting for a peer counts. It is a
+cross-check of `benchmark`, not a replacement: the idle gaps let the GPUs rest, so
+sustained-load slowdowns show less here.
 """
 
 from __future__ import annotations
@@ -24,24 +27,32 @@ _STREAM_PREFIX = "Stream"
 
 def split_calls(
     intervals: Sequence[tuple[float, float]], min_gap_ns: float
-) -> list[tuple[float, float]]:
-    """Busy intervals [(start, end)] of one device, in ns, in any order -> [(first start, last
-    end)] of each call, calls being the runs of activity separated by idle gaps >= min_gap_ns."""
-    calls: list[list[float]] = []
+) -> list[list[tuple[float, float]]]:
+    """Busy intervals [(start, end)] of one device, in ns, in any order -> for each call, its
+    merged (non-overlapping, sorted) intervals; calls are the runs of activity separated by
+    idle gaps >= min_gap_ns."""
+    calls: list[list[list[float]]] = []
     for start, end in sorted(intervals):
         if end < start:
             raise ValueError(f"interval ({start}, {end}) ends before it starts")
-        if calls and start - calls[-1][1] < min_gap_ns:
-            calls[-1][1] = max(calls[-1][1], end)
+        if not calls or start - calls[-1][-1][1] >= min_gap_ns:
+            calls.append([[start, end]])
+        elif start <= calls[-1][-1][1]:
+            calls[-1][-1][1] = max(calls[-1][-1][1], end)
         else:
-            calls.append([start, end])
-    return [(s, e) for s, e in calls]
+            calls[-1].append([start, end])
+    return [[(s, e) for s, e in call] for call in calls]
+
+
+def busy_ns(call: Sequence[tuple[float, float]]) -> float:
+    """The length of a call's merged intervals (`split_calls`), in ns."""
+    return sum(end - start for start, end in call)
 
 
 def spans_from_trace(data, calls: int, min_gap_ns: float) -> list[float]:
-    """Per-call times in ms from a `jax.profiler.ProfileData` holding `calls` calls on each GPU:
-    for call i, the least over devices of its (last end - first start)."""
-    per_device: dict[str, list[tuple[float, float]]] = {}
+    """Per-call device times in ms from a `jax.profiler.ProfileData` holding `calls` calls on
+    each GPU: for call i, the least over devices of its busy time (`busy_ns`)."""
+    per_device: dict[str, list[list[tuple[float, float]]]] = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU:"):
             continue
@@ -64,13 +75,10 @@ def spans_from_trace(data, calls: int, min_gap_ns: float) -> list[float]:
                 f"{name}: found {len(found)} runs of activity for {calls} calls "
                 f"(idle gap threshold {min_gap_ns / 1e3:.0f} us)"
             )
-    return [
-        min((found[i][1] - found[i][0]) / 1e6 for found in per_device.values())
-        for i in range(calls)
-    ]
+    return [min(busy_ns(found[i]) / 1e6 for found in per_device.values()) for i in range(calls)]
 
 
-def device_spans(fn: Callable, *args, calls: int = 10, gap_s: float = 1e-3) -> list[float]:
+def device_spans(fn: Callable, *args, calls: int = 10, gap_s: float = 5e-3) -> list[float]:
     """Runs `fn(*args)` (jitted, compiled by a first call here) `calls` times under the
     profiler, waiting for each call and then idling gap_s, and returns each call's device time
     in ms (`spans_from_trace`, with gaps of gap_s / 2 or more separating calls). Raises
