@@ -93,6 +93,38 @@ def check(op, shape, spec, w_transposed, mesh, seed, grads=True) -> dict:
     return result
 
 
+def repeat_check(op, shape, spec, mesh, calls: int, seed: int) -> dict:
+    """`calls` calls enqueued back to back (no sync between them), alternating two inputs: each
+    output must equal, bit for bit, that input's output from a call run alone (with two
+    devices the fused kernels' adds happen in a fixed rounding order), and be within REL of
+    the float32 reference. Catches state (semaphores, zeroing) leaking from call to call."""
+    m, k, n = shape
+    f = jax.jit(sharded(op, mesh, parse_method(spec), False))
+    inputs, alone, refs = [], [], []
+    for i in range(2):
+        kx, kw = jax.random.split(jax.random.key(seed * 10 + i))
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+        inputs.append((x, w))
+        alone.append(np.asarray(jax.block_until_ready(f(x, w)), np.float32))
+        refs.append(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
+    outs = [f(*inputs[i % 2]) for i in range(calls)]
+    same = [
+        bool(np.array_equal(np.asarray(o, np.float32), alone[i % 2])) for i, o in enumerate(outs)
+    ]
+    worst = max(relative_error(o, refs[i % 2]) for i, o in enumerate(outs))
+    ok = all(same) and worst <= REL
+    return dict(
+        op=op,
+        shape=shape,
+        spec=spec,
+        calls=calls,
+        bitwise_equal=sum(same),
+        out_rel_error=worst,
+        ok=ok,
+    )
+
+
 def errors(mesh) -> list[dict]:
     """Plan-time errors the fused path must raise (not hang, not fall back silently)."""
     cases = [
@@ -125,6 +157,9 @@ def main() -> None:
     parser.add_argument("--name", default="fused_check")
     parser.add_argument("--base", default="fused", help="the spec checked on every shape")
     parser.add_argument("--no-grads", action="store_true", help="outputs only (faster)")
+    parser.add_argument(
+        "--repeat", type=int, default=0, help="also N back-to-back calls per op (repeat_check)"
+    )
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     ops = args.ops.split(",")
@@ -148,6 +183,15 @@ def main() -> None:
             )
         results.append(r)
         print(json.dumps(r), flush=True)
+    if args.repeat:
+        for op in ops:
+            seed += 1
+            try:
+                r = repeat_check(op, shapes[-1], args.base, mesh, args.repeat, seed)
+            except Exception as err:  # record and go on
+                r = dict(op=op, spec=args.base, ok=False, error=f"{type(err).__name__}: {err}")
+            results.append(r)
+            print(json.dumps(r), flush=True)
     errs = errors(mesh)
     for e in errs:
         print(json.dumps(e), flush=True)

@@ -20,6 +20,7 @@
 #            cost model alone); interleaved timing plus device spans.
 #   stage 9: the suite again, device spans now the busy time of each call (stage 8's spans ran
 #            first kernel to last and caught the host's launch gaps inside a fused call).
+#   stage 10: back-to-back calls of each fused kernel against the same calls run alone.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -88,6 +89,14 @@ elif [ "$1" = 9 ]; then
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite9 --iters 30 --spans 8 \
     --timeout 360 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite9.log \
     | grep -E "^\[|^\||timed out"
+elif [ "$1" = 10 ]; then
+  for base in fused fused-direct; do
+    ops=ag,rs; [ $base = fused-direct ] && ops=rs
+    XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 100 python3 benchmarks/fused_check.py \
+      --out $OUT/r --name repeat_$base --base $base --ops $ops --shapes 2,3 --no-grads \
+      --tilings "" --repeat 24 > $OUT/r/repeat_$base.log 2>&1
+    grep -E "calls|fused check" $OUT/r/repeat_$base.log
+  done
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \
