@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU run, in three device calls (each under the tool's 10-minute limit):
+# Stages 1-5 ran at commit 4467d86 (before interleaved timing: their --rounds flags are gone);
+# stages 6-10 at the commits that recorded benchmarks/results/2xh200-2026-11-22-scatter-add/.
+# The GPU run, in device calls (each under the tool's 10-minute limit):
 #   stage 1: check the fused kernels (outputs and gradients against float32, plan errors) and
 #            tune every preset (cache in $OUT/r/tune.json, fused tilings among the candidates);
 #   stage 2: the checks stage 1 ran out of time for (XLA autotuning off: it only slows the
