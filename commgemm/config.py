@@ -172,9 +172,11 @@ class OverlapConfig:
       bidirectional: RING_EXCHANGE in both directions at once (about P/2 steps instead of P-1).
       aggregate: ALL_GATHER ring only: exchange both ways and run one GEMM on the two chunks that
         arrived in a step (the reference's aggregate_ag).
-      atomic_gemm: with RING_EXCHANGE, one fused kernel does the GEMM and the ring transfers
-        (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P; Hopper GPUs, one process, bf16/fp16; see
-        commgemm.algorithms.fused). Where it cannot run, the op raises at plan time.
+      atomic_gemm: one fused kernel does the GEMM and the transfers (Hopper GPUs, one process,
+        bf16/fp16; see commgemm.algorithms.fused): with RING_EXCHANGE a ring
+        (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P); with PIPELINE, GEMM+RS only, each tile
+        reduce-added straight into its owner (ATOMIC_GEMM_RS). Where it cannot run, the op
+        raises at plan time.
       accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type).
       reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as
         XLA's own reduce-scatter of the GEMM output would.
