@@ -23,6 +23,9 @@
 #   stage 9: the suite again, device spans now the busy time of each call (stage 8's spans ran
 #            first kernel to last and caught the host's launch gaps inside a fused call).
 #   stage 10: back-to-back calls of each fused kernel against the same calls run alone.
+#   stage 11: levers left unrecorded: the issue's GEMM lead (XLA vs Mosaic vs torch cuBLAS on
+#            llama70b's local GEMM, under default / cuBLAS / autotune-0 flags); XLA's latency-
+#            hiding scheduler off; bidirectional and aggregated rings.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -99,6 +102,21 @@ elif [ "$1" = 10 ]; then
       --tilings "" --repeat 24 > $OUT/r/repeat_$base.log 2>&1
     grep -E "calls|fused check" $OUT/r/repeat_$base.log
   done
+elif [ "$1" = 11 ]; then
+  mkdir -p $OUT/r/levers
+  for mode in default:"" cublas:--xla_gpu_enable_triton_gemm=false \
+      autotune0:--xla_gpu_autotune_level=0; do
+    XLA_FLAGS="${mode#*:}" timeout 80 python3 benchmarks/gemm_lead.py --out $OUT/r/levers \
+      --name ${mode%%:*} 2>&1 | tail -1
+  done | tee $OUT/r/levers/gemm_lead.log
+  for mode in default:"" no_lhs:--xla_gpu_enable_latency_hiding_scheduler=false; do
+    for problem in comm_heavy:ag llama8b_mlp:rs; do
+      XLA_FLAGS="${mode#*:}" timeout 100 python3 -m commgemm bench --op ${problem#*:} \
+        --preset ${problem%:*} --iters 30 \
+        --methods none,pipeline:4,ring,ring:2,ring-bidi,ring-bidi:2,ring-agg,fused \
+        --json $OUT/r/levers/${mode%%:*}-${problem%:*}-${problem#*:}.json 2>&1 | tail -14
+    done
+  done 2>&1 | tee $OUT/r/levers/bench.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \
