@@ -3,6 +3,7 @@ through torch took 2.48 ms. Times that GEMM ([8192, 8192] @ [8192, 14336] bf16, 
 XLA compiles it under this process's XLA_FLAGS, as jax's Mosaic GPU Hopper matmul (the fused
 kernels' GEMM), and as torch.matmul (cuBLAS, CUDA events), all interleaved in one process; and
 records which kernel XLA chose (a Triton fusion or a cuBLAS call, from the compiled HLO).
+--shape picks another local GEMM (comm_heavy AG's: 16384,8192,2048).
 
     PYTHONPATH=. python benchmarks/gemm_lead.py --out DIR --name default
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python benchmarks/gemm_lead.py ...
@@ -21,8 +22,6 @@ import jax
 import jax.numpy as jnp
 
 import commgemm as cg
-
-SHAPE = (8192, 8192, 14336)  # llama70b_mlp AG, per GPU: [M, K] @ [K, N/2]
 
 
 def torch_ms(m: int, k: int, n: int, iters: int) -> float | None:
@@ -51,12 +50,13 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--shape", default="8192,8192,14336", help="the local GEMM: M,K,N")
     args = parser.parse_args()
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     from commgemm.algorithms.fused import tuning_config
 
-    m, k, n = SHAPE
+    m, k, n = (int(v) for v in args.shape.split(","))
     device = jax.devices()[0]
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.device_put(jax.random.normal(ka, (m, k), jnp.bfloat16), device)
@@ -74,7 +74,7 @@ def main() -> None:
     results = cg.bench.benchmark_interleaved(variants, iters=args.iters)
     out = {
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "shape": SHAPE,
+        "shape": [m, k, n],
         "xla_kernels": ["".join(k) for k in kernels],
         "ms": {name: r.median for name, r in results.items()},
         "torch_cublas_ms": torch_ms(m, k, n, args.iters),

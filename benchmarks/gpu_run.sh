@@ -26,6 +26,9 @@
 #   stage 11: levers left unrecorded: the GEMM lead (XLA vs Mosaic vs torch cuBLAS on
 #            llama70b's local GEMM, under default / cuBLAS / autotune-0 flags); XLA's latency-
 #            hiding scheduler off; bidirectional and aggregated rings.
+#   stage 12: the suite again with the stricter bound (t_gemm: the faster of XLA's two GEMM
+#            forms, bf16 result or float32 result cast; stage 11 found them 5% apart), and the
+#            GEMM forms on comm_heavy AG's local shape beside the Mosaic GEMM.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -117,6 +120,13 @@ elif [ "$1" = 11 ]; then
         --json $OUT/r/levers/${mode%%:*}-${problem%:*}-${problem#*:}.json 2>&1 | tail -14
     done
   done 2>&1 | tee $OUT/r/levers/bench.log
+elif [ "$1" = 12 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 60 python3 benchmarks/gemm_lead.py --out $OUT/r --name comm_heavy_ag \
+    --shape 16384,8192,2048 2>&1 | tail -1
+  timeout 480 python3 benchmarks/gpu_suite.py --out $OUT/r/suite12 --iters 30 --spans 8 \
+    --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite12.log \
+    | grep -E "^\[|^\||timed out"
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

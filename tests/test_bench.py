@@ -176,6 +176,9 @@ def test_overlap_report_figures():
         "rs", (256, 128, 64), methods=["none", "ring:2"], dtype="float32", iters=3
     )
     assert report.t_gemm_ms > 0 and report.t_comm_ms > 0
+    # t_gemm: the faster of XLA's two GEMM forms, both timed and recorded
+    assert len(report.gemm_ms) == 2 and report.t_gemm_ms == min(report.gemm_ms.values())
+    assert report.as_dict()["gemm_alone_ms"] == report.gemm_ms
     for row in report.rows:
         bound = max(report.t_gemm_ms, report.t_comm_ms)
         assert row.vs_bound == pytest.approx(row.t_ms / bound)
@@ -185,6 +188,20 @@ def test_overlap_report_figures():
         )
     assert [r.name for r in report.rows] == ["xla", "none", "ring:2"]
     assert report.rows[2].max_error < 1e-3
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_gemm_alone_forms_compute_the_local_gemm(op):
+    """Both forms of the bound's GEMM multiply each device's block: bf16 result against a
+    float64 reference, within bf16's rounding (8 bits) of the largest |value|."""
+    problem = cg.bench.make_problem(op, (512, 256, 512), "bfloat16")
+    for cast in (False, True):
+        fn, (a, b) = problem.gemm_alone(cast=cast)
+        out = np.asarray(fn(a, b), np.float64)
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        ref = np.einsum("pik,pkj->pij", a64, b64)
+        assert out.shape == ref.shape and out.shape[0] == problem.size
+        np.testing.assert_allclose(out, ref, atol=2**-8 * np.abs(ref).max())
 
 
 def test_cli_knows_every_preset():
