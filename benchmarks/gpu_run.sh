@@ -29,6 +29,8 @@
 #   stage 12: the suite again with the stricter bound (t_gemm: the faster of XLA's two GEMM
 #            forms, bf16 result or float32 result cast; stage 11 found them 5% apart), and the
 #            GEMM forms on comm_heavy AG's local shape beside the Mosaic GEMM.
+#   stage 13: fused-direct with its zeroing awaited at the first tile instead of before it:
+#            outputs and back-to-back calls checked, then an A/B against the stage-12 version.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -127,6 +129,12 @@ elif [ "$1" = 12 ]; then
   timeout 480 python3 benchmarks/gpu_suite.py --out $OUT/r/suite12 --iters 30 --spans 8 \
     --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite12.log \
     | grep -E "^\[|^\||timed out"
+elif [ "$1" = 13 ]; then
+  timeout 120 python3 benchmarks/fused_check.py --out $OUT/r --name check13_direct \
+    --base fused-direct --ops rs --no-grads --tilings fused-direct-w16 --repeat 24 \
+    > $OUT/r/check13_direct.log 2>&1 && tail -1 $OUT/r/check13_direct.log \
+    && timeout 200 python3 benchmarks/ab_scatter_add.py --out $OUT/r 2>&1 | tail -6
+  tail -2 $OUT/r/check13_direct.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \
