@@ -1,6 +1,8 @@
-"""A/B in one run: the direct reduce-add kernel (fused-direct) as it is against its previous
-version (the source as of stage 12, kept with the results as scatter_add_gemm_v1.py: the
-output zeroed and awaited before any tile),
+"""A/B in one run: two versions of the direct reduce-add kernel (fused-direct), the package's
+and the stage-12 source kept with the results as scatter_add_gemm_v1.py (the output zeroed
+and awaited before any tile). Stage 13 ran it at commit c75998d, whose kernel (kept as
+scatter_add_gemm_v2.py) awaited the zeroing at the first tile's epilogue; it was no faster and
+the package went back to v1, so today this compares v1 with itself,
 on the RS presets, interleaved, with the strict bound (the faster of XLA's two GEMM forms).
 
     PYTHONPATH=. python benchmarks/ab_scatter_add.py --out DIR

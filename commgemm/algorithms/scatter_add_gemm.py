@@ -7,10 +7,9 @@ a TMA reduce-add (`cp.reduce.async.bulk .add`) straight into the owner's output,
 for the other blocks. Nothing waits for a peer between tiles, so the transfers spread over the
 whole GEMM instead of following a ring's steps, and no tile reads a partial sum back.
 
-Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share,
-the stores issued before its first tile and awaited at that tile's epilogue) and a CTA's first
-add waits until every device has signalled that its zeroing landed; at the end each device
-waits until every peer has signalled that its adds landed. Partial sums are
+Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
+and a CTA's first add waits until every device has signalled that its zeroing landed; at the
+end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
@@ -53,7 +52,6 @@ def matmul_reduce_scatter(
     cta_m, cta_n = tiles.cta_m, tiles.cta_n
     m_iters, n_iters, k_iters = rows // cta_m, n // cta_n, k // tile_k
     zero_pairs = (rows // epi) * (n // epi) // 2  # epi x epi blocks, two per CTA step
-    num_tiles = size * m_iters * n_iters
     sms = num_sms()
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
@@ -111,14 +109,8 @@ def matmul_reduce_scatter(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            def signal_zeroed():  # this warpgroup's zero stores have landed
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                pl.semaphore_signal(zeroed)
-                for peer in peers[1:]:
-                    pl.semaphore_signal(zeroed, device_id=peer)
-
             @pl.when(wg < 2)
-            def _zero_output():  # issued here, awaited at the first tile's epilogue
+            def _zero_output():
                 out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
                 plgpu.commit_smem()
 
@@ -131,7 +123,12 @@ def matmul_reduce_scatter(
                         out_smem.at[wg, 0], out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)]
                     )
 
-            @plgpu.nd_loop((num_tiles,), collective_axes="cluster_grid")
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                pl.semaphore_signal(zeroed)
+                for peer in peers[1:]:
+                    pl.semaphore_signal(zeroed, device_id=peer)
+
+            @plgpu.nd_loop((size * m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
                 offset = lax.rem(lin, size)
@@ -156,7 +153,6 @@ def matmul_reduce_scatter(
 
                         @pl.when(info.local_index == 0)
                         def _outputs_zeroed():
-                            signal_zeroed()
                             pl.semaphore_wait(zeroed, value=size * adds_per_device, decrement=False)
 
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -190,10 +186,6 @@ def matmul_reduce_scatter(
                     w_ref.at[:, cta_n_slice],
                     allocations=pipeline_allocs,
                 )
-
-            @pl.when((wg < 2) & (lax.axis_index("cluster_grid") >= num_tiles))
-            def _no_tiles():  # the others wait for every CTA's zeroing
-                signal_zeroed()
 
             @pl.when(wg < 2)
             def _adds_landed():
