@@ -1,9 +1,9 @@
-"""A/B in one run: two versions of the direct reduce-add kernel (fused-direct), the package's
-and the stage-12 source kept with the results as scatter_add_gemm_v1.py (the output zeroed
-and awaited before any tile). Stage 13 ran it at commit c75998d, whose kernel (kept as
-scatter_add_gemm_v2.py) awaited the zeroing at the first tile's epilogue; it was no faster and
-the package went back to v1, so today this compares v1 with itself,
-on the RS presets, interleaved, with the strict bound (the faster of XLA's two GEMM forms).
+"""A/B in one run: two versions of the direct reduce-add kernel (fused-direct) on the RS
+presets, interleaved, with the strict bound (the faster of XLA's two GEMM forms): v1, the
+package's (the output zeroed and awaited before any tile), and v2, kept with the results as
+scatter_add_gemm_v2.py (the zeroing awaited at the first tile's epilogue). Stage 13 ran this at
+commit c75998d, where v2 was the package's kernel and v1 a copy; v2 was no faster and the
+package kept v1.
 
     PYTHONPATH=. python benchmarks/ab_scatter_add.py --out DIR
 """
@@ -26,9 +26,9 @@ from commgemm.bench.problems import make_problem, parse_method
 RUN = "2xh200-2026-11-22-scatter-add"
 
 
-def load_v1():
-    path = pathlib.Path(__file__).parent / "results" / RUN / "scatter_add_gemm_v1.py"
-    spec = importlib.util.spec_from_file_location("scatter_add_gemm_v1", path)
+def load_v2():
+    path = pathlib.Path(__file__).parent / "results" / RUN / "scatter_add_gemm_v2.py"
+    spec = importlib.util.spec_from_file_location("scatter_add_gemm_v2", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--presets", default="llama8b_mlp,comm_heavy,llama70b_mlp,llama13b_mlp")
     args = parser.parse_args()
-    v1, now = load_v1().matmul_reduce_scatter, current.matmul_reduce_scatter
+    now = current.matmul_reduce_scatter
+    v1, v2 = now, load_v2().matmul_reduce_scatter
     results = []
     for preset in args.presets.split(","):
         problem = make_problem("rs", cg.bench.PRESETS[preset], "bfloat16")
@@ -52,7 +53,7 @@ def main() -> None:
         }
         outs = {}
         for spec in ("fused-direct", "fused-direct-w16"):
-            for version, fn in (("v1", v1), ("v2", now)):
+            for version, fn in (("v1", v1), ("v2", v2)):
                 current.matmul_reduce_scatter = fn  # traced at the first call below
                 try:
                     f = problem.overlapped(parse_method(spec))
