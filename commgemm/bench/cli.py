@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         trace = jax.profiler.trace(str(args.trace))
     with Progress(console=console, transient=True, disable=not lead) as progress, trace:
-        steps = len(methods) + 1 + (len(methods) + 4 if args.spans else 0)  # + 2 GEMM forms, comm, xla
+        # compile steps, the interleaved timing, then spans of each method, 2 GEMMs, comm, xla
+        steps = len(methods) + 1 + (len(methods) + 4 if args.spans else 0)
         task = progress.add_task("benchmark", total=steps)
 
         def step(name: str) -> None:
