@@ -41,6 +41,12 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export COLUMNS=200 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COMMGEMM_TUNE_CACHE=$OUT/r/tune.json
 mkdir -p $OUT/r
+# The suite of stages 8, 9 and 12: suite NAME OVERALL_TIMEOUT PER_MODE_TIMEOUT
+suite() {
+  timeout $2 python3 benchmarks/gpu_suite.py --out $OUT/r/$1 --iters 30 --spans 8 \
+    --timeout $3 --modes default,windowed_einsum 2>&1 | tee $OUT/r/$1.log \
+    | grep -E "^\[|^\||timed out"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > $OUT/r/gpus.txt
 if [ "$1" = 1 ]; then
   timeout 200 python3 benchmarks/fused_check.py --out $OUT/r > $OUT/r/fused_check.log 2>&1
@@ -91,14 +97,10 @@ elif [ "$1" = 8 ]; then
   XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 80 python3 benchmarks/fused_check.py \
     --out $OUT/r --name check8_default --shapes 2 --tilings "" > $OUT/r/check8_default.log 2>&1
   tail -1 $OUT/r/check8_default.log
-  timeout 470 python3 benchmarks/gpu_suite.py --out $OUT/r/suite8 --iters 30 --spans 8 \
-    --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite8.log \
-    | grep -E "^\[|^\||timed out"
+  suite suite8 470 330
 elif [ "$1" = 9 ]; then
   cp "$2" $OUT/r/tune.json
-  timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite9 --iters 30 --spans 8 \
-    --timeout 360 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite9.log \
-    | grep -E "^\[|^\||timed out"
+  suite suite9 540 360
 elif [ "$1" = 10 ]; then
   for base in fused fused-direct; do
     ops=ag,rs; [ $base = fused-direct ] && ops=rs
@@ -126,9 +128,7 @@ elif [ "$1" = 12 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 60 python3 benchmarks/gemm_lead.py --out $OUT/r --name comm_heavy_ag \
     --shape 16384,8192,2048 2>&1 | tail -1
-  timeout 480 python3 benchmarks/gpu_suite.py --out $OUT/r/suite12 --iters 30 --spans 8 \
-    --timeout 330 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite12.log \
-    | grep -E "^\[|^\||timed out"
+  suite suite12 480 330
 elif [ "$1" = 13 ]; then
   timeout 120 python3 benchmarks/fused_check.py --out $OUT/r --name check13_direct \
     --base fused-direct --ops rs --no-grads --tilings fused-direct-w16 --repeat 24 \

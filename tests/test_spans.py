@@ -101,3 +101,5 @@ def test_device_spans_on_cpu_say_why():
         cg.bench.device_spans(f, jnp.ones((32, 32)), calls=2)
     with pytest.raises(ValueError, match="calls=0"):
         cg.bench.device_spans(f, jnp.ones((32, 32)), calls=0)
+    with pytest.raises(ValueError, match="gap_s=0"):
+        cg.bench.device_spans(f, jnp.ones((32, 32)), gap_s=0)
