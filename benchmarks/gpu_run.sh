@@ -31,6 +31,10 @@
 #            GEMM forms on comm_heavy AG's local shape beside the Mosaic GEMM.
 #   stage 13: fused-direct with its zeroing awaited at the first tile instead of before it:
 #            outputs and back-to-back calls checked, then an A/B against the stage-12 version.
+#   stage 14: (new session) where the fused kernels' time goes (benchmarks/probe.py): the
+#            Mosaic GEMM alone (with and without 2-CTA clusters), fused-direct's epilogue
+#            variants (own-store candidates and diagnostics) and clusters, back-to-back device
+#            periods beside the interleaved timing.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -135,6 +139,17 @@ elif [ "$1" = 13 ]; then
     > $OUT/r/check13_direct.log 2>&1 && tail -1 $OUT/r/check13_direct.log \
     && timeout 200 python3 benchmarks/ab_scatter_add.py --out $OUT/r 2>&1 | tail -6
   tail -2 $OUT/r/check13_direct.log
+elif [ "$1" = 14 ]; then
+  # outputs of the new epilogues and clusters first: a hang there would take the probe with it
+  timeout 140 python3 benchmarks/probe.py --out $OUT/r/check14 --check-only \
+    --problems rs:comm_heavy,rs:llama13b_mlp --epilogues add,own-store,own-store-lag \
+    > $OUT/r/check14.log 2>&1
+  ok=$?
+  tail -3 $OUT/r/check14.log
+  epilogues=add,own-store,own-store-lag,local-add,store,remote-store clusters=cm,cn
+  [ $ok = 124 ] && epilogues=add,local-add,store,remote-store clusters=""
+  timeout 400 python3 benchmarks/probe.py --out $OUT/r --epilogues $epilogues \
+    --clusters "$clusters" 2>&1 | tee $OUT/r/probe.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

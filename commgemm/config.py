@@ -127,7 +127,10 @@ class FusedTiles:
     on every 2xH200 preset, where 1 was up to 1.4x slower on comm_heavy AG), along N, or along
     M with grid_minor_m (then an AG step's CTAs all start on the first column of tiles, the ones
     that send x's rows).
-    The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks."""
+    The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks.
+    cluster="m" (or "n") runs the GEMM+RS kernels in 2-CTA clusters: the two CTAs take tiles
+    adjacent along M (N) and load their shared w (x) tiles once, multicast to both (halves
+    that operand's traffic from L2); jax's all-gather kernel has no clusters."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -137,8 +140,11 @@ class FusedTiles:
     grid_tile_width: int = 8
     grid_minor_m: bool = False
     epi: int = 64
+    cluster: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cluster not in (None, "m", "n"):
+            raise ValueError(f"FusedTiles.cluster={self.cluster!r} must be None, 'm' or 'n'")
         for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -158,6 +164,19 @@ class FusedTiles:
     @property
     def cta_n(self) -> int:
         return self.tile_n * (1 if self.wg_along_m else 2)
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if self.cluster is None else 2
+
+    @property
+    def cluster_m(self) -> int:
+        """Rows of output one cluster computes per tile."""
+        return self.cta_m * (2 if self.cluster == "m" else 1)
+
+    @property
+    def cluster_n(self) -> int:
+        return self.cta_n * (2 if self.cluster == "n" else 1)
 
 
 @dataclasses.dataclass(frozen=True)

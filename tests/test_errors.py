@@ -85,6 +85,28 @@ def test_fused_kernel_tile_divisibility(rng):
         call(cg.all_gather_matmul, x, w, config=cfg)
 
 
+def test_fused_clusters(rng):
+    """2-CTA clusters: GEMM+RS only (jax's all-gather kernel has none), and the tile divisibility
+    counts the cluster's two tiles."""
+    clustered = cg.OverlapConfig(
+        method="pipeline", atomic_gemm=True, fused_tiles=cg.FusedTiles(cluster="m")
+    )
+    ag = clustered.replace(method="ring_exchange")
+    x, w = random(rng, (512, 64), ml_dtypes.bfloat16), random(rng, (64, 1024), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="all-gather kernel .* has no CTA clusters"):
+        call(cg.all_gather_matmul, x, w, config=ag)
+    # RS on 4 devices, K sharded: 128 rows each, one 128-row tile but not a cluster's two
+    specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
+    x, w = random(rng, (512, 256), ml_dtypes.bfloat16), random(rng, (256, 256), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="rows per device=128 must be divisible by the tile 256"):
+        call(cg.matmul_reduce_scatter, x, w, config=clustered, **specs)
+    wide = clustered.replace(fused_tiles=cg.FusedTiles(cluster="n"))
+    with pytest.raises(ValueError, match="N=256 must be divisible by the tile 512"):
+        call(cg.matmul_reduce_scatter, x, w, config=wide, **specs)
+    with pytest.raises(ValueError, match="FusedTiles.cluster='k' must be None, 'm' or 'n'"):
+        cg.FusedTiles(cluster="k")
+
+
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):
     """ATOMIC_GEMM_RS (the direct reduce-add kernel) checks its needs like the ring kernels."""
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True)

@@ -8,28 +8,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commgemm as cg
-from commgemm.bench.spans import busy_ns, spans_from_trace, split_calls
+from commgemm.bench.spans import busy_ns, periods_from_trace, spans_from_trace, split_calls
 
 
-def _trace(devices: dict[int, dict[str, list[tuple[int, int]]]]):
-    """A ProfileData with GPU planes: {device: {line name: [(start_ns, duration_ns)]}}, plus a
-    host plane whose events must be ignored."""
+def _trace(devices: dict[int, dict[str, list[tuple]]]):
+    """A ProfileData with GPU planes: {device: {line name: [(start_ns, duration_ns[, kernel
+    name])]}}, plus a host plane whose events must be ignored."""
     planes = [
         'planes { id: 99 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0 '
         "events { metadata_id: 1 offset_ps: 0 duration_ps: 999000000000 } } "
         'event_metadata { key: 1 value { id: 1 name: "host" } } }'
     ]
     for dev, lines in devices.items():
+        names = sorted({e[2] if len(e) > 2 else "kernel" for ev in lines.values() for e in ev})
+        ids = {name: i + 1 for i, name in enumerate(names)}
         body = []
         for i, (name, events) in enumerate(lines.items()):
             evs = " ".join(
-                f"events {{ metadata_id: 1 offset_ps: {s * 1000} duration_ps: {d * 1000} }}"
-                for s, d in events
+                f"events {{ metadata_id: {ids[e[2] if len(e) > 2 else 'kernel']} "
+                f"offset_ps: {e[0] * 1000} duration_ps: {e[1] * 1000} }}"
+                for e in events
             )
             body.append(f'lines {{ id: {i + 1} name: "{name}" timestamp_ns: 0 {evs} }}')
+        meta = " ".join(
+            f'event_metadata {{ key: {i} value {{ id: {i} name: "{name}" }} }}'
+            for name, i in ids.items()
+        )
         planes.append(
-            f'planes {{ id: {dev + 1} name: "/device:GPU:{dev}" {" ".join(body)} '
-            'event_metadata { key: 1 value { id: 1 name: "kernel" } } }'
+            f'planes {{ id: {dev + 1} name: "/device:GPU:{dev}" {" ".join(body)} {meta} }}'
         )
     text = "\n".join(planes)
     data = jax.profiler.ProfileData
@@ -103,3 +109,41 @@ def test_device_spans_on_cpu_say_why():
         cg.bench.device_spans(f, jnp.ones((32, 32)), calls=0)
     with pytest.raises(ValueError, match="gap_s=0"):
         cg.bench.device_spans(f, jnp.ones((32, 32)), gap_s=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(3, 8),
+    st.integers(100, 2000),
+    st.integers(0, 99),  # setup kernels shorter than the main one
+    st.integers(0, 50),
+    st.integers(0, 500),
+)
+def test_periods_count_setup_kernels_and_gaps(calls, main_ns, setup_ns, gap_ns, skew_ns):
+    """Calls back to back, each a setup kernel, a gap, then the main kernel: the period is the
+    whole cycle on every GPU, its idle part the gaps; the main kernel is found by name."""
+    cycle = setup_ns + gap_ns + main_ns + gap_ns
+    devices = {}
+    for dev in (0, 1):
+        events = []
+        for i in range(calls):
+            base = dev * skew_ns + i * cycle
+            if setup_ns:
+                events.append((base, setup_ns, "barrier"))
+            events.append((base + setup_ns + gap_ns, main_ns, "gemm"))
+        devices[dev] = {"Stream #1": events}
+    found = periods_from_trace(_trace(devices), calls)
+    assert found["main"] == "gemm"
+    np.testing.assert_allclose(found["periods"], [cycle / 1e6] * (calls - 1))
+    np.testing.assert_allclose(found["idle"], [2 * gap_ns / 1e6] * (calls - 1))
+    assert [k[0] for k in found["kernels"]] == ["gemm"] + (["barrier"] if setup_ns else [])
+
+
+def test_periods_say_why():
+    data = _trace({0: {"Stream #1": [(0, 100, "a"), (200, 100, "b")]}})
+    with pytest.raises(RuntimeError, match="no kernel ran 3 times"):
+        periods_from_trace(data, 3)
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        cg.bench.device_periods(jax.jit(lambda a: a @ a), jnp.ones((32, 32)), calls=3)
+    with pytest.raises(ValueError, match="calls=2"):
+        cg.bench.device_periods(jax.jit(lambda a: a @ a), jnp.ones((32, 32)), calls=2)

@@ -108,11 +108,20 @@ def test_spec_round_trip():
         "fused-s3-e128",
         "fused-direct",
         "fused-direct-wgm-w16",
+        "fused-direct-cm",
+        "fused-cn-w16",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
     tiles = cg.bench.parse_method("fused-wgm-w4").fused_tiles
     assert tiles.wg_along_m and tiles.grid_tile_width == 4 and tiles.cta_m == 256
+    tiles = cg.bench.parse_method("fused-direct-cm").fused_tiles
+    assert (tiles.cluster, tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (
+        "m",
+        2,
+        256,
+        256,
+    )
     assert tune.spec_of(cg.bench.parse_method("fused-w8")) == "fused"  # the default width
     assert cg.bench.parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):

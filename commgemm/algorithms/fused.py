@@ -48,6 +48,7 @@ def tuning_config(tiles: FusedTiles):
         epi_tile_m=tiles.epi,
         epi_tile_n=tiles.epi,
         wg_dimension=dim.M if tiles.wg_along_m else dim.N,
+        cluster_dimension={None: None, "m": dim.M, "n": dim.N}[tiles.cluster],
     )
 
 
@@ -98,10 +99,12 @@ def unsupported_reason(
     if config.num_splits != 1 or config.bidirectional or config.aggregate:
         return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
     tiles = config.fused_tiles or FusedTiles()
+    if tiles.cluster is not None and collective is Collective.ALL_GATHER:
+        return "the all-gather kernel (jax's) has no CTA clusters (leave FusedTiles.cluster None)"
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]
-    for what, value, by in (("rows per device", m, tiles.cta_m), ("N", n, tiles.cta_n)):
+    for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n)):
         if value % by:
             return f"{what}={value} must be divisible by the tile {by}"
     if k % tiles.tile_k:
@@ -135,20 +138,6 @@ def reason_for_shape(
         size,
         config,
         w_transposed=False,
-    )
-
-
-def _kernel_params(grid: int) -> dict:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return dict(
-        grid=(grid,),
-        grid_names=("cluster_grid",),
-        cluster=(1,),
-        cluster_names=("cluster",),
-        num_threads=3,  # two compute warpgroups and one that issues the loads
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
 
@@ -203,7 +192,8 @@ def matmul_reduce_scatter(
     w = _as_kn(w, w_transposed)
     rows, n = x.shape[0] // size, w.shape[1]
     num_sms = scatter_add_gemm.num_sms()
-    tuning = tuning_config(config.fused_tiles or FusedTiles())
+    tiles = config.fused_tiles or FusedTiles()
+    tuning = tuning_config(tiles)
     signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
 
     def body(x_ref, w_ref, out_ref, inbox_ref):
@@ -237,7 +227,7 @@ def matmul_reduce_scatter(
                 jax.ShapeDtypeStruct((rows, n), x.dtype),
                 jax.ShapeDtypeStruct((size - 1, rows, n), x.dtype),  # partial sums received
             ],
-            **_kernel_params(num_sms),
+            **scatter_add_gemm.kernel_params(num_sms, tiles.cluster_size),
         )(x, w)
     return out
 

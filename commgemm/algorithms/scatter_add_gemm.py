@@ -12,6 +12,17 @@ and a CTA's first add waits until every device has signalled that its zeroing la
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
+`epilogue` picks how tiles land (the default, "add", is the above):
+  "own-store": no zeroing; the owner stores its own tiles plainly and each peer's add of a tile
+    waits (per CTA and warpgroup semaphore) until the owner signalled that its store of that
+    tile landed. Needs the grid (the SM count) divisible by P: a CTA's block offset is then
+    fixed and the owner's and the adder's CTA of a tile share their loop step.
+  "own-store-lag": as "own-store", but the owner signals a tile after its next tile's
+    mainloop instead of waiting for its stores right away (the adders then trail by a tile).
+Diagnostics that give wrong sums, for timing the kernel's parts (benchmarks/probe.py):
+  "local-add" (every tile reduce-added into this device's output, no NVLink), "store" (every
+  tile stored plainly here: the bare GEMM loop), "remote-store" (plain stores to the owner).
+
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
 """
@@ -26,10 +37,29 @@ from jax import lax
 
 from commgemm.config import FusedTiles, OverlapConfig
 
+EPILOGUES = ("add", "own-store", "own-store-lag")
+PROBES = ("local-add", "store", "remote-store")
+
 
 def num_sms() -> int:
     """Streaming multiprocessors of this process's first device (the kernels' grid)."""
     return jax.devices()[0].core_count
+
+
+def kernel_params(sms: int, cluster: int) -> dict:
+    """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
+    clusters of `cluster`), two compute warpgroups and one that issues the loads."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return dict(
+        grid=(sms // cluster,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
 
 
 def matmul_reduce_scatter(
@@ -37,9 +67,11 @@ def matmul_reduce_scatter(
     w: jax.Array,
     axis_name: str,
     config: OverlapConfig,
+    *,
+    epilogue: str = "add",
 ) -> jax.Array:
     """x [M, k], w [k, n] (both local; K sharded over axis_name) -> [M/P, n], this device's
-    rows of sum_d x_d @ w_d, in x's dtype."""
+    rows of sum_d x_d @ w_d, in x's dtype. `epilogue`: see the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
@@ -50,9 +82,12 @@ def matmul_reduce_scatter(
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[1]
     tile_m, tile_n, tile_k, epi = tiles.tile_m, tiles.tile_n, tiles.tile_k, tiles.epi
     cta_m, cta_n = tiles.cta_m, tiles.cta_n
-    m_iters, n_iters, k_iters = rows // cta_m, n // cta_n, k // tile_k
-    zero_pairs = (rows // epi) * (n // epi) // 2  # epi x epi blocks, two per CTA step
+    m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tile_k
     sms = num_sms()
+    cluster = tiles.cluster_size
+    units = sms // cluster  # the grid: CTAs, or clusters of 2
+    # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
+    zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
     in_transforms = (
@@ -67,6 +102,13 @@ def matmul_reduce_scatter(
     num_slots = min(2, (tile_m * tile_n) // (epi * epi))
     minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
+    if epilogue not in EPILOGUES + PROBES:
+        raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
+    own_store = epilogue.startswith("own-store")
+    if own_store and units % size:
+        raise ValueError(f"epilogue={epilogue!r} needs the grid ({units}) divisible by P={size}")
+    zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
+    lag = epilogue == "own-store-lag"
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -79,12 +121,14 @@ def matmul_reduce_scatter(
                     lambda kk: (0, kk),
                     transforms=in_transforms,
                     memory_space=plgpu.SMEM,
+                    collective_axes=("cluster",) if tiles.cluster == "n" else (),  # shared x
                 ),
                 plgpu.BlockSpec(
                     (tile_k, cta_n),
                     lambda kk: (kk, 0),
                     transforms=in_transforms,
                     memory_space=plgpu.SMEM,
+                    collective_axes=("cluster",) if tiles.cluster == "m" else (),  # shared w
                 ),
             ],
             wg_axis="wg",
@@ -96,9 +140,21 @@ def matmul_reduce_scatter(
     def body(x_ref, w_ref, out_ref):
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        if own_store:  # one per CTA and warpgroup
+            stored = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * sms,)))
         here = lax.axis_index(axis_name)
+        unit = lax.axis_index("cluster_grid")
+        in_cluster = lax.axis_index("cluster")
+        cta = unit * cluster + in_cluster
         peers = [lax.rem(here + offset, size) for offset in range(size)]  # peers[0] is here
         ignore = lambda *_, **__: None  # noqa: E731
+
+        def signal_stored(wg):
+            """Owner side of own-store: this warpgroup's stores have landed; each peer's CTA that
+            adds into the same tiles (grid unit + size - j on peers[j]) may go on."""
+            for j, peer in enumerate(peers[1:], start=1):
+                adder = (unit + size - j) * cluster + in_cluster
+                pl.semaphore_signal(stored.at[adder * 2 + wg], device_id=peer)
 
         @functools.partial(
             pl.run_scoped,
@@ -109,39 +165,55 @@ def matmul_reduce_scatter(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @pl.when(wg < 2)
-            def _zero_output():
-                out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
-                plgpu.commit_smem()
+            if zeroes:
 
-                @plgpu.nd_loop((zero_pairs,), collective_axes="cluster_grid")
-                def _zero(info):
-                    (pair,) = info.index
-                    block = 2 * pair + wg
-                    bm, bn = block // (n // epi), lax.rem(block, n // epi)
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[wg, 0], out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)]
-                    )
+                @pl.when(wg < 2)
+                def _zero_output():
+                    out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
+                    plgpu.commit_smem()
 
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                pl.semaphore_signal(zeroed)
-                for peer in peers[1:]:
-                    pl.semaphore_signal(zeroed, device_id=peer)
+                    @plgpu.nd_loop((zero_steps,), collective_axes="cluster_grid")
+                    def _zero(info):
+                        (step,) = info.index
+                        block = 2 * (step * cluster + in_cluster) + wg
+                        bm, bn = block // (n // epi), lax.rem(block, n // epi)
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, 0],
+                            out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)],
+                        )
+
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    pl.semaphore_signal(zeroed)
+                    for peer in peers[1:]:
+                        pl.semaphore_signal(zeroed, device_id=peer)
 
             @plgpu.nd_loop((size * m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                offset = lax.rem(lin, size)
+                offset = lax.rem(lin, size)  # with own-store, lax.rem(unit, size) at every step
                 block = lax.rem(here + offset, size)  # the device owning this tile's rows
                 m_idx, n_idx = plgpu.planar_snake(
                     lin // size, (m_iters, n_iters), minor, tiles.grid_tile_width
                 )
+                if tiles.cluster == "m":
+                    m_idx = m_idx * 2 + in_cluster
+                elif tiles.cluster == "n":
+                    n_idx = n_idx * 2 + in_cluster
                 cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
                 cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
                 if tiles.wg_along_m:
                     wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
                 else:
                     wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
+
+                def store(src, dest, predicate=None, commit=True, add=True):
+                    plgpu.copy_smem_to_gmem(
+                        src,
+                        dest,
+                        predicate=predicate,
+                        commit_group=commit,
+                        reduction_op="add" if add else None,
+                    )
 
                 def compute_context(eval_pipeline):
                     @functools.partial(
@@ -150,10 +222,30 @@ def matmul_reduce_scatter(
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...].astype(dtype)
+                        if zeroes:
 
-                        @pl.when(info.local_index == 0)
-                        def _outputs_zeroed():
-                            pl.semaphore_wait(zeroed, value=size * adds_per_device, decrement=False)
+                            @pl.when(info.local_index == 0)
+                            def _outputs_zeroed():
+                                pl.semaphore_wait(
+                                    zeroed, value=size * adds_per_device, decrement=False
+                                )
+
+                        if lag:
+
+                            @pl.when((offset == 0) & (info.local_index > 0))
+                            def _previous_tile_stored():
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                                signal_stored(wg)
+
+                        if own_store:
+
+                            @pl.when(offset != 0)
+                            def _owner_stored():
+                                pl.semaphore_wait(
+                                    stored.at[cta * 2 + wg],
+                                    value=info.local_index + 1,
+                                    decrement=False,
+                                )
 
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for epi_mi in range(tile_m // epi):
@@ -164,17 +256,34 @@ def matmul_reduce_scatter(
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = acc[epi_m, epi_n]
                                 plgpu.commit_smem()
+                                src = out_smem.at[wg, slot]
+
+                                def tile_of(ref):
+                                    return (
+                                        ref.at[cta_m_slice, cta_n_slice]
+                                        .at[wg_m_slice, wg_n_slice]
+                                        .at[epi_m, epi_n]  # noqa: B023
+                                    )
+
+                                if epilogue in ("local-add", "store"):
+                                    store(src, tile_of(out_ref), add=epilogue == "local-add")
+                                    continue
                                 for i, peer in enumerate(peers):
                                     dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
-                                    plgpu.copy_smem_to_gmem(
-                                        out_smem.at[wg, slot],
-                                        dest.at[cta_m_slice, cta_n_slice]
-                                        .at[wg_m_slice, wg_n_slice]
-                                        .at[epi_m, epi_n],
+                                    store(
+                                        src,
+                                        tile_of(dest),
                                         predicate=offset == i,
-                                        commit_group=i == size - 1,  # one group per block
-                                        reduction_op="add",
+                                        commit=i == size - 1,  # one group per block
+                                        add=epilogue == "add" or (own_store and i > 0),
                                     )
+
+                        if epilogue == "own-store":
+
+                            @pl.when(offset == 0)
+                            def _stored():
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                                signal_stored(wg)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem.at[wg_m_slice], b_smem.at[:, wg_n_slice])
@@ -190,6 +299,15 @@ def matmul_reduce_scatter(
             @pl.when(wg < 2)
             def _adds_landed():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                if lag:
+                    has_tiles = unit < size * m_iters * n_iters
+
+                    @pl.when((lax.rem(unit, size) == 0) & has_tiles)
+                    def _last_tile_stored():
+                        signal_stored(wg)
+
+                if epilogue in ("local-add", "store"):
+                    return
                 for peer in peers[1:]:
                     pl.semaphore_signal(landed, device_id=peer)
                 pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
@@ -198,13 +316,5 @@ def matmul_reduce_scatter(
         return plgpu.kernel(
             body,
             out_type=jax.ShapeDtypeStruct((rows, n), dtype),
-            grid=(sms,),
-            grid_names=("cluster_grid",),
-            cluster=(1,),
-            cluster_names=("cluster",),
-            num_threads=3,  # two compute warpgroups and one that issues the loads
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(
-                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-            ),
+            **kernel_params(sms, cluster),
         )(x, w)

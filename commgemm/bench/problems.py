@@ -30,7 +30,8 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     """'fused' (the ring kernels, RING_EXCHANGE) or 'fused-direct' (GEMM+RS only: ATOMIC_GEMM_RS,
     tiles reduce-added straight into their owner; method PIPELINE), with optional tiling
     suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm' (warpgroups along M), '-gm' (grid
-    along M), '-m256' / '-n64' (tile_m / tile_n), '-e128' (epilogue blocks), e.g. 'fused-wgm-w8'."""
+    along M), '-m256' / '-n64' (tile_m / tile_n), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA
+    clusters along M / N, GEMM+RS only), e.g. 'fused-wgm-w8', 'fused-direct-cm'."""
     fields: dict[str, object] = {}
     keys = {"w": "grid_tile_width", "s": "stages", "m": "tile_m", "n": "tile_n", "e": "epi"}
     method = "ring_exchange"
@@ -41,12 +42,14 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             fields["wg_along_m"] = True
         elif part == "gm":
             fields["grid_minor_m"] = True
+        elif part in ("cm", "cn"):
+            fields["cluster"] = part[1]
         elif part[:1] in keys and part[1:].isdigit():
             fields[keys[part[0]]] = int(part[1:])
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm"
+                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm, -cm, -cn"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -61,6 +64,8 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         parts.append("wgm")
     if tiles.grid_minor_m:
         parts.append("gm")
+    if tiles.cluster:
+        parts.append(f"c{tiles.cluster}")
     fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
     for key, field in fields + (("e", "epi"),):
         if getattr(tiles, field) != getattr(default, field):

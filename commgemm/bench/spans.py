@@ -102,3 +102,81 @@ def device_spans(fn: Callable, *args, calls: int = 10, gap_s: float = 5e-3) -> l
             raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
         data = jax.profiler.ProfileData.from_file(str(paths[-1]))
         return spans_from_trace(data, calls, min_gap_ns=gap_s * 1e9 / 2)
+
+
+def periods_from_trace(data, calls: int) -> dict:
+    """Steady-state device time per call from a `jax.profiler.ProfileData` of `calls` calls run
+    back to back: on each GPU, the call's main kernel is the kernel name seen at least `calls`
+    times with the most total time; a call's period is from one main kernel's start to the
+    next's, so it counts everything the device did or waited for in between (setup kernels,
+    barriers, idle gaps). Returns {"periods": per-call periods in ms averaged over GPUs
+    (calls - 1 of them), "idle": per-call idle time in ms inside each period (most over GPUs),
+    "main": the main kernel's name, "kernels": [(name, start offset us, duration us)] of one
+    middle period on the first GPU}."""
+    per_device = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        lines = list(plane.lines)
+        streams = [line for line in lines if line.name.startswith(_STREAM_PREFIX)] or lines
+        events = sorted(
+            (e.start_ns, e.start_ns + e.duration_ns, e.name)
+            for line in streams
+            for e in line.events
+        )
+        if events:
+            per_device.append(events)
+    if not per_device:
+        raise RuntimeError(
+            "the trace has no GPU activity (device periods need a GPU backend and CUPTI)"
+        )
+    periods, idles, main, kernels = [], [], "", []
+    for d, events in enumerate(per_device):
+        totals: dict[str, list[float]] = {}
+        for start, end, name in events:
+            totals.setdefault(name, []).append(end - start)
+        candidates = {name: sum(t) for name, t in totals.items() if len(t) >= calls}
+        if not candidates:
+            raise RuntimeError(f"no kernel ran {calls} times on GPU {d}: {sorted(totals)[:5]}")
+        main = max(candidates, key=candidates.get)
+        starts = [start for start, _, name in events if name == main]
+        if len(starts) != calls:
+            raise RuntimeError(f"{main!r} ran {len(starts)} times for {calls} calls on GPU {d}")
+        periods.append([(b - a) / 1e6 for a, b in zip(starts, starts[1:], strict=False)])
+        idle = []
+        for a, b in zip(starts, starts[1:], strict=False):
+            inside = [(max(s, a), min(e, b)) for s, e, _ in events if e > a and s < b]
+            idle.append((b - a - busy_ns(split_calls(inside, min_gap_ns=float("inf"))[0])) / 1e6)
+        idles.append(idle)
+        if d == 0:
+            mid = calls // 2
+            a, b = starts[mid - 1], starts[mid]
+            kernels = [(name, (s - a) / 1e3, (e - s) / 1e3) for s, e, name in events if a <= s < b]
+    return {
+        "periods": [sum(p) / len(p) for p in zip(*periods, strict=True)],
+        "idle": [max(i) for i in zip(*idles, strict=True)],
+        "main": main,
+        "kernels": kernels,
+    }
+
+
+def device_periods(fn: Callable, *args, calls: int = 16) -> dict:
+    """Runs `fn(*args)` (jitted, compiled by a first call here) `calls` times back to back
+    under the profiler (the host enqueues them all, then waits) and returns
+    `periods_from_trace`: the device time per call in steady state, with the GPUs' own
+    timestamps, gaps and setup kernels included (unlike `device_spans`, which idles between
+    calls and counts only busy time). Raises RuntimeError without GPU activity."""
+    if calls < 3:
+        raise ValueError(f"calls={calls} must be >= 3")
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+        finally:
+            jax.profiler.stop_trace()
+        paths = sorted(pathlib.Path(folder).rglob("*.xplane.pb"))
+        if not paths:
+            raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
+        return periods_from_trace(jax.profiler.ProfileData.from_file(str(paths[-1])), calls)
