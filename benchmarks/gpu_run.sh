@@ -34,7 +34,10 @@
 #   stage 14: (new session) where the fused kernels' time goes (benchmarks/probe.py): the
 #            Mosaic GEMM alone (with and without 2-CTA clusters), fused-direct's epilogue
 #            variants (own-store candidates and diagnostics) and clusters, back-to-back device
-#            periods beside the interleaved timing.
+#            periods beside the interleaved timing. Ran at commit 5c3e0f1 (its own-store epilogues
+#            and --epilogues / --clusters flags are gone).
+#   stage 15: A/B by interleaved device periods: fused-direct's alternating block order,
+#            whole-tile epilogue buffers (s3-b4) and 2-CTA clusters, against the stage-12 kernel.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -139,17 +142,8 @@ elif [ "$1" = 13 ]; then
     > $OUT/r/check13_direct.log 2>&1 && tail -1 $OUT/r/check13_direct.log \
     && timeout 200 python3 benchmarks/ab_scatter_add.py --out $OUT/r 2>&1 | tail -6
   tail -2 $OUT/r/check13_direct.log
-elif [ "$1" = 14 ]; then
-  # outputs of the new epilogues and clusters first: a hang there would take the probe with it
-  timeout 140 python3 benchmarks/probe.py --out $OUT/r/check14 --check-only \
-    --problems rs:comm_heavy,rs:llama13b_mlp --epilogues add,own-store,own-store-lag \
-    > $OUT/r/check14.log 2>&1
-  ok=$?
-  tail -3 $OUT/r/check14.log
-  epilogues=add,own-store,own-store-lag,local-add,store,remote-store clusters=cm,cn
-  [ $ok = 124 ] && epilogues=add,local-add,store,remote-store clusters=""
-  timeout 400 python3 benchmarks/probe.py --out $OUT/r --epilogues $epilogues \
-    --clusters "$clusters" 2>&1 | tee $OUT/r/probe.log
+elif [ "$1" = 15 ]; then
+  timeout 540 python3 benchmarks/probe.py --out $OUT/r --name ab15 2>&1 | tee $OUT/r/ab15.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

@@ -1,20 +1,19 @@
-"""Where the fused kernels' time goes, in one GPU call (2xH200 stage 14).
+"""Where the fused kernels' time goes, and A/B of their variants, in one GPU call (2xH200
+stages 14 and 15; stage 14 ran at commit 5c3e0f1, with own-store epilogues since removed).
 
-For each problem, interleaved timing (`benchmark_interleaved`) and back-to-back device periods
-(`device_periods`: GPU timestamps, setup kernels and gaps included) of:
+For each problem, device periods of every variant interleaved (`device_periods_interleaved`:
+GPU timestamps, calls back to back, setup kernels and gaps included, rounds in shuffled
+order), beside the interleaved host timing (`benchmark_interleaved`), of:
 - XLA's GEMM alone (both forms) and the collective alone: the bound;
-- jax's Mosaic GPU Hopper matmul on the same local GEMM, as the fused kernels tile it, and with
-  2-CTA clusters (TMA multicast of one operand): the GEMM loop with no communication;
-- RS: the direct reduce-add kernel (`fused-direct`) with each `scatter_add_gemm` epilogue: the
-  package's "add", the candidates "own-store" / "own-store-lag", and the diagnostics
-  "local-add" (no NVLink), "store" (the bare GEMM loop in this kernel) and "remote-store"
-  (plain stores over NVLink, no read-modify-write);
-- AG: jax's all-gather matmul kernel (`fused`, `fused-w16`).
-The candidates' outputs (other epilogues, clusters) are compared with the "add" kernel's
-(bit-identical expected on 2 GPUs: one add of the two bf16 partial sums per element either way)
-and every fused output with XLA's. Exits non-zero on errors or differing outputs.
+- "mosaic": jax's Mosaic GPU Hopper matmul on the same local GEMM, as the fused kernels tile
+  it, bands 16 wide, and with 2-CTA clusters: the GEMM loop with no communication;
+- fused specs (`parse_method`), with "+alt" for fused-direct's alternating block order and
+  "@store" / "@local-add" / "@remote-store" for its diagnostic epilogues (wrong sums).
+RS outputs are compared with the first fused-direct spec's (bit-identical expected on 2 GPUs:
+one add of the two bf16 partial sums per element either way), every fused output with XLA's.
+Exits non-zero on errors or differing outputs.
 
-    PYTHONPATH=. python benchmarks/probe.py --out DIR
+    PYTHONPATH=. python benchmarks/probe.py --out DIR [--problems rs:llama8b_mlp,...]
 """
 
 from __future__ import annotations
@@ -35,7 +34,13 @@ from commgemm.algorithms.fused import tuning_config
 from commgemm.bench.overlap import GEMM_ALONE
 from commgemm.bench.problems import make_problem, parse_method
 
-PROBLEMS = "rs:llama8b_mlp,rs:comm_heavy,ag:comm_heavy,rs:llama13b_mlp"
+PROBLEMS = "rs:llama8b_mlp,rs:comm_heavy,ag:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp"
+VARIANTS = {
+    "rs": "mosaic,fused-direct,fused-direct+alt,fused-direct-s3-b4,fused-direct-s3-b4+alt,"
+    "fused-direct-w16+alt,fused-direct-cm,fused-direct-cm+alt,fused-direct-cm-s3-b4+alt,"
+    "fused-direct@store",
+    "ag": "mosaic,fused,fused-w16",
+}
 
 
 def mosaic_gemms(problem, errors: dict) -> dict:
@@ -67,98 +72,72 @@ def mosaic_gemms(problem, errors: dict) -> dict:
     return out
 
 
-def fused_variants(
-    problem, op: str, x, w, epilogues: list[str], clusters: list[str]
-) -> tuple[dict, dict]:
-    """name -> (fn, args) and name -> output (float32 numpy)."""
-    variants, outs = {}, {}
-    if op == "ag":
-        specs = {"fused": "fused", "fused-w16": "fused-w16"}
-        for name, spec in specs.items():
-            try:
-                f = problem.overlapped(parse_method(spec))
-                outs[name] = np.asarray(f(x, w), np.float32)
-                variants[name] = (f, (x, w))
-            except Exception as err:  # noqa: BLE001 - recorded, the others still run
-                outs[name] = f"{type(err).__name__}: {err}"[:400]
-        return variants, outs
+def fused_variant(problem, item: str, x, w):
+    """A jitted fused op for 'spec[+alt][@epilogue]' (the kernel options traced in here)."""
+    item, _, epilogue = item.partition("@")
+    spec, alt = (item[: -len("+alt")], True) if item.endswith("+alt") else (item, False)
     original = sag.matmul_reduce_scatter
-    kernels = [("fused-direct", epilogue) for epilogue in epilogues]
-    for cluster in clusters:  # 2-CTA clusters, with the package's epilogue and own-store
-        kernels += [(f"fused-direct-{cluster}", e) for e in ("add", "own-store") if e in epilogues]
-    for spec, epilogue in kernels:
-        name = f"{spec} {epilogue}"
-        sag.matmul_reduce_scatter = functools.partial(original, epilogue=epilogue)
-        try:
-            f = problem.overlapped(parse_method(spec))
-            outs[name] = np.asarray(f(x, w), np.float32)  # traced here, with this epilogue
-            variants[name] = (f, (x, w))
-        except Exception as err:  # noqa: BLE001 - recorded, the others still run
-            outs[name] = f"{type(err).__name__}: {err}"[:400]
-        finally:
-            sag.matmul_reduce_scatter = original
-    return variants, outs
+    sag.matmul_reduce_scatter = functools.partial(
+        original, epilogue=epilogue or "add", alternate=alt
+    )
+    try:
+        f = problem.overlapped(parse_method(spec))
+        jax.block_until_ready(f(x, w))  # traced now, with these options
+        return f
+    finally:
+        sag.matmul_reduce_scatter = original
 
 
-def probe(
-    op: str, preset: str, iters: int, epilogues: list[str], clusters: list[str], check_only: bool
-) -> dict:
+def probe(op: str, preset: str, items: list[str], iters: int, rounds: int) -> dict:
     problem = make_problem(op, cg.bench.PRESETS[preset], "bfloat16")
     x, w = problem.operands()
     reference = np.asarray(problem.xla()(x, w), np.float32)
+    scale = float(np.abs(reference).max())
     variants = {
         GEMM_ALONE[False]: problem.gemm_alone(),
         GEMM_ALONE[True]: problem.gemm_alone(cast=True),
         "collective alone": (problem.comm_alone(), (problem.comm_operand(),)),
     }
-    errors = {}
-    if not check_only:
-        variants |= mosaic_gemms(problem, errors)
-    fused, outs = fused_variants(problem, op, x, w, epilogues, clusters)
-    variants |= fused
-    checks = {}
-    for name, out in outs.items():
-        if isinstance(out, str):
-            errors[name] = out
+    errors, checks, first = {}, {}, None
+    for item in items:
+        if item == "mosaic":
+            variants |= mosaic_gemms(problem, errors)
             continue
-        scale = float(np.abs(reference).max())
-        checks[name] = {"max_diff_vs_xla_rel": float(np.abs(out - reference).max()) / scale}
-        add = outs.get("fused-direct add")
-        diagnostic = name.split(" ")[-1] in sag.PROBES  # wrong sums by design
-        if op == "rs" and name != "fused-direct add" and not diagnostic:
-            same = isinstance(add, np.ndarray) and np.array_equal(out, add)
-            checks[name]["identical_to_add"] = bool(same)
-    if check_only:
-        return {"op": op, "preset": preset, "checks": checks, "errors": errors}
-    timed = cg.bench.benchmark_interleaved(variants, iters=iters)
-    periods = {}
-    for name, (fn, args) in variants.items():
         try:
-            periods[name] = cg.bench.device_periods(fn, *args, calls=16)
-        except Exception as err:  # noqa: BLE001
-            periods[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+            f = fused_variant(problem, item, x, w)
+        except Exception as err:  # noqa: BLE001 - recorded, the others still run
+            errors[item] = f"{type(err).__name__}: {err}"[:400]
+            continue
+        variants[item] = (f, (x, w))
+        out = np.asarray(f(x, w), np.float32)
+        checks[item] = {"max_diff_vs_xla_rel": float(np.abs(out - reference).max()) / scale}
+        if op == "rs" and "@" not in item:  # the diagnostics give wrong sums by design
+            if first is None:
+                first = out
+            else:
+                checks[item]["identical_to_first"] = bool(np.array_equal(out, first))
+    periods = cg.bench.device_periods_interleaved(variants, rounds=rounds, calls=8)
+    timed = cg.bench.benchmark_interleaved(variants, iters=iters)
     medians = {name: r.median for name, r in timed.items()}
     t_gemm = min(medians[name] for name in GEMM_ALONE.values())
     bound = max(t_gemm, medians["collective alone"])
-    period_ms = {
-        name: float(np.median(p["periods"])) for name, p in periods.items() if "periods" in p
-    }
-    p_gemm = min(period_ms.get(name, np.inf) for name in GEMM_ALONE.values())
-    p_bound = max(p_gemm, period_ms.get("collective alone", 0.0))
+    period_ms = {name: p["median"] for name, p in periods.items()}
+    p_bound = max(min(period_ms[n] for n in GEMM_ALONE.values()), period_ms["collective alone"])
     return {
         "op": op,
         "preset": preset,
         "shape": list(cg.bench.PRESETS[preset]),
-        "bound_ms": bound,
-        "ms": medians,
-        "vs_bound": {name: t / bound for name, t in medians.items()},
         "period_bound_ms": p_bound,
         "period_ms": period_ms,
         "period_vs_bound": {name: t / p_bound for name, t in period_ms.items()},
-        "idle_ms": {
-            name: float(np.median(p["idle"])) for name, p in periods.items() if "idle" in p
+        "period_rounds_vs_bound": {
+            name: [t / p_bound for t in p["rounds"]] for name, p in periods.items()
         },
-        "kernels": {name: p.get("kernels") or p.get("error") for name, p in periods.items()},
+        "idle_ms": {name: p["idle"] for name, p in periods.items()},
+        "kernels": {name: p["kernels"] for name, p in periods.items()},
+        "bound_ms": bound,
+        "ms": medians,
+        "vs_bound": {name: t / bound for name, t in medians.items()},
         "checks": checks,
         "errors": errors,
         "timing": {name: r.as_dict() for name, r in timed.items()},
@@ -168,38 +147,37 @@ def probe(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=20, help="host-timed cycles")
+    parser.add_argument("--rounds", type=int, default=6, help="device-period rounds")
     parser.add_argument("--problems", default=PROBLEMS, help="op:preset,...")
-    parser.add_argument("--epilogues", default=",".join(sag.EPILOGUES + sag.PROBES))
-    parser.add_argument("--clusters", default="cm,cn", help="fused-direct cluster tilings")
-    parser.add_argument("--check-only", action="store_true", help="outputs only, no timing")
+    parser.add_argument("--rs", default=VARIANTS["rs"], help="RS variants")
+    parser.add_argument("--ag", default=VARIANTS["ag"], help="AG variants")
+    parser.add_argument("--name", default="probe", help="the JSON's name under --out")
     args = parser.parse_args()
-    epilogues = args.epilogues.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for item in args.problems.split(","):
         op, preset = item.split(":")
         start = time.perf_counter()
         try:
-            clusters = [c for c in args.clusters.split(",") if c]
-            row = probe(op, preset, args.iters, epilogues, clusters, args.check_only)
+            items = getattr(args, op).split(",")
+            row = probe(op, preset, items, args.iters, args.rounds)
         except Exception as err:  # noqa: BLE001
             row = {"op": op, "preset": preset, "error": f"{type(err).__name__}: {err}"[:600]}
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
-        (args.out / "probe.json").write_text(
+        (args.out / f"{args.name}.json").write_text(
             json.dumps({"devices": jax.device_count(), "rows": rows}, indent=1)
         )
-        if "error" in row or args.check_only:
-            print(op, preset, row.get("error") or row, flush=True)
+        if "error" in row:
+            print(op, preset, row["error"], flush=True)
             continue
-        print(f"{op} {preset} bound {row['bound_ms']:.3f} ms ({row['seconds']:.0f} s)")
-        for name in row["ms"]:
-            period = row["period_vs_bound"].get(name)
+        print(f"{op} {preset}: vs_bound by device periods (host timing), {row['seconds']:.0f} s")
+        for name, ratio in row["period_vs_bound"].items():
+            rounds = " ".join(f"{r:.2f}" for r in row["period_rounds_vs_bound"][name])
             print(
-                f"  {name:34s} {row['vs_bound'][name]:.3f}"
-                f"  period {period if period is None else round(period, 3)}"
-                f"  idle {row['idle_ms'].get(name)}  {row['checks'].get(name, '')}",
+                f"  {name:34s} {ratio:.3f} ({row['vs_bound'][name]:.3f}) rounds {rounds}"
+                f"  idle {row['idle_ms'][name] * 1e3:.0f} us  {row['checks'].get(name, '')}",
                 flush=True,
             )
         for name, err in row["errors"].items():
@@ -209,10 +187,10 @@ def main() -> None:
         for row in rows
         if "error" in row
         or row["errors"]
-        or any(c.get("identical_to_add") is False for c in row["checks"].values())
+        or any(c.get("identical_to_first") is False for c in row["checks"].values())
     ]
     if failed:
-        raise SystemExit(f"errors or outputs differing from the add kernel's: {failed}")
+        raise SystemExit(f"errors or outputs differing from the first kernel's: {failed}")
 
 
 if __name__ == "__main__":

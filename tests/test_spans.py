@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commgemm as cg
-from commgemm.bench.spans import busy_ns, periods_from_trace, spans_from_trace, split_calls
+from commgemm.bench.spans import (
+    batches_from_trace,
+    busy_ns,
+    periods_from_trace,
+    spans_from_trace,
+    split_calls,
+)
 
 
 def _trace(devices: dict[int, dict[str, list[tuple]]]):
@@ -147,3 +153,34 @@ def test_periods_say_why():
         cg.bench.device_periods(jax.jit(lambda a: a @ a), jnp.ones((32, 32)), calls=3)
     with pytest.raises(ValueError, match="calls=2"):
         cg.bench.device_periods(jax.jit(lambda a: a @ a), jnp.ones((32, 32)), calls=2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(200, 900), min_size=1, max_size=5), st.integers(3, 6))
+def test_batches_split_on_idle_gaps(cycles, calls):
+    """Batches of back-to-back calls, 100 us apart, each with its own cycle time: one result
+    per batch, in order, each with that batch's period."""
+    events, base = [], 0
+    for cycle in cycles:
+        for i in range(calls):
+            events.append((base + i * cycle, cycle - 20, f"k{cycle}"))
+            events.append((base + i * cycle + cycle - 15, 5, "memset"))
+        base += calls * cycle + 100_000
+    found = batches_from_trace(_trace({0: {"Stream #1": events}}), len(cycles), calls, 50_000)
+    assert [f["main"] for f in found] == [f"k{c}" for c in cycles]
+    for f, cycle in zip(found, cycles, strict=True):
+        np.testing.assert_allclose(f["periods"], [cycle / 1e6] * (calls - 1))
+        np.testing.assert_allclose(f["idle"], [15 / 1e6] * (calls - 1))  # 5 + 10 ns
+    with pytest.raises(RuntimeError, match=f"found {len(cycles)} runs of activity for 9 batches"):
+        batches_from_trace(_trace({0: {"Stream #1": events}}), 9, calls, 50_000)
+
+
+def test_interleaved_periods_say_why():
+    f = jax.jit(lambda a: a @ a)
+    variants = {"a": (f, (jnp.ones((32, 32)),))}
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        cg.bench.device_periods_interleaved(variants, rounds=1, calls=3)
+    with pytest.raises(ValueError, match="rounds=0"):
+        cg.bench.device_periods_interleaved(variants, rounds=0)
+    with pytest.raises(ValueError, match="gap_s=0"):
+        cg.bench.device_periods_interleaved(variants, gap_s=0)

@@ -1,10 +1,10 @@
 """ATOMIC_GEMM_RS: GEMM + reduce-scatter in one kernel, each tile reduce-added into its owner.
 
 x [M, k] (K sharded), w [k, n]: device d owns rows block d, [M/P, n], of the sum over devices.
-One persistent Mosaic GPU kernel walks the tiles of all P row blocks, interleaved (own block,
-block d+1, ..., block d+P-1, then the next tile of each), and stores every finished tile with
-a TMA reduce-add (`cp.reduce.async.bulk .add`) straight into the owner's output, over NVLink
-for the other blocks. Nothing waits for a peer between tiles, so the transfers spread over the
+One persistent Mosaic GPU kernel walks the tiles of all P row blocks, interleaved (the P blocks'
+copies of one output tile are consecutive loop steps), and stores every finished tile with a
+TMA reduce-add (`cp.reduce.async.bulk .add`) straight into the owner's output, over NVLink for
+the other blocks. Nothing waits for a peer between tiles, so the transfers spread over the
 whole GEMM instead of following a ring's steps, and no tile reads a partial sum back.
 
 Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
@@ -12,16 +12,19 @@ and a CTA's first add waits until every device has signalled that its zeroing la
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
-`epilogue` picks how tiles land (the default, "add", is the above):
-  "own-store": no zeroing; the owner stores its own tiles plainly and each peer's add of a tile
-    waits (per CTA and warpgroup semaphore) until the owner signalled that its store of that
-    tile landed. Needs the grid (the SM count) divisible by P: a CTA's block offset is then
-    fixed and the owner's and the adder's CTA of a tile share their loop step.
-  "own-store-lag": as "own-store", but the owner signals a tile after its next tile's
-    mainloop instead of waiting for its stores right away (the adders then trail by a tile).
-Diagnostics that give wrong sums, for timing the kernel's parts (benchmarks/probe.py):
-  "local-add" (every tile reduce-added into this device's output, no NVLink), "store" (every
-  tile stored plainly here: the bare GEMM loop), "remote-store" (plain stores to the owner).
+Which block a CTA's step takes: `lin % P` (fixed per CTA when the grid is a multiple of P:
+then the same CTAs send every NVLink tile), or with `alternate=True` `(lin + step) % P`, which
+rotates each CTA through the blocks, so every CTA sends over NVLink every P-th step and has
+P - 1 tiles' time to drain it. `FusedTiles.epi_slots` sets how many epi x epi staging buffers
+a warpgroup's epilogue has: with a whole tile's worth, the epilogue never waits for a
+transfer still reading the buffers (it costs smem: use stages=3 with 128x128 tiles).
+
+`epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
+parts (benchmarks/probe.py): "local-add" (every tile reduce-added into this device's output,
+no NVLink), "store" (every tile stored plainly here: the bare GEMM loop), "remote-store"
+(plain stores to the owner). Stage 14 also tried letting the owner store its own tiles plainly
+(no zeroing) with each peer's add waiting on a per-CTA semaphore for that store: 10 to 15%
+slower (commit 5c3e0f1, BENCHMARKS.md).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -37,7 +40,7 @@ from jax import lax
 
 from commgemm.config import FusedTiles, OverlapConfig
 
-EPILOGUES = ("add", "own-store", "own-store-lag")
+EPILOGUES = ("add",)
 PROBES = ("local-add", "store", "remote-store")
 
 
@@ -69,9 +72,10 @@ def matmul_reduce_scatter(
     config: OverlapConfig,
     *,
     epilogue: str = "add",
+    alternate: bool = False,
 ) -> jax.Array:
     """x [M, k], w [k, n] (both local; K sharded over axis_name) -> [M/P, n], this device's
-    rows of sum_d x_d @ w_d, in x's dtype. `epilogue`: see the module docstring."""
+    rows of sum_d x_d @ w_d, in x's dtype. `epilogue`, `alternate`: the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
@@ -86,6 +90,7 @@ def matmul_reduce_scatter(
     sms = num_sms()
     cluster = tiles.cluster_size
     units = sms // cluster  # the grid: CTAs, or clusters of 2
+    alternate = alternate and units % size == 0  # otherwise lin % P alternates already
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
     itemsize = jnp.dtype(dtype).itemsize
@@ -99,16 +104,12 @@ def matmul_reduce_scatter(
         plgpu.TilingTransform((8, out_swizzle // itemsize)),
         plgpu.SwizzleTransform(out_swizzle),
     )
-    num_slots = min(2, (tile_m * tile_n) // (epi * epi))
+    num_slots = min(tiles.epi_slots, (tile_m * tile_n) // (epi * epi))
     minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
-    own_store = epilogue.startswith("own-store")
-    if own_store and units % size:
-        raise ValueError(f"epilogue={epilogue!r} needs the grid ({units}) divisible by P={size}")
     zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
-    lag = epilogue == "own-store-lag"
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -140,21 +141,10 @@ def matmul_reduce_scatter(
     def body(x_ref, w_ref, out_ref):
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
-        if own_store:  # one per CTA and warpgroup
-            stored = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * sms,)))
         here = lax.axis_index(axis_name)
-        unit = lax.axis_index("cluster_grid")
         in_cluster = lax.axis_index("cluster")
-        cta = unit * cluster + in_cluster
         peers = [lax.rem(here + offset, size) for offset in range(size)]  # peers[0] is here
         ignore = lambda *_, **__: None  # noqa: E731
-
-        def signal_stored(wg):
-            """Owner side of own-store: this warpgroup's stores have landed; each peer's CTA that
-            adds into the same tiles (grid unit + size - j on peers[j]) may go on."""
-            for j, peer in enumerate(peers[1:], start=1):
-                adder = (unit + size - j) * cluster + in_cluster
-                pl.semaphore_signal(stored.at[adder * 2 + wg], device_id=peer)
 
         @functools.partial(
             pl.run_scoped,
@@ -190,7 +180,9 @@ def matmul_reduce_scatter(
             @plgpu.nd_loop((size * m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                offset = lax.rem(lin, size)  # with own-store, lax.rem(unit, size) at every step
+                # the P blocks' copies of a tile are P consecutive lin, all in one step when the
+                # grid is a multiple of P, so adding the step to lin only permutes them
+                offset = lax.rem(lin + (info.local_index if alternate else 0), size)
                 block = lax.rem(here + offset, size)  # the device owning this tile's rows
                 m_idx, n_idx = plgpu.planar_snake(
                     lin // size, (m_iters, n_iters), minor, tiles.grid_tile_width
@@ -230,30 +222,13 @@ def matmul_reduce_scatter(
                                     zeroed, value=size * adds_per_device, decrement=False
                                 )
 
-                        if lag:
-
-                            @pl.when((offset == 0) & (info.local_index > 0))
-                            def _previous_tile_stored():
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                                signal_stored(wg)
-
-                        if own_store:
-
-                            @pl.when(offset != 0)
-                            def _owner_stored():
-                                pl.semaphore_wait(
-                                    stored.at[cta * 2 + wg],
-                                    value=info.local_index + 1,
-                                    decrement=False,
-                                )
-
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for epi_mi in range(tile_m // epi):
                             for epi_ni in range(tile_n // epi):
                                 epi_m = slice(epi_mi * epi, (epi_mi + 1) * epi)
                                 epi_n = slice(epi_ni * epi, (epi_ni + 1) * epi)
                                 slot = (epi_mi * (tile_n // epi) + epi_ni) % num_slots
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
                                 out_smem[wg, slot] = acc[epi_m, epi_n]
                                 plgpu.commit_smem()
                                 src = out_smem.at[wg, slot]
@@ -275,15 +250,8 @@ def matmul_reduce_scatter(
                                         tile_of(dest),
                                         predicate=offset == i,
                                         commit=i == size - 1,  # one group per block
-                                        add=epilogue == "add" or (own_store and i > 0),
+                                        add=epilogue == "add",
                                     )
-
-                        if epilogue == "own-store":
-
-                            @pl.when(offset == 0)
-                            def _stored():
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                                signal_stored(wg)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem.at[wg_m_slice], b_smem.at[:, wg_n_slice])
@@ -299,13 +267,6 @@ def matmul_reduce_scatter(
             @pl.when(wg < 2)
             def _adds_landed():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                if lag:
-                    has_tiles = unit < size * m_iters * n_iters
-
-                    @pl.when((lax.rem(unit, size) == 0) & has_tiles)
-                    def _last_tile_stored():
-                        signal_stored(wg)
-
                 if epilogue in ("local-add", "store"):
                     return
                 for peer in peers[1:]:

@@ -3,7 +3,7 @@
 
 from commgemm.bench.overlap import OverlapReport, OverlapRow, overlap_report
 from commgemm.bench.problems import PRESETS, make_problem, parse_method, parse_shape
-from commgemm.bench.spans import device_periods, device_spans
+from commgemm.bench.spans import device_periods, device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark, benchmark_interleaved
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "benchmark",
     "benchmark_interleaved",
     "device_periods",
+    "device_periods_interleaved",
     "device_spans",
     "make_problem",
     "overlap_report",

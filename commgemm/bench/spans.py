@@ -15,9 +15,11 @@ sustained-load slowdowns show less here.
 from __future__ import annotations
 
 import pathlib
+import random
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -52,30 +54,17 @@ def busy_ns(call: Sequence[tuple[float, float]]) -> float:
 def spans_from_trace(data, calls: int, min_gap_ns: float) -> list[float]:
     """Per-call device times in ms from a `jax.profiler.ProfileData` holding `calls` calls on
     each GPU: for call i, the least over devices of its busy time (`busy_ns`)."""
-    per_device: dict[str, list[list[tuple[float, float]]]] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU:"):
-            continue
-        lines = list(plane.lines)
-        streams = [line for line in lines if line.name.startswith(_STREAM_PREFIX)]
-        events = [
-            (e.start_ns, e.start_ns + e.duration_ns)
-            for line in streams or lines
-            for e in line.events
-        ]
-        if events:
-            per_device[plane.name] = split_calls(events, min_gap_ns)
-    if not per_device:
-        raise RuntimeError(
-            "the trace has no GPU activity (device spans need a GPU backend and CUPTI)"
-        )
-    for name, found in per_device.items():
+    per_device = [
+        split_calls([(start, end) for start, end, _ in events], min_gap_ns)
+        for events in _gpu_events(data)
+    ]
+    for d, found in enumerate(per_device):
         if len(found) != calls:
             raise RuntimeError(
-                f"{name}: found {len(found)} runs of activity for {calls} calls "
+                f"GPU {d}: found {len(found)} runs of activity for {calls} calls "
                 f"(idle gap threshold {min_gap_ns / 1e3:.0f} us)"
             )
-    return [min(busy_ns(found[i]) / 1e6 for found in per_device.values()) for i in range(calls)]
+    return [min(busy_ns(found[i]) / 1e6 for found in per_device) for i in range(calls)]
 
 
 def device_spans(fn: Callable, *args, calls: int = 10, gap_s: float = 5e-3) -> list[float]:
@@ -89,30 +78,18 @@ def device_spans(fn: Callable, *args, calls: int = 10, gap_s: float = 5e-3) -> l
     if gap_s <= 0:
         raise ValueError(f"gap_s={gap_s} must be > 0")
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
-        try:
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-                time.sleep(gap_s)
-        finally:
-            jax.profiler.stop_trace()
-        paths = sorted(pathlib.Path(folder).rglob("*.xplane.pb"))
-        if not paths:
-            raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
-        data = jax.profiler.ProfileData.from_file(str(paths[-1]))
-        return spans_from_trace(data, calls, min_gap_ns=gap_s * 1e9 / 2)
+
+    def work():
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+            time.sleep(gap_s)
+
+    return spans_from_trace(_trace(work), calls, min_gap_ns=gap_s * 1e9 / 2)
 
 
-def periods_from_trace(data, calls: int) -> dict:
-    """Steady-state device time per call from a `jax.profiler.ProfileData` of `calls` calls run
-    back to back: on each GPU, the call's main kernel is the kernel name seen at least `calls`
-    times with the most total time; a call's period is from one main kernel's start to the
-    next's, so it counts everything the device did or waited for in between (setup kernels,
-    barriers, idle gaps). Returns {"periods": per-call periods in ms averaged over GPUs
-    (calls - 1 of them), "idle": per-call idle time in ms inside each period (most over GPUs),
-    "main": the main kernel's name, "kernels": [(name, start offset us, duration us)] of one
-    middle period on the first GPU}."""
+def _gpu_events(data) -> list[list[tuple[float, float, str]]]:
+    """Per GPU plane of a ProfileData: its kernels and copies as sorted (start, end, name) in
+    ns, from the CUPTI stream lines (or every line where there are none)."""
     per_device = []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU:"):
@@ -128,36 +105,99 @@ def periods_from_trace(data, calls: int) -> dict:
             per_device.append(events)
     if not per_device:
         raise RuntimeError(
-            "the trace has no GPU activity (device periods need a GPU backend and CUPTI)"
+            "the trace has no GPU activity (device timing needs a GPU backend and CUPTI)"
         )
-    periods, idles, main, kernels = [], [], "", []
-    for d, events in enumerate(per_device):
-        totals: dict[str, list[float]] = {}
-        for start, end, name in events:
-            totals.setdefault(name, []).append(end - start)
-        candidates = {name: sum(t) for name, t in totals.items() if len(t) >= calls}
-        if not candidates:
-            raise RuntimeError(f"no kernel ran {calls} times on GPU {d}: {sorted(totals)[:5]}")
-        main = max(candidates, key=candidates.get)
-        starts = [start for start, _, name in events if name == main]
-        if len(starts) != calls:
-            raise RuntimeError(f"{main!r} ran {len(starts)} times for {calls} calls on GPU {d}")
-        periods.append([(b - a) / 1e6 for a, b in zip(starts, starts[1:], strict=False)])
-        idle = []
-        for a, b in zip(starts, starts[1:], strict=False):
-            inside = [(max(s, a), min(e, b)) for s, e, _ in events if e > a and s < b]
-            idle.append((b - a - busy_ns(split_calls(inside, min_gap_ns=float("inf"))[0])) / 1e6)
-        idles.append(idle)
-        if d == 0:
-            mid = calls // 2
-            a, b = starts[mid - 1], starts[mid]
-            kernels = [(name, (s - a) / 1e3, (e - s) / 1e3) for s, e, name in events if a <= s < b]
+    return per_device
+
+
+def _batch_periods(events: list[tuple[float, float, str]], calls: int) -> dict:
+    """One GPU's events of `calls` calls run back to back -> {"periods", "idle" (ms, calls - 1
+    each), "main", "kernels"} as `periods_from_trace` describes them."""
+    totals: dict[str, list[float]] = {}
+    for start, end, name in events:
+        totals.setdefault(name, []).append(end - start)
+    candidates = {name: sum(t) for name, t in totals.items() if len(t) >= calls}
+    if not candidates:
+        raise RuntimeError(f"no kernel ran {calls} times: {sorted(totals)[:5]}")
+    main = max(candidates, key=candidates.get)
+    starts = [start for start, _, name in events if name == main]
+    if len(starts) != calls:
+        raise RuntimeError(f"{main!r} ran {len(starts)} times for {calls} calls")
+    periods, idle = [], []
+    for a, b in zip(starts, starts[1:], strict=False):
+        inside = [(max(s, a), min(e, b)) for s, e, _ in events if e > a and s < b]
+        periods.append((b - a) / 1e6)
+        idle.append((b - a - busy_ns(split_calls(inside, min_gap_ns=float("inf"))[0])) / 1e6)
+    a, b = starts[calls // 2 - 1], starts[calls // 2]
+    kernels = [(name, (s - a) / 1e3, (e - s) / 1e3) for s, e, name in events if a <= s < b]
+    return {"periods": periods, "idle": idle, "main": main, "kernels": kernels}
+
+
+def _merge_devices(found: list[dict]) -> dict:
+    """Per-GPU `_batch_periods` of one batch -> periods averaged over GPUs, idle the most."""
     return {
-        "periods": [sum(p) / len(p) for p in zip(*periods, strict=True)],
-        "idle": [max(i) for i in zip(*idles, strict=True)],
-        "main": main,
-        "kernels": kernels,
+        "periods": [sum(p) / len(p) for p in zip(*(f["periods"] for f in found), strict=True)],
+        "idle": [max(i) for i in zip(*(f["idle"] for f in found), strict=True)],
+        "main": found[0]["main"],
+        "kernels": found[0]["kernels"],
     }
+
+
+def periods_from_trace(data, calls: int) -> dict:
+    """Steady-state device time per call from a `jax.profiler.ProfileData` of `calls` calls run
+    back to back: on each GPU, the call's main kernel is the kernel name seen at least `calls`
+    times with the most total time; a call's period is from one main kernel's start to the
+    next's, so it counts everything the device did or waited for in between (setup kernels,
+    barriers, idle gaps). Returns {"periods": per-call periods in ms averaged over GPUs
+    (calls - 1 of them), "idle": per-call idle time in ms inside each period (most over GPUs),
+    "main": the main kernel's name, "kernels": [(name, start offset us, duration us)] of one
+    middle period on the first GPU}."""
+    found = []
+    for d, events in enumerate(_gpu_events(data)):
+        try:
+            found.append(_batch_periods(events, calls))
+        except RuntimeError as err:
+            raise RuntimeError(f"GPU {d}: {err}") from None
+    return _merge_devices(found)
+
+
+def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> list[dict]:
+    """`periods_from_trace` for a trace of `batches` runs of `calls` back-to-back calls each,
+    the runs separated by idle gaps of min_gap_ns or more: one result per run, in order."""
+    per_batch: list[list[dict]] = [[] for _ in range(batches)]
+    for d, events in enumerate(_gpu_events(data)):
+        runs: list[list[tuple[float, float, str]]] = []
+        last_end = None
+        for event in events:
+            if last_end is None or event[0] - last_end >= min_gap_ns:
+                runs.append([])
+            runs[-1].append(event)
+            last_end = event[1] if last_end is None else max(last_end, event[1])
+        if len(runs) != batches:
+            raise RuntimeError(
+                f"GPU {d}: found {len(runs)} runs of activity for {batches} batches "
+                f"(idle gap threshold {min_gap_ns / 1e3:.0f} us)"
+            )
+        for i, run in enumerate(runs):
+            try:
+                per_batch[i].append(_batch_periods(run, calls))
+            except RuntimeError as err:
+                raise RuntimeError(f"GPU {d}, batch {i}: {err}") from None
+    return [_merge_devices(found) for found in per_batch]
+
+
+def _trace(work: Callable[[], None]):
+    """Runs work() under the profiler and returns the trace's ProfileData."""
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            work()
+        finally:
+            jax.profiler.stop_trace()
+        paths = sorted(pathlib.Path(folder).rglob("*.xplane.pb"))
+        if not paths:
+            raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
+        return jax.profiler.ProfileData.from_file(str(paths[-1]))
 
 
 def device_periods(fn: Callable, *args, calls: int = 16) -> dict:
@@ -170,13 +210,54 @@ def device_periods(fn: Callable, *args, calls: int = 16) -> dict:
         raise ValueError(f"calls={calls} must be >= 3")
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder)
-        try:
+    data = _trace(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]))
+    return periods_from_trace(data, calls)
+
+
+def device_periods_interleaved(
+    variants: Mapping[str, tuple[Callable, tuple]],
+    *,
+    rounds: int = 6,
+    calls: int = 8,
+    gap_s: float = 2e-3,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """`device_periods` for several variants at once, interleaved so that the GPUs' drift
+    (clocks, temperature) reaches all alike: one trace of `rounds` rounds, each running every
+    variant's `calls` calls back to back, variants in a shuffled order, batches gap_s apart.
+    Returns {name: {"median": median period in ms over every round, "rounds": each round's
+    median, "periods": all periods, "idle": median idle ms per call, "main", "kernels"}}."""
+    if rounds < 1 or calls < 3:
+        raise ValueError(f"rounds={rounds} must be >= 1 and calls={calls} >= 3")
+    if gap_s <= 0:
+        raise ValueError(f"gap_s={gap_s} must be > 0")
+    for fn, args in variants.values():
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    rng = random.Random(seed)
+    order = []
+    for _ in range(rounds):
+        names = list(variants)
+        rng.shuffle(names)
+        order += names
+
+    def work():
+        for name in order:
+            fn, args = variants[name]
             jax.block_until_ready([fn(*args) for _ in range(calls)])
-        finally:
-            jax.profiler.stop_trace()
-        paths = sorted(pathlib.Path(folder).rglob("*.xplane.pb"))
-        if not paths:
-            raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
-        return periods_from_trace(jax.profiler.ProfileData.from_file(str(paths[-1])), calls)
+            time.sleep(gap_s)
+
+    found = batches_from_trace(_trace(work), len(order), calls, min_gap_ns=gap_s * 1e9 / 2)
+    out = {}
+    for name in variants:
+        mine = [f for n, f in zip(order, found, strict=True) if n == name]
+        periods = [p for f in mine for p in f["periods"]]
+        out[name] = {
+            "median": statistics.median(periods),
+            "rounds": [statistics.median(f["periods"]) for f in mine],
+            "periods": periods,
+            "idle": statistics.median(i for f in mine for i in f["idle"]),
+            "main": mine[0]["main"],
+            "kernels": mine[0]["kernels"],
+        }
+    return out
