@@ -38,6 +38,8 @@
 #            and --epilogues / --clusters flags are gone).
 #   stage 15: A/B by interleaved device periods: fused-direct's alternating block order,
 #            whole-tile epilogue buffers (s3-b4) and 2-CTA clusters, against the stage-12 kernel.
+#            Ran at commit b0b290f (the alternating order, "+alt", is gone since).
+#   stage 16: the same for the lagged schedule (plain own stores, no zeroing) with clusters.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -142,8 +144,13 @@ elif [ "$1" = 13 ]; then
     > $OUT/r/check13_direct.log 2>&1 && tail -1 $OUT/r/check13_direct.log \
     && timeout 200 python3 benchmarks/ab_scatter_add.py --out $OUT/r 2>&1 | tail -6
   tail -2 $OUT/r/check13_direct.log
-elif [ "$1" = 15 ]; then
-  timeout 540 python3 benchmarks/probe.py --out $OUT/r --name ab15 2>&1 | tee $OUT/r/ab15.log
+elif [ "$1" = 16 ]; then
+  # outputs first: a hang (a semaphore never reached) would take the A/B with it
+  timeout 100 python3 benchmarks/probe.py --out $OUT/r --name check16 --rounds 1 --iters 2 \
+    --problems rs:comm_heavy --rs fused-direct,fused-direct+lag,fused-direct-cm+lag \
+    > $OUT/r/check16.log 2>&1 && tail -1 $OUT/r/check16.log \
+    && timeout 420 python3 benchmarks/probe.py --out $OUT/r --name ab16 2>&1 | tee $OUT/r/ab16.log
+  tail -3 $OUT/r/check16.log
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

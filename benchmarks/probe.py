@@ -7,8 +7,9 @@ order), beside the interleaved host timing (`benchmark_interleaved`), of:
 - XLA's GEMM alone (both forms) and the collective alone: the bound;
 - "mosaic": jax's Mosaic GPU Hopper matmul on the same local GEMM, as the fused kernels tile
   it, bands 16 wide, and with 2-CTA clusters: the GEMM loop with no communication;
-- fused specs (`parse_method`), with "+alt" for fused-direct's alternating block order and
-  "@store" / "@local-add" / "@remote-store" for its diagnostic epilogues (wrong sums).
+- fused specs (`parse_method`), with "+lag" for fused-direct's lagged schedule (own tiles
+  stored plainly, no zeroing) and "@store" / "@local-add" / "@remote-store" for its diagnostic
+  epilogues (wrong sums).
 RS outputs are compared with the first fused-direct spec's (bit-identical expected on 2 GPUs:
 one add of the two bf16 partial sums per element either way), every fused output with XLA's.
 Exits non-zero on errors or differing outputs.
@@ -36,9 +37,8 @@ from commgemm.bench.problems import make_problem, parse_method
 
 PROBLEMS = "rs:llama8b_mlp,rs:comm_heavy,ag:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp"
 VARIANTS = {
-    "rs": "mosaic,fused-direct,fused-direct+alt,fused-direct-s3-b4,fused-direct-s3-b4+alt,"
-    "fused-direct-w16+alt,fused-direct-cm,fused-direct-cm+alt,fused-direct-cm-s3-b4+alt,"
-    "fused-direct@store",
+    "rs": "mosaic,fused-direct,fused-direct+lag,fused-direct-cm,fused-direct-cm+lag,"
+    "fused-direct-cm-w16,fused-direct-cm-w16+lag,fused-direct@store",
     "ag": "mosaic,fused,fused-w16",
 }
 
@@ -75,11 +75,9 @@ def mosaic_gemms(problem, errors: dict) -> dict:
 def fused_variant(problem, item: str, x, w):
     """A jitted fused op for 'spec[+alt][@epilogue]' (the kernel options traced in here)."""
     item, _, epilogue = item.partition("@")
-    spec, alt = (item[: -len("+alt")], True) if item.endswith("+alt") else (item, False)
+    spec, lag = (item[: -len("+lag")], True) if item.endswith("+lag") else (item, False)
     original = sag.matmul_reduce_scatter
-    sag.matmul_reduce_scatter = functools.partial(
-        original, epilogue=epilogue or "add", alternate=alt
-    )
+    sag.matmul_reduce_scatter = functools.partial(original, epilogue=epilogue or "add", lagged=lag)
     try:
         f = problem.overlapped(parse_method(spec))
         jax.block_until_ready(f(x, w))  # traced now, with these options
