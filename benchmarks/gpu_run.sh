@@ -40,6 +40,11 @@
 #            whole-tile epilogue buffers (s3-b4) and 2-CTA clusters, against the stage-12 kernel.
 #            Ran at commit b0b290f (the alternating order, "+alt", is gone since).
 #   stage 16: the same for the lagged schedule (plain own stores, no zeroing) with clusters.
+#            Ran at commit a87e7e7 ("+lag" is gone since).
+#   stage 17: tune the three issue presets again, candidates ranked by device periods (2-CTA
+#            cluster tilings of fused-direct among them).
+#   stage 18: the suite with device periods (interleaved rounds, GPU timestamps) as the
+#            device-side figure, AUTO reading stage 17's cache; PyTorch timed 8 calls a sample.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -144,13 +149,18 @@ elif [ "$1" = 13 ]; then
     > $OUT/r/check13_direct.log 2>&1 && tail -1 $OUT/r/check13_direct.log \
     && timeout 200 python3 benchmarks/ab_scatter_add.py --out $OUT/r 2>&1 | tail -6
   tail -2 $OUT/r/check13_direct.log
-elif [ "$1" = 16 ]; then
-  # outputs first: a hang (a semaphore never reached) would take the A/B with it
-  timeout 100 python3 benchmarks/probe.py --out $OUT/r --name check16 --rounds 1 --iters 2 \
-    --problems rs:comm_heavy --rs fused-direct,fused-direct+lag,fused-direct-cm+lag \
-    > $OUT/r/check16.log 2>&1 && tail -1 $OUT/r/check16.log \
-    && timeout 420 python3 benchmarks/probe.py --out $OUT/r --name ab16 2>&1 | tee $OUT/r/ab16.log
-  tail -3 $OUT/r/check16.log
+elif [ "$1" = 17 ]; then
+  for preset in llama70b_mlp llama8b_mlp comm_heavy; do
+    for op in ag rs; do
+      timeout 90 python3 -m commgemm tune --op $op --preset $preset --iters 10 --periods 6 \
+        2>&1 | tail -16
+    done
+  done 2>&1 | tee $OUT/r/tune17.log | grep -E "best|timed out|Error"
+elif [ "$1" = 18 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite18 --iters 15 --spans 0 \
+    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite18.log \
+    | grep -E "^\[|^\||timed out"
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \

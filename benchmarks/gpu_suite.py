@@ -26,7 +26,17 @@ WINDOWED_EINSUM = (
 )
 #: "fused" has bands 8 tiles wide (the default since the scatter-add run; "fused-w1" the earlier
 #: default); "fused-direct" is GEMM+RS only (on AG it is listed among the failures).
-METHODS = ["none", "pipeline:4", "ring", "ring:2", "fused", "fused-w16", "fused-direct", "auto"]
+METHODS = [
+    "none",
+    "pipeline:4",
+    "ring",
+    "ring:2",
+    "fused",
+    "fused-w16",
+    "fused-direct",
+    "fused-direct-cm",
+    "auto",
+]
 #: mode: (extra XLA_FLAGS, extra environment, methods). Each runs in its own process.
 MODES = {
     "default": ("", {}, METHODS),
@@ -56,7 +66,9 @@ def auto_choice(op: str, preset: str) -> str:
     return spec_of(resolve_auto(cfg, OPS[op], *sds, size, w_transposed=False))
 
 
-def run_reports(presets, ops, methods, iters, spans, include_xla) -> list[dict]:
+def run_reports(presets, ops, methods, iters, spans, periods, save) -> list[dict]:
+    """Every preset x op's `overlap_report` (XLA's dot included); save(reports) after each, so
+    a run cut short keeps what it measured."""
     import commgemm as cg
 
     out = []
@@ -70,14 +82,20 @@ def run_reports(presets, ops, methods, iters, spans, include_xla) -> list[dict]:
                 dtype="bfloat16",
                 iters=iters,
                 spans=spans,
-                include_xla=include_xla,
+                periods=periods,
+                include_xla=True,
             )
             row = report.as_dict() | {"preset": preset, "auto_choice": auto_choice(op, preset)}
             out.append(row)
+            save(out)
             best = min(report.rows, key=lambda r: r.t_ms)
+            auto = next((r for r in report.rows if r.name == "auto"), None)
+            periods_note = ""
+            if auto is not None and auto.vs_bound_period is not None:
+                periods_note = f", AUTO by device periods {auto.vs_bound_period:.2f}"
             print(
                 f"[{preset} {op}] gemm {report.t_gemm_ms:.3f} comm {report.t_comm_ms:.3f} "
-                f"best {best.name} {best.t_ms:.3f} vs_bound {best.vs_bound:.2f} "
+                f"best {best.name} {best.t_ms:.3f} vs_bound {best.vs_bound:.2f}{periods_note} "
                 f"({time.time() - start:.0f}s)",
                 flush=True,
             )
@@ -99,6 +117,8 @@ def spawn(mode: str, out: pathlib.Path, args) -> None:
         str(args.iters),
         "--spans",
         str(args.spans),
+        "--periods",
+        str(args.periods),
         "--presets",
         ",".join(args.presets),
         "--ops",
@@ -140,8 +160,10 @@ def spawn_torch(out: pathlib.Path, args) -> None:
 def markdown(out: pathlib.Path) -> str:
     """The suite tables. First, vs_bound from the interleaved timing (`overlap_report`; windowed
     einsum against its own process's bound; PyTorch's median, timed with CUDA events in other
-    processes, over our default-flags run's bound). Second, where device spans were measured,
-    the same ratios from the GPU's own timestamps (`device_spans`)."""
+    processes, over our default-flags run's bound). Then, where measured, the same ratios from
+    the GPUs' own timestamps: device periods (`device_periods_interleaved`: steady state, calls
+    back to back; PyTorch's CUDA-event time per call over our run's period bound) and device
+    spans (`device_spans`: each call alone, busy time)."""
 
     def load(name):
         path = out / name
@@ -165,6 +187,10 @@ def markdown(out: pathlib.Path) -> str:
         r = min(rows, key=lambda r: r[key])
         return f"{r[key]:.2f} ({r['name']})"
 
+    def torch_row(preset, op):
+        rows = (torch or {}).get("rows", [])
+        return next((r for r in rows if r["preset"] == preset and r["op"] == op), None)
+
     def cell(row, key="vs_bound") -> str:
         return f"{row[key]:.2f}" if row and row.get(key) is not None else "not run"
 
@@ -179,16 +205,33 @@ def markdown(out: pathlib.Path) -> str:
         by = {r["name"]: r for r in rep["rows"]}
         auto = f"{cell(by.get('auto'))} ({rep.get('auto_choice', '?')})"
         w = find(windowed, preset, op)
-        t = next(
-            (r for r in (torch or {}).get("rows", []) if r["preset"] == preset and r["op"] == op),
-            None,
-        )
+        t = torch_row(preset, op)
         cells = [preset, op, f"{rep['t_gemm_ms']:.3f}", f"{rep['t_comm_ms']:.3f}"]
         cells += [cell(by.get("xla")), cell(by.get("none"))]
         cells += [best(rep["rows"], split), best(rep["rows"], fused), auto]
         cells += [cell(w["rows"][0]) if w else "not run"]
         cells += [f"{t['t_ms'] / bound:.2f}" if t else "not run"]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(rep.get("period_bound_ms") for rep in base["reports"]):
+        header = ["preset", "op", "gemm period ms", "comm period ms", "XLA dot", "serial (NONE)"]
+        header += ["best split (ring/pipeline)", "best fused", "AUTO (its choice)"]
+        header += ["XLA windowed einsum", "PyTorch async TP"]
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        key = "vs_bound_period"
+        for rep in base["reports"]:
+            if not rep.get("period_bound_ms"):
+                continue
+            preset, op = rep["preset"], rep["op"]
+            by = {r["name"]: r for r in rep["rows"]}
+            w = find(windowed, preset, op)
+            t = torch_row(preset, op)
+            cells = [preset, op, f"{rep['period_gemm_ms']:.3f}", f"{rep['period_comm_ms']:.3f}"]
+            cells += [cell(by.get("xla"), key), cell(by.get("none"), key)]
+            cells += [best(rep["rows"], split, key), best(rep["rows"], fused, key)]
+            cells += [f"{cell(by.get('auto'), key)} ({rep.get('auto_choice', '?')})"]
+            cells += [cell(w["rows"][0], key) if w else "not run"]
+            cells += [f"{t['t_ms'] / rep['period_bound_ms']:.2f}" if t else "not run"]
+            lines.append("| " + " | ".join(cells) + " |")
     if not any(rep.get("span_gemm_ms") for rep in base["reports"]):
         return "\n".join(lines) + "\n"
     header = ["preset", "op", "gemm span ms", "comm span ms", "XLA dot", "serial (NONE)"]
@@ -221,6 +264,9 @@ def main() -> None:
     parser.add_argument(
         "--spans", type=int, default=0, help="profiled calls per variant (device spans), 0: none"
     )
+    parser.add_argument(
+        "--periods", type=int, default=6, help="rounds of device periods per problem, 0: none"
+    )
     parser.add_argument("--presets", default=",".join(PRESET_NAMES))
     parser.add_argument("--ops", default="ag,rs")
     parser.add_argument("--timeout", type=int, default=900)
@@ -240,19 +286,19 @@ def main() -> None:
     from commgemm.devices import environment
 
     methods = MODES[args.mode][2]
-    reports = run_reports(args.presets, args.ops, methods, args.iters, args.spans, include_xla=True)
     path = args.out / f"xla_{args.mode}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "environment": environment(),
-                "mode": args.mode,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "reports": reports,
-            },
-            indent=1,
-        )
-    )
+    env = environment()
+
+    def save(reports):
+        data = {
+            "environment": env,
+            "mode": args.mode,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "reports": reports,
+        }
+        path.write_text(json.dumps(data, indent=1))
+
+    run_reports(args.presets, args.ops, methods, args.iters, args.spans, args.periods, save)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Where the fused kernels' time goes, and A/B of their variants, in one GPU call (2xH200
-stages 14 and 15; stage 14 ran at commit 5c3e0f1, with own-store epilogues since removed).
+stages 14 to 16; stage 14 ran at commit 5c3e0f1, with own-store epilogues since removed).
 
 For each problem, device periods of every variant interleaved (`device_periods_interleaved`:
 GPU timestamps, calls back to back, setup kernels and gaps included, rounds in shuffled
@@ -7,9 +7,9 @@ order), beside the interleaved host timing (`benchmark_interleaved`), of:
 - XLA's GEMM alone (both forms) and the collective alone: the bound;
 - "mosaic": jax's Mosaic GPU Hopper matmul on the same local GEMM, as the fused kernels tile
   it, bands 16 wide, and with 2-CTA clusters: the GEMM loop with no communication;
-- fused specs (`parse_method`), with "+lag" for fused-direct's lagged schedule (own tiles
-  stored plainly, no zeroing) and "@store" / "@local-add" / "@remote-store" for its diagnostic
-  epilogues (wrong sums).
+- fused specs (`parse_method`), with "@store" / "@local-add" / "@remote-store" for
+  fused-direct's diagnostic epilogues (wrong sums). Stage 15 had "+alt" (an alternating block
+  order), stage 16 "+lag" (a lagged schedule), both since removed.
 RS outputs are compared with the first fused-direct spec's (bit-identical expected on 2 GPUs:
 one add of the two bf16 partial sums per element either way), every fused output with XLA's.
 Exits non-zero on errors or differing outputs.
@@ -37,8 +37,7 @@ from commgemm.bench.problems import make_problem, parse_method
 
 PROBLEMS = "rs:llama8b_mlp,rs:comm_heavy,ag:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp"
 VARIANTS = {
-    "rs": "mosaic,fused-direct,fused-direct+lag,fused-direct-cm,fused-direct-cm+lag,"
-    "fused-direct-cm-w16,fused-direct-cm-w16+lag,fused-direct@store",
+    "rs": "mosaic,fused-direct,fused-direct-cm,fused-direct-cm-w16,fused-direct@store",
     "ag": "mosaic,fused,fused-w16",
 }
 
@@ -73,13 +72,12 @@ def mosaic_gemms(problem, errors: dict) -> dict:
 
 
 def fused_variant(problem, item: str, x, w):
-    """A jitted fused op for 'spec[+alt][@epilogue]' (the kernel options traced in here)."""
+    """A jitted fused op for 'spec[@epilogue]' (the epilogue traced in here)."""
     item, _, epilogue = item.partition("@")
-    spec, lag = (item[: -len("+lag")], True) if item.endswith("+lag") else (item, False)
     original = sag.matmul_reduce_scatter
-    sag.matmul_reduce_scatter = functools.partial(original, epilogue=epilogue or "add", lagged=lag)
+    sag.matmul_reduce_scatter = functools.partial(original, epilogue=epilogue or "add")
     try:
-        f = problem.overlapped(parse_method(spec))
+        f = problem.overlapped(parse_method(item))
         jax.block_until_ready(f(x, w))  # traced now, with these options
         return f
     finally:

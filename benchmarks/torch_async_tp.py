@@ -22,7 +22,10 @@ PRESETS = {
 }
 
 
-def time_ms(fn, iters: int) -> float:
+def time_ms(fn, iters: int, calls: int = 8) -> float:
+    """Median over `iters` samples of CUDA-event time per call, each sample `calls` calls back
+    to back (steady state, as commgemm's device periods; until stage 17 one call a sample, which
+    also counted the launch gap after the start event)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -30,10 +33,11 @@ def time_ms(fn, iters: int) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(start.elapsed_time(end) / calls)
     return statistics.median(samples)
 
 

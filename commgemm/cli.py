@@ -88,8 +88,10 @@ def _tune(args: argparse.Namespace) -> int:
     shape = PRESETS[args.preset] if args.preset else parse_shape(args.shape)
     dtype = {"bf16": "bfloat16", "f32": "float32"}[args.dtype]
     methods = args.methods.split(",") if args.methods else None
-    result = tune(args.op, shape, dtype=dtype, methods=methods, iters=args.iters)
-    table = Table("method", "median ms", "vs_bound", title=result.key)
+    result = tune(
+        args.op, shape, dtype=dtype, methods=methods, iters=args.iters, periods=args.periods
+    )
+    table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
     for name, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
         table.add_row(name, f"{t:.3f}", f"{result.vs_bound[name]:.2f}")
     console = Console()
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--methods", help="comma-separated specs (default: every candidate)")
     tune.add_argument(
         "--iters", type=int, default=40, help="cycles: each times every candidate once, interleaved"
+    )
+    tune.add_argument(
+        "--periods",
+        type=int,
+        default=6,
+        help="rounds of device periods, which rank the candidates where they can be read (GPUs)",
     )
     tune.set_defaults(run=_tune)
     launch = sub.add_parser("launch", help="run a command in N processes under jax.distributed")

@@ -159,7 +159,13 @@ def test_overlap_report_failures_and_spans_on_cpu():
     """A method that cannot run here (the fused kernel, on a CPU) is listed with its reason
     instead of stopping the report; device spans, asked for on a CPU, say why they are absent."""
     report = cg.bench.overlap_report(
-        "ag", (1024, 64, 2048), methods=["ring", "fused"], dtype="bfloat16", iters=3, spans=2
+        "ag",
+        (1024, 64, 2048),
+        methods=["ring", "fused"],
+        dtype="bfloat16",
+        iters=3,
+        spans=2,
+        periods=1,
     )
     assert [r.name for r in report.rows] == ["xla", "ring"]
     assert all(len(r.result.samples) == 3 for r in report.rows)
@@ -167,8 +173,12 @@ def test_overlap_report_failures_and_spans_on_cpu():
     assert report.as_dict()["failures"] == [list(report.failures[0])]
     assert "no GPU activity" in report.span_error
     assert report.span_gemm_ms is None and all(r.span_ms is None for r in report.rows)
+    assert "no GPU activity" in report.period_error and report.period_bound_ms is None
+    assert all(r.period_ms is None and r.vs_bound_period is None for r in report.rows)
     with pytest.raises(ValueError, match="spans=-1"):
         cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], spans=-1)
+    with pytest.raises(ValueError, match="periods=-1"):
+        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], periods=-1)
 
 
 def test_overlap_report_figures():

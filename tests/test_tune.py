@@ -61,6 +61,8 @@ def test_tune_caches_the_winner_and_auto_uses_it(tmp_path, monkeypatch, rng):
     data = json.loads((tmp_path / "tune.json").read_text())
     assert data["plans"][result.key]["method"] == result.best
     assert data["machines"]["cpu/P8"]["flops_per_s"] > 0
+    # no device periods on a CPU: the host timing ranked the candidates
+    assert result.timing == data["plans"][result.key]["timing"] == "host"
 
     x, w = random(rng, (256, 32)), random(rng, (32, 64))
     resolved = tune.resolve_auto(

@@ -12,13 +12,6 @@ and a CTA's first add waits until every device has signalled that its zeroing la
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
-With `lagged=True` the output is not zeroed: each device stores its own block's tiles plainly
-and the peers' adds of a tile wait (one semaphore per tile and warpgroup) until its owner
-signalled that store. So that they do not wait, the loop runs each peer tile about two waves
-of CTAs behind the same own tile: the first wave computes own tiles only, the last peer tiles
-only, the waves between both. That saves the zeroing and the read-modify-write of the own
-partial sums.
-
 `FusedTiles.epi_slots` sets how many epi x epi staging buffers a warpgroup's epilogue has:
 with a whole tile's worth, the epilogue never waits for a transfer still reading the buffers
 (it costs smem: use stages=3 with 128x128 tiles).
@@ -29,7 +22,8 @@ no NVLink), "store" (every tile stored plainly here: the bare GEMM loop), "remot
 (plain stores to the owner). Stage 14 tried the plain own stores with both blocks' copies of
 a tile in the same step (the adder then waits for the store of a tile computed beside it):
 10 to 15% slower (commit 5c3e0f1, BENCHMARKS.md); stage 15 rotating the CTAs through the
-blocks: no change.
+blocks: no change; stage 16 the plain own stores with the own tiles two waves ahead of the
+peers' copies (commit a87e7e7): 2 to 5% slower.
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -77,10 +71,9 @@ def matmul_reduce_scatter(
     config: OverlapConfig,
     *,
     epilogue: str = "add",
-    lagged: bool = False,
 ) -> jax.Array:
     """x [M, k], w [k, n] (both local; K sharded over axis_name) -> [M/P, n], this device's
-    rows of sum_d x_d @ w_d, in x's dtype. `epilogue`, `lagged`: the module docstring."""
+    rows of sum_d x_d @ w_d, in x's dtype. `epilogue`: the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
@@ -94,11 +87,6 @@ def matmul_reduce_scatter(
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tile_k
     sms = num_sms()
     cluster = tiles.cluster_size
-    units = sms // cluster  # the grid: CTAs, or clusters of 2
-    tiles_per_block = m_iters * n_iters
-    lagged = lagged and size > 1 and epilogue == "add"
-    # own tiles lead the peers' copies by `lag` tiles: about two waves of CTA steps
-    lag = min(-(-2 * units // size), tiles_per_block)
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
     itemsize = jnp.dtype(dtype).itemsize
@@ -117,7 +105,7 @@ def matmul_reduce_scatter(
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
-    zeroes = epilogue in ("add", "local-add") and not lagged  # zeroed, then added into
+    zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -149,34 +137,10 @@ def matmul_reduce_scatter(
     def body(x_ref, w_ref, out_ref):
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
-        if lagged:  # per own tile, CTA of the cluster and warpgroup: its plain store landed
-            stored = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles_per_block * cluster * 2,)))
         here = lax.axis_index(axis_name)
         in_cluster = lax.axis_index("cluster")
         peers = [lax.rem(here + offset, size) for offset in range(size)]  # peers[0] is here
         ignore = lambda *_, **__: None  # noqa: E731
-
-        def item(lin):
-            """Loop index -> (tile, block offset). Without lag: lin // P, lin % P. Lagged: own
-            tile t sorts at t, peer copies of t at t + lag (own first among equals)."""
-            if not lagged:
-                return lin // size, lax.rem(lin, size)
-            mid_end = lag + size * (tiles_per_block - lag)
-            j = jnp.maximum(lin - lag, 0)
-            v, r = lag + j // size, lax.rem(j, size)
-            jt = jnp.maximum(lin - mid_end, 0)
-            tail_t, tail_r = tiles_per_block - lag + jt // (size - 1), lax.rem(jt, size - 1) + 1
-            tile = jnp.where(lin < lag, lin, jnp.where(r == 0, v, v - lag))
-            offset = jnp.where(lin < lag, 0, r)
-            tile = jnp.where(lin >= mid_end, tail_t, tile)
-            offset = jnp.where(lin >= mid_end, tail_r, offset)
-            return tile, offset
-
-        def signal_stored(tile, wg):
-            """Owner side, lagged: this warpgroup's plain store of `tile` has landed."""
-            flag = stored.at[(tile * cluster + in_cluster) * 2 + wg]
-            for peer in peers[1:]:
-                pl.semaphore_signal(flag, device_id=peer)
 
         @functools.partial(
             pl.run_scoped,
@@ -212,7 +176,7 @@ def matmul_reduce_scatter(
             @plgpu.nd_loop((size * m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                tile, offset = item(lin)
+                tile, offset = lin // size, lax.rem(lin, size)
                 block = lax.rem(here + offset, size)  # the device owning this tile's rows
                 m_idx, n_idx = plgpu.planar_snake(
                     tile, (m_iters, n_iters), minor, tiles.grid_tile_width
@@ -252,20 +216,6 @@ def matmul_reduce_scatter(
                                     zeroed, value=size * adds_per_device, decrement=False
                                 )
 
-                        if lagged:
-                            unit = lax.axis_index("cluster_grid")
-                            prev_tile, prev_offset = item(jnp.maximum(lin - units, unit))
-
-                            @pl.when((info.local_index > 0) & (prev_offset == 0))
-                            def _previous_own_tile_stored():  # its stores landed long ago
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                                signal_stored(prev_tile, wg)
-
-                            @pl.when(offset != 0)
-                            def _owner_stored():
-                                flag = stored.at[(tile * cluster + in_cluster) * 2 + wg]
-                                pl.semaphore_wait(flag, value=1, decrement=False)
-
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for epi_mi in range(tile_m // epi):
                             for epi_ni in range(tile_n // epi):
@@ -294,7 +244,7 @@ def matmul_reduce_scatter(
                                         tile_of(dest),
                                         predicate=offset == i,
                                         commit=i == size - 1,  # one group per block
-                                        add=epilogue == "add" and not (lagged and i == 0),
+                                        add=epilogue == "add",
                                     )
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
@@ -311,16 +261,6 @@ def matmul_reduce_scatter(
             @pl.when(wg < 2)
             def _adds_landed():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                if lagged:  # this CTA's last tile, if its own, is signalled here
-                    unit = lax.axis_index("cluster_grid")
-                    total = size * tiles_per_block
-                    last = unit + (jnp.maximum(total - 1 - unit, 0) // units) * units
-                    last_tile, last_offset = item(last)
-
-                    @pl.when((unit < total) & (last_offset == 0))
-                    def _last_own_tile_stored():
-                        signal_stored(last_tile, wg)
-
                 if epilogue in ("local-add", "store"):
                     return
                 for peer in peers[1:]:

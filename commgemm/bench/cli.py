@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also profile this many calls per variant and report GPU-timestamp spans (GPU only)",
     )
+    parser.add_argument(
+        "--periods",
+        type=int,
+        default=0,
+        help="also read steady-state device periods from this many interleaved rounds (GPU only)",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write every raw figure here")
     parser.add_argument("--plot", type=pathlib.Path, help="write a vs_bound bar chart (PNG)")
     parser.add_argument("--trace", type=pathlib.Path, help="write a jax.profiler trace here")
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         trace = jax.profiler.trace(str(args.trace))
     with Progress(console=console, transient=True, disable=not lead) as progress, trace:
         # compile steps, the interleaved timing, then spans of each method, 2 GEMMs, comm, xla
-        steps = len(methods) + 1 + (len(methods) + 4 if args.spans else 0)
+        steps = len(methods) + 1 + (len(methods) + 4 if args.spans else 0) + bool(args.periods)
         task = progress.add_task("benchmark", total=steps)
 
         def step(name: str) -> None:
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             iters=args.iters,
             warmup=args.warmup,
             spans=args.spans,
+            periods=args.periods,
             progress=step,
         )
     env = environment()
@@ -89,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     columns = ["method", "median ms", "vs_bound", "hidden", "max |err| vs serial"]
     if report.span_gemm_ms is not None:
         columns += ["span ms", "vs_bound (spans)"]
+    if report.period_bound_ms is not None:
+        columns += ["period ms", "vs_bound (periods)"]
     for col in columns:
         table.add_column(col)
     for r in report.rows:
@@ -96,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
         cells = [r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.hidden:.2f}", err]
         if r.span_ms is not None:
             cells += [f"{r.span_ms:.3f}", f"{r.vs_bound_span:.2f}"]
+        if r.period_ms is not None:
+            cells += [f"{r.period_ms:.3f}", f"{r.vs_bound_period:.2f}"]
         table.add_row(*cells)
     console.print(table)
     if report.span_error:
         console.print(f"device spans not measured: {report.span_error}")
+    if report.period_error:
+        console.print(f"device periods not measured: {report.period_error}")
     for name, why in report.failures:
         console.print(f"{name}: not run: {why}")
     if not lead:

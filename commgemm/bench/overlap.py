@@ -11,7 +11,7 @@ import numpy as np
 
 import commgemm as cg
 from commgemm.bench.problems import Problem, make_problem, parse_method
-from commgemm.bench.spans import device_spans
+from commgemm.bench.spans import device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 
 #: The two forms of XLA's GEMM alone (`Problem.gemm_alone`); t_gemm is the faster one.
@@ -23,7 +23,8 @@ class OverlapRow:
     """One timed variant: t in ms (median), vs_bound = t / max(t_gemm, t_comm), and
     hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden).
     With device spans measured, span_ms is the median span and vs_bound_span the same ratio
-    over the spans of the GEMM and the collective alone."""
+    over the spans of the GEMM and the collective alone; with device periods, period_ms and
+    vs_bound_period likewise (steady-state device time per call, `device_periods_interleaved`)."""
 
     name: str
     t_ms: float
@@ -33,6 +34,8 @@ class OverlapRow:
     result: BenchmarkResult
     span_ms: float | None = None
     vs_bound_span: float | None = None
+    period_ms: float | None = None
+    vs_bound_period: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,15 @@ class OverlapReport:
     span_comm_ms: float | None = None
     span_error: str | None = None  # why device spans were not measured, when asked for
     gemm_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # each GEMM-alone form
+    period_gemm_ms: float | None = None
+    period_comm_ms: float | None = None
+    period_error: str | None = None  # why device periods were not measured, when asked for
+
+    @property
+    def period_bound_ms(self) -> float | None:
+        if self.period_gemm_ms is None or self.period_comm_ms is None:
+            return None
+        return max(self.period_gemm_ms, self.period_comm_ms)
 
     @property
     def bound_ms(self) -> float:
@@ -66,6 +78,10 @@ class OverlapReport:
             "span_gemm_ms": self.span_gemm_ms,
             "span_comm_ms": self.span_comm_ms,
             "span_error": self.span_error,
+            "period_gemm_ms": self.period_gemm_ms,
+            "period_comm_ms": self.period_comm_ms,
+            "period_bound_ms": self.period_bound_ms,
+            "period_error": self.period_error,
             "gemm_alone_ms": self.gemm_ms,
             "rows": [
                 {
@@ -76,6 +92,8 @@ class OverlapReport:
                     "max_error": r.max_error,
                     "span_ms": r.span_ms,
                     "vs_bound_span": r.vs_bound_span,
+                    "period_ms": r.period_ms,
+                    "vs_bound_period": r.vs_bound_period,
                     "timing": r.result.as_dict(),
                 }
                 for r in self.rows
@@ -103,6 +121,16 @@ def _spans(timed, calls: int, step) -> tuple[dict[str, float], str | None]:
     return ({}, error) if error else (out, None)
 
 
+def _periods(timed, rounds: int, step) -> tuple[dict[str, float], str | None]:
+    """{name: median device period in ms} of each timed variant, or ({}, why not)."""
+    step(f"{len(timed)} variants, device periods, {rounds} rounds")
+    try:
+        found = device_periods_interleaved(timed, rounds=rounds)
+    except RuntimeError as err:
+        return {}, str(err)
+    return {name: f["median"] for name, f in found.items()}, None
+
+
 def overlap_report(
     op: str,
     shape: tuple[int, int, int],
@@ -114,6 +142,7 @@ def overlap_report(
     warmup: int = 3,
     group: int = 4,
     spans: int = 0,
+    periods: int = 0,
     include_xla: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> OverlapReport:
@@ -125,10 +154,12 @@ def overlap_report(
     sample of `group` calls of every variant in a shuffled order), so the GPUs' drift under
     sustained load reaches all of them alike. With spans > 0, each variant also runs `spans`
     calls under the profiler (`device_spans`) and rows carry the GPU-timestamp figures; where
-    that cannot work (a CPU backend) span_error says why.
+    that cannot work (a CPU backend) span_error says why. With periods > 0, every variant's
+    steady-state device time per call is read from one trace of `periods` interleaved rounds
+    (`device_periods_interleaved`; period_error says why not, where it cannot work).
     """
-    if spans < 0:
-        raise ValueError(f"spans={spans} must be >= 0")
+    if spans < 0 or periods < 0:
+        raise ValueError(f"spans={spans} and periods={periods} must be >= 0")
     problem: Problem = make_problem(op, shape, dtype, mesh_devices)
     step = progress or (lambda _: None)
     x, w = problem.operands()
@@ -156,6 +187,7 @@ def overlap_report(
     step(f"{len(timed)} variants interleaved, {iters} cycles")
     results = benchmark_interleaved(timed, iters=iters, warmup=warmup, group=group)
     span_ms, span_error = _spans(timed, spans, step) if spans else ({}, None)
+    period_ms, period_error = _periods(timed, periods, step) if periods else ({}, None)
     gemm_ms = {name: results.pop(name).median for name in GEMM_ALONE.values()}
     t_gemm = min(gemm_ms.values())
     t_comm = results.pop("collective alone").median
@@ -163,6 +195,10 @@ def overlap_report(
     if span_ms:
         span_gemm = min(span_ms[name] for name in GEMM_ALONE.values())
         span_bound = max(span_gemm, span_ms["collective alone"])
+    period_bound = period_gemm = None
+    if period_ms:
+        period_gemm = min(period_ms[name] for name in GEMM_ALONE.values())
+        period_bound = max(period_gemm, period_ms["collective alone"])
     rows = tuple(
         OverlapRow(
             name,
@@ -173,6 +209,8 @@ def overlap_report(
             result,
             span_ms.get(name),
             span_ms[name] / span_bound if span_bound else None,
+            period_ms.get(name),
+            period_ms[name] / period_bound if period_bound else None,
         )
         for name, result in results.items()
     )
@@ -189,4 +227,7 @@ def overlap_report(
         span_ms.get("collective alone"),
         span_error,
         gemm_ms,
+        period_gemm,
+        period_ms.get("collective alone"),
+        period_error,
     )
