@@ -105,7 +105,7 @@ elif [ "$1" = 7 ]; then
     for op in ag rs; do
       timeout 90 python3 -m commgemm tune --op $op --preset $preset --iters 30 2>&1 | tail -14
     done
-  done 2>&1 | tee $OUT/r/tune7.log | grep -E "best|timed out|Error"
+  done 2>&1 | tee $OUT/r/tune7.log | grep -E "best|timed out|Error|periods"
 elif [ "$1" = 8 ]; then
   cp "$2" $OUT/r/tune.json
   XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 80 python3 benchmarks/fused_check.py \
@@ -152,10 +152,10 @@ elif [ "$1" = 13 ]; then
 elif [ "$1" = 17 ]; then
   for preset in llama70b_mlp llama8b_mlp comm_heavy; do
     for op in ag rs; do
-      timeout 90 python3 -m commgemm tune --op $op --preset $preset --iters 10 --periods 6 \
+      timeout 90 python3 -m commgemm tune --op $op --preset $preset --iters 5 --periods 6 \
         2>&1 | tail -16
     done
-  done 2>&1 | tee $OUT/r/tune17.log | grep -E "best|timed out|Error"
+  done 2>&1 | tee $OUT/r/tune17.log | grep -E "best|timed out|Error|periods"
 elif [ "$1" = 18 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite18 --iters 15 --spans 0 \

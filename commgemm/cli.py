@@ -96,6 +96,8 @@ def _tune(args: argparse.Namespace) -> int:
         table.add_row(name, f"{t:.3f}", f"{result.vs_bound[name]:.2f}")
     console = Console()
     console.print(table)
+    if result.period_error:
+        console.print(f"device periods: {result.period_error}")
     console.print(f"best: {result.best} (stored in {cache_path()})")
     return 0
 

@@ -101,6 +101,7 @@ class TuneResult:
     vs_bound: dict[str, float]
     machine: MachineFigures
     timing: str = "host"  # what ranked the candidates: "host" or "device periods"
+    period_error: str | None = None  # why device periods were not used, where asked for
 
 
 def tune(
@@ -189,6 +190,7 @@ def tune(
         {r.name: vs_bound_of(r) for r in report.rows},
         machine,
         "device periods" if by_period else "host",
+        report.period_error,
     )
 
 

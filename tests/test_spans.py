@@ -147,7 +147,7 @@ def test_periods_count_setup_kernels_and_gaps(calls, main_ns, setup_ns, gap_ns, 
 
 def test_periods_say_why():
     data = _trace({0: {"Stream #1": [(0, 100, "a"), (200, 100, "b")]}})
-    with pytest.raises(RuntimeError, match="no kernel ran 3 times"):
+    with pytest.raises(RuntimeError, match="no kernel ran a multiple of 3 times"):
         periods_from_trace(data, 3)
     with pytest.raises(RuntimeError, match="no GPU activity"):
         cg.bench.device_periods(jax.jit(lambda a: a @ a), jnp.ones((32, 32)), calls=3)
@@ -171,6 +171,14 @@ def test_batches_split_on_idle_gaps(cycles, calls):
     for f, cycle in zip(found, cycles, strict=True):
         np.testing.assert_allclose(f["periods"], [cycle / 1e6] * (calls - 1))
         np.testing.assert_allclose(f["idle"], [15 / 1e6] * (calls - 1))  # 5 + 10 ns
+    # a GEMM in two pieces a call: a call starts at its first piece
+    pieces = [(i * 1000 + j * 400, 300, "gemm") for i in range(4) for j in (0, 1)]
+    found = batches_from_trace(_trace({0: {"Stream #1": pieces}}), 1, 4, 50_000)
+    np.testing.assert_allclose(found[0]["periods"], [1e-3] * 3)
+    assert (
+        "ran a multiple of 3"
+        in batches_from_trace(_trace({0: {"S": pieces}}), 1, 3, 50_000)[0]["error"]
+    )
     with pytest.raises(RuntimeError, match=f"found {len(cycles)} runs of activity for 9 batches"):
         batches_from_trace(_trace({0: {"Stream #1": events}}), 9, calls, 50_000)
 

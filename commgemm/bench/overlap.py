@@ -122,13 +122,19 @@ def _spans(timed, calls: int, step) -> tuple[dict[str, float], str | None]:
 
 
 def _periods(timed, rounds: int, step) -> tuple[dict[str, float], str | None]:
-    """{name: median device period in ms} of each timed variant, or ({}, why not)."""
+    """{name: median device period in ms} of each timed variant that has one (and the bound's
+    terms), or ({}, why not); a variant whose calls could not be told apart is left out, its
+    reason in the second item."""
     step(f"{len(timed)} variants, device periods, {rounds} rounds")
     try:
         found = device_periods_interleaved(timed, rounds=rounds)
     except RuntimeError as err:
         return {}, str(err)
-    return {name: f["median"] for name, f in found.items()}, None
+    errors = [f"{name}: {f['error']}" for name, f in found.items() if "error" in f]
+    out = {name: f["median"] for name, f in found.items() if "error" not in f}
+    if any(name not in out for name in (*GEMM_ALONE.values(), "collective alone")):
+        return {}, "; ".join(errors)
+    return out, "; ".join(errors) or None
 
 
 def overlap_report(
@@ -210,7 +216,7 @@ def overlap_report(
             span_ms.get(name),
             span_ms[name] / span_bound if span_bound else None,
             period_ms.get(name),
-            period_ms[name] / period_bound if period_bound else None,
+            period_ms[name] / period_bound if period_bound and name in period_ms else None,
         )
         for name, result in results.items()
     )

@@ -112,17 +112,17 @@ def _gpu_events(data) -> list[list[tuple[float, float, str]]]:
 
 def _batch_periods(events: list[tuple[float, float, str]], calls: int) -> dict:
     """One GPU's events of `calls` calls run back to back -> {"periods", "idle" (ms, calls - 1
-    each), "main", "kernels"} as `periods_from_trace` describes them."""
+    each), "main", "kernels"} as `periods_from_trace` describes them. The main kernel may run
+    several times a call (a method's GEMM pieces): a call starts at its first."""
     totals: dict[str, list[float]] = {}
     for start, end, name in events:
         totals.setdefault(name, []).append(end - start)
-    candidates = {name: sum(t) for name, t in totals.items() if len(t) >= calls}
+    candidates = {name: sum(t) for name, t in totals.items() if len(t) % calls == 0}
     if not candidates:
-        raise RuntimeError(f"no kernel ran {calls} times: {sorted(totals)[:5]}")
+        raise RuntimeError(f"no kernel ran a multiple of {calls} times: {sorted(totals)[:5]}")
     main = max(candidates, key=candidates.get)
     starts = [start for start, _, name in events if name == main]
-    if len(starts) != calls:
-        raise RuntimeError(f"{main!r} ran {len(starts)} times for {calls} calls")
+    starts = starts[:: len(starts) // calls]
     periods, idle = [], []
     for a, b in zip(starts, starts[1:], strict=False):
         inside = [(max(s, a), min(e, b)) for s, e, _ in events if e > a and s < b]
@@ -163,7 +163,8 @@ def periods_from_trace(data, calls: int) -> dict:
 
 def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> list[dict]:
     """`periods_from_trace` for a trace of `batches` runs of `calls` back-to-back calls each,
-    the runs separated by idle gaps of min_gap_ns or more: one result per run, in order."""
+    the runs separated by idle gaps of min_gap_ns or more: one result per run, in order, or
+    {"error": why} for a run whose calls cannot be told apart."""
     per_batch: list[list[dict]] = [[] for _ in range(batches)]
     for d, events in enumerate(_gpu_events(data)):
         runs: list[list[tuple[float, float, str]]] = []
@@ -182,8 +183,11 @@ def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> lis
             try:
                 per_batch[i].append(_batch_periods(run, calls))
             except RuntimeError as err:
-                raise RuntimeError(f"GPU {d}, batch {i}: {err}") from None
-    return [_merge_devices(found) for found in per_batch]
+                per_batch[i].append({"error": f"GPU {d}, batch {i}: {err}"})
+    return [
+        next((f for f in found if "error" in f), None) or _merge_devices(found)
+        for found in per_batch
+    ]
 
 
 def _trace(work: Callable[[], None]):
@@ -226,7 +230,8 @@ def device_periods_interleaved(
     (clocks, temperature) reaches all alike: one trace of `rounds` rounds, each running every
     variant's `calls` calls back to back, variants in a shuffled order, batches gap_s apart.
     Returns {name: {"median": median period in ms over every round, "rounds": each round's
-    median, "periods": all periods, "idle": median idle ms per call, "main", "kernels"}}."""
+    median, "periods": all periods, "idle": median idle ms per call, "main", "kernels"}}, or
+    {name: {"error": why}} for a variant whose calls cannot be told apart in the trace."""
     if rounds < 1 or calls < 3:
         raise ValueError(f"rounds={rounds} must be >= 1 and calls={calls} >= 3")
     if gap_s <= 0:
@@ -251,6 +256,9 @@ def device_periods_interleaved(
     out = {}
     for name in variants:
         mine = [f for n, f in zip(order, found, strict=True) if n == name]
+        if errors := [f["error"] for f in mine if "error" in f]:
+            out[name] = {"error": errors[0]}
+            continue
         periods = [p for f in mine for p in f["periods"]]
         out[name] = {
             "median": statistics.median(periods),
