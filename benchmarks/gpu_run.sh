@@ -42,7 +42,8 @@
 #   stage 16: the same for the lagged schedule (plain own stores, no zeroing) with clusters.
 #            Ran at commit a87e7e7 ("+lag" is gone since).
 #   stage 17: tune the three issue presets again, candidates ranked by device periods (2-CTA
-#            cluster tilings of fused-direct among them).
+#            cluster tilings of fused-direct among them). First ran at ee43e40 with --iters 10,
+#            where periods failed and the host timing ranked; again at 325fa1d as below.
 #   stage 18: the suite with device periods (interleaved rounds, GPU timestamps) as the
 #            device-side figure, AUTO reading stage 17's cache; PyTorch timed 8 calls a sample.
 #   device run:  bash benchmarks/gpu_run.sh 1

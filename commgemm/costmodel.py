@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.config import Collective, FusedTiles, Method, OverlapConfig
 from commgemm.plan import split_requirement
 
 
@@ -168,10 +168,14 @@ def candidates(
     collective: Collective, rows: int, size: int, *, fused: bool = False
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
-    with `fused`, also the fused kernel (for AG and RS, where the caller found it can run)."""
+    with `fused`, also the fused kernel (for AG and RS, where the caller found it can run). The
+    direct RS kernel comes in 2-CTA clusters where the rows allow (1.5 to 3% faster on three of
+    the four 2xH200 RS presets, equal on the fourth: BENCHMARKS.md, stages 14 to 16)."""
     out = [OverlapConfig()]
     if fused and size > 1 and collective is Collective.REDUCE_SCATTER:
-        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True))
+        clustered = FusedTiles(cluster="m")
+        tiles = clustered if (rows // size) % clustered.cluster_m == 0 else None
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
     for s in (2, 4, 8):

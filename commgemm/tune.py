@@ -27,13 +27,13 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 
 
 #: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates
-#: ("fused", and "fused-direct" for RS, both with bands 8 tiles wide); on 2xH200 each was the
-#: fastest, or within noise of it, on some preset (BENCHMARKS.md: fused-w16 on llama70b AG,
-#: fused-gm-w8 on llama8b AG, fused-gm-w4 on comm_heavy AG; 2-CTA clusters, fused-direct-cm,
-#: 2 to 3% ahead of fused-direct on llama8b, comm_heavy and llama13b RS in stages 15 and 16).
+#: ("fused", and "fused-direct-cm" for RS where the rows allow, both with bands 8 tiles wide);
+#: on 2xH200 each was the fastest, or within noise of it, on some preset (BENCHMARKS.md:
+#: fused-w16 on llama70b AG, fused-gm-w8 on llama8b AG, fused-gm-w4 on comm_heavy AG,
+#: fused-direct-cm-w16 on llama8b and llama70b RS).
 FUSED_TILINGS = {
     Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-gm-w4"),
-    Collective.REDUCE_SCATTER: ("fused-direct-w16", "fused-direct-cm", "fused-direct-cm-w16"),
+    Collective.REDUCE_SCATTER: ("fused-direct", "fused-direct-w16", "fused-direct-cm-w16"),
 }
 
 
@@ -134,7 +134,7 @@ def tune(
         )
         methods = [spec_of(c) for c in candidates(collective, rows, size, fused=fused)]
         if fused:
-            methods += list(FUSED_TILINGS[collective])
+            methods += [m for m in FUSED_TILINGS[collective] if m not in methods]
     report = overlap_report(
         op,
         shape,

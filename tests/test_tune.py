@@ -133,6 +133,16 @@ def test_spec_round_trip():
         cg.bench.parse_method("fused-direct-direct")
 
 
+def test_direct_kernel_candidate_clusters_where_rows_allow():
+    def direct(rows, size):
+        found = costmodel.candidates(RS, rows, size, fused=True)
+        return next(c for c in found if c.atomic_gemm and c.method is cg.Method.PIPELINE)
+
+    assert direct(8192, 2).fused_tiles.cluster == "m"
+    assert direct(384 * 2, 2).fused_tiles is None  # 384 rows: three 128-row tiles, no pair
+    assert all(not c.atomic_gemm for c in costmodel.candidates(RS, 8192, 2))
+
+
 @pytest.mark.parametrize("size", [2, 4, 8])
 @pytest.mark.parametrize("collective", [AG, RS])
 def test_fused_prediction(size, collective):
@@ -146,7 +156,9 @@ def test_fused_prediction(size, collective):
     assert predicted == pytest.approx(t_gemm + size * 1e-6)
     cfg, best = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link, fused=True)
     if collective is RS:  # the direct kernel: no per-step latency, chosen over the ring
-        assert cfg == DIRECT and best == pytest.approx(t_gemm + 2e-6)
+        # in 2-CTA clusters where the rows per device fill a cluster's two 128-row tiles
+        tiles = cg.FusedTiles(cluster="m") if (rows // size) % 256 == 0 else None
+        assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)
         assert best <= predicted * (1 + 1e-12)
     else:
         assert cfg == fused and best == predicted
