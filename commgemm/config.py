@@ -130,10 +130,7 @@ class FusedTiles:
     The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks.
     cluster="m" (or "n") runs the GEMM+RS kernels in 2-CTA clusters: the two CTAs take tiles
     adjacent along M (N) and load their shared w (x) tiles once, multicast to both (halves
-    that operand's traffic from L2); jax's all-gather kernel has no clusters.
-    epi_slots: epi x epi staging buffers per warpgroup in the direct GEMM+RS kernel's epilogue
-    (ATOMIC_GEMM_RS; the other kernels have 2): tile_m * tile_n / epi**2 of them (4 by default)
-    let a tile's transfers drain while the next tile computes; they need smem (stages=3)."""
+    that operand's traffic from L2); jax's all-gather kernel has no clusters."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -144,13 +141,11 @@ class FusedTiles:
     grid_minor_m: bool = False
     epi: int = 64
     cluster: str | None = None
-    epi_slots: int = 2
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
             raise ValueError(f"FusedTiles.cluster={self.cluster!r} must be None, 'm' or 'n'")
-        ints = ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi", "epi_slots")
-        for field in ints:
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")

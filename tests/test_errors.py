@@ -105,11 +105,6 @@ def test_fused_clusters(rng):
         call(cg.matmul_reduce_scatter, x, w, config=wide, **specs)
     with pytest.raises(ValueError, match="FusedTiles.cluster='k' must be None, 'm' or 'n'"):
         cg.FusedTiles(cluster="k")
-    buffered = cg.OverlapConfig(
-        method="ring_exchange", atomic_gemm=True, fused_tiles=cg.FusedTiles(epi_slots=4)
-    )
-    with pytest.raises(ValueError, match="only the direct GEMM\\+RS kernel .* has epi_slots"):
-        call(cg.matmul_reduce_scatter, x, w, config=buffered, **specs)
 
 
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):

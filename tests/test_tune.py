@@ -111,7 +111,7 @@ def test_spec_round_trip():
         "fused-direct",
         "fused-direct-wgm-w16",
         "fused-direct-cm",
-        "fused-direct-s3-b4",
+        "fused-direct-cm-w16",
         "fused-cn-w16",
     )
     for spec in specs + fused:

@@ -101,8 +101,6 @@ def unsupported_reason(
     tiles = config.fused_tiles or FusedTiles()
     if tiles.cluster is not None and collective is Collective.ALL_GATHER:
         return "the all-gather kernel (jax's) has no CTA clusters (leave FusedTiles.cluster None)"
-    if tiles.epi_slots != 2 and config.method is not Method.PIPELINE:
-        return "only the direct GEMM+RS kernel (ATOMIC_GEMM_RS) has epi_slots (leave it at 2)"
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]

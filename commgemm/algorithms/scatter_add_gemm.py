@@ -12,18 +12,14 @@ and a CTA's first add waits until every device has signalled that its zeroing la
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
-`FusedTiles.epi_slots` sets how many epi x epi staging buffers a warpgroup's epilogue has:
-with a whole tile's worth, the epilogue never waits for a transfer still reading the buffers
-(it costs smem: use stages=3 with 128x128 tiles).
-
 `epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
 parts (benchmarks/probe.py): "local-add" (every tile reduce-added into this device's output,
 no NVLink), "store" (every tile stored plainly here: the bare GEMM loop), "remote-store"
-(plain stores to the owner). Stage 14 tried the plain own stores with both blocks' copies of
-a tile in the same step (the adder then waits for the store of a tile computed beside it):
-10 to 15% slower (commit 5c3e0f1, BENCHMARKS.md); stage 15 rotating the CTAs through the
-blocks: no change; stage 16 the plain own stores with the own tiles two waves ahead of the
-peers' copies (commit a87e7e7): 2 to 5% slower.
+(plain stores to the owner). Tried and dropped (BENCHMARKS.md): plain own stores with the
+peer's add of a tile waiting for that store, both copies of a tile in the same step (stage 14,
+commit 5c3e0f1: 10 to 15% slower) or the own tiles two waves ahead (stage 16, commit a87e7e7:
+2 to 5% slower); rotating the CTAs through the blocks and whole-tile epilogue buffers (stage
+15, commit b0b290f: no change).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -100,7 +96,7 @@ def matmul_reduce_scatter(
         plgpu.TilingTransform((8, out_swizzle // itemsize)),
         plgpu.SwizzleTransform(out_swizzle),
     )
-    num_slots = min(tiles.epi_slots, (tile_m * tile_n) // (epi * epi))
+    num_slots = min(2, (tile_m * tile_n) // (epi * epi))
     minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
@@ -222,7 +218,7 @@ def matmul_reduce_scatter(
                                 epi_m = slice(epi_mi * epi, (epi_mi + 1) * epi)
                                 epi_n = slice(epi_ni * epi, (epi_ni + 1) * epi)
                                 slot = (epi_mi * (tile_n // epi) + epi_ni) % num_slots
-                                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = acc[epi_m, epi_n]
                                 plgpu.commit_smem()
                                 src = out_smem.at[wg, slot]

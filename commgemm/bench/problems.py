@@ -31,8 +31,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     tiles reduce-added straight into their owner; method PIPELINE), with optional tiling
     suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm' (warpgroups along M), '-gm' (grid
     along M), '-m256' / '-n64' (tile_m / tile_n), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA
-    clusters along M / N, GEMM+RS only), '-b4' (epilogue buffers, fused-direct only), e.g.
-    'fused-wgm-w8', 'fused-direct-cm', 'fused-direct-s3-b4'."""
+    clusters along M / N, GEMM+RS only), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
         "w": "grid_tile_width",
@@ -40,7 +39,6 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         "m": "tile_m",
         "n": "tile_n",
         "e": "epi",
-        "b": "epi_slots",
     }
     method = "ring_exchange"
     for part in spec.split("-")[1:]:
@@ -57,7 +55,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -b<N>, -wgm, -gm, -cm, -cn"
+                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm, -cm, -cn"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -75,7 +73,7 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
     if tiles.cluster:
         parts.append(f"c{tiles.cluster}")
     fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
-    for key, field in fields + (("e", "epi"), ("b", "epi_slots")):
+    for key, field in fields + (("e", "epi"),):
         if getattr(tiles, field) != getattr(default, field):
             parts.append(f"{key}{getattr(tiles, field)}")
     if tiles.tile_k != default.tile_k:
