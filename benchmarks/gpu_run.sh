@@ -46,6 +46,21 @@
 #            where periods failed and the host timing ranked; again at 325fa1d as below.
 #   stage 18: the suite with device periods (interleaved rounds, GPU timestamps) as the
 #            device-side figure, AUTO reading stage 17's cache; PyTorch timed 8 calls a sample.
+#   stage 19: (new session) the direct all-gather kernel (ATOMIC_GEMM_AG, `fused-direct` on AG:
+#            rows pushed to the peer, per-band flags) and the direct RS kernel with one wgmma in
+#            flight (-d1) or its tiles chained in one pipeline (-ct): outputs against float32 on
+#            every check shape and back-to-back calls, then a tune of each issue preset over the
+#            fused specs (ranked by device periods) on top of stage 17's cache; llama13b_mlp tuned
+#            into a separate cache (tune13b.json), so that the suite's AUTO stays untuned there.
+#   stage 20: the direct all-gather kernel with each band pushed by its first 8 tiles (stage 19's
+#            kernel, one sender a band, is now -p1): outputs and back-to-back calls, then the AG
+#            presets tuned again over the fused specs on top of stage 19's cache (llama13b_mlp
+#            into tune13b.json as before).
+#   stage 21: the suite as in stage 18, AUTO reading stage 20's cache (the cost model now picks
+#            the direct AG kernel along M where it is untuned: llama13b_mlp).
+#   stage 22: stage 21's suite found the direct AG kernel in 2-CTA clusters (never tuned) the
+#            fastest on comm_heavy AG, and llama70b RS's tuned pick (-d1) behind plain
+#            fused-direct: those two tuned again over more specs, then the suite again.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -157,10 +172,62 @@ elif [ "$1" = 17 ]; then
         2>&1 | tail -16
     done
   done 2>&1 | tee $OUT/r/tune17.log | grep -E "best|timed out|Error|periods"
-elif [ "$1" = 18 ]; then
+elif [ "$1" = 19 ]; then
   cp "$2" $OUT/r/tune.json
-  timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite18 --iters 15 --spans 0 \
-    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite18.log \
+  {
+    timeout 120 python3 benchmarks/fused_check.py --out $OUT/r --name check19_ag --ops ag \
+      --base fused-direct --tilings fused-direct-gm,fused-direct-cm --no-grads --repeat 24
+    timeout 70 python3 benchmarks/fused_check.py --out $OUT/r --name check19_rs --ops rs \
+      --shapes 3 --base fused-direct-cm-d1 --tilings fused-direct-cm-ct,fused-direct-d1 \
+      --no-grads --repeat 24
+  } > $OUT/r/check19.log 2>&1
+  grep -c '"ok": true' $OUT/r/check19.log; grep '"ok": false' $OUT/r/check19.log | cut -c1-300
+  ag="fused,fused-w16,fused-gm,fused-direct,fused-direct-w16,fused-direct-gm,fused-direct-cm"
+  rs="fused-direct-cm,fused-direct-cm-w16,fused-direct-cm-d1,fused-direct-cm-ct,fused-direct-d1"
+  rs="$rs,fused-direct-ct"
+  end=$((SECONDS + 360))  # the tunes' share of the call; the tar at the end must still run
+  for preset in comm_heavy llama8b_mlp llama70b_mlp llama13b_mlp; do
+    cache=$OUT/r/tune.json
+    [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+    for op in ag rs; do
+      methods=$ag; [ $op = rs ] && methods=$rs
+      left=$((end - SECONDS)); [ $left -gt 75 ] && left=75
+      [ $left -lt 20 ] && { echo "skipped $op $preset: out of time"; continue; }
+      COMMGEMM_TUNE_CACHE=$cache timeout $left python3 -m commgemm tune --op $op \
+        --preset $preset --iters 5 --periods 6 --methods $methods 2>&1 | tail -12
+    done
+  done 2>&1 | tee $OUT/r/tune19.log | grep -E "best|timed out|Error|periods|skipped"
+elif [ "$1" = 20 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 120 python3 benchmarks/fused_check.py --out $OUT/r --name check20_ag --ops ag \
+    --base fused-direct --tilings fused-direct-gm,fused-direct-cm,fused-direct-p1 --no-grads \
+    --repeat 24 > $OUT/r/check20.log 2>&1
+  tail -1 $OUT/r/check20.log; grep '"ok": false' $OUT/r/check20.log | cut -c1-300
+  ag="fused,fused-w16,fused-gm,fused-direct,fused-direct-w16,fused-direct-gm,fused-direct-p1"
+  end=$((SECONDS + 330))
+  for preset in comm_heavy llama8b_mlp llama70b_mlp llama13b_mlp; do
+    cache=$OUT/r/tune.json
+    [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+    left=$((end - SECONDS)); [ $left -gt 80 ] && left=80
+    [ $left -lt 20 ] && { echo "skipped $preset: out of time"; continue; }
+    COMMGEMM_TUNE_CACHE=$cache timeout $left python3 -m commgemm tune --op ag \
+      --preset $preset --iters 5 --periods 6 --methods $ag 2>&1 | tail -12
+  done 2>&1 | tee $OUT/r/tune20.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+elif [ "$1" = 22 ]; then
+  cp "$2" $OUT/r/tune.json
+  {
+    timeout 80 python3 -m commgemm tune --op ag --preset comm_heavy --iters 5 --periods 6 \
+      --methods fused,fused-gm,fused-direct,fused-direct-w16,fused-direct-cm,fused-direct-cm-gm,fused-direct-cm-w16
+    timeout 80 python3 -m commgemm tune --op rs --preset llama70b_mlp --iters 5 --periods 6 \
+      --methods fused-direct,fused-direct-d1,fused-direct-ct,fused-direct-cm,fused-direct-cm-w16
+  } 2>&1 | tee $OUT/r/tune22.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  timeout 400 python3 benchmarks/gpu_suite.py --out $OUT/r/suite22 --iters 15 --spans 0 \
+    --periods 6 --timeout 300 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite22.log \
+    | grep -E "^\||timed out"
+elif [ "$1" = 18 ] || [ "$1" = 21 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
+    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
     | grep -E "^\[|^\||timed out"
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json

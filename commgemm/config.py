@@ -55,14 +55,21 @@ class Algorithm(enum.Enum):
     SPLIT_PIPELINED_AR = "split_pipelined_ar"  # ours: chunked lax.psum
     SPLIT_PIPELINED_AR_P2P = "split_pipelined_ar_p2p"  # ours: ring reduce-scatter + all-gather
     ATOMIC_GEMM_RS = "atomic_gemm_rs"
+    ATOMIC_GEMM_AG = "atomic_gemm_ag"  # ours: rows pushed to every peer, flagged per band
     ATOMIC_GEMM_AG_P2P = "atomic_gemm_ag_p2p"
     ATOMIC_GEMM_RS_P2P = "atomic_gemm_rs_p2p"
 
 
 #: Algorithms that run a fused (atomic) GEMM kernel on Hopper GPUs (commgemm.algorithms.fused):
-#: AG_P2P and RS_P2P as rings, ATOMIC_GEMM_RS as direct reduce-adds into each owner.
+#: AG_P2P and RS_P2P as rings, ATOMIC_GEMM_RS as direct reduce-adds into each owner,
+#: ATOMIC_GEMM_AG as rows pushed straight to every peer.
 ATOMIC_ALGORITHMS = frozenset(
-    {Algorithm.ATOMIC_GEMM_RS, Algorithm.ATOMIC_GEMM_AG_P2P, Algorithm.ATOMIC_GEMM_RS_P2P}
+    {
+        Algorithm.ATOMIC_GEMM_RS,
+        Algorithm.ATOMIC_GEMM_AG,
+        Algorithm.ATOMIC_GEMM_AG_P2P,
+        Algorithm.ATOMIC_GEMM_RS_P2P,
+    }
 )
 
 _ALGORITHMS: dict[tuple[Collective, Method, bool], Algorithm] = {
@@ -76,6 +83,7 @@ _ALGORITHMS: dict[tuple[Collective, Method, bool], Algorithm] = {
     (Collective.ALL_REDUCE, Method.PIPELINE, False): Algorithm.SPLIT_PIPELINED_AR,
     (Collective.ALL_REDUCE, Method.RING_EXCHANGE, False): Algorithm.SPLIT_PIPELINED_AR_P2P,
     (Collective.REDUCE_SCATTER, Method.PIPELINE, True): Algorithm.ATOMIC_GEMM_RS,
+    (Collective.ALL_GATHER, Method.PIPELINE, True): Algorithm.ATOMIC_GEMM_AG,
     (Collective.ALL_GATHER, Method.RING_EXCHANGE, True): Algorithm.ATOMIC_GEMM_AG_P2P,
     (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE, True): Algorithm.ATOMIC_GEMM_RS_P2P,
 }
@@ -130,7 +138,12 @@ class FusedTiles:
     The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks.
     cluster="m" (or "n") runs the GEMM+RS kernels in 2-CTA clusters: the two CTAs take tiles
     adjacent along M (N) and load their shared w (x) tiles once, multicast to both (halves
-    that operand's traffic from L2); jax's all-gather kernel has no clusters."""
+    that operand's traffic from L2); jax's all-gather kernel has no clusters.
+    Direct kernels only (atomic_gemm with PIPELINE): release_lag=1 keeps one wgmma in flight
+    (a K-step's smem slot is released a step late; the all-gather kernels always do this), and
+    chain_tiles runs a CTA's tiles as one pipeline, so the next tile's loads start before this
+    one's epilogue (not with release_lag). In the direct all-gather kernel `senders` tiles of
+    each band of x rows (its first visits) share pushing the band to the peers."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -141,11 +154,18 @@ class FusedTiles:
     grid_minor_m: bool = False
     epi: int = 64
     cluster: str | None = None
+    release_lag: int = 0
+    chain_tiles: bool = False
+    senders: int = 8
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
             raise ValueError(f"FusedTiles.cluster={self.cluster!r} must be None, 'm' or 'n'")
-        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi"):
+        if self.release_lag not in (0, 1) or isinstance(self.release_lag, bool):
+            raise ValueError(f"FusedTiles.release_lag={self.release_lag!r} must be 0 or 1")
+        if self.chain_tiles and self.release_lag:
+            raise ValueError("FusedTiles.chain_tiles does not go with release_lag=1 (jax's rule)")
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi", "senders"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")
@@ -193,8 +213,9 @@ class OverlapConfig:
         arrived in a step (the reference's aggregate_ag).
       atomic_gemm: one fused kernel does the GEMM and the transfers (Hopper GPUs, one process,
         bf16/fp16; see commgemm.algorithms.fused): with RING_EXCHANGE a ring
-        (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P); with PIPELINE, GEMM+RS only, each tile
-        reduce-added straight into its owner (ATOMIC_GEMM_RS). Where it cannot run, the op
+        (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P); with PIPELINE no ring: AG pushes x's rows
+        straight to every peer, whose tiles wait only for their own band (ATOMIC_GEMM_AG), RS
+        reduce-adds each tile straight into its owner (ATOMIC_GEMM_RS). Where it cannot run, the op
         raises at plan time.
       accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type).
       reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as

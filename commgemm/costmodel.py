@@ -89,12 +89,12 @@ def predict(
     fig: MachineFigures,
 ) -> float:
     """Predicted seconds for one call of `cfg` (method NONE, PIPELINE or RING_EXCHANGE, or a
-    fused kernel: atomic_gemm; the direct ATOMIC_GEMM_RS kernel spreads its transfers over the
-    whole GEMM, so it costs the larger of the two plus its two handshakes)."""
+    fused kernel: atomic_gemm; the direct kernels (ATOMIC_GEMM_AG / _RS) spread their transfers
+    over the GEMM with no step barrier, so they cost the larger of the two plus two handshakes)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     lat = fig.latency_s
     if cfg.atomic_gemm and size > 1:
-        if cfg.method is Method.PIPELINE:  # ATOMIC_GEMM_RS: tiles reduce-added into each owner
+        if cfg.method is Method.PIPELINE:  # the direct kernels: no ring, no step barrier
             return max(t_gemm, t_comm) + 2 * lat
         return _predict_fused(t_gemm, t_comm, size, lat)
     g = _Graph()
@@ -168,14 +168,19 @@ def candidates(
     collective: Collective, rows: int, size: int, *, fused: bool = False
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
-    with `fused`, also the fused kernel (for AG and RS, where the caller found it can run). The
-    direct RS kernel comes in 2-CTA clusters where the rows allow (1.5 to 3% faster on three of
-    the four 2xH200 RS presets, equal on the fourth: BENCHMARKS.md, stages 14 to 16)."""
+    with `fused`, also the fused kernels (for AG and RS, where the caller found they can run):
+    the ring and the direct one. The direct RS kernel comes in 2-CTA clusters where the rows
+    allow (1.5 to 3% faster on three of the four 2xH200 RS presets, equal on the fourth:
+    BENCHMARKS.md, stages 14 to 16); the direct AG kernel walks its tiles along M (as fast as
+    the best ring tiling or faster on all four AG presets, stage 20)."""
     out = [OverlapConfig()]
     if fused and size > 1 and collective is Collective.REDUCE_SCATTER:
         clustered = FusedTiles(cluster="m")
         tiles = clustered if (rows // size) % clustered.cluster_m == 0 else None
         out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
+    if fused and size > 1 and collective is Collective.ALL_GATHER:
+        along_m = FusedTiles(grid_minor_m=True)
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=along_m))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
     for s in (2, 4, 8):

@@ -27,13 +27,19 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 
 
 #: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates
-#: ("fused", and "fused-direct-cm" for RS where the rows allow, both with bands 8 tiles wide);
-#: on 2xH200 each was the fastest, or within noise of it, on some preset (BENCHMARKS.md:
-#: fused-w16 on llama70b AG, fused-gm-w8 on llama8b AG, fused-gm-w4 on comm_heavy AG,
-#: fused-direct-cm-w16 on llama8b and llama70b RS).
+#: ("fused", "fused-direct-gm" for AG and "fused-direct-cm" for RS where the rows allow); on
+#: 2xH200 each was the fastest, or within noise of it, on some preset (BENCHMARKS.md: fused-w16
+#: and fused-direct-w16 on llama70b AG, fused-gm on llama8b and llama13b AG, fused-direct-w16 on
+#: comm_heavy AG; fused-direct-cm-ct on llama8b, comm_heavy and llama13b RS, fused-direct-d1 on
+#: llama70b RS, stages 19 and 20).
 FUSED_TILINGS = {
-    Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-gm-w4"),
-    Collective.REDUCE_SCATTER: ("fused-direct", "fused-direct-w16", "fused-direct-cm-w16"),
+    Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-direct", "fused-direct-w16"),
+    Collective.REDUCE_SCATTER: (
+        "fused-direct",
+        "fused-direct-d1",
+        "fused-direct-cm-ct",
+        "fused-direct-cm-w16",
+    ),
 }
 
 

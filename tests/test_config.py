@@ -21,6 +21,7 @@ from commgemm import Method as M
         (C.REDUCE_SCATTER, M.RING_EXCHANGE, False, A.SPLIT_PIPELINED_RS_P2P),
         (C.ALL_REDUCE, M.RING_EXCHANGE, False, A.SPLIT_PIPELINED_AR_P2P),
         (C.REDUCE_SCATTER, M.PIPELINE, True, A.ATOMIC_GEMM_RS),
+        (C.ALL_GATHER, M.PIPELINE, True, A.ATOMIC_GEMM_AG),
         (C.ALL_GATHER, M.RING_EXCHANGE, True, A.ATOMIC_GEMM_AG_P2P),
         (C.REDUCE_SCATTER, M.RING_EXCHANGE, True, A.ATOMIC_GEMM_RS_P2P),
     ],
@@ -32,7 +33,7 @@ def test_select_algorithm(collective, method, atomic, expected):
 @pytest.mark.parametrize(
     "collective,method,atomic",
     [
-        (C.ALL_GATHER, M.PIPELINE, True),
+        (C.ALL_REDUCE, M.PIPELINE, True),
         (C.ALL_REDUCE, M.RING_EXCHANGE, True),
         (C.ALL_GATHER, M.BULK, True),
         (C.NONE, M.NONE, True),
@@ -126,3 +127,7 @@ def test_fused_tiles_validation():
     with pytest.raises(ValueError, match="FusedTiles.epi=96 must divide tile_m=128"):
         cg.FusedTiles(epi=96)
     assert (cg.FusedTiles().cta_m, cg.FusedTiles().cta_n) == (128, 256)
+    with pytest.raises(ValueError, match="FusedTiles.release_lag=2 must be 0 or 1"):
+        cg.FusedTiles(release_lag=2)
+    with pytest.raises(ValueError, match="chain_tiles does not go with release_lag=1"):
+        cg.FusedTiles(release_lag=1, chain_tiles=True)

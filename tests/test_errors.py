@@ -107,6 +107,31 @@ def test_fused_clusters(rng):
         cg.FusedTiles(cluster="k")
 
 
+def test_direct_kernel_options(rng):
+    """release_lag / chain_tiles are for the direct kernels; the AG one takes clusters along M
+    only and does not chain its tiles; chaining needs whole rounds of stages along K."""
+    bf16 = ml_dtypes.bfloat16
+    x, w = random(rng, (512, 64), bf16), random(rng, (64, 1024), bf16)
+    direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+    cases = [
+        (direct.replace(fused_tiles=cg.FusedTiles(cluster="n")), "clusters along M only"),
+        (direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True)), "does not chain its tiles"),
+        (
+            direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(release_lag=1)),
+            "release_lag and chain_tiles are for the direct kernels",
+        ),
+        (direct, "ATOMIC_GEMM_AG .* cannot run this call: it runs on GPUs"),
+    ]
+    for config, why in cases:
+        with pytest.raises(ValueError, match=why):
+            call(cg.all_gather_matmul, x, w, config=config)
+    specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
+    x, w = random(rng, (1024, 3 * 4 * 64), bf16), random(rng, (3 * 4 * 64, 256), bf16)
+    chained = direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True))
+    with pytest.raises(ValueError, match="chain_tiles needs K/tile_k=3 divisible by 4 stages"):
+        call(cg.matmul_reduce_scatter, x, w, config=chained, **specs)
+
+
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):
     """ATOMIC_GEMM_RS (the direct reduce-add kernel) checks its needs like the ring kernels."""
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True)

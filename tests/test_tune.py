@@ -12,7 +12,7 @@ from commgemm.cli import main
 from commgemm.config import Collective
 
 AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
-DIRECT = cg.OverlapConfig(method="pipeline", atomic_gemm=True)  # ATOMIC_GEMM_RS
+DIRECT = cg.OverlapConfig(method="pipeline", atomic_gemm=True)  # ATOMIC_GEMM_AG / _RS
 SHAPE = (8192, 4096, 8192)
 
 
@@ -113,6 +113,9 @@ def test_spec_round_trip():
         "fused-direct-cm",
         "fused-direct-cm-w16",
         "fused-cn-w16",
+        "fused-direct-cm-d1",
+        "fused-direct-ct-w16",
+        "fused-direct-gm-p4",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
@@ -127,6 +130,10 @@ def test_spec_round_trip():
     )
     assert tune.spec_of(cg.bench.parse_method("fused-w8")) == "fused"  # the default width
     assert cg.bench.parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
+    assert cg.bench.parse_method("fused-direct").algorithm(AG) is cg.Algorithm.ATOMIC_GEMM_AG
+    tiles = cg.bench.parse_method("fused-direct-cm-d1").fused_tiles
+    assert tiles.release_lag == 1 and not tiles.chain_tiles
+    assert cg.bench.parse_method("fused-direct-ct").fused_tiles.chain_tiles
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
         cg.bench.parse_method("fused-x3")
     with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
@@ -155,19 +162,20 @@ def test_fused_prediction(size, collective):
     predicted = costmodel.predict(collective, fused, SHAPE, size, 2, fast_link)
     assert predicted == pytest.approx(t_gemm + size * 1e-6)
     cfg, best = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link, fused=True)
-    if collective is RS:  # the direct kernel: no per-step latency, chosen over the ring
-        # in 2-CTA clusters where the rows per device fill a cluster's two 128-row tiles
+    # the direct kernels: no per-step latency, chosen over the ring; RS in 2-CTA clusters where
+    # the rows per device fill a cluster's two 128-row tiles, AG walking its tiles along M
+    if collective is RS:
         tiles = cg.FusedTiles(cluster="m") if (rows // size) % 256 == 0 else None
-        assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)
-        assert best <= predicted * (1 + 1e-12)
     else:
-        assert cfg == fused and best == predicted
+        tiles = cg.FusedTiles(grid_minor_m=True)
+    assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)
+    assert best <= predicted * (1 + 1e-12)
     slow_link = fake(1e13, 1e9, latency=0.0)
     t_gemm, t_comm = costmodel._times(collective, SHAPE, size, 2, slow_link)
     predicted = costmodel.predict(collective, fused, SHAPE, size, 2, slow_link)
     assert predicted == pytest.approx(t_comm + t_gemm / size)
-    if collective is RS:  # the direct kernel spreads the transfers over the whole GEMM
-        assert costmodel.predict(RS, DIRECT, SHAPE, size, 2, slow_link) == pytest.approx(t_comm)
+    # the direct kernels spread the transfers over the whole GEMM
+    assert costmodel.predict(collective, DIRECT, SHAPE, size, 2, slow_link) == pytest.approx(t_comm)
     without, _ = costmodel.choose(collective, SHAPE, rows, size, 2, fast_link)
     assert not without.atomic_gemm  # only offered where the caller found it can run
 

@@ -13,8 +13,11 @@ way the reference's atomic GEMMs do with userbuffers:
       device d-1 (read in the epilogue; none at step 0), and writes each tile straight into
       device d+1's buffer; at the last step the block is d's own and the sum goes to the output.
       Partial sums travel in the output dtype.
-  ATOMIC_GEMM_RS (method PIPELINE): `scatter_add_gemm`, no ring: every tile is reduce-added
-      straight into its owner's output, tiles of all blocks interleaved.
+  Method PIPELINE, no ring:
+  ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
+      multiplying them; a peer's tiles wait only for their own band of rows.
+  ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
+      output, tiles of all blocks interleaved.
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms import scatter_add_gemm
+from commgemm.algorithms import mosaic_tiles, push_gather_gemm, scatter_add_gemm
 from commgemm.config import Collective, FusedTiles, Method, OverlapConfig
 
 
@@ -86,8 +89,6 @@ def unsupported_reason(
     or [n, K] with w_transposed), or None when it can."""
     if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         return f"there is no fused kernel for {collective.name}"
-    if config.method is Method.PIPELINE and collective is not Collective.REDUCE_SCATTER:
-        return "the fused PIPELINE kernel (ATOMIC_GEMM_RS) is a reduce-scatter"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
     for field in ("out_dtype", "reduce_dtype"):
@@ -99,8 +100,16 @@ def unsupported_reason(
     if config.num_splits != 1 or config.bidirectional or config.aggregate:
         return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
     tiles = config.fused_tiles or FusedTiles()
-    if tiles.cluster is not None and collective is Collective.ALL_GATHER:
-        return "the all-gather kernel (jax's) has no CTA clusters (leave FusedTiles.cluster None)"
+    direct = config.method is Method.PIPELINE
+    if collective is Collective.ALL_GATHER and tiles.cluster is not None:
+        if not direct:
+            return "the ring all-gather kernel (jax's) has no CTA clusters (leave cluster None)"
+        if tiles.cluster == "n":
+            return "the all-gather kernels take 2-CTA clusters along M only (cluster='m')"
+    if not direct and (tiles.release_lag or tiles.chain_tiles):
+        return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
+    if collective is Collective.ALL_GATHER and tiles.chain_tiles:
+        return "the all-gather kernel does not chain its tiles (it sends x while they run)"
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]
@@ -109,6 +118,8 @@ def unsupported_reason(
             return f"{what}={value} must be divisible by the tile {by}"
     if k % tiles.tile_k:
         return f"K={k} must be divisible by the tile {tiles.tile_k}"
+    if tiles.chain_tiles and (k // tiles.tile_k) % tiles.stages:
+        return f"chain_tiles needs K/tile_k={k // tiles.tile_k} divisible by {tiles.stages} stages"
     if (reason := _gpu_reason()) is not None:
         return reason
     if size != jax.device_count():
@@ -159,6 +170,9 @@ def all_gather_matmul(
     With return_gathered the second result is None: the kernel keeps the gathered rows in its
     own scratch, so the backward pass gathers x again (beside its dX GEMM).
     """
+    if config.method is Method.PIPELINE:
+        out = push_gather_gemm.all_gather_matmul(x, _as_kn(w, w_transposed), axis_name, config)
+        return (out, None) if return_gathered else out
     from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
 
     with jax.named_scope("fused_ag_gemm"):
@@ -191,7 +205,7 @@ def matmul_reduce_scatter(
     size = lax.axis_size(axis_name)
     w = _as_kn(w, w_transposed)
     rows, n = x.shape[0] // size, w.shape[1]
-    num_sms = scatter_add_gemm.num_sms()
+    num_sms = mosaic_tiles.num_sms()
     tiles = config.fused_tiles or FusedTiles()
     tuning = tuning_config(tiles)
     signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
@@ -200,9 +214,9 @@ def matmul_reduce_scatter(
         received = pl.get_global(plgpu.SemaphoreType.REGULAR)
         wg = lax.axis_index("wg")
         here = lax.axis_index(axis_name)
-        succ = lax.rem(here + 1, size)
+        succ = lax.rem(here + 1, jnp.int32(size))
         for step in range(size):
-            block = lax.rem(here + 2 * size - step - 1, size)
+            block = lax.rem(here + 2 * size - step - 1, jnp.int32(size))
             last = step == size - 1
             if step:  # the partial sum of this block from device d-1 must have landed
                 pl.semaphore_wait(received, value=step * signals_per_step, decrement=False)
@@ -227,7 +241,7 @@ def matmul_reduce_scatter(
                 jax.ShapeDtypeStruct((rows, n), x.dtype),
                 jax.ShapeDtypeStruct((size - 1, rows, n), x.dtype),  # partial sums received
             ],
-            **scatter_add_gemm.kernel_params(num_sms, tiles.cluster_size),
+            **mosaic_tiles.kernel_params(num_sms, tiles.cluster_size),
         )(x, w)
     return out
 

@@ -33,31 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.algorithms import mosaic_tiles as mt
 from commgemm.config import FusedTiles, OverlapConfig
 
 EPILOGUES = ("add",)
 PROBES = ("local-add", "store", "remote-store")
-
-
-def num_sms() -> int:
-    """Streaming multiprocessors of this process's first device (the kernels' grid)."""
-    return jax.devices()[0].core_count
-
-
-def kernel_params(sms: int, cluster: int) -> dict:
-    """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
-    clusters of `cluster`), two compute warpgroups and one that issues the loads."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return dict(
-        grid=(sms // cluster,),
-        grid_names=("cluster_grid",),
-        cluster=(cluster,),
-        cluster_names=("cluster",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
 
 
 def matmul_reduce_scatter(
@@ -72,62 +52,32 @@ def matmul_reduce_scatter(
     rows of sum_d x_d @ w_d, in x's dtype. `epilogue`: the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
     size = lax.axis_size(axis_name)
     tiles = config.fused_tiles or FusedTiles()
     dtype = x.dtype
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[1]
-    tile_m, tile_n, tile_k, epi = tiles.tile_m, tiles.tile_n, tiles.tile_k, tiles.epi
-    cta_m, cta_n = tiles.cta_m, tiles.cta_n
-    m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tile_k
-    sms = num_sms()
+    epi = tiles.epi
+    m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
+    sms = mt.num_sms()
     cluster = tiles.cluster_size
+    num_tiles = size * m_iters * n_iters
+    if tiles.chain_tiles and num_tiles < 2 * (sms // cluster):
+        raise ValueError(
+            f"FusedTiles.chain_tiles needs two tiles per CTA, got {num_tiles} tiles for "
+            f"{sms // cluster} CTAs"
+        )
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
-    in_transforms = (
-        plgpu.TilingTransform((8, swizzle // itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
-    out_swizzle = plgpu.find_swizzle(epi * itemsize * 8)
-    out_transforms = (
-        plgpu.TilingTransform((8, out_swizzle // itemsize)),
-        plgpu.SwizzleTransform(out_swizzle),
-    )
-    num_slots = min(2, (tile_m * tile_n) // (epi * epi))
-    minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
+    out_smem_type, num_slots = mt.out_smem(tiles, dtype)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
     zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
 
-    def get_pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (cta_m, tile_k),
-                    lambda kk: (0, kk),
-                    transforms=in_transforms,
-                    memory_space=plgpu.SMEM,
-                    collective_axes=("cluster",) if tiles.cluster == "n" else (),  # shared x
-                ),
-                plgpu.BlockSpec(
-                    (tile_k, cta_n),
-                    lambda kk: (kk, 0),
-                    transforms=in_transforms,
-                    memory_space=plgpu.SMEM,
-                    collective_axes=("cluster",) if tiles.cluster == "m" else (),  # shared w
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=tiles.stages,
-            compute_context=compute_context,
+    def get_pipeline(body, compute_context, state=None):
+        return mt.tile_pipeline(
+            tiles, dtype, k_iters, body, compute_context, release=tiles.release_lag, state=state
         )
 
     def body(x_ref, w_ref, out_ref):
@@ -135,13 +85,14 @@ def matmul_reduce_scatter(
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         here = lax.axis_index(axis_name)
         in_cluster = lax.axis_index("cluster")
-        peers = [lax.rem(here + offset, size) for offset in range(size)]  # peers[0] is here
+        # peers[0] is here
+        peers = [lax.rem(here + offset, jnp.int32(size)) for offset in range(size)]
         ignore = lambda *_, **__: None  # noqa: E731
 
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_ref, w_ref),
-            out_smem=plgpu.SMEM((2, num_slots, epi, epi), dtype, transforms=out_transforms),
+            out_smem=out_smem_type,
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
@@ -158,7 +109,7 @@ def matmul_reduce_scatter(
                     def _zero(info):
                         (step,) = info.index
                         block = 2 * (step * cluster + in_cluster) + wg
-                        bm, bn = block // (n // epi), lax.rem(block, n // epi)
+                        bm, bn = block // (n // epi), lax.rem(block, jnp.int32(n // epi))
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg, 0],
                             out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)],
@@ -169,24 +120,16 @@ def matmul_reduce_scatter(
                     for peer in peers[1:]:
                         pl.semaphore_signal(zeroed, device_id=peer)
 
-            @plgpu.nd_loop((size * m_iters * n_iters,), collective_axes="cluster_grid")
+            @plgpu.nd_loop((num_tiles,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                tile, offset = lin // size, lax.rem(lin, size)
-                block = lax.rem(here + offset, size)  # the device owning this tile's rows
-                m_idx, n_idx = plgpu.planar_snake(
-                    tile, (m_iters, n_iters), minor, tiles.grid_tile_width
-                )
-                if tiles.cluster == "m":
-                    m_idx = m_idx * 2 + in_cluster
-                elif tiles.cluster == "n":
-                    n_idx = n_idx * 2 + in_cluster
-                cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
-                cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
-                if tiles.wg_along_m:
-                    wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
-                else:
-                    wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
+                tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
+                # the device owning this tile's rows
+                block = lax.rem(here + offset, jnp.int32(size))
+                at = mt.tile_slices(tiles, tile, m_iters, n_iters)
+
+                def tile_of(ref, epi_m, epi_n):
+                    return ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n].at[epi_m, epi_n]
 
                 def store(src, dest, predicate=None, commit=True, add=True):
                     plgpu.copy_smem_to_gmem(
@@ -199,7 +142,7 @@ def matmul_reduce_scatter(
 
                 def compute_context(eval_pipeline):
                     @functools.partial(
-                        pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32)
+                        pl.run_scoped, acc_ref=plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32)
                     )
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
@@ -213,44 +156,37 @@ def matmul_reduce_scatter(
                                 )
 
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for epi_mi in range(tile_m // epi):
-                            for epi_ni in range(tile_n // epi):
-                                epi_m = slice(epi_mi * epi, (epi_mi + 1) * epi)
-                                epi_n = slice(epi_ni * epi, (epi_ni + 1) * epi)
-                                slot = (epi_mi * (tile_n // epi) + epi_ni) % num_slots
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = acc[epi_m, epi_n]
-                                plgpu.commit_smem()
-                                src = out_smem.at[wg, slot]
-
-                                def tile_of(ref):
-                                    return (
-                                        ref.at[cta_m_slice, cta_n_slice]
-                                        .at[wg_m_slice, wg_n_slice]
-                                        .at[epi_m, epi_n]  # noqa: B023
-                                    )
-
-                                if epilogue in ("local-add", "store"):
-                                    store(src, tile_of(out_ref), add=epilogue == "local-add")
-                                    continue
-                                for i, peer in enumerate(peers):
-                                    dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
-                                    store(
-                                        src,
-                                        tile_of(dest),
-                                        predicate=offset == i,
-                                        commit=i == size - 1,  # one group per block
-                                        add=epilogue == "add",
-                                    )
+                        for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = acc[epi_m, epi_n]
+                            plgpu.commit_smem()
+                            src = out_smem.at[wg, slot]
+                            if epilogue in ("local-add", "store"):
+                                store(
+                                    src,
+                                    tile_of(out_ref, epi_m, epi_n),
+                                    add=epilogue == "local-add",
+                                )
+                                continue
+                            for i, peer in enumerate(peers):
+                                dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
+                                store(
+                                    src,
+                                    tile_of(dest, epi_m, epi_n),
+                                    predicate=offset == i,
+                                    commit=i == size - 1,  # one group per block
+                                    add=epilogue == "add",
+                                )
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem.at[wg_m_slice], b_smem.at[:, wg_n_slice])
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], b_smem.at[:, at.wg_n])
+                    plgpu.wgmma_wait(tiles.release_lag)
                     return acc_ref
 
-                get_pipeline(mma_body, compute_context)(
-                    x_ref.at[pl.ds(block * rows + m_idx * cta_m, cta_m), :],
-                    w_ref.at[:, cta_n_slice],
+                state = mt.chain_state(info) if tiles.chain_tiles else None
+                get_pipeline(mma_body, compute_context, state)(
+                    x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m), :],
+                    w_ref.at[:, at.cta_n],
                     allocations=pipeline_allocs,
                 )
 
@@ -267,5 +203,5 @@ def matmul_reduce_scatter(
         return plgpu.kernel(
             body,
             out_type=jax.ShapeDtypeStruct((rows, n), dtype),
-            **kernel_params(sms, cluster),
+            **mt.kernel_params(sms, cluster),
         )(x, w)

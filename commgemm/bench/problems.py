@@ -27,11 +27,12 @@ OPS = ("ag", "rs", "ar", "2d")
 
 
 def parse_fused(spec: str) -> cg.OverlapConfig:
-    """'fused' (the ring kernels, RING_EXCHANGE) or 'fused-direct' (GEMM+RS only: ATOMIC_GEMM_RS,
-    tiles reduce-added straight into their owner; method PIPELINE), with optional tiling
-    suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm' (warpgroups along M), '-gm' (grid
-    along M), '-m256' / '-n64' (tile_m / tile_n), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA
-    clusters along M / N, GEMM+RS only), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
+    """'fused' (the ring kernels, RING_EXCHANGE) or 'fused-direct' (method PIPELINE, no ring:
+    ATOMIC_GEMM_AG pushes x's rows to every peer, ATOMIC_GEMM_RS reduce-adds tiles into their
+    owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
+    (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
+    (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1' (release_lag), '-ct'
+    (chain_tiles), '-p1' (senders), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
         "w": "grid_tile_width",
@@ -39,6 +40,8 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         "m": "tile_m",
         "n": "tile_n",
         "e": "epi",
+        "d": "release_lag",
+        "p": "senders",
     }
     method = "ring_exchange"
     for part in spec.split("-")[1:]:
@@ -50,19 +53,22 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             fields["grid_minor_m"] = True
         elif part in ("cm", "cn"):
             fields["cluster"] = part[1]
+        elif part == "ct":
+            fields["chain_tiles"] = True
         elif part[:1] in keys and part[1:].isdigit():
             fields[keys[part[0]]] = int(part[1:])
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -wgm, -gm, -cm, -cn"
+                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -d<N>, -p<N>, -wgm, -gm, -cm, "
+                "-cn, -ct"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
 
 
 def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
-    """The inverse of `parse_fused` (direct: the ATOMIC_GEMM_RS kernel)."""
+    """The inverse of `parse_fused` (direct: the kernels of method PIPELINE)."""
     parts = ["fused", "direct"] if direct else ["fused"]
     default = cg.FusedTiles()
     tiles = tiles or default
@@ -72,8 +78,10 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         parts.append("gm")
     if tiles.cluster:
         parts.append(f"c{tiles.cluster}")
+    if tiles.chain_tiles:
+        parts.append("ct")
     fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
-    for key, field in fields + (("e", "epi"),):
+    for key, field in fields + (("e", "epi"), ("d", "release_lag"), ("p", "senders")):
         if getattr(tiles, field) != getattr(default, field):
             parts.append(f"{key}{getattr(tiles, field)}")
     if tiles.tile_k != default.tile_k:
