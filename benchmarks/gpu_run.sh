@@ -61,6 +61,10 @@
 #   stage 22: stage 21's suite found the direct AG kernel in 2-CTA clusters (never tuned) the
 #            fastest on comm_heavy AG, and llama70b RS's tuned pick (-d1) behind plain
 #            fused-direct: those two tuned again over more specs, then the suite again.
+#   stage 23: the ping-pong RS kernel (`fused-direct-pp-s3`: whole tiles per compute warpgroup,
+#            one's epilogue under the other's K loop): outputs on every check shape and back-to-
+#            back calls, the RS presets tuned over it and the best earlier specs (on top of stage
+#            22's cache; llama13b_mlp into tune13b.json), then the suite again.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -224,6 +228,23 @@ elif [ "$1" = 22 ]; then
   timeout 400 python3 benchmarks/gpu_suite.py --out $OUT/r/suite22 --iters 15 --spans 0 \
     --periods 6 --timeout 300 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite22.log \
     | grep -E "^\||timed out"
+elif [ "$1" = 23 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 80 python3 benchmarks/fused_check.py --out $OUT/r --name check23_rs --ops rs \
+    --base fused-direct-pp-s3 --tilings fused-direct-pp-s3-w16,fused-direct-pp-s2 --no-grads \
+    --repeat 24 > $OUT/r/check23.log 2>&1
+  tail -1 $OUT/r/check23.log; grep '"ok": false' $OUT/r/check23.log | cut -c1-300
+  rs="fused-direct-cm,fused-direct-cm-ct,fused-direct-pp-s3,fused-direct-pp-s3-w16"
+  rs="$rs,fused-direct-pp-s3-gm,fused-direct-pp-s2"
+  for preset in llama8b_mlp comm_heavy llama13b_mlp; do
+    cache=$OUT/r/tune.json
+    [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+    COMMGEMM_TUNE_CACHE=$cache timeout 60 python3 -m commgemm tune --op rs --preset $preset \
+      --iters 5 --periods 6 --methods $rs 2>&1 | tail -10
+  done 2>&1 | tee $OUT/r/tune23.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  timeout 300 python3 benchmarks/gpu_suite.py --out $OUT/r/suite23 --iters 15 --spans 0 \
+    --periods 6 --timeout 240 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite23.log \
+    | grep -E "^\||timed out" | tail -10
 elif [ "$1" = 18 ] || [ "$1" = 21 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \

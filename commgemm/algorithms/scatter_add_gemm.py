@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.algorithms import mosaic_tiles as mt
+from commgemm.algorithms import scatter_add_pingpong
 from commgemm.config import FusedTiles, OverlapConfig
 
 EPILOGUES = ("add",)
@@ -55,6 +56,10 @@ def matmul_reduce_scatter(
 
     size = lax.axis_size(axis_name)
     tiles = config.fused_tiles or FusedTiles()
+    if tiles.pingpong:
+        if epilogue != "add":
+            raise ValueError("the ping-pong kernel has no diagnostic epilogues")
+        return scatter_add_pingpong.matmul_reduce_scatter(x, w, axis_name, config)
     dtype = x.dtype
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[1]
     epi = tiles.epi
