@@ -64,7 +64,8 @@
 #   stage 23: the ping-pong RS kernel (`fused-direct-pp-s3`: whole tiles per compute warpgroup,
 #            one's epilogue under the other's K loop): outputs on every check shape and back-to-
 #            back calls, the RS presets tuned over it and the best earlier specs (on top of stage
-#            22's cache; llama13b_mlp into tune13b.json), then the suite again.
+#            22's cache; llama13b_mlp into tune13b.json), then the suite again. Ran at commit
+#            537cbb7 (the ping-pong kernel, 1.35x the bound, and its -pp spec are gone since).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json

@@ -143,9 +143,7 @@ class FusedTiles:
     (a K-step's smem slot is released a step late; the all-gather kernels always do this), and
     chain_tiles runs a CTA's tiles as one pipeline, so the next tile's loads start before this
     one's epilogue (not with release_lag). In the direct all-gather kernel `senders` tiles of
-    each band of x rows (its first visits) share pushing the band to the peers. pingpong: the
-    direct RS kernel with whole tiles per compute warpgroup, one's epilogue under the other's
-    K loop (`scatter_add_pingpong`; `stages` per warpgroup, no clusters)."""
+    each band of x rows (its first visits) share pushing the band to the peers."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -159,7 +157,6 @@ class FusedTiles:
     release_lag: int = 0
     chain_tiles: bool = False
     senders: int = 8
-    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):

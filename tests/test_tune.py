@@ -116,7 +116,6 @@ def test_spec_round_trip():
         "fused-direct-cm-d1",
         "fused-direct-ct-w16",
         "fused-direct-gm-p4",
-        "fused-direct-pp-s3",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec

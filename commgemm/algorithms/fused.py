@@ -32,12 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms import (
-    mosaic_tiles,
-    push_gather_gemm,
-    scatter_add_gemm,
-    scatter_add_pingpong,
-)
+from commgemm.algorithms import mosaic_tiles, push_gather_gemm, scatter_add_gemm
 from commgemm.config import Collective, FusedTiles, Method, OverlapConfig
 
 
@@ -115,21 +110,10 @@ def unsupported_reason(
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:
         return "the all-gather kernel does not chain its tiles (it sends x while they run)"
-    if tiles.pingpong:
-        if not direct or collective is not Collective.REDUCE_SCATTER:
-            return "pingpong is a schedule of the direct GEMM+RS kernel (method PIPELINE)"
-        if tiles.cluster or tiles.chain_tiles or tiles.release_lag:
-            return "pingpong takes no clusters, chain_tiles or release_lag"
-        need = scatter_add_pingpong.smem_bytes(tiles, x.dtype.itemsize)
-        if need > scatter_add_pingpong.SMEM_BYTES:
-            return f"pingpong needs {need} bytes of shared memory (fewer stages, e.g. 3)"
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]
-    by_m, by_n = (
-        (tiles.tile_m, tiles.tile_n) if tiles.pingpong else (tiles.cluster_m, tiles.cluster_n)
-    )
-    for what, value, by in (("rows per device", m, by_m), ("N", n, by_n)):
+    for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n)):
         if value % by:
             return f"{what}={value} must be divisible by the tile {by}"
     if k % tiles.tile_k:

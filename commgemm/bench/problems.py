@@ -32,7 +32,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
     (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
     (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1' (release_lag), '-ct'
-    (chain_tiles), '-p1' (senders), '-pp' (pingpong), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
+    (chain_tiles), '-p1' (senders), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
         "w": "grid_tile_width",
@@ -55,15 +55,13 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             fields["cluster"] = part[1]
         elif part == "ct":
             fields["chain_tiles"] = True
-        elif part == "pp":
-            fields["pingpong"] = True
         elif part[:1] in keys and part[1:].isdigit():
             fields[keys[part[0]]] = int(part[1:])
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
                 "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -d<N>, -p<N>, -wgm, -gm, -cm, "
-                "-cn, -ct, -pp"
+                "-cn, -ct"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -82,8 +80,6 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         parts.append(f"c{tiles.cluster}")
     if tiles.chain_tiles:
         parts.append("ct")
-    if tiles.pingpong:
-        parts.append("pp")
     fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
     for key, field in fields + (("e", "epi"), ("d", "release_lag"), ("p", "senders")):
         if getattr(tiles, field) != getattr(default, field):
