@@ -7,6 +7,7 @@ tile_n block each of the CTA's tile, one warpgroup that issues the TMA loads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,21 @@ def chain_state(info) -> jax.Array:
     return jnp.where(info.local_index == 0, jnp.int32(states.START), state)
 
 
+def tile_smem(tiles: FusedTiles, dtype, k_iters: int, x_ref, w_ref, *, release=0):
+    """Decorator running fn(pipeline_allocs, out_smem) in the shared memory of `tile_pipeline`
+    (allocated once, for every tile) and of the epilogue (`out_smem`), for all warpgroups."""
+    from jax.experimental import pallas as pl
+
+    ignore = lambda *_, **__: None  # noqa: E731
+    pipeline = tile_pipeline(tiles, dtype, k_iters, ignore, ignore, release=release)
+    return functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline.get_allocations(x_ref, w_ref),
+        out_smem=out_smem(tiles, dtype),
+        collective_axes="wg",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TileSlices:
     """Where one CTA tile lies: its band and column (in CTA tiles), the CTA's slices of the
@@ -139,15 +155,17 @@ def tile_slices(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int) 
     )
 
 
+def epilogue_slots(tiles: FusedTiles) -> int:
+    """How many epi x epi smem blocks each compute warpgroup's epilogue cycles through."""
+    return min(2, (tiles.tile_m * tiles.tile_n) // (tiles.epi * tiles.epi))
+
+
 def out_smem(tiles: FusedTiles, dtype):
-    """The epilogue's smem: (warpgroup, slot) blocks of epi x epi, and the slot count."""
+    """The epilogue's smem: (warpgroup, slot) blocks of epi x epi."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    slots = min(2, (tiles.tile_m * tiles.tile_n) // (tiles.epi * tiles.epi))
-    ref = plgpu.SMEM(
-        (2, slots, tiles.epi, tiles.epi), dtype, transforms=smem_transforms(dtype, tiles.epi)
-    )
-    return ref, slots
+    shape = (2, epilogue_slots(tiles), tiles.epi, tiles.epi)
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype, tiles.epi))
 
 
 def epilogue_blocks(tiles: FusedTiles, slots: int) -> list[tuple[slice, slice, int]]:

@@ -67,7 +67,7 @@ def all_gather_matmul(
     step_tiles = m_iters * n_iters
     num_senders = senders(tiles, n_iters, k_iters)
     sms = mt.num_sms()
-    out_smem_type, num_slots = mt.out_smem(tiles, dtype)
+    num_slots = mt.epilogue_slots(tiles)
 
     def get_pipeline(body, compute_context):
         # release 1: a block stays in smem a step longer, while it is being sent
@@ -79,14 +79,8 @@ def all_gather_matmul(
         wg = lax.axis_index("wg")
         # the peers, in the order of their inbox slots for this device's rows
         peers = [lax.rem(here + j + 1, jnp.int32(size)) for j in range(size - 1)]
-        ignore = lambda *_, **__: None  # noqa: E731
 
-        @functools.partial(
-            pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_ref, w_ref),
-            out_smem=out_smem_type,
-            collective_axes="wg",
-        )
+        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=1)
         def _scope(pipeline_allocs, out_smem):
             @plgpu.nd_loop((size * step_tiles,), collective_axes="cluster_grid")
             def _tiles(info):

@@ -72,7 +72,7 @@ def matmul_reduce_scatter(
         )
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
-    out_smem_type, num_slots = mt.out_smem(tiles, dtype)
+    num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
@@ -90,14 +90,8 @@ def matmul_reduce_scatter(
         in_cluster = lax.axis_index("cluster")
         # peers[0] is here
         peers = [lax.rem(here + offset, jnp.int32(size)) for offset in range(size)]
-        ignore = lambda *_, **__: None  # noqa: E731
 
-        @functools.partial(
-            pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_ref, w_ref),
-            out_smem=out_smem_type,
-            collective_axes="wg",
-        )
+        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=tiles.release_lag)
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
