@@ -96,8 +96,9 @@ def check(op, shape, spec, w_transposed, mesh, seed, grads=True) -> dict:
 def repeat_check(op, shape, spec, mesh, calls: int, seed: int) -> dict:
     """`calls` calls enqueued back to back (no sync between them), alternating two inputs: each
     output must equal, bit for bit, that input's output from a call run alone (with two
-    devices the fused kernels' adds happen in a fixed rounding order), and be within REL of
-    the float32 reference. Catches state (semaphores, zeroing) leaking from call to call."""
+    devices the fused kernels' adds happen in a fixed rounding order; not with split_tail),
+    and be within REL of the float32 reference. Catches state (semaphores, zeroing) leaking
+    from call to call."""
     m, k, n = shape
     f = jax.jit(sharded(op, mesh, parse_method(spec), False))
     inputs, alone, refs = [], [], []
@@ -113,7 +114,10 @@ def repeat_check(op, shape, spec, mesh, calls: int, seed: int) -> dict:
         bool(np.array_equal(np.asarray(o, np.float32), alone[i % 2])) for i, o in enumerate(outs)
     ]
     worst = max(relative_error(o, refs[i % 2]) for i, o in enumerate(outs))
-    ok = all(same) and worst <= REL
+    # a split tail adds a tile's K-ranges in arrival order: the last bit may vary between calls
+    tiles = parse_method(spec).fused_tiles
+    bitwise = tiles is None or tiles.split_tail == 1
+    ok = (all(same) or not bitwise) and worst <= REL
     return dict(
         op=op,
         shape=shape,

@@ -66,6 +66,18 @@
 #            back calls, the RS presets tuned over it and the best earlier specs (on top of stage
 #            22's cache; llama13b_mlp into tune13b.json), then the suite again. Ran at commit
 #            537cbb7 (the ping-pong kernel, 1.35x the bound, and its -pp spec are gone since).
+#   stage 24: (new session) the direct RS kernel with its last, partly filled wave split along K
+#            (`-t0`: split_tail chosen by the kernel's wave model) and warpgroup tiles of 64 x 256
+#            (`-wgm-m64-n256`, as cuBLAS's cooperative kernels): outputs on check shapes and
+#            back-to-back calls, then the RS presets tuned over them and the best earlier specs
+#            (on top of stage 22's cache; llama13b_mlp into tune13b.json), and comm_heavy AG
+#            over the 64 x 256 tiles.
+#   stage 25: the suite again, AUTO reading stage 24's cache.
+#   stage 26: the cost model's new RS tiling (64 x 256 warpgroup tiles in clusters, chained,
+#            split tail) checked on the check shapes with back-to-back calls, then llama8b_mlp and
+#            llama13b_mlp RS tuned over its band widths, grid order and one wgmma in flight, and
+#            comm_heavy AG over band widths and senders (on top of stage 24's caches).
+#   stage 27: the suite again, AUTO reading stage 26's cache.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -246,6 +258,57 @@ elif [ "$1" = 23 ]; then
   timeout 300 python3 benchmarks/gpu_suite.py --out $OUT/r/suite23 --iters 15 --spans 0 \
     --periods 6 --timeout 240 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite23.log \
     | grep -E "^\||timed out" | tail -10
+elif [ "$1" = 24 ]; then
+  cp "$2" $OUT/r/tune.json
+  [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
+  wide=fused-direct-wgm-cm-m64-n256
+  {
+    timeout 90 python3 benchmarks/fused_check.py --out $OUT/r --name check24_rs --ops rs \
+      --shapes 2,3 --base fused-direct-cm-t2 --tilings fused-direct-cm-ct-t0,$wide,$wide-t0 \
+      --no-grads --repeat 24
+    timeout 50 python3 benchmarks/fused_check.py --out $OUT/r --name check24_ag --ops ag \
+      --shapes 2,3 --base $wide --tilings "" --no-grads --repeat 24
+  } > $OUT/r/check24.log 2>&1
+  grep -c '"ok": true' $OUT/r/check24.log; grep '"ok": false' $OUT/r/check24.log | cut -c1-300
+  rs="fused-direct-cm,fused-direct-cm-ct,fused-direct-cm-t0,fused-direct-cm-ct-t0,$wide"
+  rs="$rs,$wide-t0,fused-direct-wgm-cm-ct-m64-n256-t0"
+  end=$((SECONDS + 320))
+  for preset in llama8b_mlp comm_heavy llama13b_mlp llama70b_mlp; do
+    cache=$OUT/r/tune.json
+    [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+    left=$((end - SECONDS)); [ $left -gt 90 ] && left=90
+    [ $left -lt 25 ] && { echo "skipped rs $preset: out of time"; continue; }
+    COMMGEMM_TUNE_CACHE=$cache timeout $left python3 -m commgemm tune --op rs --preset $preset \
+      --iters 5 --periods 6 --methods $rs 2>&1 | tail -11
+  done 2>&1 | tee $OUT/r/tune24.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  left=$((end + 60 - SECONDS)); [ $left -gt 60 ] && left=60
+  timeout $left python3 -m commgemm tune --op ag --preset comm_heavy --iters 5 --periods 6 \
+    --methods fused-direct-cm,fused-direct-cm-w16,$wide,$wide-w16 2>&1 | tail -8 \
+    | tee -a $OUT/r/tune24.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+elif [ "$1" = 26 ]; then
+  cp "$2" $OUT/r/tune.json
+  [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
+  base=fused-direct-wgm-cm-ct-m64-n256
+  timeout 80 python3 benchmarks/fused_check.py --out $OUT/r --name check26_rs --ops rs \
+    --shapes 2,3 --base $base-t0 --tilings $base-w16-t0,fused-direct-wgm-cm-m64-n256-d1-t0 \
+    --no-grads --repeat 24 > $OUT/r/check26.log 2>&1
+  tail -1 $OUT/r/check26.log; grep '"ok": false' $OUT/r/check26.log | cut -c1-300
+  rs="$base-t0,$base-w4-t0,$base-w16-t0,fused-direct-wgm-gm-cm-ct-m64-n256-t0"
+  rs="$rs,fused-direct-wgm-cm-m64-n256-d1-t0,fused-direct-cm-ct-t0"
+  for preset in llama8b_mlp llama13b_mlp; do
+    cache=$OUT/r/tune.json
+    [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+    COMMGEMM_TUNE_CACHE=$cache timeout 110 python3 -m commgemm tune --op rs --preset $preset \
+      --iters 5 --periods 6 --methods $rs 2>&1 | tail -10
+  done 2>&1 | tee $OUT/r/tune26.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  timeout 90 python3 -m commgemm tune --op ag --preset comm_heavy --iters 5 --periods 6 \
+    --methods fused-direct-cm,fused-direct-cm-w4,fused-direct-cm-w16,fused-direct-cm-p4,fused-direct-cm-p16 \
+    2>&1 | tail -9 | tee -a $OUT/r/tune26.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+elif [ "$1" = 25 ] || [ "$1" = 27 ]; then
+  cp "$2" $OUT/r/tune.json
+  timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
+    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
+    | grep -E "^\||timed out"
 elif [ "$1" = 18 ] || [ "$1" = 21 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \

@@ -143,7 +143,11 @@ class FusedTiles:
     (a K-step's smem slot is released a step late; the all-gather kernels always do this), and
     chain_tiles runs a CTA's tiles as one pipeline, so the next tile's loads start before this
     one's epilogue (not with release_lag). In the direct all-gather kernel `senders` tiles of
-    each band of x rows (its first visits) share pushing the band to the peers."""
+    each band of x rows (its first visits) share pushing the band to the peers. In the direct
+    reduce-scatter kernel split_tail=s > 1 splits each tile of the last, partly filled wave of
+    CTAs into s K-ranges run by s CTAs (their partial sums reduce-added, as the devices' are),
+    this device's own tiles, so the wave ends sooner; 0 picks s from a model of the wave
+    (`scatter_add_gemm.tail_plan`), 1 (default) leaves the tail whole."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -157,6 +161,7 @@ class FusedTiles:
     release_lag: int = 0
     chain_tiles: bool = False
     senders: int = 8
+    split_tail: int = 1
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
@@ -169,6 +174,9 @@ class FusedTiles:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")
+        split = self.split_tail
+        if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+            raise ValueError(f"FusedTiles.split_tail={split!r} must be an int >= 0 (0: automatic)")
         if self.stages < 2:
             raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
         if self.tile_m % self.epi or self.tile_n % self.epi:
@@ -229,6 +237,11 @@ class OverlapConfig:
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; benchmarks/NOTES.md).
+      deterministic: only plans whose result is the same bit for bit on every call. The direct
+        reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a
+        tile gets more than two of them: on more than 2 devices, and with FusedTiles.split_tail
+        (which AUTO may pick); with deterministic=True such a config raises at plan time and
+        AUTO passes over such plans. Off by default, as XLA's own GPU reductions.
     """
 
     collective: Collective | None = None
@@ -243,9 +256,12 @@ class OverlapConfig:
     save_gathered_input: bool = True
     chain_gemms: bool = False
     fused_tiles: FusedTiles | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic={self.deterministic!r} must be a bool")
         if self.collective is not None:
             try:
                 set_(self, "collective", Collective(self.collective))

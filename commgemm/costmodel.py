@@ -164,19 +164,57 @@ def _predict_fused(t_gemm: float, t_comm: float, size: int, lat: float) -> float
     return (size - 1) * (max(step, transfer) + lat) + step + lat
 
 
+#: Streaming multiprocessors assumed where the GPU is not at hand (H100 / H200 SXM).
+SMS = 132
+
+
+def direct_rs_tiles(
+    rows: int,
+    size: int,
+    shape: tuple[int, int, int] | None = None,
+    *,
+    deterministic: bool = False,
+) -> FusedTiles:
+    """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known):
+    warpgroup tiles of 64 x 256 (a 128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA
+    clusters along M where the rows per device fill them, the last wave split along K unless
+    `deterministic`, and chained tile pipelines where K/tile_k is whole rounds of stages and
+    every CTA of a 132-SM GPU gets two tiles (stage 24: 1 to 2.5% faster than the default
+    tiling in clusters on all four 2xH200 RS presets)."""
+    tiles = FusedTiles(wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic))
+    if (rows // size) % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
+        tiles = dataclasses.replace(tiles, cluster="m")
+    if shape is not None:
+        _, k, n = shape
+        k_iters = k // size // tiles.tile_k
+        count = size * (rows // size // tiles.cluster_m) * (n // tiles.cluster_n)
+        ctas = SMS // tiles.cluster_size
+        if k_iters % tiles.stages == 0 and count >= 2 * ctas:
+            tiles = dataclasses.replace(tiles, chain_tiles=True)
+    return tiles
+
+
 def candidates(
-    collective: Collective, rows: int, size: int, *, fused: bool = False
+    collective: Collective,
+    rows: int,
+    size: int,
+    *,
+    fused: bool = False,
+    deterministic: bool = False,
+    shape: tuple[int, int, int] | None = None,
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
     with `fused`, also the fused kernels (for AG and RS, where the caller found they can run):
-    the ring and the direct one. The direct RS kernel comes in 2-CTA clusters where the rows
-    allow (1.5 to 3% faster on three of the four 2xH200 RS presets, equal on the fourth:
-    BENCHMARKS.md, stages 14 to 16); the direct AG kernel walks its tiles along M (as fast as
-    the best ring tiling or faster on all four AG presets, stage 20)."""
+    the ring and the direct one. The direct RS kernel takes `direct_rs_tiles` (2-CTA clusters
+    were 1.5 to 3% faster on three of the four 2xH200 RS presets, stages 14 to 16; split tails
+    1 to 2.5% on all four, stage 24); with `deterministic` it keeps whole tails and runs on 2
+    devices only (its adds otherwise happen in arrival order). The direct AG kernel walks its
+    tiles along M (as fast as the best ring tiling or faster on all four AG presets, stage 20).
+    `shape`: the global (M, K, N), where known (see `direct_rs_tiles`)."""
     out = [OverlapConfig()]
-    if fused and size > 1 and collective is Collective.REDUCE_SCATTER:
-        clustered = FusedTiles(cluster="m")
-        tiles = clustered if (rows // size) % clustered.cluster_m == 0 else None
+    direct_rs = not deterministic or size == 2
+    if fused and size > 1 and collective is Collective.REDUCE_SCATTER and direct_rs:
+        tiles = direct_rs_tiles(rows, size, shape, deterministic=deterministic)
         out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
     if fused and size > 1 and collective is Collective.ALL_GATHER:
         along_m = FusedTiles(grid_minor_m=True)
@@ -203,11 +241,14 @@ def choose(
     fig: MachineFigures,
     *,
     fused: bool = False,
+    deterministic: bool = False,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals)."""
+    options = candidates(
+        collective, rows, size, fused=fused, deterministic=deterministic, shape=shape
+    )
     scored = [
-        (predict(collective, c, shape, size, itemsize, fig), i, c)
-        for i, c in enumerate(candidates(collective, rows, size, fused=fused))
+        (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)
     ]
     best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
     return best[2], best[0]

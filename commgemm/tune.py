@@ -27,18 +27,19 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 
 
 #: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates
-#: ("fused", "fused-direct-gm" for AG and "fused-direct-cm" for RS where the rows allow); on
-#: 2xH200 each was the fastest, or within noise of it, on some preset (BENCHMARKS.md: fused-w16
-#: and fused-direct-w16 on llama70b AG, fused-gm on llama8b and llama13b AG, fused-direct-w16 on
-#: comm_heavy AG; fused-direct-cm-ct on llama8b, comm_heavy and llama13b RS, fused-direct-d1 on
-#: llama70b RS, stages 19 and 20).
+#: ("fused", "fused-direct-gm" for AG and "fused-direct-cm-t0" for RS where the rows allow),
+#: where the shape allows them; on 2xH200 each was the fastest, or within noise of it, on some
+#: preset (BENCHMARKS.md: fused-w16 and fused-direct-w16 on llama70b AG, fused-gm on llama8b and
+#: llama13b AG, fused-direct-w16 on comm_heavy AG, stages 19 and 20; fused-direct-cm-ct-t0 on
+#: llama70b RS and the same with 64 x 256 warpgroup tiles on llama8b, comm_heavy and llama13b
+#: RS, stage 24).
 FUSED_TILINGS = {
     Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-direct", "fused-direct-w16"),
     Collective.REDUCE_SCATTER: (
         "fused-direct",
-        "fused-direct-d1",
         "fused-direct-cm-ct",
-        "fused-direct-cm-w16",
+        "fused-direct-cm-ct-t0",
+        "fused-direct-wgm-cm-ct-m64-n256-t0",
     ),
 }
 
@@ -138,9 +139,17 @@ def tune(
         fused = collective is not Collective.ALL_REDUCE and (
             reason_for_shape(collective, shape, size, dtype) is None
         )
-        methods = [spec_of(c) for c in candidates(collective, rows, size, fused=fused)]
+        found = candidates(collective, rows, size, fused=fused, shape=shape)
+        methods = [spec_of(c) for c in found]
         if fused:
-            methods += [m for m in FUSED_TILINGS[collective] if m not in methods]
+            from commgemm.bench.problems import parse_method
+
+            methods += [
+                m
+                for m in FUSED_TILINGS[collective]
+                if m not in methods
+                and reason_for_shape(collective, shape, size, dtype, parse_method(m)) is None
+            ]
     report = overlap_report(
         op,
         shape,
@@ -210,7 +219,10 @@ def resolve_auto(
     w_transposed: bool,
 ) -> OverlapConfig:
     """The concrete config for method=AUTO on this per-shard call: the cached winner for the
-    global shape, else the cost model's choice. Dtype fields and save_gathered_input are kept."""
+    global shape, else the cost model's choice (with cfg.deterministic, among the plans whose
+    result is the same on every call). Dtype fields, save_gathered_input and deterministic are
+    kept."""
+    from commgemm.algorithms.fused import varies_between_calls
     from commgemm.bench.problems import parse_method
 
     rows = x.shape[0]
@@ -224,14 +236,27 @@ def resolve_auto(
     entry = data["plans"].get(plan_key(kind, size, SPEC_OF[collective], shape, x.dtype.name))
     chosen = parse_method(entry["method"]) if entry is not None else None
     fused_ok = _fused_runs(cfg, collective, x, w, size, w_transposed)
-    if chosen is None or (chosen.atomic_gemm and not fused_ok):
+    if chosen is not None and chosen.atomic_gemm:
+        varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
+        if not fused_ok or varies:
+            chosen = None
+    if chosen is None:
         figures = data["machines"].get(machine_key(kind, size))
         fig = (
             MachineFigures(**figures)
             if figures
             else DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
         )
-        chosen, _ = choose(collective, shape, rows, size, x.dtype.itemsize, fig, fused=fused_ok)
+        chosen, _ = choose(
+            collective,
+            shape,
+            rows,
+            size,
+            x.dtype.itemsize,
+            fig,
+            fused=fused_ok,
+            deterministic=cfg.deterministic,
+        )
     return cfg.replace(
         method=chosen.method,
         num_splits=chosen.num_splits,

@@ -131,3 +131,6 @@ def test_fused_tiles_validation():
         cg.FusedTiles(release_lag=2)
     with pytest.raises(ValueError, match="chain_tiles does not go with release_lag=1"):
         cg.FusedTiles(release_lag=1, chain_tiles=True)
+    for split in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="split_tail=.* must be an int >= 0"):
+            cg.FusedTiles(split_tail=split)

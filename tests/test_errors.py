@@ -120,6 +120,10 @@ def test_direct_kernel_options(rng):
             direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(release_lag=1)),
             "release_lag and chain_tiles are for the direct kernels",
         ),
+        (
+            direct.replace(fused_tiles=cg.FusedTiles(split_tail=0)),
+            "split_tail is for the direct reduce-scatter kernel",
+        ),
         (direct, "ATOMIC_GEMM_AG .* cannot run this call: it runs on GPUs"),
     ]
     for config, why in cases:
@@ -130,6 +134,29 @@ def test_direct_kernel_options(rng):
     chained = direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True))
     with pytest.raises(ValueError, match="chain_tiles needs K/tile_k=3 divisible by 4 stages"):
         call(cg.matmul_reduce_scatter, x, w, config=chained, **specs)
+
+
+@pytest.mark.parametrize(
+    ("size", "tiles", "why"),
+    [
+        (2, cg.FusedTiles(split_tail=0), "split_tail adds a tile's K-ranges in arrival order"),
+        (4, None, "on 4 devices a tile's partial sums are added in arrival order"),
+    ],
+)
+def test_deterministic_refuses_arrival_order_adds(rng, size, tiles, why):
+    """deterministic=True: the direct reduce-add kernel raises at plan time where its adds
+    happen in arrival order (split tails, more than 2 devices); without it the same call gets
+    as far as the GPU check."""
+    bf16 = ml_dtypes.bfloat16
+    x, w = random(rng, (128 * size, 64 * size), bf16), random(rng, (64 * size, 256), bf16)
+    specs = dict(size=size, x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, fused_tiles=tiles)
+    with pytest.raises(ValueError, match=f"deterministic=True, and {why}"):
+        call(cg.matmul_reduce_scatter, x, w, config=cfg.replace(deterministic=True), **specs)
+    with pytest.raises(ValueError, match="it runs on GPUs"):
+        call(cg.matmul_reduce_scatter, x, w, config=cfg, **specs)
+    with pytest.raises(ValueError, match="deterministic=1 must be a bool"):
+        cfg.replace(deterministic=1)
 
 
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):

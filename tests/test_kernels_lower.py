@@ -53,7 +53,16 @@ def test_push_gather_gemm_lowers(size, spec):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("spec", ["fused-direct-cm", "fused-direct-d1", "fused-direct-cm-ct"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fused-direct-cm",
+        "fused-direct-d1",
+        "fused-direct-cm-ct",
+        "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
+        "fused-direct-wgm-cm-m64-n256-t0",
+    ],
+)
 def test_scatter_add_gemm_lowers(size, spec):
     cfg = parse_method(spec)
     text = lower(
@@ -62,8 +71,8 @@ def test_scatter_add_gemm_lowers(size, spec):
         P("x", None),
         P("x", None),
         size,
-        (2048 * size, 256 * size),
-        (256 * size, 4096),
+        (2048 * size, 512 * size),
+        (512 * size, 4096),
     )
     assert "mosaic_gpu" in text and "custom_call" in text
 
@@ -114,3 +123,57 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     for ranks in visits.values():
         assert sorted(ranks) == list(range(n_iters))
         assert ranks[:count] == list(range(count))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    size=st.integers(2, 8),
+    per_block=st.integers(1, 300),
+    ctas=st.sampled_from([66, 132, 7, 1]),
+    k_iters=st.sampled_from([4, 8, 32, 40, 64, 96]),
+    split=st.sampled_from([0, 1, 2, 4, 5]),
+)
+def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split):
+    """ATOMIC_GEMM_RS with split_tail: the main loop runs whole waves of CTAs and the tail's K
+    ranges; together every (tile, owner) gets each K-step exactly once, and the tail's tiles
+    are this device's own (offset 0)."""
+    tiles = cg.FusedTiles(split_tail=split)
+    num_tiles = size * per_block
+    try:
+        tail, splits = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
+    except ValueError as err:
+        assert split > 1  # an explicit split that does not fit
+        assert "split_tail" in str(err)
+        return
+    if split == 1 or num_tiles % ctas == 0:
+        assert (tail, splits) == (0, 1)
+    if tail:
+        assert splits > 1 and (num_tiles - tail) % ctas == 0 and k_iters % splits == 0
+        assert k_iters // splits >= tiles.stages
+    steps = np.zeros((per_block, size), int)
+    lin = jnp.arange(num_tiles - tail, dtype=jnp.int32)
+    tile, offset = scatter_add_gemm.main_unit(lin, size, per_block, tail)
+    np.add.at(steps, (np.asarray(tile), np.asarray(offset)), k_iters)
+    if tail:
+        unit = jnp.arange(tail * splits, dtype=jnp.int32)
+        tile, part = scatter_add_gemm.tail_unit(unit, per_block, tail, splits)
+        assert sorted(zip(np.asarray(tile).tolist(), np.asarray(part).tolist(), strict=True)) == [
+            (t, p) for t in range(per_block - tail, per_block) for p in range(splits)
+        ]
+        np.add.at(steps, (np.asarray(tile), 0), k_iters // splits)
+    assert (steps == k_iters).all()
+
+
+@pytest.mark.parametrize(
+    ("num_tiles", "k_iters", "expected"),
+    [
+        (1792, 32, (10, 4)),  # llama8b_mlp RS in 2-CTA clusters: 27 waves and 10 tiles
+        (1024, 64, (34, 8)),  # comm_heavy
+        (1728, 40, (12, 5)),  # llama13b_mlp
+        (1716, 40, (0, 1)),  # whole waves: nothing to split
+    ],
+)
+def test_automatic_split_tail(num_tiles, k_iters, expected):
+    tiles = cg.FusedTiles(split_tail=0)
+    plan = scatter_add_gemm.tail_plan(num_tiles, num_tiles // 2, 66, k_iters, tiles)
+    assert plan == expected

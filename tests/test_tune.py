@@ -1,5 +1,6 @@
 """The cost model (on fake machine figures), the autotuner's cache and Method.AUTO."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -134,6 +135,8 @@ def test_spec_round_trip():
     tiles = cg.bench.parse_method("fused-direct-cm-d1").fused_tiles
     assert tiles.release_lag == 1 and not tiles.chain_tiles
     assert cg.bench.parse_method("fused-direct-ct").fused_tiles.chain_tiles
+    assert cg.bench.parse_method("fused-direct-cm-t0").fused_tiles.split_tail == 0
+    assert tune.spec_of(cg.bench.parse_method("fused-direct-t4")) == "fused-direct-t4"
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
         cg.bench.parse_method("fused-x3")
     with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
@@ -141,13 +144,27 @@ def test_spec_round_trip():
 
 
 def test_direct_kernel_candidate_clusters_where_rows_allow():
-    def direct(rows, size):
-        found = costmodel.candidates(RS, rows, size, fused=True)
+    def direct(rows, size, **kw):
+        found = costmodel.candidates(RS, rows, size, fused=True, **kw)
         return next(c for c in found if c.atomic_gemm and c.method is cg.Method.PIPELINE)
 
-    assert direct(8192, 2).fused_tiles.cluster == "m"
-    assert direct(384 * 2, 2).fused_tiles is None  # 384 rows: three 128-row tiles, no pair
+    wide = cg.FusedTiles(wg_along_m=True, tile_m=64, tile_n=256, split_tail=0)
+    assert direct(8192, 2).fused_tiles == dataclasses.replace(wide, cluster="m")
+    # 384 rows: three 128-row tiles, no pair
+    assert direct(384 * 2, 2).fused_tiles == wide
     assert all(not c.atomic_gemm for c in costmodel.candidates(RS, 8192, 2))
+    # chained pipelines where K/tile_k is whole rounds of stages and each CTA gets two tiles
+    assert direct(8192, 2, shape=(8192, 4096, 14336)).fused_tiles.chain_tiles
+    assert not direct(8192, 2, shape=(8192, 4096 + 128, 14336)).fused_tiles.chain_tiles
+    assert not direct(8192, 2, shape=(8192, 4096, 1024)).fused_tiles.chain_tiles  # 64 tiles
+    # deterministic: whole tails, and no direct kernel beyond 2 devices (arrival-order adds)
+    found = costmodel.candidates(RS, 8192, 2, fused=True, deterministic=True)
+    assert [c.fused_tiles for c in found if c.method is cg.Method.PIPELINE and c.atomic_gemm] == [
+        dataclasses.replace(wide, cluster="m", split_tail=1)
+    ]
+    found = costmodel.candidates(RS, 8192, 4, fused=True, deterministic=True)
+    assert not any(c.atomic_gemm and c.method is cg.Method.PIPELINE for c in found)
+    assert any(c.atomic_gemm for c in found)  # the ring kernel adds in a fixed order
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
@@ -165,7 +182,9 @@ def test_fused_prediction(size, collective):
     # the direct kernels: no per-step latency, chosen over the ring; RS in 2-CTA clusters where
     # the rows per device fill a cluster's two 128-row tiles, AG walking its tiles along M
     if collective is RS:
-        tiles = cg.FusedTiles(cluster="m") if (rows // size) % 256 == 0 else None
+        tiles = costmodel.direct_rs_tiles(rows, size, SHAPE)
+        assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
+        assert (tiles.cta_m, tiles.cta_n, tiles.split_tail) == (128, 256, 0)
     else:
         tiles = cg.FusedTiles(grid_minor_m=True)
     assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)
@@ -193,6 +212,25 @@ def test_auto_never_picks_the_fused_kernel_where_it_cannot_run(tmp_path, monkeyp
     path.write_text(json.dumps({"plans": {key: {"method": "ring:2"}}, "machines": {}}))
     resolved = tune.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
     assert tune.spec_of(resolved) == "ring:2"
+
+
+def test_deterministic_auto_passes_over_arrival_order_plans(tmp_path, monkeypatch):
+    """A cached direct RS plan with a split tail: AUTO uses it, unless deterministic=True, where
+    it takes the cost model's choice among plans that add in a fixed order (as if the fused
+    kernels could run here)."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
+    monkeypatch.setattr(tune, "_fused_runs", lambda *args: True)
+    x, w = np.zeros((8192, 1024), np.float32), np.zeros((1024, 4096), np.float32)
+    key = tune.plan_key(cg_device_kind(), 2, "rs", (8192, 2048, 4096), "float32")
+    path.write_text(json.dumps({"plans": {key: {"method": "fused-direct-cm-t0"}}, "machines": {}}))
+    auto = cg.OverlapConfig(method="auto")
+    resolved = tune.resolve_auto(auto, RS, x, w, 2, w_transposed=False)
+    assert tune.spec_of(resolved) == "fused-direct-cm-t0" and not resolved.deterministic
+    strict = tune.resolve_auto(auto.replace(deterministic=True), RS, x, w, 2, w_transposed=False)
+    assert strict.deterministic and strict.method is not cg.Method.AUTO
+    tiles = strict.fused_tiles or cg.FusedTiles()
+    assert tiles.split_tail == 1
 
 
 def cg_device_kind() -> str:

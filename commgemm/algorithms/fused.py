@@ -76,6 +76,21 @@ def _gpu_reason() -> str | None:
     return None
 
 
+def varies_between_calls(collective: Collective, config: OverlapConfig, size: int) -> str | None:
+    """Why this fused config's result may differ in the last bit from call to call (partial
+    sums added in arrival order), or None when it is the same every time."""
+    if not config.atomic_gemm or config.method is not Method.PIPELINE:
+        return None
+    if collective is not Collective.REDUCE_SCATTER:
+        return None
+    tiles = config.fused_tiles or FusedTiles()
+    if tiles.split_tail != 1:
+        return "split_tail adds a tile's K-ranges in arrival order"
+    if size > 2:
+        return f"on {size} devices a tile's partial sums are added in arrival order"
+    return None
+
+
 def unsupported_reason(
     collective: Collective,
     x: jax.Array,
@@ -108,6 +123,8 @@ def unsupported_reason(
             return "the all-gather kernels take 2-CTA clusters along M only (cluster='m')"
     if not direct and (tiles.release_lag or tiles.chain_tiles):
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
+    if tiles.split_tail != 1 and (collective is not Collective.REDUCE_SCATTER or not direct):
+        return "split_tail is for the direct reduce-scatter kernel (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:
         return "the all-gather kernel does not chain its tiles (it sends x while they run)"
     rows, k = x.shape
@@ -120,6 +137,8 @@ def unsupported_reason(
         return f"K={k} must be divisible by the tile {tiles.tile_k}"
     if tiles.chain_tiles and (k // tiles.tile_k) % tiles.stages:
         return f"chain_tiles needs K/tile_k={k // tiles.tile_k} divisible by {tiles.stages} stages"
+    if config.deterministic and (why := varies_between_calls(collective, config, size)):
+        return f"deterministic=True, and {why}"
     if (reason := _gpu_reason()) is not None:
         return reason
     if size != jax.device_count():

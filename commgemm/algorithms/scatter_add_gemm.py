@@ -7,6 +7,13 @@ TMA reduce-add (`cp.reduce.async.bulk .add`) straight into the owner's output, o
 the other blocks. Nothing waits for a peer between tiles, so the transfers spread over the
 whole GEMM instead of following a ring's steps, and no tile reads a partial sum back.
 
+The tiles of the last, partly filled wave of CTAs can be split along K (FusedTiles.split_tail,
+`tail_plan`): they are this device's own tiles (the peers' copies of them run earlier), each
+split into s K-ranges run by s CTAs that reduce-add their partial sums here, so the last wave
+takes about 1/s of a tile instead of a whole one (1 to 2.5% on the 2xH200 RS presets, stage
+24). Those tiles' adds then happen in arrival order: results may differ in the last bit from
+call to call (OverlapConfig.deterministic refuses it).
+
 Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
 and a CTA's first add waits until every device has signalled that its zeroing landed; at the
 end each device waits until every peer has signalled that its adds landed. Partial sums are
@@ -41,6 +48,64 @@ from commgemm.config import FusedTiles, OverlapConfig
 
 EPILOGUES = ("add",)
 PROBES = ("local-add", "store", "remote-store")
+#: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
+#: automatic split_tail's model.
+TAIL_OVERHEAD_STEPS = 2
+
+
+def tail_plan(
+    num_tiles: int, per_block: int, ctas: int, k_iters: int, tiles: FusedTiles
+) -> tuple[int, int]:
+    """(tail tiles, splits): the tiles of the last, partly filled wave (`num_tiles % ctas`) and
+    how many K-ranges each is split into (FusedTiles.split_tail; 1: no tail). The tail tiles
+    are this device's own, so their partial sums add up here, not over NVLink. A split must
+    divide K/tile_k into ranges of at least `stages` steps; 0 picks the split that minimises
+    ceil(tail * s / ctas) * (k_iters / s + TAIL_OVERHEAD_STEPS), 1 included."""
+    tail = num_tiles % ctas
+    split = tiles.split_tail
+    if split == 1 or tail == 0:
+        return 0, 1
+    valid = [s for s in range(1, k_iters // tiles.stages + 1) if k_iters % s == 0]
+    if split:
+        if split not in valid:
+            raise ValueError(
+                f"FusedTiles.split_tail={split} must divide K/tile_k={k_iters} into ranges of "
+                f"at least {tiles.stages} steps (stages)"
+            )
+        if tail > per_block:
+            raise ValueError(
+                f"FusedTiles.split_tail needs the tail ({tail} tiles) within one block "
+                f"({per_block} tiles)"
+            )
+    else:
+        if tail > per_block:
+            return 0, 1
+
+        def cost(s: int) -> float:
+            return -(-tail * s // ctas) * (k_iters / s + TAIL_OVERHEAD_STEPS)
+
+        split = min(valid, key=cost)
+    return (tail, split) if split > 1 else (0, 1)
+
+
+def main_unit(lin, size: int, per_block: int, tail_tiles: int):
+    """(tile, offset) of the main loop's `lin`-th unit: the P blocks' copies of one tile are
+    consecutive (offset: the owner's distance from here), except that the peers' copies of the
+    last `tail_tiles` tiles come last (their own copies are the tail's)."""
+    tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
+    if not tail_tiles:
+        return tile, offset
+    late = lin - size * (per_block - tail_tiles)
+    in_late = late >= 0
+    tile = jnp.where(in_late, per_block - tail_tiles + late // (size - 1), tile)
+    offset = jnp.where(in_late, 1 + lax.rem(late, jnp.int32(size - 1)), offset)
+    return tile, offset
+
+
+def tail_unit(unit, per_block: int, tail_tiles: int, splits: int):
+    """(tile, part) of the tail's `unit`-th unit: the part-th of `splits` K-ranges of one of this
+    device's last `tail_tiles` tiles."""
+    return per_block - tail_tiles + unit // splits, lax.rem(unit, jnp.int32(splits))
 
 
 def matmul_reduce_scatter(
@@ -64,11 +129,15 @@ def matmul_reduce_scatter(
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()
     cluster = tiles.cluster_size
-    num_tiles = size * m_iters * n_iters
-    if tiles.chain_tiles and num_tiles < 2 * (sms // cluster):
+    per_block = m_iters * n_iters
+    num_tiles = size * per_block
+    ctas = sms // cluster
+    tail_tiles, splits = tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
+    main_units = num_tiles - tail_tiles
+    if tiles.chain_tiles and main_units < 2 * ctas:
         raise ValueError(
-            f"FusedTiles.chain_tiles needs two tiles per CTA, got {num_tiles} tiles for "
-            f"{sms // cluster} CTAs"
+            f"FusedTiles.chain_tiles needs two tiles per CTA, got {main_units} tiles for "
+            f"{ctas} CTAs"
         )
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
@@ -78,9 +147,9 @@ def matmul_reduce_scatter(
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
     zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
 
-    def get_pipeline(body, compute_context, state=None):
+    def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
-            tiles, dtype, k_iters, body, compute_context, release=tiles.release_lag, state=state
+            tiles, dtype, steps, body, compute_context, release=tiles.release_lag, state=state
         )
 
     def body(x_ref, w_ref, out_ref):
@@ -117,10 +186,9 @@ def matmul_reduce_scatter(
                     for peer in peers[1:]:
                         pl.semaphore_signal(zeroed, device_id=peer)
 
-            @plgpu.nd_loop((num_tiles,), collective_axes="cluster_grid")
-            def _tiles(info):
-                (lin,) = info.index
-                tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
+            def run_tile(tile, offset, k_first, k_steps, state=None, first=None):
+                """One output tile's K-steps [k_first, k_first + k_steps) and its epilogue;
+                `offset`: the owner's distance from here."""
                 # the device owning this tile's rows
                 block = lax.rem(here + offset, jnp.int32(size))
                 at = mt.tile_slices(tiles, tile, m_iters, n_iters)
@@ -144,9 +212,9 @@ def matmul_reduce_scatter(
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...].astype(dtype)
-                        if zeroes:
+                        if zeroes and first is not None:
 
-                            @pl.when(info.local_index == 0)
+                            @pl.when(first)
                             def _outputs_zeroed():
                                 pl.semaphore_wait(
                                     zeroed, value=size * adds_per_device, decrement=False
@@ -165,6 +233,9 @@ def matmul_reduce_scatter(
                                     add=epilogue == "local-add",
                                 )
                                 continue
+                            if isinstance(offset, int):  # a tail tile: here (offset 0)
+                                store(src, tile_of(out_ref, epi_m, epi_n), add=epilogue == "add")
+                                continue
                             for i, peer in enumerate(peers):
                                 dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
                                 store(
@@ -180,12 +251,27 @@ def matmul_reduce_scatter(
                     plgpu.wgmma_wait(tiles.release_lag)
                     return acc_ref
 
-                state = mt.chain_state(info) if tiles.chain_tiles else None
-                get_pipeline(mma_body, compute_context, state)(
-                    x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m), :],
-                    w_ref.at[:, at.cta_n],
+                ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
+                get_pipeline(k_steps, mma_body, compute_context, state)(
+                    x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m), ks],
+                    w_ref.at[ks, at.cta_n],
                     allocations=pipeline_allocs,
                 )
+
+            @plgpu.nd_loop((main_units,), collective_axes="cluster_grid")
+            def _tiles(info):
+                (lin,) = info.index
+                tile, offset = main_unit(lin, size, per_block, tail_tiles)
+                state = mt.chain_state(info) if tiles.chain_tiles else None
+                run_tile(tile, offset, 0, k_iters, state, first=info.local_index == 0)
+
+            if tail_tiles:
+
+                @plgpu.nd_loop((tail_tiles * splits,), collective_axes="cluster_grid")
+                def _tail(info):
+                    (unit,) = info.index
+                    tile, part = tail_unit(unit, per_block, tail_tiles, splits)
+                    run_tile(tile, 0, part * (k_iters // splits), k_iters // splits)
 
             @pl.when(wg < 2)
             def _adds_landed():
