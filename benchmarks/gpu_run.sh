@@ -77,7 +77,12 @@
 #            split tail) checked on the check shapes with back-to-back calls, then llama8b_mlp and
 #            llama13b_mlp RS tuned over its band widths, grid order and one wgmma in flight, and
 #            comm_heavy AG over band widths and senders (on top of stage 24's caches).
-#   stage 27: the suite again, AUTO reading stage 26's cache.
+#   stage 27: the direct RS kernel with peer_store (`-ps`: the peer's copy of a tile stored
+#            plainly two waves before the owner adds its own, per-tile flags, only the first
+#            wave's tiles zeroed): outputs on the check shapes and back-to-back calls, then, if
+#            they pass, the RS presets tuned over it beside the best earlier specs (on top of
+#            stage 26's caches).
+#   stage 28: the suite again, AUTO reading the latest cache.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -304,7 +309,31 @@ elif [ "$1" = 26 ]; then
   timeout 90 python3 -m commgemm tune --op ag --preset comm_heavy --iters 5 --periods 6 \
     --methods fused-direct-cm,fused-direct-cm-w4,fused-direct-cm-w16,fused-direct-cm-p4,fused-direct-cm-p16 \
     2>&1 | tail -9 | tee -a $OUT/r/tune26.log | grep -vE "^\s*$|━|┏|┗|┡|└"
-elif [ "$1" = 25 ] || [ "$1" = 27 ]; then
+elif [ "$1" = 27 ]; then
+  cp "$2" $OUT/r/tune.json
+  [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
+  best=fused-direct-wgm-cm-ct-m64-n256
+  {
+    timeout 110 python3 benchmarks/fused_check.py --out $OUT/r --name check27_ps --ops rs \
+      --shapes 0,1,2,3 --base fused-direct-cm-ps --tilings fused-direct-ps --no-grads \
+      --repeat 24
+    timeout 60 python3 benchmarks/fused_check.py --out $OUT/r --name check27_ps_t0 --ops rs \
+      --shapes 3 --base fused-direct-wgm-cm-ct-ps-m64-n256-t0 --tilings "" --no-grads \
+      --repeat 24
+  } > $OUT/r/check27.log 2>&1
+  grep 'fused check' $OUT/r/check27.log; grep -E '"ok": false|Error|rror:' $OUT/r/check27.log \
+    | cut -c1-300 | head -8
+  if [ $(grep -c 'ok=True' $OUT/r/check27.log) = 2 ]; then
+    rs="$best-t0,fused-direct-wgm-cm-ct-ps-m64-n256-t0,fused-direct-cm-ps"
+    rs="$rs,fused-direct-cm-ct-ps-t0"
+    for preset in llama8b_mlp comm_heavy llama13b_mlp; do
+      cache=$OUT/r/tune.json
+      [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+      COMMGEMM_TUNE_CACHE=$cache timeout 80 python3 -m commgemm tune --op rs \
+        --preset $preset --iters 5 --periods 6 --methods $rs 2>&1 | tail -8
+    done 2>&1 | tee $OUT/r/tune27.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  fi
+elif [ "$1" = 25 ] || [ "$1" = 28 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \

@@ -177,3 +177,52 @@ def test_automatic_split_tail(num_tiles, k_iters, expected):
     tiles = cg.FusedTiles(split_tail=0)
     plan = scatter_add_gemm.tail_plan(num_tiles, num_tiles // 2, 66, k_iters, tiles)
     assert plan == expected
+
+
+@pytest.mark.parametrize("spec", ["fused-direct-ps", "fused-direct-wgm-cm-ct-m64-n256-ps-t0"])
+def test_peer_store_kernel_lowers(spec):
+    cfg = parse_method(spec)
+    args = (P(None, "x"), P("x", None), P("x", None))
+    text = lower(
+        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
+        *args,
+        2,
+        (4096, 1024),
+        (1024, 4096),
+    )
+    assert "mosaic_gpu" in text and "custom_call" in text
+    with pytest.raises(ValueError, match="peer_store is for 2 devices, got 4"):
+        lower(
+            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
+            *args,
+            4,
+            (8192, 2048),
+            (2048, 4096),
+        )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_block=st.integers(1, 400),
+    ctas=st.sampled_from([66, 132, 7, 1]),
+    k_iters=st.sampled_from([8, 32, 40, 64]),
+    split=st.sampled_from([0, 1]),
+)
+def test_peer_store_schedule(per_block, ctas, k_iters, split):
+    """ATOMIC_GEMM_RS with peer_store (2 devices): the main loop runs every peer copy and every
+    own copy but the tail's once; an own copy of a tile that is not zeroed (>= H) comes after
+    the unit at which the peer's CTA signals that its plain store of that tile landed (the
+    next unit of that CTA: one grid stride later), so no wait can close a cycle."""
+    tiles = cg.FusedTiles(split_tail=split, peer_store=True)
+    tail, _ = scatter_add_gemm.tail_plan(2 * per_block, per_block, ctas, k_iters, tiles)
+    main = 2 * per_block - tail
+    zeroed = min(per_block, ctas)
+    lin = jnp.arange(main, dtype=jnp.int32)
+    tile, offset = scatter_add_gemm.peer_store_unit(lin, per_block, zeroed, tail)
+    units = list(zip(np.asarray(tile).tolist(), np.asarray(offset).tolist(), strict=True))
+    expected = [(j, 1) for j in range(per_block)] + [(j, 0) for j in range(per_block - tail)]
+    assert sorted(units) == sorted(expected)
+    where = {u: p for p, u in enumerate(units)}
+    for j in range(zeroed, per_block - tail):
+        signal = where[(j, 1)] + ctas
+        assert signal < where[(j, 0)] or signal >= main
