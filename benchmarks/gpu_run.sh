@@ -81,8 +81,10 @@
 #            plainly two waves before the owner adds its own, per-tile flags, only the first
 #            wave's tiles zeroed): outputs on the check shapes and back-to-back calls, then, if
 #            they pass, the RS presets tuned over it beside the best earlier specs (on top of
-#            stage 26's caches).
-#   stage 28: the suite again, AUTO reading the latest cache.
+#            stage 26's caches). Ran at commit 670ca57 (peer_store, 1.21 to 1.38x the bound, is
+#            gone since).
+#   stage 28: the suite again, AUTO reading stage 27's cache (at 670ca57).
+#   stage 29: the same suite once more, at the commit that dropped peer_store.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -333,7 +335,7 @@ elif [ "$1" = 27 ]; then
         --preset $preset --iters 5 --periods 6 --methods $rs 2>&1 | tail -8
     done 2>&1 | tee $OUT/r/tune27.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
-elif [ "$1" = 25 ] || [ "$1" = 28 ]; then
+elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \

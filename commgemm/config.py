@@ -147,10 +147,7 @@ class FusedTiles:
     reduce-scatter kernel split_tail=s > 1 splits each tile of the last, partly filled wave of
     CTAs into s K-ranges run by s CTAs (their partial sums reduce-added, as the devices' are),
     this device's own tiles, so the wave ends sooner; 0 picks s from a model of the wave
-    (`scatter_add_gemm.tail_plan`), 1 (default) leaves the tail whole. peer_store (direct RS,
-    2 devices): the peer stores its copy of a tile plainly into the owner's output two waves
-    before the owner adds its own, so only the first wave's tiles are zeroed
-    (`scatter_add_gemm.peer_store_unit`)."""
+    (`scatter_add_gemm.tail_plan`), 1 (default) leaves the tail whole."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -165,7 +162,6 @@ class FusedTiles:
     chain_tiles: bool = False
     senders: int = 8
     split_tail: int = 1
-    peer_store: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):

@@ -29,7 +29,9 @@ commit 5c3e0f1: 10 to 15% slower) or the own tiles two waves ahead (stage 16, co
 15, commit b0b290f: no change); a ping-pong schedule, whole 128 x 128 tiles per compute
 warpgroup fed from one smem ring each, one's epilogue under the other's K loop (stage 23,
 commit 537cbb7: 1.35 to 1.37x the bound against 1.10 to 1.14 here, 3 stages a ring; 2 stages
-2.2 to 2.4x).
+2.2 to 2.4x); plain peer stores two waves ahead of the owner's add, per-tile flags, only the
+first wave's tiles zeroed (stage 27, commit 670ca57: bit-identical, but 1.21 to 1.38x the
+bound against 1.09 to 1.11).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -102,23 +104,6 @@ def main_unit(lin, size: int, per_block: int, tail_tiles: int):
     return tile, offset
 
 
-def peer_store_unit(lin, per_block: int, zeroed_tiles: int, tail_tiles: int):
-    """(tile, offset) of the main loop's `lin`-th unit with peer_store (2 devices): the peer
-    copies Q_j (offset 1) in the order Q_H .. Q_{B-1}, Q_0 .. Q_{H-1} (H = `zeroed_tiles`, B =
-    `per_block`), the own copies O_0 .. O_{B-1-tail} (offset 0), alternating after a head of
-    `tail_tiles` Q's (the last own tiles are the split tail's). So each O_j with j >= H comes
-    2H + 1 or more units after the peer's Q_j, which stored it plainly; tiles j < H are zeroed
-    and both copies added, as in the kernel without peer_store."""
-    rest = lin - tail_tiles
-    head = rest < 0
-    pair = jnp.where(head, 0, rest // 2)
-    is_q = head | (lax.rem(jnp.maximum(rest, 0), jnp.int32(2)) == 0)
-    q = jnp.where(head, lin, tail_tiles + pair)
-    late = per_block - zeroed_tiles
-    q_tile = jnp.where(q < late, q + zeroed_tiles, q - late)
-    return jnp.where(is_q, q_tile, pair), jnp.where(is_q, jnp.int32(1), jnp.int32(0))
-
-
 def tail_unit(unit, per_block: int, tail_tiles: int, splits: int):
     """(tile, part) of the tail's `unit`-th unit: the part-th of `splits` K-ranges of one of this
     device's last `tail_tiles` tiles."""
@@ -158,11 +143,6 @@ def matmul_reduce_scatter(
         )
     # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
     zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
-    peer_store = tiles.peer_store and epilogue == "add"
-    if tiles.peer_store and size != 2:
-        raise ValueError(f"FusedTiles.peer_store is for 2 devices, got {size}")
-    zeroed_tiles = min(per_block, ctas) if peer_store else per_block  # tiles 0 .. H-1
-    flag_count = 2 * cluster  # a tile's peer store: each compute warpgroup of its CTAs signals
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
@@ -177,7 +157,6 @@ def matmul_reduce_scatter(
     def body(x_ref, w_ref, out_ref):
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
-        stored = pl.get_global(plgpu.SemaphoreType.REGULAR((per_block,))) if peer_store else None
         here = lax.axis_index(axis_name)
         in_cluster = lax.axis_index("cluster")
         # peers[0] is here
@@ -187,32 +166,7 @@ def matmul_reduce_scatter(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            if peer_store:  # each cluster zeroes its CTAs' share of one of tiles 0 .. H-1
-
-                @pl.when(wg < 2)
-                def _zero_first_tiles():
-                    out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
-                    plgpu.commit_smem()
-                    mine = lax.axis_index("cluster_grid")
-                    at = mt.tile_slices(
-                        tiles, jnp.minimum(mine, jnp.int32(zeroed_tiles - 1)), m_iters, n_iters
-                    )
-                    per_row = tiles.cta_n // epi
-                    for block in range(tiles.cta_m * tiles.cta_n // (epi * epi)):
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, 0],
-                            out_ref.at[at.cta_m, at.cta_n].at[
-                                pl.ds((block // per_row) * epi, epi),
-                                pl.ds((block % per_row) * epi, epi),
-                            ],
-                            predicate=(mine < zeroed_tiles) & (wg == block % 2),
-                        )
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(zeroed)
-                    for peer in peers[1:]:
-                        pl.semaphore_signal(zeroed, device_id=peer)
-
-            elif zeroes:
+            if zeroes:
 
                 @pl.when(wg < 2)
                 def _zero_output():
@@ -260,20 +214,7 @@ def matmul_reduce_scatter(
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...].astype(dtype)
-                        if peer_store:
-                            is_own, plain = offset == 0, tile >= zeroed_tiles
-
-                            @pl.when(jnp.logical_not(plain))
-                            def _tile_zeroed():
-                                pl.semaphore_wait(
-                                    zeroed, value=size * adds_per_device, decrement=False
-                                )
-
-                            @pl.when(is_own & plain)
-                            def _peer_copy_stored():
-                                pl.semaphore_wait(stored.at[tile], flag_count, decrement=False)
-
-                        elif zeroes and first is not None:
+                        if zeroes and first is not None:
 
                             @pl.when(first)
                             def _outputs_zeroed():
@@ -297,14 +238,6 @@ def matmul_reduce_scatter(
                             if isinstance(offset, int):  # a tail tile: here (offset 0)
                                 store(src, tile_of(out_ref, epi_m, epi_n), add=epilogue == "add")
                                 continue
-                            if peer_store:  # the peer's copy of a tile >= H: a plain store
-                                remote = tile_of(plgpu.remote_ref(out_ref, peers[1]), epi_m, epi_n)
-                                store(
-                                    src, remote, predicate=~is_own & plain, commit=False, add=False
-                                )
-                                store(src, remote, predicate=~is_own & ~plain, commit=False)
-                                store(src, tile_of(out_ref, epi_m, epi_n), predicate=is_own)
-                                continue
                             for i, peer in enumerate(peers):
                                 dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
                                 store(
@@ -327,39 +260,12 @@ def matmul_reduce_scatter(
                     allocations=pipeline_allocs,
                 )
 
-            def unit(lin):
-                if peer_store:
-                    return peer_store_unit(lin, per_block, zeroed_tiles, tail_tiles)
-                return main_unit(lin, size, per_block, tail_tiles)
-
-            def signal_stored(lin, pending: int):
-                """Signal the owner that unit `lin`'s plain store landed, if it was one (all
-                but this warpgroup's last `pending` store groups have)."""
-                tile, offset = unit(lin)
-
-                @pl.when((wg < 2) & (offset == 1) & (tile >= zeroed_tiles))
-                def _signal():
-                    plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
-                    pl.semaphore_signal(stored.at[tile], device_id=peers[1])
-
             @plgpu.nd_loop((main_units,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                tile, offset = unit(lin)
+                tile, offset = main_unit(lin, size, per_block, tail_tiles)
                 state = mt.chain_state(info) if tiles.chain_tiles else None
                 run_tile(tile, offset, 0, k_iters, state, first=info.local_index == 0)
-                if peer_store:  # the previous unit's store has had a whole tile to land
-
-                    @pl.when(info.local_index > 0)
-                    def _previous_stored():
-                        signal_stored(lin - ctas, len(mt.epilogue_blocks(tiles, num_slots)))
-
-            if peer_store:  # this CTA's last unit
-                mine = lax.axis_index("cluster_grid")
-
-                @pl.when(mine < main_units)
-                def _last_stored():
-                    signal_stored(mine + (main_units - 1 - mine) // ctas * ctas, 0)
 
             if tail_tiles:
 

@@ -32,8 +32,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
     (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
     (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1' (release_lag), '-ct'
-    (chain_tiles), '-ps' (peer_store), '-p1' (senders), '-t4' / '-t0' (split_tail, 0 automatic),
-    e.g.
+    (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0 automatic), e.g.
     'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
@@ -58,15 +57,13 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             fields["cluster"] = part[1]
         elif part == "ct":
             fields["chain_tiles"] = True
-        elif part == "ps":
-            fields["peer_store"] = True
         elif part[:1] in keys and part[1:].isdigit():
             fields[keys[part[0]]] = int(part[1:])
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
                 "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -d<N>, -p<N>, -t<N>, -wgm, -gm, "
-                "-cm, -cn, -ct, -ps"
+                "-cm, -cn, -ct"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -85,8 +82,6 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         parts.append(f"c{tiles.cluster}")
     if tiles.chain_tiles:
         parts.append("ct")
-    if tiles.peer_store:
-        parts.append("ps")
     fields = (("m", "tile_m"), ("n", "tile_n"), ("s", "stages"), ("w", "grid_tile_width"))
     extra = (("e", "epi"), ("d", "release_lag"), ("p", "senders"), ("t", "split_tail"))
     for key, field in fields + extra:
