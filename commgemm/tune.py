@@ -27,19 +27,24 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 
 
 #: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates
-#: ("fused", "fused-direct-gm" for AG and "fused-direct-cm-t0" for RS where the rows allow),
-#: where the shape allows them; on 2xH200 each was the fastest, or within noise of it, on some
-#: preset (BENCHMARKS.md: fused-w16 and fused-direct-w16 on llama70b AG, fused-gm on llama8b and
-#: llama13b AG, fused-direct-w16 on comm_heavy AG, stages 19 and 20; fused-direct-cm-ct-t0 on
-#: llama70b RS and the same with 64 x 256 warpgroup tiles on llama8b, comm_heavy and llama13b
-#: RS, stage 24).
+#: ("fused", "fused-direct-gm" for AG and `costmodel.direct_rs_tiles` for RS), where the shape
+#: allows them; on 2xH200 each was the fastest, or within noise of it, on some preset
+#: (BENCHMARKS.md: fused-w16 and fused-direct-w16 on llama70b AG, fused-gm on llama8b and
+#: llama13b AG, stages 19 and 20; fused-direct-cm on comm_heavy AG, stages 22 to 26;
+#: fused-direct-cm-ct-t0 on llama70b RS, stage 24).
 FUSED_TILINGS = {
-    Collective.ALL_GATHER: ("fused-w16", "fused-gm", "fused-direct", "fused-direct-w16"),
+    Collective.ALL_GATHER: (
+        "fused-w16",
+        "fused-gm",
+        "fused-direct",
+        "fused-direct-w16",
+        "fused-direct-cm",
+    ),
     Collective.REDUCE_SCATTER: (
         "fused-direct",
+        "fused-direct-cm-t0",
         "fused-direct-cm-ct",
         "fused-direct-cm-ct-t0",
-        "fused-direct-wgm-cm-ct-m64-n256-t0",
     ),
 }
 

@@ -11,8 +11,9 @@ The tiles of the last, partly filled wave of CTAs can be split along K (FusedTil
 `tail_plan`): they are this device's own tiles (the peers' copies of them run earlier), each
 split into s K-ranges run by s CTAs that reduce-add their partial sums here, so the last wave
 takes about 1/s of a tile instead of a whole one (1 to 2.5% on the 2xH200 RS presets, stage
-24). Those tiles' adds then happen in arrival order: results may differ in the last bit from
-call to call (OverlapConfig.deterministic refuses it).
+24). Those tiles' sums then take s + P - 1 adds in the output dtype instead of P - 1, in
+arrival order: results may differ in the last bit from call to call
+(OverlapConfig.deterministic refuses it).
 
 Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
 and a CTA's first add waits until every device has signalled that its zeroing landed; at the
