@@ -1,5 +1,6 @@
 """Bad inputs raise clear errors at trace time, before any collective is issued."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -157,6 +158,25 @@ def test_deterministic_refuses_arrival_order_adds(rng, size, tiles, why):
         call(cg.matmul_reduce_scatter, x, w, config=cfg, **specs)
     with pytest.raises(ValueError, match="deterministic=1 must be a bool"):
         cfg.replace(deterministic=1)
+
+
+def test_chain_tiles_needs_two_tiles_per_cta_at_plan_time(monkeypatch):
+    """On a GPU (faked here: 132 SMs) the plan-time check refuses chained pipelines when the
+    CTAs would not get two tiles each, so AUTO and the tuner leave such tilings out."""
+    from commgemm.algorithms import fused, mosaic_tiles
+
+    monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    rs = cg.Collective.REDUCE_SCATTER
+    chained = cg.OverlapConfig(
+        method="pipeline", atomic_gemm=True, fused_tiles=cg.FusedTiles(chain_tiles=True)
+    )
+    size = jax.device_count()
+    small = (128 * size * 16, 256 * size, 256)  # 16 tiles per device
+    reason = fused.reason_for_shape(rs, small, size, "bfloat16", chained)
+    assert reason == f"chain_tiles needs two tiles per CTA, got {16 * size} tiles for 132 CTAs"
+    large = (128 * size * 264, 256 * size, 256)  # 264 tiles per device: two per CTA
+    assert fused.reason_for_shape(rs, large, size, "bfloat16", chained) is None
 
 
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):

@@ -143,6 +143,11 @@ def unsupported_reason(
         return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
+    if tiles.chain_tiles:  # the direct RS kernel (AG refused it above)
+        ctas = mosaic_tiles.num_sms() // tiles.cluster_size
+        count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
+        if count < 2 * ctas:
+            return f"chain_tiles needs two tiles per CTA, got {count} tiles for {ctas} CTAs"
     return None
 
 
