@@ -85,6 +85,15 @@
 #            gone since).
 #   stage 28: the suite again, AUTO reading stage 27's cache (at 670ca57).
 #   stage 29: the same suite once more, at the commit that dropped peer_store.
+#   stage 30: (new session) the direct AG kernel with its own tiles spread among the peers'
+#            (`-r<N>`, FusedTiles.spread) and the ring RS kernel with one semaphore per step:
+#            outputs on check shapes and back-to-back calls, then, if they pass, comm_heavy and
+#            llama8b_mlp AG tuned over spreads (on top of stage 27's cache).
+#   stage 31: the suite again, AUTO reading stage 30's cache.
+#   stage 32: the direct RS kernel with the peers' copies of its tiles run ahead of the own
+#            copies (`-l<N>`, FusedTiles.peer_lead): outputs on check shapes and back-to-back
+#            calls, then, if they pass, llama8b_mlp and comm_heavy RS tuned over leads (on top
+#            of stage 30's cache).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -335,7 +344,44 @@ elif [ "$1" = 27 ]; then
         --preset $preset --iters 5 --periods 6 --methods $rs 2>&1 | tail -8
     done 2>&1 | tee $OUT/r/tune27.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
-elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ]; then
+elif [ "$1" = 30 ]; then
+  cp "$2" $OUT/r/tune.json
+  {
+    timeout 170 python3 benchmarks/fused_check.py --out $OUT/r --name check30_ag --ops ag \
+      --shapes 2,3 --base fused-direct-cm-r100 \
+      --tilings fused-direct-cm-r50,fused-direct-gm-r90,fused-direct-r100 --no-grads --repeat 24
+    timeout 80 python3 benchmarks/fused_check.py --out $OUT/r --name check30_rs --ops rs \
+      --shapes 2,3 --base fused --tilings "" --no-grads --repeat 24
+  } > $OUT/r/check30.log 2>&1
+  grep 'fused check' $OUT/r/check30.log; grep -E '"ok": false|Error|rror:' $OUT/r/check30.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check30.log \
+    && grep -q '"spec": "fused-direct-r100"' $OUT/r/check30.log; then
+    ag="fused-direct-cm,fused-direct-cm-r50,fused-direct-cm-r75,fused-direct-cm-r90"
+    timeout 150 python3 -m commgemm tune --op ag --preset comm_heavy --iters 5 --periods 6 \
+      --methods $ag,fused-direct-cm-r100,fused-direct-r100 2>&1 | tail -10 \
+      | tee $OUT/r/tune30.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+    timeout 110 python3 -m commgemm tune --op ag --preset llama8b_mlp --iters 5 --periods 6 \
+      --methods fused-direct-gm,fused-direct-gm-r50,fused-direct-gm-r100,fused-direct-cm-r100 \
+      2>&1 | tail -8 | tee -a $OUT/r/tune30.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  fi
+elif [ "$1" = 32 ]; then
+  cp "$2" $OUT/r/tune.json
+  best=fused-direct-wgm-cm-ct-m64-n256-t0
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check32_rs --ops rs \
+    --shapes 2,3 --base fused-direct-wgm-cm-m64-n256-t0-l66 \
+    --tilings $best-l66,fused-direct-cm-l8,fused-direct-l2000 --no-grads --repeat 24 \
+    > $OUT/r/check32.log 2>&1
+  grep 'fused check' $OUT/r/check32.log; grep -E '"ok": false|Error|rror:' $OUT/r/check32.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check32.log \
+    && grep -q '"spec": "fused-direct-l2000"' $OUT/r/check32.log; then
+    for preset in llama8b_mlp comm_heavy; do
+      timeout 120 python3 -m commgemm tune --op rs --preset $preset --iters 5 --periods 6 \
+        --methods $best,$best-l22,$best-l66,$best-l132 2>&1 | tail -8
+    done 2>&1 | tee $OUT/r/tune32.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  fi
+elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \

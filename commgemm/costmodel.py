@@ -194,6 +194,21 @@ def direct_rs_tiles(
     return tiles
 
 
+def direct_ag_tiles(rows: int, *, spread: bool = False) -> FusedTiles:
+    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M (as
+    fast as the best ring tiling or faster on all four 2xH200 AG presets, stage 20); with
+    `spread` (sending the own rows takes longer than their GEMM), the own tiles spread among
+    the peers' in 2-CTA clusters where the rows allow (comm_heavy AG, stage 30: 0.741 ms
+    against 0.757 without the spread, the same at 50 to 100%; 1 to 2% slower on llama8b AG,
+    where the sends take half the own GEMM)."""
+    if not spread:
+        return FusedTiles(grid_minor_m=True)
+    tiles = FusedTiles(spread=50)
+    if rows % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
+        tiles = dataclasses.replace(tiles, cluster="m")
+    return tiles
+
+
 def candidates(
     collective: Collective,
     rows: int,
@@ -202,14 +217,15 @@ def candidates(
     fused: bool = False,
     deterministic: bool = False,
     shape: tuple[int, int, int] | None = None,
+    spread: bool = False,
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
     with `fused`, also the fused kernels (for AG and RS, where the caller found they can run):
     the ring and the direct one. The direct RS kernel takes `direct_rs_tiles` (2-CTA clusters
     were 1.5 to 3% faster on three of the four 2xH200 RS presets, stages 14 to 16; split tails
     1 to 2.5% on all four, stage 24); with `deterministic` it keeps whole tails and runs on 2
-    devices only (its adds otherwise happen in arrival order). The direct AG kernel walks its
-    tiles along M (as fast as the best ring tiling or faster on all four AG presets, stage 20).
+    devices only (its adds otherwise happen in arrival order). The direct AG kernel takes
+    `direct_ag_tiles` (`spread`: sending a device's rows takes longer than their GEMM).
     `shape`: the global (M, K, N), where known (see `direct_rs_tiles`)."""
     out = [OverlapConfig()]
     direct_rs = not deterministic or size == 2
@@ -217,8 +233,8 @@ def candidates(
         tiles = direct_rs_tiles(rows, size, shape, deterministic=deterministic)
         out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
     if fused and size > 1 and collective is Collective.ALL_GATHER:
-        along_m = FusedTiles(grid_minor_m=True)
-        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=along_m))
+        tiles = direct_ag_tiles(rows, spread=spread)
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
     for s in (2, 4, 8):
@@ -244,8 +260,15 @@ def choose(
     deterministic: bool = False,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals)."""
+    t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
-        collective, rows, size, fused=fused, deterministic=deterministic, shape=shape
+        collective,
+        rows,
+        size,
+        fused=fused,
+        deterministic=deterministic,
+        shape=shape,
+        spread=t_comm > t_gemm / size,  # the own rows take longer to send than to multiply
     )
     scored = [
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)

@@ -31,7 +31,8 @@ SPEC_OF = {v: k for k, v in OPS.items()}
 #: allows them; on 2xH200 each was the fastest, or within noise of it, on some preset
 #: (BENCHMARKS.md: fused-w16 and fused-direct-w16 on llama70b AG, fused-gm on llama8b and
 #: llama13b AG, stages 19 and 20; fused-direct-cm on comm_heavy AG, stages 22 to 26;
-#: fused-direct-cm-ct-t0 on llama70b RS, stage 24).
+#: fused-direct-cm-ct-t0 on llama70b RS, stage 24; fused-direct-cm-r50 to -r100 on comm_heavy
+#: AG, stage 30).
 FUSED_TILINGS = {
     Collective.ALL_GATHER: (
         "fused-w16",
@@ -39,6 +40,7 @@ FUSED_TILINGS = {
         "fused-direct",
         "fused-direct-w16",
         "fused-direct-cm",
+        "fused-direct-cm-r50",
     ),
     Collective.REDUCE_SCATTER: (
         "fused-direct",

@@ -125,12 +125,28 @@ def test_direct_kernel_options(rng):
             direct.replace(fused_tiles=cg.FusedTiles(split_tail=0)),
             "split_tail is for the direct reduce-scatter kernel",
         ),
+        (
+            direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(spread=50)),
+            "spread is for the direct all-gather kernel",
+        ),
         (direct, "ATOMIC_GEMM_AG .* cannot run this call: it runs on GPUs"),
     ]
     for config, why in cases:
         with pytest.raises(ValueError, match=why):
             call(cg.all_gather_matmul, x, w, config=config)
     specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
+    spread = direct.replace(fused_tiles=cg.FusedTiles(spread=100))
+    with pytest.raises(ValueError, match="spread is for the direct all-gather kernel"):
+        x, w = random(rng, (1024, 512), bf16), random(rng, (512, 256), bf16)
+        call(cg.matmul_reduce_scatter, x, w, config=spread, **specs)
+    for bad in (-1, 101, True, 0.5):
+        with pytest.raises(ValueError, match="must be an int from 0 to 100"):
+            cg.FusedTiles(spread=bad)
+    with pytest.raises(ValueError, match="peer_lead is for the direct reduce-scatter kernel"):
+        ring = direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(peer_lead=8))
+        call(cg.matmul_reduce_scatter, x, w, config=ring, **specs)
+    with pytest.raises(ValueError, match="peer_lead=-1 must be an int >= 0"):
+        cg.FusedTiles(peer_lead=-1)
     x, w = random(rng, (1024, 3 * 4 * 64), bf16), random(rng, (3 * 4 * 64, 256), bf16)
     chained = direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True))
     with pytest.raises(ValueError, match="chain_tiles needs K/tile_k=3 divisible by 4 stages"):

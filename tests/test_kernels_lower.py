@@ -36,7 +36,15 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape) -> str:
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize(
-    "spec", ["fused-direct", "fused-direct-gm-w2", "fused-direct-cm", "fused-direct-p1"]
+    "spec",
+    [
+        "fused-direct",
+        "fused-direct-gm-w2",
+        "fused-direct-cm",
+        "fused-direct-p1",
+        "fused-direct-cm-r100",
+        "fused-direct-gm-r50",
+    ],
 )
 def test_push_gather_gemm_lowers(size, spec):
     cfg = parse_method(spec)
@@ -46,8 +54,8 @@ def test_push_gather_gemm_lowers(size, spec):
         P(None, "x"),
         P(None, "x"),
         size,
-        (512 * size, 256),
-        (256, 512 * size),
+        (4096 * size, 256),  # 256 tiles a block (128 in clusters): more than a spread's head
+        (256, 2048 * size),
     )
     assert "mosaic_gpu" in text and "custom_call" in text
 
@@ -61,6 +69,7 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-cm-ct",
         "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
         "fused-direct-wgm-cm-m64-n256-t0",
+        "fused-direct-cm-ct-t0-l40",
     ],
 )
 def test_scatter_add_gemm_lowers(size, spec):
@@ -123,6 +132,41 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     for ranks in visits.values():
         assert sorted(ranks) == list(range(n_iters))
         assert ranks[:count] == list(range(count))
+    # send_lead bounds how far after any of a band's tiles its last sender comes
+    lead = push_gather_gemm.send_lead(tiles, m_iters, n_iters, count)
+    for band in range(m_iters):
+        where = np.flatnonzero(ms == band)  # in tile order: the band's visits
+        assert where[count - 1] - where[0] <= lead
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(2, 8),
+    own=st.integers(1, 400),
+    ctas=st.sampled_from([1, 7, 66, 132]),
+    lead=st.integers(0, 63),
+    spread=st.integers(0, 100),
+)
+def test_spread_schedule(size, own, ctas, lead, spread):
+    """ATOMIC_GEMM_AG with FusedTiles.spread: every (step, tile) is run once, each block's tiles
+    in tile order, and a peer's tile t comes after the own tiles up to t + lead (the sends of
+    its band: the same schedule runs on every device), so no tile waits on one still to come."""
+    tiles = cg.FusedTiles(spread=spread)
+    head, region = push_gather_gemm.spread_plan(tiles, own, ctas, lead)
+    assert head <= own <= region <= 2 * own - head
+    lin = jnp.arange(size * own, dtype=jnp.int32)
+    step, tile = (np.asarray(v) for v in push_gather_gemm.schedule_unit(lin, own, head, region))
+    pairs = list(zip(step.tolist(), tile.tolist(), strict=True))
+    assert sorted(pairs) == [(s, t) for s in range(size) for t in range(own)]
+    assert (np.diff(tile[step == 0]) == 1).all()
+    peers = step[step > 0] * own + tile[step > 0]
+    assert (np.diff(peers) == 1).all()
+    is_own = step == 0
+    own_before = np.cumsum(is_own) - is_own  # own tiles in units [0, lin)
+    needed = np.minimum(own, tile + lead + 1)
+    assert (own_before[~is_own] >= needed[~is_own]).all()
+    if spread == 0 or head == own:
+        assert (step == lin // own).all()
 
 
 @settings(max_examples=50, deadline=None)
@@ -132,11 +176,13 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     ctas=st.sampled_from([66, 132, 7, 1]),
     k_iters=st.sampled_from([4, 8, 32, 40, 64, 96]),
     split=st.sampled_from([0, 1, 2, 4, 5]),
+    lead=st.sampled_from([0, 1, 5, 66, 400]),
 )
-def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split):
-    """ATOMIC_GEMM_RS with split_tail: the main loop runs whole waves of CTAs and the tail's K
-    ranges; together every (tile, owner) gets each K-step exactly once, and the tail's tiles
-    are this device's own (offset 0)."""
+def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split, lead):
+    """ATOMIC_GEMM_RS with split_tail and peer_lead: the main loop runs whole waves of CTAs and
+    the tail's K ranges; together every (tile, owner) gets each K-step exactly once, and the
+    tail's tiles are this device's own (offset 0). In the main loop the peers' copies of a
+    tile run `lead` tiles ahead of the own copy."""
     tiles = cg.FusedTiles(split_tail=split)
     num_tiles = size * per_block
     try:
@@ -152,8 +198,15 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
         assert k_iters // splits >= tiles.stages
     steps = np.zeros((per_block, size), int)
     lin = jnp.arange(num_tiles - tail, dtype=jnp.int32)
-    tile, offset = scatter_add_gemm.main_unit(lin, size, per_block, tail)
-    np.add.at(steps, (np.asarray(tile), np.asarray(offset)), k_iters)
+    tile, offset = (
+        np.asarray(v) for v in scatter_add_gemm.main_unit(lin, size, per_block, tail, lead)
+    )
+    np.add.at(steps, (tile, offset), k_iters)
+    own = offset == 0
+    assert (np.diff(tile[own]) == 1).all() and (np.diff(tile[~own] * size + offset[~own]) > 0).all()
+    peer_tiles_before = np.cumsum(~own) // (size - 1)  # whole tiles of the peers' copies so far
+    assert (peer_tiles_before[own] >= np.minimum(tile[own] + min(lead, per_block), per_block)).all()
+    assert (peer_tiles_before[own] <= tile[own] + lead).all()
     if tail:
         unit = jnp.arange(tail * splits, dtype=jnp.int32)
         tile, part = scatter_add_gemm.tail_unit(unit, per_block, tail, splits)
@@ -177,3 +230,21 @@ def test_automatic_split_tail(num_tiles, k_iters, expected):
     tiles = cg.FusedTiles(split_tail=0)
     plan = scatter_add_gemm.tail_plan(num_tiles, num_tiles // 2, 66, k_iters, tiles)
     assert plan == expected
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_reduce_scatter_lowers(size):
+    """ATOMIC_GEMM_RS_P2P (the ring kernel): one received-count semaphore per ring step."""
+    from commgemm.algorithms import fused
+
+    cfg = parse_method("fused")
+    text = lower(
+        lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False),
+        P(None, "x"),
+        P("x", None),
+        P("x", None),
+        size,
+        (1024 * size, 256 * size),
+        (256 * size, 1024),
+    )
+    assert "mosaic_gpu" in text and "custom_call" in text

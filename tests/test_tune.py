@@ -117,6 +117,8 @@ def test_spec_round_trip():
         "fused-direct-cm-d1",
         "fused-direct-ct-w16",
         "fused-direct-gm-p4",
+        "fused-direct-cm-r85",
+        "fused-direct-cm-ct-t0-l66",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
@@ -165,6 +167,24 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
     found = costmodel.candidates(RS, 8192, 4, fused=True, deterministic=True)
     assert not any(c.atomic_gemm and c.method is cg.Method.PIPELINE for c in found)
     assert any(c.atomic_gemm for c in found)  # the ring kernel adds in a fixed order
+
+
+@pytest.mark.parametrize(
+    ("shape", "tiles"),
+    [
+        ((16384, 8192, 4096), cg.FusedTiles(cluster="m", spread=50)),  # comm_heavy
+        ((16384 + 256, 8192, 4096), cg.FusedTiles(spread=50)),  # 8320 rows: no cluster pairs
+        ((8192, 4096, 14336), cg.FusedTiles(grid_minor_m=True)),  # llama8b_mlp
+    ],
+)
+def test_direct_ag_spreads_its_own_tiles_where_sends_outlast_their_gemm(shape, tiles):
+    """With 2xH200-like figures the model's direct AG kernel spreads the own tiles among the
+    peers' where sending the own rows takes longer than multiplying them."""
+    h200 = fake(730e12, 219e9)
+    t_gemm, t_comm = costmodel._times(AG, shape, 2, 2, h200)
+    assert (t_comm > t_gemm / 2) == bool(tiles.spread)
+    cfg, _ = costmodel.choose(AG, shape, shape[0] // 2, 2, 2, h200, fused=True)
+    assert cfg == DIRECT.replace(fused_tiles=tiles)
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])

@@ -123,8 +123,12 @@ def unsupported_reason(
             return "the all-gather kernels take 2-CTA clusters along M only (cluster='m')"
     if not direct and (tiles.release_lag or tiles.chain_tiles):
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
-    if tiles.split_tail != 1 and (collective is not Collective.REDUCE_SCATTER or not direct):
-        return "split_tail is for the direct reduce-scatter kernel (method PIPELINE)"
+    for field in ("split_tail", "peer_lead"):
+        changed = getattr(tiles, field) != getattr(FusedTiles(), field)
+        if changed and (collective is not Collective.REDUCE_SCATTER or not direct):
+            return f"{field} is for the direct reduce-scatter kernel (method PIPELINE)"
+    if tiles.spread and (collective is not Collective.ALL_GATHER or not direct):
+        return "spread is for the direct all-gather kernel (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:
         return "the all-gather kernel does not chain its tiles (it sends x while they run)"
     rows, k = x.shape
@@ -235,7 +239,9 @@ def matmul_reduce_scatter(
     signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
 
     def body(x_ref, w_ref, out_ref, inbox_ref):
-        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        # one count per step: with one shared count, a CTA a step ahead of another could
+        # complete the count for a step whose writes have not all landed (P > 2)
+        received = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1),)))
         wg = lax.axis_index("wg")
         here = lax.axis_index(axis_name)
         succ = lax.rem(here + 1, jnp.int32(size))
@@ -243,7 +249,7 @@ def matmul_reduce_scatter(
             block = lax.rem(here + 2 * size - step - 1, jnp.int32(size))
             last = step == size - 1
             if step:  # the partial sum of this block from device d-1 must have landed
-                pl.semaphore_wait(received, value=step * signals_per_step, decrement=False)
+                pl.semaphore_wait(received.at[step - 1], value=signals_per_step, decrement=False)
             hm.kernel(
                 x_ref.at[pl.ds(block * rows, rows)],
                 w_ref,
@@ -254,9 +260,9 @@ def matmul_reduce_scatter(
             if not last:
 
                 @pl.when(wg < 2)
-                def _signal():
+                def _signal(sent=received.at[step]):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the writes have landed
-                    pl.semaphore_signal(received, device_id=succ)
+                    pl.semaphore_signal(sent, device_id=succ)
 
     with jax.named_scope("fused_gemm_rs"):
         out, _ = plgpu.kernel(

@@ -14,6 +14,10 @@ until the whole block has arrived, here the peers' tiles start as soon as their 
 on comm_heavy (2xH200) the 128 MiB block takes longer to send than the GEMM of the own block,
 and the ring kernel sat at 1.12x the bound (BENCHMARKS.md, stage 18).
 
+Where sending the own block takes longer than its GEMM (comm_heavy), FusedTiles.spread
+interleaves the own tiles with the peers' tiles after the first wave, so the sends pace with the
+link and the peers' tiles fill in behind them (`spread_plan`, `schedule_unit`).
+
 Slot j of a device's inbox holds the rows of device (d - j - 1) mod P; its flags are counted per
 call (one signal each, semaphores zeroed by the runtime). Requirements as for the ring kernels
 (`fused.unsupported_reason`); 2-CTA clusters along M only (the two CTAs share w's blocks).
@@ -36,6 +40,40 @@ def senders(tiles: FusedTiles, n_iters: int, k_iters: int) -> int:
     band's first visits: its first strip along N, or every column along M)."""
     width = n_iters if tiles.grid_minor_m else min(tiles.grid_tile_width, n_iters)
     return max(1, min(tiles.senders, width, k_iters))
+
+
+def send_lead(tiles: FusedTiles, m_iters: int, n_iters: int, num_senders: int) -> int:
+    """How far, in the kernel's tile order, a band's last sending visit can come after any of
+    the band's tiles: along N a band's senders are consecutive in its first strip; along M a
+    band is visited once every strip-width tiles."""
+    if tiles.grid_minor_m:
+        return (num_senders - 1) * min(tiles.grid_tile_width, m_iters)
+    return num_senders - 1
+
+
+def spread_plan(tiles: FusedTiles, own: int, ctas: int, lead: int) -> tuple[int, int]:
+    """(head, region) of the schedule of `own` tiles per block (FusedTiles.spread): the first
+    `head` units are own tiles (a wave of CTAs, plus `lead`: nothing of the peers' has been
+    sent before), then the rest of the own tiles spread evenly over units [head, region),
+    peers' tiles filling the gaps. At most one unit in two is a peer's, so a peer's tile always
+    comes after the sends of its band (`schedule_unit`); region == own: own block first."""
+    head = min(own, ctas + lead + 2)
+    return head, own + tiles.spread * (own - head) // 100
+
+
+def schedule_unit(lin, own: int, head: int, region: int):
+    """(step, tile) of the kernel's `lin`-th unit of work (`spread_plan`): step 0 is one of this
+    device's `own` tiles, step s > 0 a tile of the rows that arrived in inbox slot s - 1."""
+    if region == own:
+        return lin // own, lin - (lin // own) * own
+    stretch = region - head
+    x = jnp.minimum(jnp.maximum(lin - head, 0), stretch)
+    placed = x * (own - head) // stretch  # own tiles in units [head, lin)
+    is_own = (lin < head) | ((lin < region) & ((x + 1) * (own - head) // stretch > placed))
+    peer = lin - head - placed  # peers' tiles in units [0, lin)
+    step = jnp.where(is_own, 0, 1 + peer // own)
+    tile = jnp.where(is_own, jnp.where(lin < head, lin, head + placed), peer - (peer // own) * own)
+    return step, tile
 
 
 def _visit_rank(tiles: FusedTiles, m_idx: jax.Array, n_idx: jax.Array, n_iters: int):
@@ -67,6 +105,12 @@ def all_gather_matmul(
     step_tiles = m_iters * n_iters
     num_senders = senders(tiles, n_iters, k_iters)
     sms = mt.num_sms()
+    lead = send_lead(tiles, m_iters, n_iters, num_senders)
+    head, region = spread_plan(tiles, step_tiles, sms // tiles.cluster_size, lead)
+    if size == 1:
+        head = region = step_tiles
+    if region > step_tiles and step_tiles * step_tiles >= 2**31:
+        raise ValueError(f"FusedTiles.spread needs fewer tiles a block, got {step_tiles}")
     num_slots = mt.epilogue_slots(tiles)
 
     def get_pipeline(body, compute_context):
@@ -85,7 +129,7 @@ def all_gather_matmul(
             @plgpu.nd_loop((size * step_tiles,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                step, tile = lin // step_tiles, lax.rem(lin, jnp.int32(step_tiles))
+                step, tile = schedule_unit(lin, step_tiles, head, region)
                 # whose rows this step multiplies
                 source = lax.rem(here + size - step, jnp.int32(size))
                 at = mt.tile_slices(tiles, tile, m_iters, n_iters)
