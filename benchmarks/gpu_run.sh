@@ -93,7 +93,9 @@
 #   stage 32: the direct RS kernel with the peers' copies of its tiles run ahead of the own
 #            copies (`-l<N>`, FusedTiles.peer_lead): outputs on check shapes and back-to-back
 #            calls, then, if they pass, llama8b_mlp and comm_heavy RS tuned over leads (on top
-#            of stage 30's cache).
+#            of stage 30's cache). Ran at commit c2031c8 (peer_lead, 1 to 7% slower, is gone
+#            since).
+#   stage 33: the suite again, AUTO reading stage 30's cache (at c2031c8).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json

@@ -152,10 +152,7 @@ class FusedTiles:
     send x's rows, with the peers' tiles after the first wave, stretching the own block over up
     to s% more of the schedule (`push_gather_gemm.spread_plan`), so the sends keep pace with
     the link where they take longer than the own block's GEMM; 0 (default) runs the own block
-    first. In the direct reduce-scatter kernel peer_lead=q runs the peers' copies of a tile q
-    tiles ahead of this device's own copy (`scatter_add_gemm.main_unit`), so the loop ends on
-    own tiles, with no adds left to cross NVLink, while it begins on the peers'; 0 (default):
-    the copies of a tile run together."""
+    first."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -171,7 +168,6 @@ class FusedTiles:
     senders: int = 8
     split_tail: int = 1
     spread: int = 0
-    peer_lead: int = 0
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
@@ -190,9 +186,6 @@ class FusedTiles:
         spread = self.spread
         if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread <= 100:
             raise ValueError(f"FusedTiles.spread={spread!r} must be an int from 0 to 100 (percent)")
-        lead = self.peer_lead
-        if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
-            raise ValueError(f"FusedTiles.peer_lead={lead!r} must be an int >= 0 (tiles)")
         if self.stages < 2:
             raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
         if self.tile_m % self.epi or self.tile_n % self.epi:

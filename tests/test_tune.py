@@ -118,7 +118,6 @@ def test_spec_round_trip():
         "fused-direct-ct-w16",
         "fused-direct-gm-p4",
         "fused-direct-cm-r85",
-        "fused-direct-cm-ct-t0-l66",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec

@@ -123,10 +123,8 @@ def unsupported_reason(
             return "the all-gather kernels take 2-CTA clusters along M only (cluster='m')"
     if not direct and (tiles.release_lag or tiles.chain_tiles):
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
-    for field in ("split_tail", "peer_lead"):
-        changed = getattr(tiles, field) != getattr(FusedTiles(), field)
-        if changed and (collective is not Collective.REDUCE_SCATTER or not direct):
-            return f"{field} is for the direct reduce-scatter kernel (method PIPELINE)"
+    if tiles.split_tail != 1 and (collective is not Collective.REDUCE_SCATTER or not direct):
+        return "split_tail is for the direct reduce-scatter kernel (method PIPELINE)"
     if tiles.spread and (collective is not Collective.ALL_GATHER or not direct):
         return "spread is for the direct all-gather kernel (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:

@@ -15,10 +15,6 @@ takes about 1/s of a tile instead of a whole one (1 to 2.5% on the 2xH200 RS pre
 arrival order: results may differ in the last bit from call to call
 (OverlapConfig.deterministic refuses it).
 
-FusedTiles.peer_lead runs the peers' copies of the tiles ahead of the own copies (`main_unit`),
-so that the loop ends on own tiles, whose adds stay on this device, while the last transfers
-land.
-
 Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
 and a CTA's first add waits until every device has signalled that its zeroing landed; at the
 end each device waits until every peer has signalled that its adds landed. Partial sums are
@@ -36,7 +32,9 @@ warpgroup fed from one smem ring each, one's epilogue under the other's K loop (
 commit 537cbb7: 1.35 to 1.37x the bound against 1.10 to 1.14 here, 3 stages a ring; 2 stages
 2.2 to 2.4x); plain peer stores two waves ahead of the owner's add, per-tile flags, only the
 first wave's tiles zeroed (stage 27, commit 670ca57: bit-identical, but 1.21 to 1.38x the
-bound against 1.09 to 1.11).
+bound against 1.09 to 1.11); the peers' copies run 22 to 132 tiles ahead of the own ones, so
+that the loop ends on own tiles while the last transfers land (stage 32, commit c2031c8:
+1 to 7% slower, the more the lead).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -95,27 +93,17 @@ def tail_plan(
     return (tail, split) if split > 1 else (0, 1)
 
 
-def main_unit(lin, size: int, per_block: int, tail_tiles: int, lead: int = 0):
-    """(tile, offset) of the main loop's `lin`-th unit (offset: the owner's distance from here,
-    0 for this device's own copy). The peers' copies of tile t + lead come right after this
-    device's own copy of tile t (FusedTiles.peer_lead; the first `lead` tiles' peer copies open
-    the loop), and the peers' copies of the tiles left over come last; without a split tail
-    or lead, the P blocks' copies of one tile are consecutive. The own copies of the last
-    `tail_tiles` tiles are the tail's."""
-    lead = min(lead, per_block) if size > 1 else 0
-    peers = max(size - 1, 1)
-    head = lead * peers  # the peers' copies of the first `lead` tiles
-    pairs = min(per_block - tail_tiles, per_block - lead)  # own copy + the peers' of tile + lead
-    late = lin - head - pairs * size
-    if tail_tiles > lead:  # then peers' copies are left over
-        rest_tile, rest_offset = lead + pairs + late // peers, 1 + lax.rem(late, jnp.int32(peers))
-    else:  # own copies are left over
-        rest_tile, rest_offset = pairs + late, jnp.zeros_like(late)
-    pair, slot = (lin - head) // size, lax.rem(lin - head, jnp.int32(size))
-    tile = jnp.where(slot == 0, pair, lead + pair)
-    tile = jnp.where(lin < head, lin // peers, jnp.where(late >= 0, rest_tile, tile))
-    offset = jnp.where(lin < head, 1 + lax.rem(lin, jnp.int32(peers)), slot)
-    offset = jnp.where(late >= 0, rest_offset, offset)
+def main_unit(lin, size: int, per_block: int, tail_tiles: int):
+    """(tile, offset) of the main loop's `lin`-th unit: the P blocks' copies of one tile are
+    consecutive (offset: the owner's distance from here), except that the peers' copies of the
+    last `tail_tiles` tiles come last (their own copies are the tail's)."""
+    tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
+    if not tail_tiles:
+        return tile, offset
+    late = lin - size * (per_block - tail_tiles)
+    in_late = late >= 0
+    tile = jnp.where(in_late, per_block - tail_tiles + late // (size - 1), tile)
+    offset = jnp.where(in_late, 1 + lax.rem(late, jnp.int32(size - 1)), offset)
     return tile, offset
 
 
@@ -278,7 +266,7 @@ def matmul_reduce_scatter(
             @plgpu.nd_loop((main_units,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
-                tile, offset = main_unit(lin, size, per_block, tail_tiles, tiles.peer_lead)
+                tile, offset = main_unit(lin, size, per_block, tail_tiles)
                 state = mt.chain_state(info) if tiles.chain_tiles else None
                 run_tile(tile, offset, 0, k_iters, state, first=info.local_index == 0)
 

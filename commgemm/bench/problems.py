@@ -32,8 +32,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
     (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' (tile_m / tile_n), '-e128'
     (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1' (release_lag), '-ct'
-    (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0 automatic), '-r80' (spread),
-    '-l66' (peer_lead), e.g.
+    (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0 automatic), '-r80' (spread), e.g.
     'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
@@ -46,7 +45,6 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         "p": "senders",
         "t": "split_tail",
         "r": "spread",
-        "l": "peer_lead",
     }
     method = "ring_exchange"
     for part in spec.split("-")[1:]:
@@ -66,7 +64,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
                 "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -e<N>, -d<N>, -p<N>, -t<N>, -r<N>, "
-                "-l<N>, -wgm, -gm, -cm, -cn, -ct"
+                "-wgm, -gm, -cm, -cn, -ct"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -92,7 +90,6 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         ("p", "senders"),
         ("t", "split_tail"),
         ("r", "spread"),
-        ("l", "peer_lead"),
     )
     for key, field in fields + extra:
         if getattr(tiles, field) != getattr(default, field):
