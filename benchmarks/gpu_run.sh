@@ -96,6 +96,13 @@
 #            of stage 30's cache). Ran at commit c2031c8 (peer_lead, 1 to 7% slower, is gone
 #            since).
 #   stage 33: the suite again, AUTO reading stage 30's cache (at c2031c8).
+#   stage 34: (new session) where the direct RS kernel's time goes: Mosaic GPU's profiler on
+#            its compute warpgroups (benchmarks/kernel_profile.py: zeroing, K loops, epilogues,
+#            the end's wait, in SM cycles) for AUTO's llama8b_mlp and comm_heavy RS kernel and
+#            its bare loop; then the RS presets probed (benchmarks/probe.py, device periods):
+#            the zeroing awaited at the first epilogue (@add-late-zero), epilogue blocks of 32,
+#            K-steps of 128 in 2 stages, 3 stages, and the diagnostics (no zeroing, plain local
+#            stores, local adds only, plain remote stores) beside jax's Mosaic GEMM.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -383,6 +390,18 @@ elif [ "$1" = 32 ]; then
         --methods $best,$best-l22,$best-l66,$best-l132 2>&1 | tail -8
     done 2>&1 | tee $OUT/r/tune32.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
+elif [ "$1" = 34 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256-t0
+  timeout 130 python3 benchmarks/kernel_profile.py --out $OUT/r --name profile34 --problems \
+    llama8b_mlp:$base,llama8b_mlp:$base@store,llama8b_mlp:$base@add-late-zero,comm_heavy:$base \
+    > $OUT/r/profile34.log 2>&1
+  grep -vE "Warning|warn" $OUT/r/profile34.log | cut -c1-900 | tail -8
+  rs="$base,$base@add-late-zero,fused-direct-wgm-cm-ct-m64-n256-e32-t0"
+  rs="$rs,fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0,fused-direct-wgm-cm-ct-m64-n256-s3-t0"
+  rs="$rs,$base@add-unzeroed,$base@store,$base@local-add,$base@remote-store,mosaic"
+  timeout 380 python3 benchmarks/probe.py --out $OUT/r --name probe34 --rounds 8 --iters 10 \
+    --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
+    2>&1 | tee $OUT/r/probe34.log | grep -vE "^\s*$|Warning|warn"
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \

@@ -69,12 +69,18 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-cm-ct",
         "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
         "fused-direct-wgm-cm-m64-n256-t0",
+        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
+        "fused-direct-cm-ct-t0@add-late-zero",
+        "fused-direct-cm@add-unzeroed",
     ],
 )
 def test_scatter_add_gemm_lowers(size, spec):
+    spec, _, epilogue = spec.partition("@")
     cfg = parse_method(spec)
     text = lower(
-        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
+        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(
+            x, w, "x", cfg, epilogue=epilogue or "add"
+        ),
         P(None, "x"),
         P("x", None),
         P("x", None),

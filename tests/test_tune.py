@@ -118,6 +118,7 @@ def test_spec_round_trip():
         "fused-direct-ct-w16",
         "fused-direct-gm-p4",
         "fused-direct-cm-r85",
+        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec

@@ -21,11 +21,17 @@ def num_sms() -> int:
     return jax.devices()[0].core_count
 
 
+#: Extra `plgpu.CompilerParams` fields for the fused kernels traced from now on; empty in normal
+#: use. benchmarks/kernel_profile.py sets Mosaic GPU's profiler here (profile_space, ...).
+COMPILER_OVERRIDES: dict = {}
+
+
 def kernel_params(sms: int, cluster: int) -> dict:
     """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
     clusters of `cluster`), two compute warpgroups and one that issues the loads."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    semantics = plgpu.LoweringSemantics.Warpgroup
     return dict(
         grid=(sms // cluster,),
         grid_names=("cluster_grid",),
@@ -33,7 +39,7 @@ def kernel_params(sms: int, cluster: int) -> dict:
         cluster_names=("cluster",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics, **COMPILER_OVERRIDES),
     )
 
 

@@ -20,21 +20,26 @@ and a CTA's first add waits until every device has signalled that its zeroing la
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order.
 
-`epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
-parts (benchmarks/probe.py): "local-add" (every tile reduce-added into this device's output,
-no NVLink), "store" (every tile stored plainly here: the bare GEMM loop), "remote-store"
-(plain stores to the owner). Tried and dropped (BENCHMARKS.md): plain own stores with the
-peer's add of a tile waiting for that store, both copies of a tile in the same step (stage 14,
-commit 5c3e0f1: 10 to 15% slower) or the own tiles two waves ahead (stage 16, commit a87e7e7:
-2 to 5% slower); rotating the CTAs through the blocks and whole-tile epilogue buffers (stage
-15, commit b0b290f: no change); a ping-pong schedule, whole 128 x 128 tiles per compute
-warpgroup fed from one smem ring each, one's epilogue under the other's K loop (stage 23,
-commit 537cbb7: 1.35 to 1.37x the bound against 1.10 to 1.14 here, 3 stages a ring; 2 stages
-2.2 to 2.4x); plain peer stores two waves ahead of the owner's add, per-tile flags, only the
-first wave's tiles zeroed (stage 27, commit 670ca57: bit-identical, but 1.21 to 1.38x the
-bound against 1.09 to 1.11); the peers' copies run 22 to 132 tiles ahead of the own ones, so
-that the loop ends on own tiles while the last transfers land (stage 32, commit c2031c8:
-1 to 7% slower, the more the lead).
+`epilogue="add"` is the kernel; "add-late-zero" the same with the zero stores awaited at
+each CTA's first tile's epilogue instead of before its first tile (an A/B, benchmarks/probe.py).
+Diagnostics that give wrong sums, for timing the kernel's parts: "local-add" (every tile
+reduce-added into this device's output, no NVLink), "store" (every tile stored plainly here:
+the bare GEMM loop), "remote-store" (plain stores to the owner), "add-unzeroed" (the kernel
+without the zeroing and its handshake). The compute warpgroups' phases are named scopes
+("zero", "epilogue", "landed"): Mosaic GPU's profiler records them
+(benchmarks/kernel_profile.py).
+
+Tried and dropped (BENCHMARKS.md): plain own stores with the peer's add of a tile waiting for
+that store, both copies of a tile in the same step (stage 14, commit 5c3e0f1: 10 to 15% slower)
+or the own tiles two waves ahead (stage 16, commit a87e7e7: 2 to 5% slower); rotating the CTAs
+through the blocks and whole-tile epilogue buffers (stage 15, commit b0b290f: no change); a
+ping-pong schedule, whole 128 x 128 tiles per compute warpgroup fed from one smem ring each,
+one's epilogue under the other's K loop (stage 23, commit 537cbb7: 1.35 to 1.37x the bound
+against 1.10 to 1.14 here, 3 stages a ring; 2 stages 2.2 to 2.4x); plain peer stores two waves
+ahead of the owner's add, per-tile flags, only the first wave's tiles zeroed (stage 27, commit
+670ca57: bit-identical, but 1.21 to 1.38x the bound against 1.09 to 1.11); the peers' copies run
+22 to 132 tiles ahead of the own ones, so that the loop ends on own tiles while the last
+transfers land (stage 32, commit c2031c8: 1 to 7% slower, the more the lead).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -51,8 +56,8 @@ from jax import lax
 from commgemm.algorithms import mosaic_tiles as mt
 from commgemm.config import FusedTiles, OverlapConfig
 
-EPILOGUES = ("add",)
-PROBES = ("local-add", "store", "remote-store")
+EPILOGUES = ("add", "add-late-zero")
+PROBES = ("local-add", "store", "remote-store", "add-unzeroed")
 #: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
 #: automatic split_tail's model.
 TAIL_OVERHEAD_STEPS = 2
@@ -150,7 +155,9 @@ def matmul_reduce_scatter(
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
-    zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
+    zeroes = epilogue in ("add", "add-late-zero", "local-add")  # zeroed, then added into
+    late_zero = epilogue == "add-late-zero"
+    adds = epilogue in ("add", "add-late-zero", "add-unzeroed")  # the real epilogue's adds
 
     def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
@@ -169,9 +176,16 @@ def matmul_reduce_scatter(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
+            def signal_zeroed():  # this warpgroup's zero stores have landed
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                pl.semaphore_signal(zeroed)
+                for peer in peers[1:]:
+                    pl.semaphore_signal(zeroed, device_id=peer)
+
             if zeroes:
 
                 @pl.when(wg < 2)
+                @jax.named_scope("zero")
                 def _zero_output():
                     out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
                     plgpu.commit_smem()
@@ -186,10 +200,8 @@ def matmul_reduce_scatter(
                             out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)],
                         )
 
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(zeroed)
-                    for peer in peers[1:]:
-                        pl.semaphore_signal(zeroed, device_id=peer)
+                    if not late_zero:
+                        signal_zeroed()
 
             def run_tile(tile, offset, k_first, k_steps, state=None, first=None):
                 """One output tile's K-steps [k_first, k_first + k_steps) and its epilogue;
@@ -210,46 +222,50 @@ def matmul_reduce_scatter(
                         reduction_op="add" if add else None,
                     )
 
+                def epilogue_of(acc_ref):
+                    acc = acc_ref[...].astype(dtype)
+                    if zeroes and first is not None:
+
+                        @pl.when(first)
+                        def _outputs_zeroed():
+                            if late_zero:
+                                signal_zeroed()
+                            pl.semaphore_wait(zeroed, value=size * adds_per_device, decrement=False)
+
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = acc[epi_m, epi_n]
+                        plgpu.commit_smem()
+                        src = out_smem.at[wg, slot]
+                        if epilogue in ("local-add", "store"):
+                            store(
+                                src,
+                                tile_of(out_ref, epi_m, epi_n),
+                                add=epilogue == "local-add",
+                            )
+                            continue
+                        if isinstance(offset, int):  # a tail tile: here (offset 0)
+                            store(src, tile_of(out_ref, epi_m, epi_n), add=adds)
+                            continue
+                        for i, peer in enumerate(peers):
+                            dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
+                            store(
+                                src,
+                                tile_of(dest, epi_m, epi_n),
+                                predicate=offset == i,
+                                commit=i == size - 1,  # one group per block
+                                add=adds,
+                            )
+
                 def compute_context(eval_pipeline):
                     @functools.partial(
                         pl.run_scoped, acc_ref=plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32)
                     )
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        acc = acc_ref[...].astype(dtype)
-                        if zeroes and first is not None:
-
-                            @pl.when(first)
-                            def _outputs_zeroed():
-                                pl.semaphore_wait(
-                                    zeroed, value=size * adds_per_device, decrement=False
-                                )
-
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = acc[epi_m, epi_n]
-                            plgpu.commit_smem()
-                            src = out_smem.at[wg, slot]
-                            if epilogue in ("local-add", "store"):
-                                store(
-                                    src,
-                                    tile_of(out_ref, epi_m, epi_n),
-                                    add=epilogue == "local-add",
-                                )
-                                continue
-                            if isinstance(offset, int):  # a tail tile: here (offset 0)
-                                store(src, tile_of(out_ref, epi_m, epi_n), add=epilogue == "add")
-                                continue
-                            for i, peer in enumerate(peers):
-                                dest = out_ref if i == 0 else plgpu.remote_ref(out_ref, peer)
-                                store(
-                                    src,
-                                    tile_of(dest, epi_m, epi_n),
-                                    predicate=offset == i,
-                                    commit=i == size - 1,  # one group per block
-                                    add=epilogue == "add",
-                                )
+                        with jax.named_scope("epilogue"):
+                            epilogue_of(acc_ref)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], b_smem.at[:, at.wg_n])
@@ -278,7 +294,14 @@ def matmul_reduce_scatter(
                     tile, part = tail_unit(unit, per_block, tail_tiles, splits)
                     run_tile(tile, 0, part * (k_iters // splits), k_iters // splits)
 
+            if late_zero:
+
+                @pl.when((wg < 2) & (lax.axis_index("cluster_grid") >= main_units))
+                def _no_tiles():  # the others wait for every CTA's zeroing
+                    signal_zeroed()
+
             @pl.when(wg < 2)
+            @jax.named_scope("landed")
             def _adds_landed():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 if epilogue in ("local-add", "store"):
