@@ -102,7 +102,13 @@
 #            its bare loop; then the RS presets probed (benchmarks/probe.py, device periods):
 #            the zeroing awaited at the first epilogue (@add-late-zero), epilogue blocks of 32,
 #            K-steps of 128 in 2 stages, 3 stages, and the diagnostics (no zeroing, plain local
-#            stores, local adds only, plain remote stores) beside jax's Mosaic GEMM.
+#            stores, local adds only, plain remote stores) beside jax's Mosaic GEMM. Ran at
+#            commit eb8f0dc (add-late-zero, 1.5% slower, is gone since).
+#   stage 35: the direct RS kernel with its zeroing staged (`-z<G>`, FusedTiles.zero_chunk:
+#            chunks of G waves, each zeroed while the tiles two chunks before run): outputs on
+#            llama8b_mlp's shape and back-to-back calls, then, if they pass, the RS presets
+#            probed over G (device periods) beside the kernel without zeroing, and G = 2
+#            profiled on llama8b_mlp.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -402,6 +408,24 @@ elif [ "$1" = 34 ]; then
   timeout 380 python3 benchmarks/probe.py --out $OUT/r --name probe34 --rounds 8 --iters 10 \
     --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
     2>&1 | tee $OUT/r/probe34.log | grep -vE "^\s*$|Warning|warn"
+elif [ "$1" = 35 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256
+  timeout 200 python3 benchmarks/fused_check.py --out $OUT/r --name check35_rs --ops rs \
+    --shapes 3 --base $base-z2-t0 --tilings $base-z1-t0,fused-direct-cm-ct-z3-t0,fused-direct-z2 \
+    --no-grads --repeat 24 > $OUT/r/check35.log 2>&1
+  grep 'fused check' $OUT/r/check35.log; grep -E '"ok": false|Error|rror:' $OUT/r/check35.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check35.log \
+    && grep -q '"spec": "fused-direct-z2"' $OUT/r/check35.log; then
+    rs="$base-t0,$base-z1-t0,$base-z2-t0,$base-z3-t0,$base-z4-t0,fused-direct-cm-ct-t0"
+    rs="$rs,fused-direct-cm-ct-z2-t0,$base-t0@add-unzeroed"
+    timeout 250 python3 benchmarks/probe.py --out $OUT/r --name probe35 --rounds 8 --iters 10 \
+      --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
+      2>&1 | tee $OUT/r/probe35.log | grep -vE "^\s*$|Warning|warn"
+    timeout 60 python3 benchmarks/kernel_profile.py --out $OUT/r --name profile35 \
+      --problems llama8b_mlp:$base-z2-t0 > $OUT/r/profile35.log 2>&1
+    grep -vE "Warning|warn" $OUT/r/profile35.log | cut -c1-1200 | tail -3
+  fi
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
