@@ -108,7 +108,13 @@
 #            chunks of G waves, each zeroed while the tiles two chunks before run): outputs on
 #            llama8b_mlp's shape and back-to-back calls, then, if they pass, the RS presets
 #            probed over G (device periods) beside the kernel without zeroing, and G = 2
-#            profiled on llama8b_mlp.
+#            profiled on llama8b_mlp. Ran at commit 5e69f45 (zero_chunk, 3 to 20% slower, is
+#            gone since).
+#   stage 36: K-steps of 128 in 2 stages (`-k128-s2`; stage 34: 0.5% faster on three RS
+#            presets): outputs on llama8b_mlp's shape and back-to-back calls, then, if they
+#            pass, the RS presets tuned over them beside the earlier picks (on top of stage 30's
+#            cache; llama13b_mlp into tune13b.json).
+#   stage 37: the suite again, AUTO reading stage 36's cache.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -426,7 +432,28 @@ elif [ "$1" = 35 ]; then
       --problems llama8b_mlp:$base-z2-t0 > $OUT/r/profile35.log 2>&1
     grep -vE "Warning|warn" $OUT/r/profile35.log | cut -c1-1200 | tail -3
   fi
-elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ]; then
+elif [ "$1" = 36 ]; then
+  cp "$2" $OUT/r/tune.json
+  [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
+  wide=fused-direct-wgm-cm-ct-m64-n256
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check36_rs --ops rs \
+    --shapes 3 --base $wide-k128-s2-t0 --tilings fused-direct-cm-ct-k128-s2-t0,fused-direct-k128-s2 \
+    --no-grads --repeat 24 > $OUT/r/check36.log 2>&1
+  grep 'fused check' $OUT/r/check36.log; grep -E '"ok": false|Error|rror:' $OUT/r/check36.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check36.log \
+    && grep -q '"spec": "fused-direct-k128-s2"' $OUT/r/check36.log; then
+    rs="$wide-t0,$wide-k128-s2-t0,$wide-k128-s2-w16-t0,fused-direct-cm-ct-t0"
+    rs="$rs,fused-direct-cm-ct-k128-s2-t0"
+    for preset in llama8b_mlp comm_heavy llama70b_mlp llama13b_mlp; do
+      cache=$OUT/r/tune.json
+      [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+      COMMGEMM_TUNE_CACHE=$cache timeout 90 python3 -m commgemm tune --op rs --preset $preset \
+        --iters 5 --periods 6 --methods $rs 2>&1 | tail -9
+    done 2>&1 | tee $OUT/r/tune36.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  fi
+elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ] \
+    || [ "$1" = 37 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \

@@ -152,9 +152,7 @@ class FusedTiles:
     send x's rows, with the peers' tiles after the first wave, stretching the own block over up
     to s% more of the schedule (`push_gather_gemm.spread_plan`), so the sends keep pace with
     the link where they take longer than the own block's GEMM; 0 (default) runs the own block
-    first. In the direct reduce-scatter kernel zero_chunk=G > 0 zeroes the output in chunks of
-    G waves of tiles, each chunk while the tiles two chunks before it run, instead of all of it
-    before the first tile (`scatter_add_gemm.zero_chunks`); 0 (default) zeroes it first."""
+    first."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -170,7 +168,6 @@ class FusedTiles:
     senders: int = 8
     split_tail: int = 1
     spread: int = 0
-    zero_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
@@ -186,9 +183,6 @@ class FusedTiles:
         split = self.split_tail
         if isinstance(split, bool) or not isinstance(split, int) or split < 0:
             raise ValueError(f"FusedTiles.split_tail={split!r} must be an int >= 0 (0: automatic)")
-        chunk = self.zero_chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"FusedTiles.zero_chunk={chunk!r} must be an int >= 0 (0: none)")
         spread = self.spread
         if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread <= 100:
             raise ValueError(f"FusedTiles.spread={spread!r} must be an int from 0 to 100 (percent)")

@@ -70,9 +70,6 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
         "fused-direct-wgm-cm-m64-n256-t0",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
-        "fused-direct-cm-ct-z2-t0",
-        "fused-direct-wgm-cm-ct-m64-n256-z1-t0",
-        "fused-direct-z3",  # whole waves, no tail
         "fused-direct-cm@add-unzeroed",
     ],
 )
@@ -217,55 +214,6 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
         ]
         np.add.at(steps, (np.asarray(tile), 0), k_iters // splits)
     assert (steps == k_iters).all()
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    size=st.integers(2, 6),
-    per_block=st.integers(1, 300),
-    ctas=st.sampled_from([66, 7, 3, 1]),
-    split=st.sampled_from([1, 0]),
-    chunk=st.integers(1, 5),
-    wgs=st.sampled_from([1, 4, 264]),
-)
-def test_zero_chunks_come_before_their_adds(size, per_block, ctas, split, chunk, wgs):
-    """ATOMIC_GEMM_RS with zero_chunk: the chunks' tiles partition this device's output; each
-    tile lies in the chunk of the first main-loop unit that adds into it (on any device: the
-    units run in the same order everywhere), so its zeroing, issued two chunks earlier and
-    awaited at its chunk's first tile, comes first; the warpgroups' shares of a chunk's blocks
-    (`zero_ahead`: warpgroup g, the i-th tile of the chunk before) cover it exactly once."""
-    sag = scatter_add_gemm
-    num_tiles = size * per_block
-    tiles = cg.FusedTiles(split_tail=split)
-    tail, _ = sag.tail_plan(num_tiles, per_block, ctas, 32, tiles)
-    main_units = num_tiles - tail
-    if main_units < ctas:
-        return  # refused (zero_chunk needs a tile per CTA)
-    lin = jnp.arange(main_units, dtype=jnp.int32)
-    tile = np.asarray(sag.main_unit(lin, size, per_block, tail)[0])
-    first = np.full(per_block, main_units)
-    np.minimum.at(first, tile, np.arange(main_units))
-    expect = np.asarray(sag.first_add_unit(jnp.arange(per_block), size, per_block, tail))
-    assert (first == expect).all()
-    assert [sag.first_add_unit(t, size, per_block, tail) for t in range(per_block)] == (
-        expect.tolist()
-    )
-    chunks = sag.zero_chunks(main_units, ctas, chunk)
-    bounds = [sag.chunk_tiles(k, chunk, ctas, size, per_block, tail) for k in range(chunks)]
-    traced = sag.chunk_tiles(jnp.int32(chunks - 1), chunk, ctas, size, per_block, tail)
-    assert tuple(int(v) for v in traced) == bounds[-1]
-    assert bounds[0][0] == 0 and bounds[-1][1] == per_block
-    for k, (lo, hi) in enumerate(bounds):
-        assert k == 0 or lo == bounds[k - 1][1]
-        assert ((first[lo:hi] // ctas) // chunk == k).all()
-    blocks = 37  # a chunk's epi blocks: every (g, i, q) share of it, as zero_ahead walks them
-    seen = [
-        g + i * wgs + q * chunk * wgs
-        for g in range(wgs)
-        for i in range(chunk)
-        for q in range(sag.ceil_div(max(blocks - g - i * wgs, 0), chunk * wgs))
-    ]
-    assert sorted(seen) == list(range(blocks))
 
 
 @pytest.mark.parametrize(

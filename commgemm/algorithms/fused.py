@@ -125,8 +125,6 @@ def unsupported_reason(
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
     if tiles.split_tail != 1 and (collective is not Collective.REDUCE_SCATTER or not direct):
         return "split_tail is for the direct reduce-scatter kernel (method PIPELINE)"
-    if tiles.zero_chunk and (collective is not Collective.REDUCE_SCATTER or not direct):
-        return "zero_chunk is for the direct reduce-scatter kernel (method PIPELINE)"
     if tiles.spread and (collective is not Collective.ALL_GATHER or not direct):
         return "spread is for the direct all-gather kernel (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:
@@ -147,12 +145,11 @@ def unsupported_reason(
         return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
-    if tiles.chain_tiles or tiles.zero_chunk:  # the direct RS kernel (AG refused it above)
+    if tiles.chain_tiles:  # the direct RS kernel (AG refused it above)
         ctas = mosaic_tiles.num_sms() // tiles.cluster_size
         count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
         if count < 2 * ctas:
-            what = "chain_tiles" if tiles.chain_tiles else "zero_chunk"
-            return f"{what} needs two tiles per CTA, got {count} tiles for {ctas} CTAs"
+            return f"chain_tiles needs two tiles per CTA, got {count} tiles for {ctas} CTAs"
     return None
 
 

@@ -133,21 +133,15 @@ class TileSlices:
     wg_n: object
 
 
-def cluster_tile(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int):
-    """(m, n) grid position of the `tile`-th cluster tile of an [m_iters, n_iters] grid (of
-    cluster tiles), walked in bands `grid_tile_width` wide (`plgpu.planar_snake`)."""
+def tile_slices(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int) -> TileSlices:
+    """The `tile`-th cluster tile of an [m_iters, n_iters] grid (of cluster tiles), walked in
+    bands `grid_tile_width` wide (`plgpu.planar_snake`), as this CTA and warpgroup see it."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
     minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
-    return plgpu.planar_snake(tile, (m_iters, n_iters), minor, tiles.grid_tile_width)
-
-
-def tile_slices(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int) -> TileSlices:
-    """The `tile`-th cluster tile (`cluster_tile`) as this CTA and warpgroup see it."""
-    from jax.experimental import pallas as pl
-
-    m_idx, n_idx = cluster_tile(tiles, tile, m_iters, n_iters)
+    m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), minor, tiles.grid_tile_width)
     if tiles.cluster == "m":
         m_idx = m_idx * 2 + lax.axis_index("cluster")
     elif tiles.cluster == "n":

@@ -19,12 +19,9 @@ Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA
 and a CTA's first add waits until every device has signalled that its zeroing landed; at the
 end each device waits until every peer has signalled that its adds landed. Partial sums are
 added in the output dtype (bf16/fp16) at the owner, in arrival order. The zeroing (117 MB on
-llama8b_mlp) takes about 6% of the kernel when done before the first tile (stage 34's
-profile). With FusedTiles.zero_chunk=G it is staged instead: the main loop's waves (one tile
-per CTA) form chunks of G; the tiles first added into in chunks 0 and 1 are zeroed before the
-first tile, those of chunk k + 2 while chunk k runs (a share per warpgroup and tile, from an
-epilogue slot), and a chunk's first tile signals the next chunk's zeroing and awaits its own
-(one semaphore per chunk), so the stores run beside the GEMM and a CTA waits once a chunk.
+llama8b_mlp, at HBM write speed) holds the compute warpgroups for about 6% of the kernel's
+cycles (stage 34's profile); without it (the "add-unzeroed" diagnostic) the kernel is 3.5%
+faster, but spreading it over the run did not help (below).
 
 `epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
 parts: "local-add" (every tile reduce-added into this device's output, no NVLink), "store"
@@ -43,7 +40,12 @@ against 1.10 to 1.14 here, 3 stages a ring; 2 stages 2.2 to 2.4x); plain peer st
 ahead of the owner's add, per-tile flags, only the first wave's tiles zeroed (stage 27, commit
 670ca57: bit-identical, but 1.21 to 1.38x the bound against 1.09 to 1.11); the peers' copies run
 22 to 132 tiles ahead of the own ones, so that the loop ends on own tiles while the last
-transfers land (stage 32, commit c2031c8: 1 to 7% slower, the more the lead).
+transfers land (stage 32, commit c2031c8: 1 to 7% slower, the more the lead); the zero stores
+issued first and awaited at the first tile's epilogue (stages 13 and 34: 1.5% slower; issuing 54
+stores a warpgroup fills the TMA queue, so the compute warpgroups still wait for them); the
+zeroing staged in chunks of G waves, each zeroed while the chunk two before runs, one semaphore
+a chunk (stage 35, commit 5e69f45: 3 to 20% slower for G = 4 to 1; each chunk's handshake costs
+about 8k cycles, and without them it would at best match zeroing first).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -122,44 +124,6 @@ def tail_unit(unit, per_block: int, tail_tiles: int, splits: int):
     return per_block - tail_tiles + unit // splits, lax.rem(unit, jnp.int32(splits))
 
 
-def ceil_div(a, b):
-    """ceil(a / b) for non-negative ints (Python or traced)."""
-    return (a + b - 1) // b
-
-
-def first_add_unit(tile, size: int, per_block: int, tail_tiles: int):
-    """The first main-loop unit (`main_unit` order, the same on every device) that adds into
-    this device's `tile`: its copy at offset 0, or, for the tail's tiles (whose own copies run
-    in the tail loop), the first of the peers' late copies."""
-    early = per_block - tail_tiles
-    late = size * early + (size - 1) * (tile - early)
-    if isinstance(tile, int):
-        return size * tile if tile < early else late
-    return jnp.where(tile < early, size * tile, late)
-
-
-def first_tile_from(lin, size: int, per_block: int, tail_tiles: int):
-    """The first tile whose `first_add_unit` is at or after unit `lin` (per_block: none)."""
-    early = per_block - tail_tiles
-    late = early + ceil_div(lin - size * early, size - 1) if size > 1 else per_block
-    if isinstance(lin, int):
-        return min(per_block, ceil_div(lin, size) if lin <= size * early else late)
-    return jnp.minimum(per_block, jnp.where(lin <= size * early, ceil_div(lin, size), late))
-
-
-def zero_chunks(main_units: int, ctas: int, chunk: int) -> int:
-    """How many chunks of `chunk` waves (a wave: one main-loop unit per CTA) the main loop has
-    (FusedTiles.zero_chunk). The tiles first added into in chunk k are zeroed while chunk k - 2
-    runs, chunks 0 and 1 before the first tile."""
-    return ceil_div(ceil_div(main_units, ctas), chunk)
-
-
-def chunk_tiles(k, chunk: int, ctas: int, size: int, per_block: int, tail_tiles: int):
-    """[first, end) of the tiles of this device's output first added into in chunk k."""
-    units = chunk * ctas
-    return tuple(first_tile_from(at * units, size, per_block, tail_tiles) for at in (k, k + 1))
-
-
 def matmul_reduce_scatter(
     x: jax.Array,
     w: jax.Array,
@@ -199,20 +163,6 @@ def matmul_reduce_scatter(
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
     zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
     adds = epilogue in ("add", "add-unzeroed")  # the real epilogue's adds
-    chunk = tiles.zero_chunk if zeroes else 0
-    if chunk and main_units < ctas:
-        raise ValueError(
-            f"FusedTiles.zero_chunk needs a tile per CTA, got {main_units} tiles for {ctas} CTAs"
-        )
-    chunks = zero_chunks(main_units, ctas, chunk) if chunk else 1
-    region_blocks = (tiles.cluster_m // epi) * (tiles.cluster_n // epi)  # per cluster tile
-    wgs = 2 * sms  # compute warpgroups on a device
-    tile_groups = len(mt.epilogue_blocks(tiles, num_slots))  # a tile's store groups
-
-    def chunk_blocks(k):
-        """[first, end) of chunk k's epi blocks (`zero_block` order)."""
-        first, end = chunk_tiles(k, chunk, ctas, size, per_block, tail_tiles)
-        return first * region_blocks, end * region_blocks
 
     def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
@@ -220,7 +170,7 @@ def matmul_reduce_scatter(
         )
 
     def body(x_ref, w_ref, out_ref):
-        zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR((chunks,)))  # one per chunk
+        zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         here = lax.axis_index(axis_name)
         in_cluster = lax.axis_index("cluster")
@@ -231,38 +181,6 @@ def matmul_reduce_scatter(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            # this compute warpgroup's number on this device
-            wg_id = (lax.axis_index("cluster_grid") * cluster + in_cluster) * 2 + wg
-
-            def signal_zeroed(k):  # this warpgroup's zero stores of chunk k have landed
-                pl.semaphore_signal(zeroed.at[k])
-                for peer in peers[1:]:
-                    pl.semaphore_signal(zeroed.at[k], device_id=peer)
-
-            def await_zeroed(k):  # every warpgroup's, on every device
-                pl.semaphore_wait(zeroed.at[k], value=size * adds_per_device, decrement=False)
-
-            def zero_block(b, src):
-                """Zero this device's b-th epi block, counted in tile order (`main_unit`'s
-                cluster tiles, each row by row)."""
-                t, r = b // region_blocks, lax.rem(b, jnp.int32(region_blocks))
-                m_idx, n_idx = mt.cluster_tile(tiles, t, m_iters, n_iters)
-                per_row = tiles.cluster_n // epi
-                bm = m_idx * tiles.cluster_m + (r // per_row) * epi
-                bn = n_idx * tiles.cluster_n + lax.rem(r, jnp.int32(per_row)) * epi
-                plgpu.copy_smem_to_gmem(
-                    src, out_ref.at[pl.ds(bm, epi), pl.ds(bn, epi)], commit_group=False
-                )
-
-            def zero_blocks(first, end, stride, src):
-                """Zero blocks first, first + stride, ... below end: one store group."""
-
-                @pl.loop(0, ceil_div(jnp.maximum(end - first, 0), stride))
-                def _zero(q):
-                    zero_block(first + q * stride, src)
-
-                plgpu.commit_smem_to_gmem_group()
-
             if zeroes:
 
                 @pl.when(wg < 2)
@@ -270,10 +188,6 @@ def matmul_reduce_scatter(
                 def _zero_output():
                     out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
                     plgpu.commit_smem()
-                    if chunk:  # chunks 0 and 1 now, the rest while the tiles run
-                        end = chunk_blocks(min(1, chunks - 1))[1]
-                        zero_blocks(wg_id, end, wgs, out_smem.at[wg, 0])
-                        return
 
                     @plgpu.nd_loop((zero_steps,), collective_axes="cluster_grid")
                     def _zero(info):
@@ -286,47 +200,13 @@ def matmul_reduce_scatter(
                         )
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    signal_zeroed(0)
+                    pl.semaphore_signal(zeroed)
+                    for peer in peers[1:]:
+                        pl.semaphore_signal(zeroed, device_id=peer)
 
-            def zero_ahead(step):
-                """At a CTA's `step`-th main tile (in chunk k = step // chunk), before its adds:
-                at a chunk's first tile, signal chunk k + 1's zeroing (issued while chunk k - 1
-                ran; chunks 0 and 1 before the first tile) and await chunk k's; then zero a
-                share of chunk k + 2's blocks, from the last epilogue slot (a tile's first
-                block goes through the first)."""
-                k, i = step // chunk, lax.rem(step, jnp.int32(chunk))
-
-                @pl.when(i == 0)
-                def _chunk_start():
-                    @pl.when(step == 0)
-                    def _first():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                        for c in range(min(2, chunks)):
-                            signal_zeroed(c)
-
-                    @pl.when((step > 0) & (k + 1 < chunks))
-                    def _next():  # all but the last tile's adds have landed
-                        plgpu.wait_smem_to_gmem(tile_groups, wait_read_only=False)
-                        signal_zeroed(k + 1)
-
-                    await_zeroed(k)
-
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-                @pl.when(k + 2 < chunks)
-                def _ahead():
-                    src = out_smem.at[wg, num_slots - 1]
-                    out_smem[wg, num_slots - 1] = jnp.zeros((epi, epi), dtype)
-                    plgpu.commit_smem()
-                    first, end = chunk_blocks(k + 2)
-                    zero_blocks(first + wg_id + i * wgs, end, chunk * wgs, src)
-                    if num_slots == 1:  # the tile's first block goes through the same slot
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            def run_tile(tile, offset, k_first, k_steps, state=None, step=None):
+            def run_tile(tile, offset, k_first, k_steps, state=None, first=None):
                 """One output tile's K-steps [k_first, k_first + k_steps) and its epilogue;
-                `offset`: the owner's distance from here; `step`: the CTA's main-loop step
-                (None in the tail)."""
+                `offset`: the owner's distance from here."""
                 # the device owning this tile's rows
                 block = lax.rem(here + offset, jnp.int32(size))
                 at = mt.tile_slices(tiles, tile, m_iters, n_iters)
@@ -345,16 +225,13 @@ def matmul_reduce_scatter(
 
                 def epilogue_of(acc_ref):
                     acc = acc_ref[...].astype(dtype)
-                    if zeroes and step is not None and chunk:
-                        zero_ahead(step)  # the slots free but for its own zero stores
-                    else:
-                        if zeroes and step is not None:
+                    if zeroes and first is not None:
 
-                            @pl.when(step == 0)
-                            def _outputs_zeroed():
-                                await_zeroed(0)
+                        @pl.when(first)
+                        def _outputs_zeroed():
+                            pl.semaphore_wait(zeroed, value=size * adds_per_device, decrement=False)
 
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                         out_smem[wg, slot] = acc[epi_m, epi_n]
@@ -406,14 +283,9 @@ def matmul_reduce_scatter(
                 (lin,) = info.index
                 tile, offset = main_unit(lin, size, per_block, tail_tiles)
                 state = mt.chain_state(info) if tiles.chain_tiles else None
-                run_tile(tile, offset, 0, k_iters, state, step=info.local_index)
+                run_tile(tile, offset, 0, k_iters, state, first=info.local_index == 0)
 
             if tail_tiles:
-                if chunk:  # a CTA one main tile short never started the last chunk
-
-                    @pl.when(wg < 2)
-                    def _last_chunk():
-                        await_zeroed(chunks - 1)
 
                 @plgpu.nd_loop((tail_tiles * splits,), collective_axes="cluster_grid")
                 def _tail(info):
