@@ -115,6 +115,7 @@
 #            pass, the RS presets tuned over them beside the earlier picks (on top of stage 30's
 #            cache; llama13b_mlp into tune13b.json).
 #   stage 37: the suite again, AUTO reading stage 36's cache.
+#   stage 38: the suite again, AUTO reading stage 30's cache (as stages 31 and 33).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -453,7 +454,7 @@ elif [ "$1" = 36 ]; then
     done 2>&1 | tee $OUT/r/tune36.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ] \
-    || [ "$1" = 37 ]; then
+    || [ "$1" = 37 ] || [ "$1" = 38 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
