@@ -8,9 +8,9 @@ order), beside the interleaved host timing (`benchmark_interleaved`), of:
 - "mosaic": jax's Mosaic GPU Hopper matmul on the same local GEMM, as the fused kernels tile
   it, bands 16 wide, and with 2-CTA clusters: the GEMM loop with no communication;
 - fused specs (`parse_method`), with "@<epilogue>" for fused-direct's other epilogues
-  (`scatter_add_gemm.EPILOGUES`, e.g. "@add-late-zero") and diagnostics (`PROBES`, e.g.
-  "@store", "@local-add": wrong sums). Stage 15 had "+alt" (an alternating block order), stage
-  16 "+lag" (a lagged schedule), both since removed.
+  (`scatter_add_gemm.EPILOGUES`; stage 34 had "@add-late-zero") and diagnostics (`PROBES`,
+  e.g. "@store", "@add-unzeroed": wrong sums). Stage 15 had "+alt" (an alternating block
+  order), stage 16 "+lag" (a lagged schedule), both since removed.
 RS outputs are compared with the first fused-direct spec's (bit-identical expected on 2 GPUs:
 one add of the two bf16 partial sums per element either way; not where a split tail adds
 partial sums in arrival order), every fused output with XLA's (RS_TOLERANCE).

@@ -31,10 +31,9 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     ATOMIC_GEMM_AG pushes x's rows to every peer, ATOMIC_GEMM_RS reduce-adds tiles into their
     owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
     (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128' (tile_m / tile_n /
-    tile_k), '-e128'
-    (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1' (release_lag), '-ct'
-    (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0 automatic), '-r80' (spread), e.g.
-    'fused-wgm-w8', 'fused-direct-cm-w16'."""
+    tile_k), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1'
+    (release_lag), '-ct' (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0
+    automatic), '-r80' (spread), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
         "w": "grid_tile_width",
