@@ -247,3 +247,30 @@ def test_ring_reduce_scatter_lowers(size):
         (256 * size, 1024),
     )
     assert "mosaic_gpu" in text and "custom_call" in text
+
+
+def test_compiler_overrides_reach_the_kernels(monkeypatch):
+    """mosaic_tiles.COMPILER_OVERRIDES (kernel_profile.py's profiler switch) is merged into the
+    fused kernels' CompilerParams, and nothing is set by default."""
+    assert mosaic_tiles.COMPILER_OVERRIDES == {}
+    plain = mosaic_tiles.kernel_params(132, 2)["compiler_params"]
+    monkeypatch.setitem(mosaic_tiles.COMPILER_OVERRIDES, "reduction_scratch_bytes", 0)
+    params = mosaic_tiles.kernel_params(132, 2)["compiler_params"]
+    assert params.reduction_scratch_bytes == 0 != plain.reduction_scratch_bytes
+    assert params.lowering_semantics == plain.lowering_semantics
+
+
+def test_unknown_epilogue_is_refused():
+    cfg = parse_method("fused-direct")
+    with pytest.raises(ValueError, match="epilogue='add-late-zero' must be one of"):
+        lower(
+            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(
+                x, w, "x", cfg, epilogue="add-late-zero"
+            ),
+            P(None, "x"),
+            P("x", None),
+            P("x", None),
+            2,
+            (4096, 1024),
+            (1024, 4096),
+        )
