@@ -116,6 +116,27 @@
 #            cache; llama13b_mlp into tune13b.json).
 #   stage 37: the suite again, AUTO reading stage 36's cache.
 #   stage 38: the suite again, AUTO reading stage 30's cache (as stages 31 and 33).
+#   stage 39: (new session) the direct RS kernel zeroing its output D waves ahead of the adds
+#            (`-a<D>`, FusedTiles.zero_ahead: the first D waves' tiles zeroed first, the rest
+#            by the load warpgroups while they load, one semaphore a wave): outputs on two
+#            shapes, both w layouts, more tilings and back-to-back calls, then, if they pass,
+#            the RS presets probed over D (device periods) beside the kernel without zeroing,
+#            and D = 3 profiled on llama8b_mlp.
+#   stage 40: where stage 39's zero_ahead loses (7% slower): its parts switched off in turn
+#            (@add-ahead-nowait / -nosync / -nostore: the load warpgroups' semaphore waits, all
+#            their handshakes, their zero stores; wrong sums) on llama8b_mlp and comm_heavy RS,
+#            and the profile of 3-stage unchained kernels (the profiler's smem fits beside them)
+#            with and without zero_ahead, the load warpgroups' phases named.
+#   stage 41: zero_ahead with the waves' signals relaxed (no system-scope release fence; stage
+#            40 found those fences the whole loss): outputs on llama8b_mlp's shape, both w
+#            layouts, more tilings and back-to-back calls, then, if they pass, the RS presets
+#            probed over D beside the release-fenced signals and the kernel without zeroing.
+#   stage 42: zero_ahead's stores in bands of a tile's width (one tile lookup a band, not a
+#            block): outputs checked as in stage 41, then, if they pass, llama8b_mlp and
+#            comm_heavy RS tuned over D beside the earlier pick (on top of stage 30's cache),
+#            and llama13b_mlp RS into a cache of its own (tune13b.json; the suite leaves
+#            llama13b_mlp to the cost model).
+#   stage 43: the suite again, AUTO reading stage 42's cache.
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -433,6 +454,68 @@ elif [ "$1" = 35 ]; then
       --problems llama8b_mlp:$base-z2-t0 > $OUT/r/profile35.log 2>&1
     grep -vE "Warning|warn" $OUT/r/profile35.log | cut -c1-1200 | tail -3
   fi
+elif [ "$1" = 39 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256
+  timeout 180 python3 benchmarks/fused_check.py --out $OUT/r --name check39_rs --ops rs \
+    --shapes 3 --base $base-a3-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
+    --no-grads --repeat 24 > $OUT/r/check39.log 2>&1
+  grep 'fused check' $OUT/r/check39.log; grep -E '"ok": false|Error|rror:' $OUT/r/check39.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check39.log \
+    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check39.log; then
+    rs="$base-t0,$base-a1-t0,$base-a2-t0,$base-a3-t0,$base-a5-t0,$base-k128-s2-a3-t0"
+    rs="$rs,$base-t0@add-unzeroed"
+    timeout 280 python3 benchmarks/probe.py --out $OUT/r --name probe39 --rounds 8 --iters 10 \
+      --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
+      2>&1 | tee $OUT/r/probe39.log | grep -vE "^\s*$|Warning|warn"
+    timeout 70 python3 benchmarks/kernel_profile.py --out $OUT/r --name profile39 \
+      --problems llama8b_mlp:$base-a3-t0,llama8b_mlp:$base-t0 > $OUT/r/profile39.log 2>&1
+    grep -vE "Warning|warn" $OUT/r/profile39.log | cut -c1-1200 | tail -3
+  fi
+elif [ "$1" = 40 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256-a3-t0
+  rs="fused-direct-wgm-cm-ct-m64-n256-t0,$base,$base@add-ahead-nowait,$base@add-ahead-nosync"
+  rs="$rs,$base@add-ahead-nostore,fused-direct-wgm-cm-ct-m64-n256-t0@add-unzeroed"
+  timeout 200 python3 benchmarks/probe.py --out $OUT/r --name probe40 --rounds 8 --iters 10 \
+    --problems rs:llama8b_mlp,rs:comm_heavy --rs $rs \
+    2>&1 | tee $OUT/r/probe40.log | grep -vE "^\s*$|Warning|warn"
+  nc=fused-direct-wgm-cm-m64-n256-s3
+  timeout 90 python3 benchmarks/kernel_profile.py --out $OUT/r --name profile40 \
+    --problems llama8b_mlp:$nc-a3-t0,llama8b_mlp:$nc-t0 > $OUT/r/profile40.log 2>&1
+  grep -vE "Warning|warn" $OUT/r/profile40.log | cut -c1-1200 | tail -3
+elif [ "$1" = 41 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check41_rs --ops rs \
+    --shapes 3 --base $base-a3-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
+    --no-grads --repeat 24 > $OUT/r/check41.log 2>&1
+  grep 'fused check' $OUT/r/check41.log; grep -E '"ok": false|Error|rror:' $OUT/r/check41.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check41.log \
+    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check41.log; then
+    rs="$base-t0,$base-a2-t0,$base-a3-t0,$base-a4-t0,$base-a6-t0,$base-a3-t0@add-ahead-release"
+    rs="$rs,$base-t0@add-unzeroed"
+    timeout 280 python3 benchmarks/probe.py --out $OUT/r --name probe41 --rounds 8 --iters 10 \
+      --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
+      2>&1 | tee $OUT/r/probe41.log | grep -vE "^\s*$|Warning|warn"
+  fi
+elif [ "$1" = 42 ]; then
+  cp "$2" $OUT/r/tune.json
+  base=fused-direct-wgm-cm-ct-m64-n256
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check42_rs --ops rs \
+    --shapes 3 --base $base-a2-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
+    --no-grads --repeat 24 > $OUT/r/check42.log 2>&1
+  grep 'fused check' $OUT/r/check42.log; grep -E '"ok": false|Error|rror:' $OUT/r/check42.log \
+    | cut -c1-300 | head -8
+  if ! grep -q '"ok": false' $OUT/r/check42.log \
+    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check42.log; then
+    rs="$base-t0,$base-a2-t0,$base-a3-t0,$base-a6-t0,$base-k128-s2-a2-t0"
+    for preset in llama8b_mlp comm_heavy llama13b_mlp; do
+      cache=$OUT/r/tune.json
+      [ $preset = llama13b_mlp ] && cache=$OUT/r/tune13b.json
+      COMMGEMM_TUNE_CACHE=$cache timeout 100 python3 -m commgemm tune --op rs --preset $preset \
+        --iters 5 --periods 6 --methods $rs 2>&1 | tail -9
+    done 2>&1 | tee $OUT/r/tune42.log | grep -vE "^\s*$|━|┏|┗|┡|└"
+  fi
 elif [ "$1" = 36 ]; then
   cp "$2" $OUT/r/tune.json
   [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
@@ -454,7 +537,7 @@ elif [ "$1" = 36 ]; then
     done 2>&1 | tee $OUT/r/tune36.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ] \
-    || [ "$1" = 37 ] || [ "$1" = 38 ]; then
+    || [ "$1" = 37 ] || [ "$1" = 38 ] || [ "$1" = 43 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \

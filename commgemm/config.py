@@ -152,7 +152,11 @@ class FusedTiles:
     send x's rows, with the peers' tiles after the first wave, stretching the own block over up
     to s% more of the schedule (`push_gather_gemm.spread_plan`), so the sends keep pace with
     the link where they take longer than the own block's GEMM; 0 (default) runs the own block
-    first."""
+    first. In the direct reduce-scatter kernel zero_ahead=D > 0 zeroes the output (which the
+    devices' tiles are reduce-added into) D waves of CTAs ahead of the adds instead of all of it
+    before the first tile: the compute warpgroups zero the tiles of the first D waves, and while
+    it loads wave j each CTA's load warpgroup zeroes its share of wave j + D's tiles, one
+    semaphore a wave (`scatter_add_gemm.wave_tiles`); 0 (default) zeroes all of it first."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -168,6 +172,7 @@ class FusedTiles:
     senders: int = 8
     split_tail: int = 1
     spread: int = 0
+    zero_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.cluster not in (None, "m", "n"):
@@ -186,6 +191,9 @@ class FusedTiles:
         spread = self.spread
         if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread <= 100:
             raise ValueError(f"FusedTiles.spread={spread!r} must be an int from 0 to 100 (percent)")
+        ahead = self.zero_ahead
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"FusedTiles.zero_ahead={ahead!r} must be an int >= 0 (0: all first)")
         if self.stages < 2:
             raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
         if self.tile_m % self.epi or self.tile_n % self.epi:

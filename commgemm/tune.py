@@ -47,7 +47,7 @@ FUSED_TILINGS = {
         "fused-direct-cm-t0",
         "fused-direct-cm-ct",
         "fused-direct-cm-ct-t0",
-        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
+        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
     ),
 }
 

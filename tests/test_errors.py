@@ -126,6 +126,10 @@ def test_direct_kernel_options(rng):
             "split_tail is for the direct reduce-scatter kernel",
         ),
         (
+            direct.replace(fused_tiles=cg.FusedTiles(zero_ahead=3)),
+            "zero_ahead is for the direct reduce-scatter kernel",
+        ),
+        (
             direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(spread=50)),
             "spread is for the direct all-gather kernel",
         ),
@@ -142,6 +146,9 @@ def test_direct_kernel_options(rng):
     for bad in (-1, 101, True, 0.5):
         with pytest.raises(ValueError, match="must be an int from 0 to 100"):
             cg.FusedTiles(spread=bad)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="zero_ahead=.* must be an int >= 0"):
+            cg.FusedTiles(zero_ahead=bad)
     x, w = random(rng, (1024, 3 * 4 * 64), bf16), random(rng, (3 * 4 * 64, 256), bf16)
     chained = direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True))
     with pytest.raises(ValueError, match="chain_tiles needs K/tile_k=3 divisible by 4 stages"):

@@ -70,6 +70,8 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
         "fused-direct-wgm-cm-m64-n256-t0",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
+        "fused-direct-wgm-cm-ct-m64-n256-t0-a3",  # zeroing three waves ahead, a split tail
+        "fused-direct-ct-a1",
         "fused-direct-cm@add-unzeroed",
     ],
 )
@@ -214,6 +216,44 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
         ]
         np.add.at(steps, (np.asarray(tile), 0), k_iters // splits)
     assert (steps == k_iters).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    size=st.integers(2, 8),
+    per_block=st.integers(1, 300),
+    ctas=st.sampled_from([66, 132, 7, 1]),
+    k_iters=st.sampled_from([8, 32, 40]),
+    split=st.sampled_from([0, 1, 2]),
+)
+def test_wave_tiles_are_each_waves_first_adds(size, per_block, ctas, k_iters, split):
+    """FusedTiles.zero_ahead zeroes wave w's tile range before wave w: the ranges follow one
+    another from 0 to per_block, each tile's first add (any owner) comes in the wave whose
+    range holds it, and the traced ranges (the kernel's) equal the static ones."""
+    num_tiles = size * per_block
+    tiles = cg.FusedTiles(split_tail=split)
+    try:
+        tail, _ = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
+    except ValueError:  # an explicit split that does not fit (the test above)
+        return
+    main_units = num_tiles - tail
+    waves = -(-main_units // ctas)
+    args = (ctas, main_units, size, per_block, tail)
+    ranges = [list(scatter_add_gemm.wave_tiles(w, *args)) for w in range(waves)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == per_block
+    assert all(lo <= hi for lo, hi in ranges)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    traced = jax.jit(jax.vmap(lambda w: scatter_add_gemm.wave_tiles(w, *args)))
+    assert np.asarray(traced(jnp.arange(waves, dtype=jnp.int32))).T.tolist() == ranges
+    lin = np.arange(main_units)
+    tile = np.asarray(
+        scatter_add_gemm.main_unit(jnp.asarray(lin, jnp.int32), size, per_block, tail)[0]
+    )
+    first_wave = np.full(per_block, -1)
+    for t, w in zip(tile[::-1], (lin // ctas)[::-1], strict=True):
+        first_wave[t] = w
+    range_of = np.concatenate([np.full(hi - lo, w) for w, (lo, hi) in enumerate(ranges)])
+    assert (first_wave == range_of).all()
 
 
 @pytest.mark.parametrize(

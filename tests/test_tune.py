@@ -118,7 +118,7 @@ def test_spec_round_trip():
         "fused-direct-ct-w16",
         "fused-direct-gm-p4",
         "fused-direct-cm-r85",
-        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
+        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
     )
     for spec in specs + fused:
         assert tune.spec_of(cg.bench.parse_method(spec)) == spec
@@ -139,6 +139,7 @@ def test_spec_round_trip():
     assert cg.bench.parse_method("fused-direct-ct").fused_tiles.chain_tiles
     assert cg.bench.parse_method("fused-direct-cm-t0").fused_tiles.split_tail == 0
     assert tune.spec_of(cg.bench.parse_method("fused-direct-t4")) == "fused-direct-t4"
+    assert cg.bench.parse_method("fused-direct-a3").fused_tiles.zero_ahead == 3
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
         cg.bench.parse_method("fused-x3")
     with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
@@ -150,7 +151,7 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
         found = costmodel.candidates(RS, rows, size, fused=True, **kw)
         return next(c for c in found if c.atomic_gemm and c.method is cg.Method.PIPELINE)
 
-    wide = cg.FusedTiles(wg_along_m=True, tile_m=64, tile_n=256, split_tail=0)
+    wide = cg.FusedTiles(wg_along_m=True, tile_m=64, tile_n=256, split_tail=0, zero_ahead=2)
     assert direct(8192, 2).fused_tiles == dataclasses.replace(wide, cluster="m")
     # 384 rows: three 128-row tiles, no pair
     assert direct(384 * 2, 2).fused_tiles == wide
@@ -204,7 +205,7 @@ def test_fused_prediction(size, collective):
     if collective is RS:
         tiles = costmodel.direct_rs_tiles(rows, size, SHAPE)
         assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
-        assert (tiles.cta_m, tiles.cta_n, tiles.split_tail) == (128, 256, 0)
+        assert (tiles.cta_m, tiles.cta_n, tiles.split_tail, tiles.zero_ahead) == (128, 256, 0, 2)
     else:
         tiles = cg.FusedTiles(grid_minor_m=True)
     assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)

@@ -125,6 +125,8 @@ def unsupported_reason(
         return "release_lag and chain_tiles are for the direct kernels (method PIPELINE)"
     if tiles.split_tail != 1 and (collective is not Collective.REDUCE_SCATTER or not direct):
         return "split_tail is for the direct reduce-scatter kernel (method PIPELINE)"
+    if tiles.zero_ahead and (collective is not Collective.REDUCE_SCATTER or not direct):
+        return "zero_ahead is for the direct reduce-scatter kernel (method PIPELINE)"
     if tiles.spread and (collective is not Collective.ALL_GATHER or not direct):
         return "spread is for the direct all-gather kernel (method PIPELINE)"
     if collective is Collective.ALL_GATHER and tiles.chain_tiles:

@@ -43,6 +43,30 @@ def kernel_params(sms: int, cluster: int) -> dict:
     )
 
 
+def relaxed_signal(sem, device_id=None) -> None:
+    """Add 1 to semaphore `sem` (on peer `device_id`, or here) with a relaxed atomic: no
+    system-scope release fence before it, which `pl.semaphore_signal` issues and which stalls
+    the signalling warpgroup for thousands of cycles while NVLink traffic is in flight (stage
+    40). Only for a signal that says this thread's awaited TMA stores (`wait_smem_to_gmem(...,
+    wait_read_only=False)`) have landed: those writes are complete before the atomic issues.
+    On jax < 0.11 (where Mosaic GPU's inline code takes no peer refs; the fused kernels run
+    on >= 0.11 only) it falls back to `pl.semaphore_signal`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        pl.semaphore_signal(sem, device_id=device_id)
+        return
+    ref = sem if device_id is None else plgpu.remote_ref(sem, device_id)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _signal(_, sem_ref):
+        mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem_ref)).signal(1, relaxed=True)
+
+    _signal(ref)
+
+
 def smem_transforms(dtype, minor: int) -> tuple:
     """Tiling and swizzle of an smem block whose minor dimension holds `minor` elements."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -120,6 +144,16 @@ def tile_smem(tiles: FusedTiles, dtype, k_iters: int, x_ref, w_ref, *, release=0
     )
 
 
+def cluster_tile(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int):
+    """(m_idx, n_idx) of the `tile`-th cluster tile of an [m_iters, n_iters] grid, walked in
+    bands `grid_tile_width` wide (`plgpu.planar_snake`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+
+    minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
+    return plgpu.planar_snake(tile, (m_iters, n_iters), minor, tiles.grid_tile_width)
+
+
 @dataclasses.dataclass(frozen=True)
 class TileSlices:
     """Where one CTA tile lies: its band and column (in CTA tiles), the CTA's slices of the
@@ -137,11 +171,8 @@ def tile_slices(tiles: FusedTiles, tile: jax.Array, m_iters: int, n_iters: int) 
     """The `tile`-th cluster tile of an [m_iters, n_iters] grid (of cluster tiles), walked in
     bands `grid_tile_width` wide (`plgpu.planar_snake`), as this CTA and warpgroup see it."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
-    minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
-    m_idx, n_idx = plgpu.planar_snake(tile, (m_iters, n_iters), minor, tiles.grid_tile_width)
+    m_idx, n_idx = cluster_tile(tiles, tile, m_iters, n_iters)
     if tiles.cluster == "m":
         m_idx = m_idx * 2 + lax.axis_index("cluster")
     elif tiles.cluster == "n":

@@ -15,20 +15,33 @@ takes about 1/s of a tile instead of a whole one (1 to 2.5% on the 2xH200 RS pre
 arrival order: results may differ in the last bit from call to call
 (OverlapConfig.deterministic refuses it).
 
-Two handshakes make the adds safe: the output is zeroed by this kernel (each CTA its share)
-and a CTA's first add waits until every device has signalled that its zeroing landed; at the
-end each device waits until every peer has signalled that its adds landed. Partial sums are
-added in the output dtype (bf16/fp16) at the owner, in arrival order. The zeroing (117 MB on
-llama8b_mlp, at HBM write speed) holds the compute warpgroups for about 6% of the kernel's
-cycles (stage 34's profile); without it (the "add-unzeroed" diagnostic) the kernel is 3.5%
-faster, but spreading it over the run did not help (below).
+The adds need the output zeroed, and zeroed before any device adds into it. By default
+(FusedTiles.zero_ahead=0) the compute warpgroups zero all of it first (each CTA its share) and
+a CTA's first add waits until every device has signalled that its zeroing landed. The zeroing
+(117 MB on llama8b_mlp, at HBM write speed) then holds the compute warpgroups for about 6% of
+the kernel's cycles (stage 34's profile). With zero_ahead=D > 0 they zero only the tiles that
+the first D waves of CTAs add into (`wave_tiles`), and each CTA's load warpgroup, between two
+tiles' loads (where it waits on the compute warpgroups anyway), zeroes its share of wave j + D's
+tiles while it loads wave j, in bands of 16 rows a tile wide; one semaphore a wave counts the
+CTAs of every device that have zeroed their share, and a load warpgroup waits for wave j's
+count before it loads a tile of wave j. Those signals are relaxed atomics issued after the
+stores are awaited (`mosaic_tiles.relaxed_signal`): with `pl.semaphore_signal`'s system-scope
+release fence the signal took 13k cycles a wave (stage 40's profile) and the kernel was 7%
+slower; relaxed, zero_ahead=2 is 0.5 to 1.2% faster than zeroing first (stages 41, 42), where
+dropping the zeroing altogether would give 3.5% (the "add-unzeroed" diagnostic). At the end
+each device waits until every peer has signalled that its adds landed. Partial sums are added
+in the output dtype (bf16/fp16) at the owner, in arrival order.
 
 `epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
 parts: "local-add" (every tile reduce-added into this device's output, no NVLink), "store"
 (every tile stored plainly here: the bare GEMM loop), "remote-store" (plain stores to the
-owner), "add-unzeroed" (the kernel without the zeroing and its handshake). The compute
-warpgroups' phases are named scopes ("zero", "epilogue", "landed"): Mosaic GPU's profiler
-records them (benchmarks/kernel_profile.py).
+owner), "add-unzeroed" (the kernel without the zeroing and its handshake), and for zero_ahead
+"add-ahead-nowait" / "add-ahead-nosync" / "add-ahead-nostore" (the load warpgroups skip their
+waits / their signals and waits / their zero stores); "add-ahead-release" is zero_ahead with
+release-fenced signals (correct sums). The compute warpgroups' phases are named scopes
+("zero", "epilogue", "landed"), the load warpgroups' zero_ahead steps too ("ahead_signal",
+"ahead_zero", "ahead_wait"): Mosaic GPU's profiler records them
+(benchmarks/kernel_profile.py).
 
 Tried and dropped (BENCHMARKS.md): plain own stores with the peer's add of a tile waiting for
 that store, both copies of a tile in the same step (stage 14, commit 5c3e0f1: 10 to 15% slower)
@@ -44,8 +57,9 @@ transfers land (stage 32, commit c2031c8: 1 to 7% slower, the more the lead); th
 issued first and awaited at the first tile's epilogue (stages 13 and 34: 1.5% slower; issuing 54
 stores a warpgroup fills the TMA queue, so the compute warpgroups still wait for them); the
 zeroing staged in chunks of G waves, each zeroed while the chunk two before runs, one semaphore
-a chunk (stage 35, commit 5e69f45: 3 to 20% slower for G = 4 to 1; each chunk's handshake costs
-about 8k cycles, and without them it would at best match zeroing first).
+a chunk, by the compute warpgroups (stage 35, commit 5e69f45: 3 to 20% slower for G = 4 to 1;
+each chunk's handshake costs about 8k cycles, and without them it would at best match zeroing
+first).
 
 Requirements as for the ring kernels (`fused.unsupported_reason`). The GEMM loop follows jax's
 Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes.
@@ -63,7 +77,19 @@ from commgemm.algorithms import mosaic_tiles as mt
 from commgemm.config import FusedTiles, OverlapConfig
 
 EPILOGUES = ("add",)
-PROBES = ("local-add", "store", "remote-store", "add-unzeroed")
+#: Rows of the load warpgroup's zero block (FusedTiles.zero_ahead): 16 x epi, 2 KiB in bf16 with
+#: epi 64, what shared memory has left beside 4 stages of 128 x 256 tiles and the epilogue's.
+ZERO_ROWS = 16
+PROBES = (
+    "local-add",
+    "store",
+    "remote-store",
+    "add-unzeroed",
+    "add-ahead-nowait",
+    "add-ahead-nosync",
+    "add-ahead-nostore",
+    "add-ahead-release",
+)
 #: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
 #: automatic split_tail's model.
 TAIL_OVERHEAD_STEPS = 2
@@ -104,18 +130,48 @@ def tail_plan(
     return (tail, split) if split > 1 else (0, 1)
 
 
+def _rem(a, n: int):
+    return a % n if isinstance(a, int) else lax.rem(a, jnp.int32(n))
+
+
+def _select(pred, a, b):
+    return (a if pred else b) if isinstance(pred, bool) else jnp.where(pred, a, b)
+
+
 def main_unit(lin, size: int, per_block: int, tail_tiles: int):
     """(tile, offset) of the main loop's `lin`-th unit: the P blocks' copies of one tile are
     consecutive (offset: the owner's distance from here), except that the peers' copies of the
-    last `tail_tiles` tiles come last (their own copies are the tail's)."""
-    tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
+    last `tail_tiles` tiles come last (their own copies are the tail's). Python ints in, ints
+    out; traced in, traced out."""
+    tile, offset = lin // size, _rem(lin, size)
     if not tail_tiles:
         return tile, offset
     late = lin - size * (per_block - tail_tiles)
     in_late = late >= 0
-    tile = jnp.where(in_late, per_block - tail_tiles + late // (size - 1), tile)
-    offset = jnp.where(in_late, 1 + lax.rem(late, jnp.int32(size - 1)), offset)
+    tile = _select(in_late, per_block - tail_tiles + late // (size - 1), tile)
+    offset = _select(in_late, 1 + _rem(late, size - 1), offset)
     return tile, offset
+
+
+def wave_tiles(wave, ctas: int, main_units: int, size: int, per_block: int, tail_tiles: int):
+    """[lo, hi): the tiles (of every block) first added into by the main loop's `wave`-th wave
+    of `ctas` units. Every unit of a wave adds into a tile below its wave's hi, and the waves'
+    ranges follow one another, so zeroing wave w's range before wave w runs is enough
+    (FusedTiles.zero_ahead). The last wave's hi is per_block (the tail's tiles included)."""
+
+    def last_tile(w):
+        lin = (w + 1) * ctas - 1
+        lin = min(lin, main_units - 1) if isinstance(lin, int) else jnp.minimum(lin, main_units - 1)
+        return main_unit(lin, size, per_block, tail_tiles)[0]
+
+    before = wave - 1 if isinstance(wave, int) else jnp.maximum(wave - 1, 0)
+    return _select(wave == 0, 0, last_tile(before) + 1), last_tile(wave) + 1
+
+
+def zero_bands_per_tile(tiles: FusedTiles, block_m: int) -> int:
+    """How many bands of block_m rows (the zeroing's units) one cluster tile of the output
+    has."""
+    return tiles.cluster_m // block_m
 
 
 def tail_unit(unit, per_block: int, tail_tiles: int, splits: int):
@@ -155,14 +211,33 @@ def matmul_reduce_scatter(
             f"FusedTiles.chain_tiles needs two tiles per CTA, got {main_units} tiles for "
             f"{ctas} CTAs"
         )
-    # epi x epi blocks to zero, two per CTA (one per compute warpgroup) in each loop step
-    zero_steps = (rows // epi) * (n // epi) // (2 * cluster)
+    waves = -(-main_units // ctas)
+    # the compute warpgroups zero the tiles of the first `ahead` waves before their first tile;
+    # with late_zero the load warpgroups zero the other waves' tiles, `ahead` waves early
+    ahead = min(tiles.zero_ahead, waves) if tiles.zero_ahead else waves
+    first_tiles = wave_tiles(ahead - 1, ctas, main_units, size, per_block, tail_tiles)[1]
+    late_iters = max(
+        [
+            -(-(hi - lo) * zero_bands_per_tile(tiles, ZERO_ROWS) // sms)
+            for lo, hi in (
+                wave_tiles(w, ctas, main_units, size, per_block, tail_tiles)
+                for w in range(ahead, waves)
+            )
+        ],
+        default=0,
+    )
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     if epilogue not in EPILOGUES + PROBES:
         raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
-    zeroes = epilogue in ("add", "local-add")  # the output is zeroed, then added into
-    adds = epilogue in ("add", "add-unzeroed")  # the real epilogue's adds
+    # the output is zeroed, then added into
+    zeroes = epilogue in ("add", "local-add") or epilogue.startswith("add-ahead")
+    late_zero = zeroes and ahead < waves
+    ahead_waits = epilogue not in ("add-ahead-nowait", "add-ahead-nosync")
+    ahead_signals = epilogue != "add-ahead-nosync"
+    ahead_stores = epilogue != "add-ahead-nostore"
+    relaxed = epilogue != "add-ahead-release"  # the waves' signals without a release fence
+    adds = epilogue in ("add", "add-unzeroed") or epilogue.startswith("add-ahead")
 
     def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
@@ -172,13 +247,38 @@ def matmul_reduce_scatter(
     def body(x_ref, w_ref, out_ref):
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        if late_zero:  # one a wave: every CTA of every device zeroed its share of the wave
+            zeroed_waves = pl.get_global(plgpu.SemaphoreType.REGULAR((waves,)))
         here = lax.axis_index(axis_name)
         in_cluster = lax.axis_index("cluster")
+        cta = lax.axis_index("cluster_grid") * cluster + in_cluster
         # peers[0] is here
         peers = [lax.rem(here + offset, jnp.int32(size)) for offset in range(size)]
 
-        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=tiles.release_lag)
-        def _scope(pipeline_allocs, out_smem):
+        def signal_every_device(sem, relaxed=False):
+            signal = mt.relaxed_signal if relaxed else pl.semaphore_signal
+            for i, peer in enumerate(peers):
+                signal(sem, device_id=None if i == 0 else peer)
+
+        def zero_tiles(src, lo, hi, worker, workers: int, iters: int):
+            """TMA-store the zero block `src` over tiles [lo, hi) of this device's output: the
+            worker-th of every `workers` bands of src's rows across a tile, each band in
+            blocks of src's shape."""
+            block_m, block_n = src.shape
+            bands = zero_bands_per_tile(tiles, block_m)
+            first, end = lo * bands + worker, hi * bands
+
+            @pl.loop(0, iters)
+            def _band(i):
+                unit = first + i * workers
+                tile, band = divmod(jnp.minimum(unit, end - 1), bands)
+                m_idx, n_idx = mt.cluster_tile(tiles, tile, m_iters, n_iters)
+                rows_at = out_ref.at[pl.ds(m_idx * tiles.cluster_m + band * block_m, block_m)]
+                for j in range(tiles.cluster_n // block_n):
+                    cols = pl.ds(n_idx * tiles.cluster_n + j * block_n, block_n)
+                    plgpu.copy_smem_to_gmem(src, rows_at.at[:, cols], predicate=unit < end)
+
+        def _tiles_scope(pipeline_allocs, out_smem, zero_smem):
             wg = lax.axis_index("wg")
 
             if zeroes:
@@ -188,21 +288,41 @@ def matmul_reduce_scatter(
                 def _zero_output():
                     out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
                     plgpu.commit_smem()
-
-                    @plgpu.nd_loop((zero_steps,), collective_axes="cluster_grid")
-                    def _zero(info):
-                        (step,) = info.index
-                        block = 2 * (step * cluster + in_cluster) + wg
-                        bm, bn = block // (n // epi), lax.rem(block, jnp.int32(n // epi))
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, 0],
-                            out_ref.at[pl.ds(bm * epi, epi), pl.ds(bn * epi, epi)],
-                        )
-
+                    iters = -(-first_tiles * zero_bands_per_tile(tiles, epi) // (2 * sms))
+                    zero_tiles(out_smem.at[wg, 0], 0, first_tiles, 2 * cta + wg, 2 * sms, iters)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(zeroed)
-                    for peer in peers[1:]:
-                        pl.semaphore_signal(zeroed, device_id=peer)
+                    signal_every_device(zeroed)
+
+            if late_zero:
+
+                @pl.when(wg == 2)
+                def _zero_block():
+                    zero_smem[...] = jnp.zeros((ZERO_ROWS, epi), dtype)
+                    plgpu.commit_smem()
+
+            def zero_waves_ahead(step):
+                """The load warpgroup before the main loop's step `step`: signals that its
+                share of the wave it zeroed last step landed, zeroes its share of wave step +
+                ahead, and waits until every device has zeroed wave `step`."""
+                pending = step - 1 + ahead
+
+                @pl.when((step >= 1) & (pending < waves))
+                @jax.named_scope("ahead_signal")
+                def _signal():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    if ahead_signals:
+                        signal_every_device(zeroed_waves.at[pending], relaxed=relaxed)
+
+                @pl.when((step + ahead < waves) & ahead_stores)
+                @jax.named_scope("ahead_zero")
+                def _zero():
+                    lo, hi = wave_tiles(step + ahead, ctas, main_units, size, per_block, tail_tiles)
+                    zero_tiles(zero_smem, lo, hi, cta, sms, late_iters)
+
+                @pl.when((step >= ahead) & ahead_waits)
+                @jax.named_scope("ahead_wait")
+                def _wait():
+                    pl.semaphore_wait(zeroed_waves.at[step], value=size * sms, decrement=False)
 
             def run_tile(tile, offset, k_first, k_steps, state=None, first=None):
                 """One output tile's K-steps [k_first, k_first + k_steps) and its epilogue;
@@ -281,9 +401,26 @@ def matmul_reduce_scatter(
             @plgpu.nd_loop((main_units,), collective_axes="cluster_grid")
             def _tiles(info):
                 (lin,) = info.index
+                if late_zero:
+                    pl.when(wg == 2)(lambda: zero_waves_ahead(info.local_index))
                 tile, offset = main_unit(lin, size, per_block, tail_tiles)
                 state = mt.chain_state(info) if tiles.chain_tiles else None
                 run_tile(tile, offset, 0, k_iters, state, first=info.local_index == 0)
+
+            if late_zero:
+
+                @pl.when(wg == 2)
+                def _last_wave_zeroed():
+                    cid = lax.axis_index("cluster_grid")
+                    pending = (main_units - cid + ctas - 1) // ctas - 1 + ahead
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    pl.when((pending < waves) & ahead_signals)(
+                        lambda: signal_every_device(zeroed_waves.at[pending], relaxed=relaxed)
+                    )
+                    if tail_tiles and ahead_waits:  # the tail's tiles are in the last wave's
+                        pl.semaphore_wait(
+                            zeroed_waves.at[waves - 1], value=size * sms, decrement=False
+                        )
 
             if tail_tiles:
 
@@ -302,6 +439,18 @@ def matmul_reduce_scatter(
                 for peer in peers[1:]:
                     pl.semaphore_signal(landed, device_id=peer)
                 pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
+
+        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=tiles.release_lag)
+        def _scope(pipeline_allocs, out_smem):
+            if late_zero:
+                zero_block = plgpu.SMEM((ZERO_ROWS, epi), dtype)
+                pl.run_scoped(
+                    functools.partial(_tiles_scope, pipeline_allocs, out_smem),
+                    zero_block,
+                    collective_axes="wg",
+                )
+            else:
+                _tiles_scope(pipeline_allocs, out_smem, None)
 
     with jax.named_scope("fused_gemm_scatter_add"):
         return plgpu.kernel(

@@ -33,7 +33,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
     (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128' (tile_m / tile_n /
     tile_k), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1'
     (release_lag), '-ct' (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0
-    automatic), '-r80' (spread), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
+    automatic), '-r80' (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
     fields: dict[str, object] = {}
     keys = {
         "w": "grid_tile_width",
@@ -46,6 +46,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
         "p": "senders",
         "t": "split_tail",
         "r": "spread",
+        "a": "zero_ahead",
     }
     method = "ring_exchange"
     for part in spec.split("-")[1:]:
@@ -65,7 +66,7 @@ def parse_fused(spec: str) -> cg.OverlapConfig:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; "
                 "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -k<N>, -e<N>, -d<N>, -p<N>, -t<N>, "
-                "-r<N>, -wgm, -gm, -cm, -cn, -ct"
+                "-r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct"
             )
     tiles = cg.FusedTiles(**fields) if fields else None
     return cg.OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
@@ -97,6 +98,7 @@ def fused_spec(tiles: cg.FusedTiles | None, *, direct: bool = False) -> str:
         ("p", "senders"),
         ("t", "split_tail"),
         ("r", "spread"),
+        ("a", "zero_ahead"),
     )
     for key, field in fields + extra:
         if getattr(tiles, field) != getattr(default, field):
