@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from commgemm.bench.kernel_trace import PEAK_FLOP_PER_CYCLE, phase_ranges, phase_summary
 
 
-def trace(warpgroups: list[dict], start: float = 5e6) -> list[dict]:
+def trace(warpgroups: list[dict], start: float = 5e6, load: dict | None = None) -> list[dict]:
     """Chrome-trace events (ts: cycles / 1000) of warpgroups with the given phase durations,
-    plus a memory warpgroup that only has an "Init" phase."""
+    plus a memory warpgroup with an "Init" phase and, in turn, the `load` phases' durations
+    (name -> list of cycles; zero_ahead's)."""
     events = []
     for tid, wg in enumerate(warpgroups, start=1):
         t = start
@@ -30,6 +31,12 @@ def trace(warpgroups: list[dict], start: float = 5e6) -> list[dict]:
         phase("landed", wg["landed"])
     events.append({"name": "Init", "ph": "B", "ts": start / 1e3, "tid": 99, "pid": 1})
     events.append({"name": "Init", "ph": "E", "ts": start / 1e3 + 1, "tid": 99, "pid": 1})
+    t = start + 2e3
+    for name, durations in (load or {}).items():
+        for cycles in durations:
+            events.append({"name": name, "ph": "B", "ts": t / 1e3, "tid": 99, "pid": 1})
+            t += cycles
+            events.append({"name": name, "ph": "E", "ts": t / 1e3, "tid": 99, "pid": 1})
     return events
 
 
@@ -75,6 +82,28 @@ def test_summary_recovers_the_phases(data):
     if len(wgs) == 1:  # one warpgroup: the phases tile its span
         assert sum(got["share"].values()) == pytest.approx(1.0, abs=1e-6)
     assert got["ideal_kloop_cycles"] == tile_flops / PEAK_FLOP_PER_CYCLE == 32768
+    assert got["load_phase_cycles"] == {}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    signal=st.lists(st.integers(100, 20_000), min_size=1, max_size=30),
+    zero=st.lists(st.integers(100, 3_000), min_size=1, max_size=30),
+)
+def test_load_warpgroup_phases(signal, zero):
+    """zero_ahead's load-warpgroup phases: medians and p90s over their occurrences; the compute
+    warpgroups' figures do not change."""
+    wgs = [{"zero": 100, "kloop": [30_000, 30_000], "epilogue": [2_000, 2_000], "landed": 10}]
+    plain = phase_summary(trace(wgs), tile_flops=1.0)
+    got = phase_summary(trace(wgs, load={"ahead_signal": signal, "ahead_zero": zero}), 1.0)
+    assert sorted(got["load_phase_cycles"]) == ["ahead_signal", "ahead_zero"]
+    for name, values in (("ahead_signal", signal), ("ahead_zero", zero)):
+        figures = got["load_phase_cycles"][name]
+        assert figures["median"] == pytest.approx(float(np.median(values)), abs=1)
+        assert figures["p90"] == pytest.approx(float(np.percentile(values, 90)), abs=1)
+    assert {k: v for k, v in got.items() if k != "load_phase_cycles"} == {
+        k: v for k, v in plain.items() if k != "load_phase_cycles"
+    }
 
 
 def test_truncated_trace_drops_unmatched_ends():

@@ -5,7 +5,9 @@ writes a Chrome trace per call: for every warpgroup ("tid") the begin ("B") and 
 each named scope the kernel entered, stamped with the SM's cycle counter (the trace's "ts" is
 cycles / 1000 within a warpgroup). The direct RS kernel (`scatter_add_gemm`) names its compute
 warpgroups' phases "zero", "epilogue" and "landed"; what lies between two epilogues is a
-tile's K loop. `phase_summary` turns one trace into medians over the warpgroups.
+tile's K loop. With FusedTiles.zero_ahead its load warpgroups name theirs too ("ahead_signal",
+"ahead_zero", "ahead_wait", once a tile). `phase_summary` turns one trace into medians over the
+warpgroups.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def phase_summary(events: list[dict], tile_flops: float) -> dict:
     warpgroup's span (first phase's begin to last phase's end), its zeroing, its first K loop
     (from the zeroing's end to the first epilogue; 0 where there is no zero phase, as the
     trace then starts at the first epilogue), the later K loops and epilogues (over all tiles),
-    the end's wait ("landed"), each phase's share of the span, and the ideal K loop
-    (`tile_flops` at PEAK_FLOP_PER_CYCLE)."""
+    the end's wait ("landed"), each phase's share of the span, the ideal K loop (`tile_flops` at
+    PEAK_FLOP_PER_CYCLE), and the median and p90 of each of the load warpgroups' zero_ahead
+    phases over all their occurrences (empty without zero_ahead)."""
     per_wg = []
     for items in phase_ranges(events).values():
         epilogues = [(b, e) for name, b, e in items if name == "epilogue"]
@@ -74,6 +77,11 @@ def phase_summary(events: list[dict], tile_flops: float) -> dict:
         return med([np.sum(w[key]) / w["span"] for w in per_wg])
 
     later = [k for w in per_wg for k in w["kloop"][1:]]
+    load = {}  # the load warpgroups' zero_ahead phases, each occurrence
+    for items in phase_ranges(events).values():
+        for name, b, e in items:
+            if name.startswith("ahead_"):
+                load.setdefault(name, []).append(e - b)
     return {
         "warpgroups": len(per_wg),
         "tiles_per_warpgroup": med([len(w["epilogue"]) for w in per_wg]),
@@ -88,4 +96,8 @@ def phase_summary(events: list[dict], tile_flops: float) -> dict:
         "landed_cycles": med([w["landed"] for w in per_wg]),
         "share": {key: share(key) for key in ("zero", "kloop", "epilogue", "landed")},
         "span_spread_cycles": max(w["span"] for w in per_wg) - min(w["span"] for w in per_wg),
+        "load_phase_cycles": {
+            name: {"median": med(v), "p90": float(np.percentile(v, 90))}
+            for name, v in sorted(load.items())
+        },
     }
