@@ -153,6 +153,15 @@ suite() {
     --timeout $3 --modes default,windowed_einsum 2>&1 | tee $OUT/r/$1.log \
     | grep -E "^\[|^\||timed out"
 }
+# Output check of RS tilings on llama8b_mlp's shape (both w layouts, 24 back-to-back calls of the
+# base): rs_check NAME TIMEOUT BASE TILINGS; succeeds when every case passed and the last tiling ran.
+rs_check() {
+  timeout $2 python3 benchmarks/fused_check.py --out $OUT/r --name $1_rs --ops rs --shapes 3 \
+    --base $3 --tilings $4 --no-grads --repeat 24 > $OUT/r/$1.log 2>&1
+  grep 'fused check' $OUT/r/$1.log; grep -E '"ok": false|Error|rror:' $OUT/r/$1.log \
+    | cut -c1-300 | head -8
+  ! grep -q '"ok": false' $OUT/r/$1.log && grep -q "\"spec\": \"${4##*,}\"" $OUT/r/$1.log
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > $OUT/r/gpus.txt
 if [ "$1" = 1 ]; then
   timeout 200 python3 benchmarks/fused_check.py --out $OUT/r > $OUT/r/fused_check.log 2>&1
@@ -456,13 +465,8 @@ elif [ "$1" = 35 ]; then
   fi
 elif [ "$1" = 39 ]; then
   base=fused-direct-wgm-cm-ct-m64-n256
-  timeout 180 python3 benchmarks/fused_check.py --out $OUT/r --name check39_rs --ops rs \
-    --shapes 3 --base $base-a3-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
-    --no-grads --repeat 24 > $OUT/r/check39.log 2>&1
-  grep 'fused check' $OUT/r/check39.log; grep -E '"ok": false|Error|rror:' $OUT/r/check39.log \
-    | cut -c1-300 | head -8
-  if ! grep -q '"ok": false' $OUT/r/check39.log \
-    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check39.log; then
+  if rs_check check39 180 $base-a3-t0 $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1
+  then
     rs="$base-t0,$base-a1-t0,$base-a2-t0,$base-a3-t0,$base-a5-t0,$base-k128-s2-a3-t0"
     rs="$rs,$base-t0@add-unzeroed"
     timeout 280 python3 benchmarks/probe.py --out $OUT/r --name probe39 --rounds 8 --iters 10 \
@@ -485,13 +489,8 @@ elif [ "$1" = 40 ]; then
   grep -vE "Warning|warn" $OUT/r/profile40.log | cut -c1-1200 | tail -3
 elif [ "$1" = 41 ]; then
   base=fused-direct-wgm-cm-ct-m64-n256
-  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check41_rs --ops rs \
-    --shapes 3 --base $base-a3-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
-    --no-grads --repeat 24 > $OUT/r/check41.log 2>&1
-  grep 'fused check' $OUT/r/check41.log; grep -E '"ok": false|Error|rror:' $OUT/r/check41.log \
-    | cut -c1-300 | head -8
-  if ! grep -q '"ok": false' $OUT/r/check41.log \
-    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check41.log; then
+  if rs_check check41 150 $base-a3-t0 $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1
+  then
     rs="$base-t0,$base-a2-t0,$base-a3-t0,$base-a4-t0,$base-a6-t0,$base-a3-t0@add-ahead-release"
     rs="$rs,$base-t0@add-unzeroed"
     timeout 280 python3 benchmarks/probe.py --out $OUT/r --name probe41 --rounds 8 --iters 10 \
@@ -501,13 +500,8 @@ elif [ "$1" = 41 ]; then
 elif [ "$1" = 42 ]; then
   cp "$2" $OUT/r/tune.json
   base=fused-direct-wgm-cm-ct-m64-n256
-  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check42_rs --ops rs \
-    --shapes 3 --base $base-a2-t0 --tilings $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1 \
-    --no-grads --repeat 24 > $OUT/r/check42.log 2>&1
-  grep 'fused check' $OUT/r/check42.log; grep -E '"ok": false|Error|rror:' $OUT/r/check42.log \
-    | cut -c1-300 | head -8
-  if ! grep -q '"ok": false' $OUT/r/check42.log \
-    && grep -q '"spec": "fused-direct-a1"' $OUT/r/check42.log; then
+  if rs_check check42 150 $base-a2-t0 $base-a1-t0,$base-a6-t0,fused-direct-cm-a2,fused-direct-a1
+  then
     rs="$base-t0,$base-a2-t0,$base-a3-t0,$base-a6-t0,$base-k128-s2-a2-t0"
     for preset in llama8b_mlp comm_heavy llama13b_mlp; do
       cache=$OUT/r/tune.json
