@@ -9,8 +9,9 @@ order), beside the interleaved host timing (`benchmark_interleaved`), of:
   it, bands 16 wide, and with 2-CTA clusters: the GEMM loop with no communication;
 - fused specs (`parse_method`), with "@<epilogue>" for fused-direct's other epilogues
   (`scatter_add_gemm.EPILOGUES`; stage 34 had "@add-late-zero") and diagnostics (`PROBES`,
-  e.g. "@store", "@add-unzeroed": wrong sums). Stage 15 had "+alt" (an alternating block
-  order), stage 16 "+lag" (a lagged schedule), both since removed.
+  e.g. "@store", "@add-unzeroed": wrong sums), and "@fenced" for the direct AG kernel's
+  release-fenced flags. Stage 15 had "+alt" (an alternating block order), stage 16 "+lag" (a
+  lagged schedule), both since removed.
 RS outputs are compared with the first fused-direct spec's (bit-identical expected on 2 GPUs:
 one add of the two bf16 partial sums per element either way; not where a split tail adds
 partial sums in arrival order), every fused output with XLA's (RS_TOLERANCE).
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 
 import commgemm as cg
+import commgemm.algorithms.push_gather_gemm as pgg
 import commgemm.algorithms.scatter_add_gemm as sag
 from commgemm.algorithms.fused import tuning_config
 from commgemm.bench.overlap import GEMM_ALONE
@@ -77,16 +79,21 @@ def mosaic_gemms(problem, errors: dict) -> dict:
 
 
 def fused_variant(problem, item: str, x, w):
-    """A jitted fused op for 'spec[@epilogue]' (the epilogue traced in here)."""
+    """A jitted fused op for 'spec[@epilogue]' (the epilogue traced in here; "@fenced": the
+    direct AG kernel with release-fenced flags)."""
     item, _, epilogue = item.partition("@")
-    original = sag.matmul_reduce_scatter
-    sag.matmul_reduce_scatter = functools.partial(original, epilogue=epilogue or "add")
+    if epilogue == "fenced":
+        module, name, options = pgg, "all_gather_matmul", {"fenced": True}
+    else:
+        module, name, options = sag, "matmul_reduce_scatter", {"epilogue": epilogue or "add"}
+    original = getattr(module, name)
+    setattr(module, name, functools.partial(original, **options))
     try:
         f = problem.overlapped(parse_method(item))
         jax.block_until_ready(f(x, w))  # traced now, with these options
         return f
     finally:
-        sag.matmul_reduce_scatter = original
+        setattr(module, name, original)
 
 
 def probe(op: str, preset: str, items: list[str], iters: int, rounds: int) -> dict:
@@ -114,7 +121,7 @@ def probe(op: str, preset: str, items: list[str], iters: int, rounds: int) -> di
         diff = float(np.abs(out - reference).max()) / scale
         checks[item] = {"max_diff_vs_xla_rel": diff}
         spec, _, epilogue = item.partition("@")
-        if op == "rs" and epilogue in ("", *sag.EPILOGUES):  # the diagnostics' sums are wrong
+        if op == "rs" and epilogue in ("", *sag.CORRECT_SUMS):  # the diagnostics' are wrong
             checks[item]["ok"] = diff < RS_TOLERANCE
             tiles = parse_method(spec).fused_tiles or cg.FusedTiles()
             if tiles.split_tail == 1:  # split tails add in arrival order

@@ -44,12 +44,15 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape) -> str:
         "fused-direct-p1",
         "fused-direct-cm-r100",
         "fused-direct-gm-r50",
+        "fused-direct-cm@fenced",  # the flags release-fenced (a probe)
     ],
 )
 def test_push_gather_gemm_lowers(size, spec):
+    spec, _, probe = spec.partition("@")
     cfg = parse_method(spec)
+    fenced = probe == "fenced"
     text = lower(
-        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg),
+        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg, fenced=fenced),
         P("x", None),
         P(None, "x"),
         P(None, "x"),
@@ -73,6 +76,7 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-wgm-cm-ct-m64-n256-t0-a3",  # zeroing three waves ahead, a split tail
         "fused-direct-ct-a1",
         "fused-direct-cm@add-unzeroed",
+        "fused-direct-cm-ct-a1@add-fenced",
     ],
 )
 def test_scatter_add_gemm_lowers(size, spec):
@@ -298,6 +302,15 @@ def test_compiler_overrides_reach_the_kernels(monkeypatch):
     params = mosaic_tiles.kernel_params(132, 2)["compiler_params"]
     assert params.reduction_scratch_bytes == 0 != plain.reduction_scratch_bytes
     assert params.lowering_semantics == plain.lowering_semantics
+
+
+@pytest.mark.parametrize("epilogue", scatter_add_gemm.EPILOGUES + scatter_add_gemm.PROBES, ids=str)
+def test_epilogue_flags_right_sums(epilogue):
+    """Exactly the kernel and its release-fenced probes zero the output, add into it and keep
+    every zero_ahead step (stage 44's first "add-fenced" stored plainly: wrong sums)."""
+    flags = scatter_add_gemm.epilogue_flags(epilogue)
+    right = flags.zeroes and flags.adds and flags.waits and flags.signals and flags.stores
+    assert right == (epilogue in scatter_add_gemm.CORRECT_SUMS)
 
 
 def test_unknown_epilogue_is_refused():

@@ -19,8 +19,11 @@ interleaves the own tiles with the peers' tiles after the first wave, so the sen
 link and the peers' tiles fill in behind them (`spread_plan`, `schedule_unit`).
 
 Slot j of a device's inbox holds the rows of device (d - j - 1) mod P; its flags are counted per
-call (one signal each, semaphores zeroed by the runtime). Requirements as for the ring kernels
-(`fused.unsupported_reason`); 2-CTA clusters along M only (the two CTAs share w's blocks).
+call (one signal each, semaphores zeroed by the runtime). A sender raises a flag once its sends
+are awaited, with a relaxed atomic (`mosaic_tiles.relaxed_signal`); `fenced=True` (a probe) uses
+`pl.semaphore_signal`'s release-fenced one instead, as before stage 44. Requirements as for the
+ring kernels (`fused.unsupported_reason`); 2-CTA clusters along M only (the two CTAs share w's
+blocks).
 """
 
 from __future__ import annotations
@@ -87,10 +90,10 @@ def _visit_rank(tiles: FusedTiles, m_idx: jax.Array, n_idx: jax.Array, n_iters: 
 
 
 def all_gather_matmul(
-    x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig
+    x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig, *, fenced: bool = False
 ) -> jax.Array:
     """x [m, K] (rows sharded over axis_name), w [K, n] (local) -> [P*m, n], all_gather(x) @ w
-    in x's dtype, rows in device order."""
+    in x's dtype, rows in device order. `fenced`: the module docstring."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -149,8 +152,9 @@ def all_gather_matmul(
                         @pl.when(sender)
                         def _band_sent():
                             plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
+                            signal = pl.semaphore_signal if fenced else mt.relaxed_signal
                             for j, peer in enumerate(peers):
-                                pl.semaphore_signal(arrived.at[j, at.m_idx], device_id=peer)
+                                signal(arrived.at[j, at.m_idx], device_id=peer)
 
                         acc = acc_ref[...].astype(dtype)
                         out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)

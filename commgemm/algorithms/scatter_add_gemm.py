@@ -29,8 +29,10 @@ stores are awaited (`mosaic_tiles.relaxed_signal`): with `pl.semaphore_signal`'s
 release fence the signal took 13k cycles a wave (stage 40's profile) and the kernel was 7%
 slower; relaxed, zero_ahead=2 is 0.5 to 1.2% faster than zeroing first (stages 41, 42), where
 dropping the zeroing altogether would give 3.5% (the "add-unzeroed" diagnostic). At the end
-each device waits until every peer has signalled that its adds landed. Partial sums are added
-in the output dtype (bf16/fp16) at the owner, in arrival order.
+each device waits until every peer has signalled that its adds landed. The start's and the
+end's signals are relaxed the same way (each follows awaited TMA stores; "add-fenced" is the
+kernel with those two release-fenced, as before stage 44). Partial sums are added in the output
+dtype (bf16/fp16) at the owner, in arrival order.
 
 `epilogue="add"` is the kernel. Diagnostics that give wrong sums, for timing the kernel's
 parts: "local-add" (every tile reduce-added into this device's output, no NVLink), "store"
@@ -38,10 +40,10 @@ parts: "local-add" (every tile reduce-added into this device's output, no NVLink
 owner), "add-unzeroed" (the kernel without the zeroing and its handshake), and for zero_ahead
 "add-ahead-nowait" / "add-ahead-nosync" / "add-ahead-nostore" (the load warpgroups skip their
 waits / their signals and waits / their zero stores); "add-ahead-release" is zero_ahead with
-release-fenced signals (correct sums). The compute warpgroups' phases are named scopes
-("zero", "epilogue", "landed"), the load warpgroups' zero_ahead steps too ("ahead_signal",
-"ahead_zero", "ahead_wait"): Mosaic GPU's profiler records them
-(benchmarks/kernel_profile.py).
+every signal release-fenced, "add-fenced" with the start's and end's (both correct sums). The
+compute warpgroups' phases are named scopes ("zero", "epilogue", "landed"), the load
+warpgroups' zero_ahead steps too ("ahead_signal", "ahead_zero", "ahead_wait"): Mosaic GPU's
+profiler records them (benchmarks/kernel_profile.py).
 
 Tried and dropped (BENCHMARKS.md): plain own stores with the peer's add of a tile waiting for
 that store, both copies of a tile in the same step (stage 14, commit 5c3e0f1: 10 to 15% slower)
@@ -67,6 +69,7 @@ Hopper matmul kernel (`hopper_matmul_mgpu.kernel`), whose tiling config it takes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -89,7 +92,44 @@ PROBES = (
     "add-ahead-nosync",
     "add-ahead-nostore",
     "add-ahead-release",
+    "add-fenced",
 )
+#: The epilogues whose sums are right: the kernel and its release-fenced probes.
+CORRECT_SUMS = ("add", "add-ahead-release", "add-fenced")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueFlags:
+    """What an epilogue (the kernel, "add", or a probe) does: zeroes the output first
+    (`zeroes`), reduce-adds the tiles (`adds`, else plain stores), and, with zero_ahead, whether
+    the load warpgroups wait for, signal and store the waves' zeroing; which signals are
+    relaxed (`relaxed`: the waves', `relaxed_ends`: the start's and the end's)."""
+
+    zeroes: bool
+    adds: bool
+    waits: bool = True
+    signals: bool = True
+    stores: bool = True
+    relaxed: bool = True
+    relaxed_ends: bool = True
+
+
+def epilogue_flags(epilogue: str) -> EpilogueFlags:
+    """The flags of `epilogue` (one of EPILOGUES + PROBES)."""
+    if epilogue not in EPILOGUES + PROBES:
+        raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
+    kernel = epilogue in CORRECT_SUMS or epilogue.startswith("add-ahead")
+    return EpilogueFlags(
+        zeroes=kernel or epilogue == "local-add",
+        adds=kernel or epilogue == "add-unzeroed",
+        waits=epilogue not in ("add-ahead-nowait", "add-ahead-nosync"),
+        signals=epilogue != "add-ahead-nosync",
+        stores=epilogue != "add-ahead-nostore",
+        relaxed=epilogue != "add-ahead-release",
+        relaxed_ends=epilogue not in ("add-ahead-release", "add-fenced"),
+    )
+
+
 #: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
 #: automatic split_tail's model.
 TAIL_OVERHEAD_STEPS = 2
@@ -228,16 +268,11 @@ def matmul_reduce_scatter(
     )
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
-    if epilogue not in EPILOGUES + PROBES:
-        raise ValueError(f"epilogue={epilogue!r} must be one of {EPILOGUES + PROBES}")
-    # the output is zeroed, then added into
-    zeroes = epilogue in ("add", "local-add") or epilogue.startswith("add-ahead")
+    flags = epilogue_flags(epilogue)
+    zeroes, adds = flags.zeroes, flags.adds
     late_zero = zeroes and ahead < waves
-    ahead_waits = epilogue not in ("add-ahead-nowait", "add-ahead-nosync")
-    ahead_signals = epilogue != "add-ahead-nosync"
-    ahead_stores = epilogue != "add-ahead-nostore"
-    relaxed = epilogue != "add-ahead-release"  # the waves' signals without a release fence
-    adds = epilogue in ("add", "add-unzeroed") or epilogue.startswith("add-ahead")
+    ahead_waits, ahead_signals, ahead_stores = flags.waits, flags.signals, flags.stores
+    relaxed, relaxed_ends = flags.relaxed, flags.relaxed_ends
 
     def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
@@ -291,7 +326,7 @@ def matmul_reduce_scatter(
                     iters = -(-first_tiles * zero_bands_per_tile(tiles, epi) // (2 * sms))
                     zero_tiles(out_smem.at[wg, 0], 0, first_tiles, 2 * cta + wg, 2 * sms, iters)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    signal_every_device(zeroed)
+                    signal_every_device(zeroed, relaxed=relaxed_ends)
 
             if late_zero:
 
@@ -436,8 +471,9 @@ def matmul_reduce_scatter(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 if epilogue in ("local-add", "store"):
                     return
+                signal = mt.relaxed_signal if relaxed_ends else pl.semaphore_signal
                 for peer in peers[1:]:
-                    pl.semaphore_signal(landed, device_id=peer)
+                    signal(landed, device_id=peer)
                 pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
 
         @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=tiles.release_lag)
