@@ -137,6 +137,16 @@
 #            and llama13b_mlp RS into a cache of its own (tune13b.json; the suite leaves
 #            llama13b_mlp to the cost model).
 #   stage 43: the suite again, AUTO reading stage 42's cache.
+#   stage 44: the direct kernels' remaining release-fenced signals relaxed (RS: the start's
+#            "zeroed" and the end's "landed"; AG: the bands' flags): outputs of AUTO's RS and
+#            AG picks on llama8b_mlp's shape, both w layouts, more tilings and 24 back-to-back
+#            calls, then, if they pass, those kernels probed against their fenced versions
+#            (@add-fenced, @fenced) on the RS and AG presets.
+#            Its "@add-fenced" rows stored plainly (wrong sums, the probe's flags were wrong;
+#            `scatter_add_gemm.epilogue_flags` since): only its AG rows and checks count.
+#   stage 45: the suite again, AUTO reading stage 42's cache.
+#   stage 46: stage 44's RS probe again with "@add-fenced" fixed (zeroed and added, only the
+#            start's and end's signals release-fenced), then the suite (as stage 45).
 #   device run:  bash benchmarks/gpu_run.sh 1
 #                bash benchmarks/gpu_run.sh 2 benchmarks/results/<run>/tune.json
 #                bash benchmarks/gpu_run.sh 3 benchmarks/results/<run>/tune.json
@@ -510,6 +520,35 @@ elif [ "$1" = 42 ]; then
         --iters 5 --periods 6 --methods $rs 2>&1 | tail -9
     done 2>&1 | tee $OUT/r/tune42.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
+elif [ "$1" = 44 ]; then
+  base=fused-direct-wgm-cm-ct-m64-n256
+  rs_check check44 150 $base-k128-s2-t0-a2 $base-t0-a3,fused-direct-cm-ct-t0,fused-direct-cm,fused-direct-a1
+  rs_ok=$?
+  timeout 150 python3 benchmarks/fused_check.py --out $OUT/r --name check44_ag --ops ag \
+    --shapes 3 --base fused-direct-gm --tilings fused-direct-cm-r100,fused-direct-w16 \
+    --no-grads --repeat 24 > $OUT/r/check44_ag.log 2>&1
+  grep 'fused check' $OUT/r/check44_ag.log; grep -E '"ok": false|Error|rror:' \
+    $OUT/r/check44_ag.log | cut -c1-300 | head -8
+  if [ $rs_ok = 0 ] && ! grep -q '"ok": false' $OUT/r/check44_ag.log \
+    && grep -q '"spec": "fused-direct-w16"' $OUT/r/check44_ag.log; then
+    rs="$base-k128-s2-t0-a2,$base-k128-s2-t0-a2@add-fenced,$base-t0-a2,$base-t0-a2@add-fenced"
+    rs="$rs,fused-direct-cm-ct-t0,fused-direct-cm-ct-t0@add-fenced"
+    ag="fused-direct-gm,fused-direct-gm@fenced,fused-direct-cm-r100,fused-direct-cm-r100@fenced"
+    problems=rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp
+    timeout 330 python3 benchmarks/probe.py --out $OUT/r --name probe44 --rounds 8 --iters 10 \
+      --problems $problems,ag:llama8b_mlp,ag:comm_heavy,ag:llama13b_mlp --rs $rs --ag $ag \
+      2>&1 | tee $OUT/r/probe44.log | grep -vE "^\s*$|Warning|warn"
+  fi
+elif [ "$1" = 46 ]; then
+  cp "$2" $OUT/r/tune.json
+  base=fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2
+  rs="$base,$base@add-fenced,fused-direct-cm-ct-t0,fused-direct-cm-ct-t0@add-fenced"
+  timeout 150 python3 benchmarks/probe.py --out $OUT/r --name probe46 --rounds 8 --iters 10 \
+    --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
+    2>&1 | tee $OUT/r/probe46.log | grep -vE "^\s*$|Warning|warn"
+  timeout 420 python3 benchmarks/gpu_suite.py --out $OUT/r/suite46 --iters 15 --spans 0 \
+    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite46.log \
+    | grep -E "^\||timed out"
 elif [ "$1" = 36 ]; then
   cp "$2" $OUT/r/tune.json
   [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
@@ -531,7 +570,7 @@ elif [ "$1" = 36 ]; then
     done 2>&1 | tee $OUT/r/tune36.log | grep -vE "^\s*$|━|┏|┗|┡|└"
   fi
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ] \
-    || [ "$1" = 37 ] || [ "$1" = 38 ] || [ "$1" = 43 ]; then
+    || [ "$1" = 37 ] || [ "$1" = 38 ] || [ "$1" = 43 ] || [ "$1" = 45 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
     --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
