@@ -163,6 +163,12 @@ suite() {
     --timeout $3 --modes default,windowed_einsum 2>&1 | tee $OUT/r/$1.log \
     | grep -E "^\[|^\||timed out"
 }
+# The device-periods suite of stages 18 to 46: periods_suite NAME OVERALL_TIMEOUT
+periods_suite() {
+  timeout $2 python3 benchmarks/gpu_suite.py --out $OUT/r/$1 --iters 15 --spans 0 \
+    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/$1.log \
+    | grep -E "^\||timed out"
+}
 # Output check of RS tilings on llama8b_mlp's shape (both w layouts, 24 back-to-back calls of the
 # base): rs_check NAME TIMEOUT BASE TILINGS; succeeds when every case passed and the last tiling ran.
 rs_check() {
@@ -546,9 +552,7 @@ elif [ "$1" = 46 ]; then
   timeout 150 python3 benchmarks/probe.py --out $OUT/r --name probe46 --rounds 8 --iters 10 \
     --problems rs:llama8b_mlp,rs:comm_heavy,rs:llama13b_mlp,rs:llama70b_mlp --rs $rs \
     2>&1 | tee $OUT/r/probe46.log | grep -vE "^\s*$|Warning|warn"
-  timeout 420 python3 benchmarks/gpu_suite.py --out $OUT/r/suite46 --iters 15 --spans 0 \
-    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite46.log \
-    | grep -E "^\||timed out"
+  periods_suite suite46 420
 elif [ "$1" = 36 ]; then
   cp "$2" $OUT/r/tune.json
   [ -n "${3:-}" ] && cp "$3" $OUT/r/tune13b.json
@@ -572,14 +576,10 @@ elif [ "$1" = 36 ]; then
 elif [ "$1" = 25 ] || [ "$1" = 28 ] || [ "$1" = 29 ] || [ "$1" = 31 ] || [ "$1" = 33 ] \
     || [ "$1" = 37 ] || [ "$1" = 38 ] || [ "$1" = 43 ] || [ "$1" = 45 ]; then
   cp "$2" $OUT/r/tune.json
-  timeout 540 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
-    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
-    | grep -E "^\||timed out"
+  periods_suite suite$1 540
 elif [ "$1" = 18 ] || [ "$1" = 21 ]; then
   cp "$2" $OUT/r/tune.json
-  timeout 570 python3 benchmarks/gpu_suite.py --out $OUT/r/suite$1 --iters 15 --spans 0 \
-    --periods 6 --timeout 380 --modes default,windowed_einsum 2>&1 | tee $OUT/r/suite$1.log \
-    | grep -E "^\[|^\||timed out"
+  periods_suite suite$1 570
 elif [ "$1" = 5 ]; then
   cp "$2" $OUT/r/tune.json
   timeout 430 python3 benchmarks/gpu_suite.py --out $OUT/r/suite --iters 6 --rounds 5 \
