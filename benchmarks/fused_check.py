@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
-from commgemm.bench.problems import parse_method
+from commgemm.cli.specs import parse_method
 
 #: (M, K, N) global shapes; AG needs M/P % 128, N/P % 256, K % 64; RS M/P % 128, N % 256.
 SHAPES = [(512, 256, 512), (2048, 1024, 1536), (4096, 3072, 2048), (8192, 4096, 14336)]

@@ -54,7 +54,9 @@ def auto_choice(op: str, preset: str) -> str:
     import jax
 
     import commgemm as cg
-    from commgemm.tune import OPS, resolve_auto, spec_of
+    from commgemm.autotune.auto import resolve_auto
+    from commgemm.autotune.tuner import OPS
+    from commgemm.cli.specs import spec_of
 
     m, k, n = cg.bench.PRESETS[preset]
     size = jax.device_count()
@@ -76,10 +78,12 @@ def run_reports(presets, ops, methods, iters, spans, periods, save) -> list[dict
     for preset in presets:
         for op in ops:
             start = time.time()
+            from commgemm.cli.specs import parse_method
+
             report = cg.bench.overlap_report(
                 op,
                 cg.bench.PRESETS[preset],
-                methods=methods,
+                methods={spec: parse_method(spec) for spec in methods},
                 dtype="bfloat16",
                 iters=iters,
                 spans=spans,

@@ -1,6 +1,5 @@
 """commgemm: collective GEMMs for JAX with their communication overlapped."""
 
-from commgemm import bench, numerics
 from commgemm.config import (
     Algorithm,
     Collective,
@@ -29,6 +28,17 @@ from commgemm.registry import (
 )
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`cg.bench` and `cg.numerics`, the measuring tools, imported on first use (they import
+    the ops, so importing them here would be a cycle)."""
+    if name in ("bench", "numerics"):
+        import importlib
+
+        return importlib.import_module(f"commgemm.{name}")
+    raise AttributeError(f"module 'commgemm' has no attribute {name!r}")
+
 
 __all__ = [
     "Algorithm",

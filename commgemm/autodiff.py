@@ -27,6 +27,7 @@ from jax import lax
 
 from commgemm.algorithms import BY_METHOD, module_for
 from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.vma import checks_vma
 
 
 def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
@@ -50,12 +51,6 @@ def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
         collective=None,
         out_dtype=x.dtype.name,
     )
-
-
-def _uses_vma(x: jax.Array, axis_name: str) -> bool:
-    """Whether the enclosing shard_map tracks varying axes (check_vma=True): there the transpose
-    of an all-reduce is the identity; without it, it is another all-reduce."""
-    return axis_name in getattr(jax.typeof(x), "vma", frozenset())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
@@ -103,7 +98,9 @@ def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
             dy, w, axis_name, back, w_transposed=not w_transposed, return_gathered=True
         )
         return dx, _weight_grad(x, dy_gathered, w, w_transposed, cfg)
-    dp = dy if _uses_vma(x, axis_name) else lax.psum(dy, axis_name)
+    # The transpose of the all-reduce, as lax.psum's: the identity on the invariant cotangent
+    # under check_vma=True, another all-reduce without the check.
+    dp = dy if checks_vma(axis_name) else lax.psum(dy, axis_name)
     dx = lax.dot_general(
         dp,
         w,

@@ -21,6 +21,15 @@ class Collective(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
 
+    @classmethod
+    def _missing_(cls, value: object) -> Collective | None:
+        """Names in any case and the CLI's short spelling: "ALL_GATHER", "ag", "rs", "ar"."""
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            short = {"ag": cls.ALL_GATHER, "rs": cls.REDUCE_SCATTER, "ar": cls.ALL_REDUCE}
+            return cls.__members__.get(key.upper()) or short.get(key)
+        return None
+
 
 class Method(enum.Enum):
     """How the collective is overlapped with the GEMM (the reference's CommOverlapMethod).
@@ -39,6 +48,14 @@ class Method(enum.Enum):
     PIPELINE = "pipeline"
     RING_EXCHANGE = "ring_exchange"
     AUTO = "auto"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Method | None:
+        """Names in any case and the CLI's short spelling: "RING_EXCHANGE", "ring"."""
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            return cls.__members__.get(key.upper()) or {"ring": cls.RING_EXCHANGE}.get(key)
+        return None
 
 
 class Algorithm(enum.Enum):
@@ -119,11 +136,45 @@ def select_algorithm(
         ) from None
 
 
-def _dtype_name(value: object, field: str) -> str:
+#: Short dtype spellings the CLI uses, accepted everywhere a dtype is.
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "fp16": "float16",
+    "f32": "float32",
+    "fp32": "float32",
+    "f64": "float64",
+    "fp64": "float64",
+}
+
+#: The most chunks PIPELINE / RING_EXCHANGE split an operand into: past this each chunk's
+#: GEMM is too small to pay for its collective, and compile time grows with the chunks.
+MAX_NUM_SPLITS = 64
+
+
+def dtype_name(value: object, field: str = "dtype") -> str:
+    """The numpy name of a dtype given as a dtype, its name, or a short alias ("bf16")."""
+    if isinstance(value, str):
+        value = DTYPE_ALIASES.get(value.strip().lower(), value)
     try:
         return np.dtype(value).name  # ml_dtypes registers bfloat16 / float8 with numpy
     except TypeError as err:
         raise ValueError(f"{field}={value!r} is not a dtype") from err
+
+
+def floating_dtype_name(value: object, field: str) -> str:
+    """`dtype_name` of a floating dtype (bf16, fp16, float32, ...); integers and bools would
+    silently wrap a GEMM's result, so they are refused."""
+    name = dtype_name(value, field)
+    if not jnp.issubdtype(np.dtype(name), jnp.floating):
+        raise ValueError(f"{field}={name} must be a floating dtype (bfloat16, float16, float32)")
+    return name
+
+
+def check_bool(value: object, field: str) -> None:
+    """A flag must be a bool: the string "no" is truthy and would silently turn it on."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{field}={value!r} must be True or False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +278,16 @@ class FusedTiles:
         return self.cta_n * (2 if self.cluster == "n" else 1)
 
 
+_FLAGS = (
+    "bidirectional",
+    "aggregate",
+    "atomic_gemm",
+    "save_gathered_input",
+    "chain_gemms",
+    "deterministic",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class OverlapConfig:
     """How one collective GEMM is overlapped. Frozen and hashable: a jit static argument.
@@ -280,8 +341,9 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic={self.deterministic!r} must be a bool")
+        for field in _FLAGS:
+            check_bool(getattr(self, field), field)
+            set_(self, field, bool(getattr(self, field)))
         if self.collective is not None:
             try:
                 set_(self, "collective", Collective(self.collective))
@@ -299,18 +361,16 @@ class OverlapConfig:
             ) from None
         if isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int | np.integer):
             raise ValueError(f"num_splits={self.num_splits!r} must be an int >= 1")
-        if self.num_splits < 1:
-            raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+        if not 1 <= self.num_splits <= MAX_NUM_SPLITS:
+            raise ValueError(f"num_splits={self.num_splits} must be from 1 to {MAX_NUM_SPLITS}")
         set_(self, "num_splits", int(self.num_splits))
-        set_(self, "accumulate_dtype", _dtype_name(self.accumulate_dtype, "accumulate_dtype"))
+        set_(
+            self, "accumulate_dtype", floating_dtype_name(self.accumulate_dtype, "accumulate_dtype")
+        )
         for field in ("reduce_dtype", "out_dtype"):
             value = getattr(self, field)
             if value is not None:
-                set_(self, field, _dtype_name(value, field))
-        if not jnp.issubdtype(np.dtype(self.accumulate_dtype), jnp.floating):  # bf16 counts
-            raise ValueError(
-                f"accumulate_dtype={self.accumulate_dtype} must be a floating dtype (float32)"
-            )
+                set_(self, field, floating_dtype_name(value, field))
         if self.bidirectional and self.method not in (Method.RING_EXCHANGE, Method.AUTO):
             raise ValueError(
                 f"bidirectional=True needs method=RING_EXCHANGE, got method={self.method.name}"
@@ -346,3 +406,37 @@ class OverlapConfig:
                 f"config.collective={self.collective.name} but this op performs {collective.name}"
             )
         return select_algorithm(coll, self.method, atomic_gemm=self.atomic_gemm)
+
+
+def split_requirement(collective: Collective, method: Method, size: int, splits: int) -> int:
+    """What x's split dimension (rows of the 2-D view) must be divisible by."""
+    if collective is Collective.ALL_GATHER:
+        return splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1
+    if collective is Collective.REDUCE_SCATTER:
+        return size * (splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1)
+    if method is Method.PIPELINE:
+        return splits
+    return size * splits if method is Method.RING_EXCHANGE else 1
+
+
+def config_to_fields(config: OverlapConfig) -> dict:
+    """`config` as JSON-ready fields (enums by value, dtypes by name, fused_tiles a dict)."""
+    out = dataclasses.asdict(config)
+    out["method"] = config.method.value
+    out["collective"] = None if config.collective is None else config.collective.value
+    return out
+
+
+def config_from_fields(fields: dict) -> OverlapConfig:
+    """The inverse of `config_to_fields` (any subset of the fields); validated as any config.
+
+    Raises:
+      ValueError / TypeError: unknown fields or values that do not validate.
+    """
+    fields = dict(fields)
+    tiles = fields.get("fused_tiles")
+    if tiles is not None:
+        if not isinstance(tiles, dict):
+            raise ValueError(f"fused_tiles={tiles!r} must be an object of FusedTiles fields")
+        fields["fused_tiles"] = FusedTiles(**tiles)
+    return OverlapConfig(**fields)

@@ -8,8 +8,10 @@ long as the global arrays are made with `jax.make_array_from_callback` /
 
 from __future__ import annotations
 
-import itertools
+import collections
 import os
+import pathlib
+import threading
 
 import jax
 
@@ -19,9 +21,10 @@ NUM_PROCESSES = "COMMGEMM_NUM_PROCESSES"
 PROCESS_ID = "COMMGEMM_PROCESS_ID"
 CPU_DEVICES = "COMMGEMM_CPU_DEVICES"
 LOCAL_DEVICE_IDS = "COMMGEMM_LOCAL_DEVICE_IDS"
-PLAN_CHECK_TIMEOUT_S = 60
-
-_plan_counter = itertools.count()
+MARKER_DIR = "COMMGEMM_MARKER_DIR"
+#: How long a process waits for the others' plan of the same call before it goes on unchecked
+#: (a process may trace a call the others never do, e.g. to print its HLO).
+PLAN_CHECK_WAIT_S = 10
 
 
 def launched() -> bool:
@@ -29,11 +32,23 @@ def launched() -> bool:
     return COORDINATOR in os.environ
 
 
+def marker(directory: str, rank: int) -> str:
+    """The file a launched rank leaves once it has joined the distributed run."""
+    return os.path.join(directory, f"rank{rank}")
+
+
+def _mark_joined() -> None:
+    directory = os.environ.get(MARKER_DIR)
+    if directory and os.path.isdir(directory):
+        pathlib.Path(marker(directory, int(os.environ[PROCESS_ID]))).touch()
+
+
 def initialize(timeout_s: int = 60) -> None:
     """`jax.distributed.initialize` from the launcher's variables (a no-op without them).
 
     CPU: `COMMGEMM_CPU_DEVICES` virtual devices per process and gloo collectives. GPU: the
-    process's GPUs from `COMMGEMM_LOCAL_DEVICE_IDS`. Call before anything else touches jax.
+    process's GPUs from `COMMGEMM_LOCAL_DEVICE_IDS`. The coordinator (process 0) listens on
+    the launcher's address only. Call before anything else touches jax.
     """
     if not launched():
         return
@@ -47,42 +62,62 @@ def initialize(timeout_s: int = 60) -> None:
         process_id=int(os.environ[PROCESS_ID]),
         local_device_ids=[int(i) for i in local.split(",")] if local else None,
         initialization_timeout=timeout_s,
+        coordinator_bind_address=os.environ[COORDINATOR],
     )
+    _mark_joined()
 
 
-def check_same_plan(fingerprint: str) -> None:
-    """Raises, on every process, if the processes planned different calls at the same point.
+def check_launched_initialized() -> None:
+    """Raises if `commgemm launch` started this process but it never joined the run: it would
+    compute alone, as an unrelated one-process program."""
+    if launched() and jax.process_count() != int(os.environ[NUM_PROCESSES]):
+        raise RuntimeError(
+            f"this process was started by `commgemm launch -n {os.environ[NUM_PROCESSES]}` but "
+            "has not joined the run: call commgemm.initialize() before anything else uses jax"
+        )
 
-    Each process publishes its plan in the coordinator's key-value store and reads the others'
-    (with a timeout), so a mismatch (say num_splits=2 on one rank, 4 on another) becomes a clear
-    error at trace time instead of a collective that never completes. One process: a no-op.
+
+_lock = threading.Lock()
+_seen: collections.Counter[str] = collections.Counter()
+
+
+def check_same_plan(call: str, plan: str) -> None:
+    """Raises, on a process that sees it, if the processes planned one call differently.
+
+    `call` names the call (op, axis, shapes and dtypes; the n-th such call of this process),
+    `plan` what this process will run for it (the config). Each process publishes its plan in
+    the coordinator's key-value store and compares it with the others' plans of the same call
+    (waiting up to PLAN_CHECK_WAIT_S for them), so a mismatch (num_splits=2 on one rank, 4 on
+    another) becomes a clear error at trace time instead of a collective that never completes.
+    A call only some processes trace (an extra `jit(...).lower()` to log HLO, say) is not an
+    error: the others never publish it and the check passes it after the wait. One process: a
+    no-op.
     """
+    check_launched_initialized()
     if jax.process_count() == 1:
         return
+    if launched():
+        _mark_joined()  # joined by jax.distributed.initialize directly, too
     from jax._src import distributed  # the coordination service's client (no public handle)
 
     client = distributed.global_state.client
     if client is None:
         return
-    seq = next(_plan_counter)
+    with _lock:
+        _seen[call] += 1
+        key = f"commgemm/plan/{call}#{_seen[call]}"
     me = jax.process_index()
-    client.key_value_set(f"commgemm/plan/{seq}/{me}", fingerprint)
+    client.key_value_set(f"{key}/{me}", plan)
     for rank in range(jax.process_count()):
         if rank == me:
             continue
         try:
-            theirs = client.blocking_key_value_get(
-                f"commgemm/plan/{seq}/{rank}", PLAN_CHECK_TIMEOUT_S * 1000
-            )
-        except Exception as err:  # noqa: BLE001 - the store raises its own error types
-            raise RuntimeError(
-                f"process {rank} did not plan collective GEMM #{seq} within "
-                f"{PLAN_CHECK_TIMEOUT_S} s (this process {me} planned {fingerprint}): "
-                "every process must call the same ops in the same order"
-            ) from err
-        if theirs != fingerprint:
+            theirs = client.blocking_key_value_get(f"{key}/{rank}", PLAN_CHECK_WAIT_S * 1000)
+        except Exception:  # noqa: BLE001 - not published (yet): nothing to compare with
+            continue
+        if theirs != plan:
             raise ValueError(
-                f"processes disagree on collective GEMM #{seq}: process {me} planned "
-                f"{fingerprint}, process {rank} planned {theirs}; pass the same config and "
-                "shapes on every process"
+                f"processes disagree on collective GEMM {call}: process {me} planned {plan}, "
+                f"process {rank} planned {theirs}; pass the same config and shapes on every "
+                "process"
             )

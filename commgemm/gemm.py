@@ -216,6 +216,23 @@ def gemm(
             f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, w {ws} "
             f"-> out {PartitionSpec(*out)}, which imply {layout.collective.name}"
         )
+    mapped = _sharded_call(
+        mesh, layout, config, activation, return_pre_activation, bias is not None
+    )
+    return mapped(x, w) if bias is None else mapped(x, w, bias)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_call(
+    mesh,
+    layout: Layout,
+    config: OverlapConfig | int | None,
+    activation: Activation,
+    return_pre_activation: bool,
+    has_bias: bool,
+):
+    """The jitted shard_map of one layout and config, built once (so eager calls with the same
+    shapes reuse the compiled program, as jax.jit's cache does)."""
     epilogue = dict(activation=activation, return_pre_activation=return_pre_activation)
     if layout.collective is Collective.NONE:
         row_axis, k_axis = layout.axis
@@ -233,17 +250,15 @@ def gemm(
         )
     out_spec = PartitionSpec(*layout.out_spec)
     specs = (PartitionSpec(*layout.x_spec), PartitionSpec(*layout.w_spec))
-    args = (x, w)
-    if bias is not None:
-        specs, args = specs + (PartitionSpec(layout.out_spec[-1]),), args + (bias,)
+    if has_bias:
+        specs += (PartitionSpec(layout.out_spec[-1]),)
     mapped = jax.shard_map(
         lambda a, b, *c: body(a, b, bias=c[0] if c else None),
         mesh=mesh,
         in_specs=specs,
         out_specs=(out_spec, out_spec) if return_pre_activation else out_spec,
-        check_vma=False,
     )
-    return mapped(*args)
+    return jax.jit(mapped)
 
 
 def _xla_gemm(x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig):

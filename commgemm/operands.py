@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -70,10 +71,11 @@ def collapse_rows(x: jax.Array, axis: int) -> tuple[jax.Array, Callable[[jax.Arr
     """
     moved = jnp.moveaxis(x, axis, 0)
     inner = moved.shape[1:-1]
-    x2d = moved.reshape(-1, x.shape[-1])
+    x2d = moved.reshape(math.prod(moved.shape[:-1]), x.shape[-1])  # -1 is ambiguous at K = 0
 
     def restore(out2d: jax.Array) -> jax.Array:
-        out = out2d.reshape(-1, *inner, out2d.shape[-1])
+        lead = out2d.shape[0] // math.prod(inner) if math.prod(inner) else 0
+        out = out2d.reshape(lead, *inner, out2d.shape[-1])
         return jnp.moveaxis(out, 0, axis)
 
     return x2d, restore

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.algorithms.bulk import bulk_overlap as _bulk
+from commgemm.algorithms.common import matmul
 from commgemm.autodiff import collective_matmul
 from commgemm.config import Collective, Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
@@ -29,6 +30,11 @@ ConfigLike = OverlapConfig | int | None
 
 
 def _as_rows(x: jax.Array, axis: int, x_transposed: bool) -> tuple[jax.Array, object]:
+    if x.ndim < 2:
+        raise ValueError(
+            f"x must be [rows, K] (or [..., rows, K]), got shape {x.shape}: for one vector "
+            "of K values pass x[None]"
+        )
     if x_transposed:
         if x.ndim != 2:
             raise ValueError(f"x_transposed=True needs a 2-D x [K, m], got shape {x.shape}")
@@ -61,9 +67,24 @@ def _run(
         w_transposed=w_transposed,
         op=fn_name,
     )
-    check_epilogue(bias, activation, w.shape[0] if w_transposed else w.shape[1], x.dtype)
-    z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
+    n = w.shape[0] if w_transposed else w.shape[1]
+    check_epilogue(bias, activation, n, x.dtype)
+    if 0 in (x2d.shape + (n,)):
+        z = _empty_result(collective, x2d, n, plan)
+    else:
+        z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
     return apply_epilogue(restore(z), bias, activation, return_pre_activation)
+
+
+def _empty_result(collective: Collective, x2d: jax.Array, n: int, plan) -> jax.Array:
+    """The result of a call with a zero-size M, K or N, as jnp.dot gives it (zeros where K = 0,
+    empty otherwise), without a collective: there is nothing to move."""
+    rows = x2d.shape[0]
+    rows = {
+        Collective.ALL_GATHER: rows * plan.axis_size,
+        Collective.REDUCE_SCATTER: rows // plan.axis_size,
+    }.get(collective, rows)
+    return jnp.zeros((rows, n), plan.config.out_dtype)
 
 
 _EPILOGUE_DOC = """
@@ -240,6 +261,9 @@ def matmul_2d(
         )
     check_epilogue(bias, activation, w.shape[1], x.dtype)
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
+    if 0 in (x.shape + w.shape):  # nothing to move: jnp.dot's zeros or empty result
+        z = jnp.zeros((x.shape[0], w.shape[1]), cfg.out_dtype)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
     k_index = lax.axis_index(k_axis)
 
     def local_k_block(w_cols: jax.Array) -> jax.Array:
@@ -277,7 +301,9 @@ def bulk_overlap(
     Args:
       x: [..., K]; w: [K, n] (or [n, K] with w_transposed).
       comm_operand: any array; gathered (ALL_GATHER, tiled along comm_axis), reduce-scattered
-        (REDUCE_SCATTER, tiled along comm_axis) or summed (ALL_REDUCE) over `axis_name`.
+        (REDUCE_SCATTER, tiled along comm_axis) or summed (ALL_REDUCE) over `axis_name`. The
+        gathered and summed results are the same on every device, and typed so under
+        shard_map's check_vma (invariant over `axis_name`, as `lax.psum`'s result is).
     Returns:
       (x @ w [..., n] in config.out_dtype or x's dtype, the collective's result).
     """
@@ -296,6 +322,15 @@ def bulk_overlap(
         check_divisible(comm_operand.shape[comm_axis], size, "comm_operand's comm_axis", "P")
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
     x2d, restore = collapse_rows(x, 0)
+    if comm_operand.size == 0:  # nothing to move: the collective's (empty) result
+        axis = comm_axis % comm_operand.ndim
+        shape = list(comm_operand.shape)
+        if collective is Collective.ALL_GATHER:
+            shape[axis] *= size
+        elif collective is Collective.REDUCE_SCATTER:
+            shape[axis] //= size
+        out = matmul(x2d, w, cfg, w_transposed, result_dtype=cfg.out_dtype)
+        return restore(out), jnp.zeros(shape, comm_operand.dtype)
     out, comm = _bulk(
         x2d,
         w,

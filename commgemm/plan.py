@@ -9,7 +9,14 @@ import dataclasses
 
 import jax
 
-from commgemm.config import ATOMIC_ALGORITHMS, Algorithm, Collective, Method, OverlapConfig
+from commgemm.config import (
+    ATOMIC_ALGORITHMS,
+    Algorithm,
+    Collective,
+    Method,
+    OverlapConfig,
+    split_requirement,
+)
 from commgemm.distributed import check_same_plan
 from commgemm.operands import axis_size, check_divisible, check_dtypes, check_matmul_shapes
 from commgemm.registry import OverlapBuffer, resolve
@@ -38,17 +45,6 @@ def _check_buffer(buf: OverlapBuffer, x: jax.Array, size: int) -> None:
         raise ValueError(
             f"overlap buffer {buf.id} was created for dtype {buf.buffer_dtype}, got x {x.dtype}"
         )
-
-
-def split_requirement(collective: Collective, method: Method, size: int, splits: int) -> int:
-    """What x's split dimension (rows of the 2-D view) must be divisible by."""
-    if collective is Collective.ALL_GATHER:
-        return splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1
-    if collective is Collective.REDUCE_SCATTER:
-        return size * (splits if method in (Method.PIPELINE, Method.RING_EXCHANGE) else 1)
-    if method is Method.PIPELINE:
-        return splits
-    return size * splits if method is Method.RING_EXCHANGE else 1
 
 
 def _check_fused(
@@ -91,7 +87,7 @@ def make_plan(
     if buf is not None:
         _check_buffer(buf, x, size)
     if cfg.method is Method.AUTO:
-        from commgemm.tune import resolve_auto  # the tuner measures ops: import it lazily
+        from commgemm.autotune.auto import resolve_auto
 
         cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed)
     algorithm = cfg.algorithm(collective)
@@ -119,6 +115,7 @@ def make_plan(
     cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=collective)
     check_same_plan(
         f"{op}(x {x.dtype.name}{list(x.shape)}, w {w.dtype.name}{list(w.shape)}, "
-        f"axis {axis_name!r} of {size}, {cfg})"
+        f"axis {axis_name!r} of {size})",
+        str(cfg),
     )
     return Plan(cfg, algorithm, size)

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import threading
 
+import jax
 import numpy as np
 
 from commgemm.config import OverlapConfig
@@ -100,6 +101,11 @@ def resolve(config: OverlapConfig | int | None) -> tuple[OverlapConfig, OverlapB
         return OverlapConfig(), None
     if isinstance(config, OverlapConfig):
         return config, None
+    if isinstance(config, jax.Array | jax.core.Tracer):
+        raise TypeError(
+            "config must be a static OverlapConfig or buffer id, got a traced value: pass the "
+            "buffer id as a Python int (a static argument of jit), not as an array"
+        )
     if isinstance(config, int | np.integer) and not isinstance(config, bool):
         buf = get_overlap_buffer(int(config))
         return buf.config, buf

@@ -24,9 +24,9 @@ def mesh2d(rows: int, cols: int) -> Mesh:
     return Mesh(np.array(jax.devices()[: rows * cols]).reshape(rows, cols), ("x", "y"))
 
 
-def shard(fn, mesh: Mesh, in_specs, out_specs):
+def shard(fn, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
     return jax.jit(
-        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
     )
 
 

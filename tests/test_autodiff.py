@@ -11,6 +11,7 @@ from jax.test_util import check_grads
 
 import commgemm as cg
 from commgemm.autodiff import _backward_config
+from commgemm.cli.specs import parse_method
 
 F64 = dict(accumulate_dtype="float64")
 CONFIGS = [
@@ -37,13 +38,14 @@ def plain(x, w, b, activation):
     return jax.nn.gelu(z, approximate=activation == "gelu_tanh") if activation else z
 
 
-def sharded(op, cfg, size, activation):
+def sharded(op, cfg, size, activation, check_vma=True):
     xs, ws, bs, os = SPECS[op]
     return shard(
         lambda a, b, c: OPS[op](a, b, "x", config=cfg, bias=c, activation=activation),
         mesh1d(size),
         (xs, ws, bs),
         os,
+        check_vma=check_vma,
     )
 
 
@@ -72,10 +74,15 @@ def _cases():
 
 @pytest.mark.parametrize("op,cfg", list(_cases()))
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
-def test_gradients_match_plain_composition(rng, op, cfg, activation):
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_gradients_match_plain_composition(rng, op, cfg, activation, check_vma):
+    """jit(grad) under shard_map's default check_vma=True and with the check off: the same
+    gradients as jax.grad of the unsharded composition (an all-reduce's transpose differs
+    between the two settings, as lax.psum's does)."""
     size = 4
     x, w, b = _data(rng, size)
-    got = jax.grad(_loss(sharded(op, cfg, size, activation)), argnums=(0, 1, 2))(x, w, b)
+    loss = _loss(sharded(op, cfg, size, activation, check_vma))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)
     want = jax.grad(_loss(lambda *a: plain(*a, activation)), argnums=(0, 1, 2))(x, w, b)
     for name, g, r in zip("xwb", got, want, strict=True):
         np.testing.assert_allclose(
@@ -233,7 +240,7 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
         return (out, None) if return_gathered else out
 
     def rs_stand_in(x, w, axis_name, config, *, w_transposed):
-        assert config.atomic_gemm and config.method is cg.bench.parse_method(spec).method
+        assert config.atomic_gemm and config.method is parse_method(spec).method
         plain_cfg = config.replace(atomic_gemm=False, fused_tiles=None)
         return ring_exchange.matmul_reduce_scatter(
             x, w, axis_name, plain_cfg, w_transposed=w_transposed
@@ -242,7 +249,7 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
     monkeypatch.setattr(fused, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(fused, "all_gather_matmul", ag_stand_in)
     monkeypatch.setattr(fused, "matmul_reduce_scatter", rs_stand_in)
-    cfg = cg.bench.parse_method(spec).replace(**F64)
+    cfg = parse_method(spec).replace(**F64)
     x, w, b = _data(rng, 4)
     got = jax.grad(_loss(sharded(op, cfg, 4, None)), argnums=(0, 1))(x, w, b)
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)

@@ -1,5 +1,6 @@
 """benchmark(), numerics.compare(), overlap_report() and the `commgemm bench | info` CLI."""
 
+import argparse
 import json
 import re
 import time
@@ -11,7 +12,8 @@ import pytest
 
 import commgemm as cg
 from commgemm.bench import timing
-from commgemm.cli import main
+from commgemm.cli import args, main
+from commgemm.cli.specs import parse_method
 
 
 def test_benchmark_fields_consistent():
@@ -161,7 +163,7 @@ def test_overlap_report_failures_and_spans_on_cpu():
     report = cg.bench.overlap_report(
         "ag",
         (1024, 64, 2048),
-        methods=["ring", "fused"],
+        methods={m: parse_method(m) for m in ("ring", "fused")},
         dtype="bfloat16",
         iters=3,
         spans=2,
@@ -176,14 +178,22 @@ def test_overlap_report_failures_and_spans_on_cpu():
     assert "no GPU activity" in report.period_error and report.period_bound_ms is None
     assert all(r.period_ms is None and r.vs_bound_period is None for r in report.rows)
     with pytest.raises(ValueError, match="spans=-1"):
-        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], spans=-1)
+        cg.bench.overlap_report(
+            "ag", (512, 128, 512), methods={m: parse_method(m) for m in ("none",)}, spans=-1
+        )
     with pytest.raises(ValueError, match="periods=-1"):
-        cg.bench.overlap_report("ag", (512, 128, 512), methods=["none"], periods=-1)
+        cg.bench.overlap_report(
+            "ag", (512, 128, 512), methods={m: parse_method(m) for m in ("none",)}, periods=-1
+        )
 
 
 def test_overlap_report_figures():
     report = cg.bench.overlap_report(
-        "rs", (256, 128, 64), methods=["none", "ring:2"], dtype="float32", iters=3
+        "rs",
+        (256, 128, 64),
+        methods={m: parse_method(m) for m in ("none", "ring:2")},
+        dtype="float32",
+        iters=3,
     )
     assert report.t_gemm_ms > 0 and report.t_comm_ms > 0
     # t_gemm: the faster of XLA's two GEMM forms, both timed and recorded
@@ -221,12 +231,12 @@ def test_cli_knows_every_preset():
 
 
 def test_parse_method_and_shape():
-    cfg = cg.bench.parse_method("ring-bidi:2")
+    cfg = parse_method("ring-bidi:2")
     assert cfg.method is cg.Method.RING_EXCHANGE and cfg.bidirectional and cfg.num_splits == 2
     with pytest.raises(ValueError, match="unknown method 'warp'"):
-        cg.bench.parse_method("warp")
-    with pytest.raises(ValueError, match="M,K,N"):
-        cg.bench.parse_shape("1,2")
+        parse_method("warp")
+    with pytest.raises(argparse.ArgumentTypeError, match="M,K,N"):
+        args.shape("1,2")
 
 
 def test_cli_bench_writes_json_and_plot(tmp_path):

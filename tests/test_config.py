@@ -47,7 +47,7 @@ def test_select_algorithm_rejects(collective, method, atomic):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(num_splits=0), "num_splits=0 must be >= 1"),
+        (dict(num_splits=0), "num_splits=0 must be from 1 to 64"),
         (dict(num_splits=2.0), "num_splits=2.0 must be an int"),
         (dict(method="warp"), "method='warp' is not a Method"),
         (dict(collective="scatter"), "collective='scatter' is not a Collective"),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import P, mesh1d, random, shard
+from helpers import P, mesh1d, mesh2d, random, shard
 
 import commgemm as cg
 
@@ -174,7 +174,7 @@ def test_deterministic_refuses_arrival_order_adds(rng, size, tiles, why):
         call(cg.matmul_reduce_scatter, x, w, config=cfg.replace(deterministic=True), **specs)
     with pytest.raises(ValueError, match="it runs on GPUs"):
         call(cg.matmul_reduce_scatter, x, w, config=cfg, **specs)
-    with pytest.raises(ValueError, match="deterministic=1 must be a bool"):
+    with pytest.raises(ValueError, match="deterministic=1 must be True or False"):
         cfg.replace(deterministic=1)
 
 
@@ -274,3 +274,127 @@ def test_fused_kernel_environment_checks(monkeypatch):
     assert "Hopper GPU (compute capability 9.x), got 8.0" in machine("8.0", (0, 11, 2))
     assert "needs jax >= 0.11" in machine("9.0", (0, 10, 2))
     assert "one process driving all GPUs" in machine("9.0", (0, 11, 2), processes=2)
+
+
+ZERO_CONFIGS = [
+    cg.OverlapConfig(),
+    cg.OverlapConfig(method="pipeline", num_splits=2),
+    cg.OverlapConfig(method="ring_exchange"),
+    cg.OverlapConfig(method="ring_exchange", bidirectional=True, num_splits=2),
+    cg.OverlapConfig(method="auto"),
+]
+ZERO_OPS = {
+    "ag": (cg.all_gather_matmul, P("x", None), P(None, "x"), P(None, "x")),
+    "rs": (cg.matmul_reduce_scatter, P(None, "x"), P("x", None), P("x", None)),
+    "ar": (cg.matmul_all_reduce, P(None, "x"), P("x", None), P(None, None)),
+}
+
+
+@pytest.mark.parametrize("mkn", [(0, 16, 8), (16, 0, 8), (16, 16, 0)], ids=["M0", "K0", "N0"])
+@pytest.mark.parametrize("op", list(ZERO_OPS))
+@pytest.mark.parametrize("cfg", ZERO_CONFIGS, ids=lambda c: f"{c.method.name}{c.num_splits}")
+def test_zero_size_dimensions_give_jnp_dot_result(rng, mkn, op, cfg):
+    """M, K or N of zero: the empty or zero result of jnp.dot, and gradients of the right
+    (empty or zero) shapes, for every op and method."""
+    fn, xs, ws, os = ZERO_OPS[op]
+    m, k, n = mkn
+    x, w = random(rng, (m, k)), random(rng, (k, n))
+    f = shard(lambda a, b: fn(a, b, "x", config=cfg), mesh1d(4), (xs, ws), os)
+    out = f(x, w)
+    assert out.shape == (m, n) and not np.asarray(out).any()
+    dx, dw = jax.grad(lambda a, b: jnp.sum(f(a, b)), (0, 1))(x, w)
+    assert dx.shape == x.shape and dw.shape == w.shape
+    np.testing.assert_allclose(np.asarray(dx), np.ones((m, n)) @ w.T, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), x.T @ np.ones((m, n)), atol=1e-6)
+
+
+def test_zero_size_2d_and_bulk(rng):
+    x, w = random(rng, (8, 0)), random(rng, (0, 6))
+    f = shard(
+        lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y"),
+        mesh2d(2, 2),
+        (P("x", "y"), P("x", None)),
+        P("x", None),
+    )
+    assert f(x, w).shape == (8, 6) and not np.asarray(f(x, w)).any()
+    x, w, c = random(rng, (8, 4)), random(rng, (4, 3)), random(rng, (0, 5))
+    g = shard(
+        lambda a, b, d: cg.bulk_overlap(a, b, d, "x", collective="all_gather"),
+        mesh1d(4),
+        (P("x", None), P(None, None), P("x", None)),
+        (P("x", None), P(None, None)),
+    )
+    out, comm = g(x, w, c)
+    assert comm.shape == (0, 5) and np.allclose(out, x @ w, atol=1e-5)
+
+
+@pytest.mark.parametrize("field", ["out_dtype", "reduce_dtype", "accumulate_dtype"])
+@pytest.mark.parametrize("dtype", ["int32", "int8", "bool", np.uint16])
+def test_integer_and_bool_dtypes_refused(field, dtype):
+    with pytest.raises(ValueError, match=f"{field}=.* must be a floating dtype"):
+        cg.OverlapConfig(**{field: dtype})
+
+
+def test_dtype_aliases_accepted():
+    cfg = cg.OverlapConfig(out_dtype="bf16", reduce_dtype="f32")
+    assert (cfg.out_dtype, cfg.reduce_dtype) == ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("splits", [0, -1, 65, 10**6])
+def test_num_splits_range(splits):
+    with pytest.raises(ValueError, match="num_splits=.* must be from 1 to 64"):
+        cg.OverlapConfig(method="pipeline", num_splits=splits)
+
+
+def test_more_chunks_than_rows_refused(rng):
+    cfg = cg.OverlapConfig(method="pipeline", num_splits=8)
+    with pytest.raises(ValueError, match="divisible by num_splits=8"):
+        call(cg.all_gather_matmul, random(rng, (16, 16)), random(rng, (16, 8)), config=cfg)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["bidirectional", "aggregate", "atomic_gemm", "save_gathered_input", "chain_gemms",
+     "deterministic"],
+)  # fmt: skip
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_bool_fields_refuse_non_bools(field, value):
+    with pytest.raises(ValueError, match=f"{field}=.* must be True or False"):
+        cg.OverlapConfig(method="ring_exchange", **{field: value})
+
+
+@pytest.mark.parametrize(
+    "spelling,method",
+    [("ring", "RING_EXCHANGE"), ("RING_EXCHANGE", "RING_EXCHANGE"), ("Pipeline", "PIPELINE"),
+     ("ring-exchange", "RING_EXCHANGE"), ("auto", "AUTO")],
+)  # fmt: skip
+def test_method_spellings(spelling, method):
+    assert cg.OverlapConfig(method=spelling).method is cg.Method[method]
+    assert cg.Collective("ag") is cg.Collective.ALL_GATHER
+    with pytest.raises(ValueError, match="not a Method"):
+        cg.OverlapConfig(method="teleport")
+
+
+def test_traced_buffer_id_refused(rng):
+    buf = cg.create_overlap_buffer(cg.OverlapConfig(method="ring_exchange"))
+    x, w = random(rng, (32, 16)), random(rng, (16, 8))
+
+    def body(a, b, ident):
+        return cg.all_gather_matmul(a, b, "x", config=ident)
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh1d(4),
+            in_specs=(P("x", None), P(None, "x"), P()),
+            out_specs=P(None, "x"),
+        )
+    )
+    with pytest.raises(TypeError, match="traced value.*Python int"):
+        f(x, w, jnp.int32(buf % 2**31))
+
+
+@pytest.mark.parametrize("op", [cg.all_gather_matmul, cg.matmul_reduce_scatter])
+def test_one_dimensional_x_says_what_is_expected(rng, op):
+    with pytest.raises(ValueError, match=r"x must be \[rows, K\].*got shape \(16,\).*x\[None\]"):
+        call(op, random(rng, (64,)), random(rng, (16, 8)), x_spec=P("x"))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import commgemm as cg
 from commgemm.algorithms import mosaic_tiles, push_gather_gemm, scatter_add_gemm
-from commgemm.bench.problems import parse_method
+from commgemm.cli.specs import parse_method
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 

@@ -1,12 +1,16 @@
 """Real processes under jax.distributed on the CPU (gloo), started by `commgemm launch`."""
 
 import io
+import os
 import pathlib
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
+from commgemm.cli import main
 from commgemm.launch import LaunchError, launch
 
 WORKER = str(pathlib.Path(__file__).with_name("mp_worker.py"))
@@ -42,13 +46,16 @@ def test_process_that_dies_fails_the_launch_quickly():
     assert "rank says hello 1" in str(err.value)
 
 
-def test_launch_timeout():
+def test_launch_timeout_names_the_rank_that_hangs():
+    script = (
+        "import os, time; r = os.environ['COMMGEMM_PROCESS_ID']; "
+        "print('rank', r, 'waiting', flush=True); time.sleep(60 if r == '1' else 0)"
+    )
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="timed out after 2 s"):
-        launch(
-            2, [sys.executable, "-c", "import time; time.sleep(60)"], out=io.StringIO(), timeout_s=2
-        )
+    with pytest.raises(LaunchError, match=r"timed out after 3 s; rank\(s\) \[1\]") as err:
+        launch(2, [sys.executable, "-c", script], out=io.StringIO(), timeout_s=3)
     assert time.monotonic() - start < 15
+    assert err.value.returncode == 124 and "rank 1 waiting" in str(err.value)
 
 
 def test_mismatched_configs_across_ranks_raise_clearly():
@@ -67,8 +74,86 @@ def test_buffer_ids_agree_across_processes():
     assert len(ids) == 1
 
 
+def test_cli_exits_with_the_failing_ranks_code(capsys):
+    script = "import os, sys; sys.exit(5 if os.environ['COMMGEMM_PROCESS_ID'] == '1' else 0)"
+    assert main(["launch", "-n", "2", "--", sys.executable, "-c", script]) == 5
+    assert "rank 1 exited with code 5" in capsys.readouterr().err
+
+
+def test_failing_rank_is_reported_while_others_run(capsys):
+    script = (
+        "import os, sys, time; r = os.environ['COMMGEMM_PROCESS_ID']; "
+        "sys.exit(2) if r == '0' else time.sleep(60)"
+    )
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 0 exited with code 2"):
+        launch(2, [sys.executable, "-c", script], out=io.StringIO(), timeout_s=120)
+    assert time.monotonic() - start < 20
+    assert "rank 0 exited with code 2; stopping the others" in capsys.readouterr().err
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its new parent, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_reaches_every_rank_and_its_children(tmp_path):
+    """SIGTERM to the launcher stops each rank's whole process group: the `bash -c` wrapper
+    and the sleep it started."""
+    pids = tmp_path / "pids"
+    script = f"sleep 100 & echo $! >> {pids}; echo $$ >> {pids}; wait"
+    cmd = [sys.executable, "-m", "commgemm", "launch", "-n", "2", "--", "bash", "-c", script]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 4):
+        time.sleep(0.1)
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 4 and all(_alive(p) for p in started)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in started)
+
+
+def test_script_without_initialize_is_told(capsys):
+    code = main(["launch", "-n", "2", "--", sys.executable, "-c", "print('hi')"])
+    assert code == 1
+    assert "never called commgemm.initialize()" in capsys.readouterr().err
+
+
+def test_op_in_a_launched_process_without_initialize_raises():
+    out = io.StringIO()
+    with pytest.raises(LaunchError, match="exited with code 1"):
+        launch(2, [sys.executable, WORKER, "uninitialized"], cpu_devices=2, out=out, timeout_s=120)
+    assert "has not joined the run: call commgemm.initialize()" in out.getvalue()
+
+
+def test_coordinator_listens_on_localhost_only():
+    out = io.StringIO()
+    assert launch(2, [sys.executable, WORKER, "listen"], cpu_devices=1, out=out, timeout_s=120) == 0
+    assert "coordinator on 127.0.0.1" in out.getvalue()
+
+
+def test_extra_trace_on_one_rank_does_not_break_the_plan_check():
+    """Rank 0 lowers an extra function (to log its HLO, say) before the real call: the plan
+    check still pairs the calls that run and nothing fails."""
+    out = io.StringIO()
+    assert launch(2, [sys.executable, WORKER, "extra"], cpu_devices=2, out=out, timeout_s=180) == 0
+    assert out.getvalue().count("result ok") == 2
+
+
 def test_launch_rejects_bad_arguments():
     with pytest.raises(ValueError, match="n=0"):
         launch(0, ["true"])
     with pytest.raises(ValueError, match="no command"):
         launch(2, [])
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        launch(1, ["true"], timeout_s=0)
+    with pytest.raises(ValueError, match="cpu_devices=0"):
+        launch(1, ["true"], cpu_devices=0)

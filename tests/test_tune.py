@@ -8,8 +8,9 @@ import pytest
 from helpers import P, assert_close, mesh1d, random, reference, shard
 
 import commgemm as cg
-from commgemm import costmodel, tune
+from commgemm.autotune import auto, cache, costmodel, tuner
 from commgemm.cli import main
+from commgemm.cli.specs import parse_method, spec_of
 from commgemm.config import Collective
 
 AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
@@ -55,21 +56,22 @@ def test_candidates_respect_divisibility():
 
 def test_tune_caches_the_winner_and_auto_uses_it(tmp_path, monkeypatch, rng):
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
-    result = tune.tune(
-        "ag", (256, 32, 64), dtype="float32", methods=["none", "ring", "ring:2"], iters=3
-    )
+    methods = [parse_method(m) for m in ("none", "ring", "ring:2")]
+    result = tuner.tune("ag", (256, 32, 64), dtype="float32", methods=methods, iters=3)
     assert result.best == min(result.times_ms, key=result.times_ms.get)
     data = json.loads((tmp_path / "tune.json").read_text())
-    assert data["plans"][result.key]["method"] == result.best
+    assert data["version"] == cache.VERSION
+    stored = data["plans"][result.key]["config"]
+    assert cg.OverlapConfig(**stored) == result.best.replace(collective=None)
     assert data["machines"]["cpu/P8"]["flops_per_s"] > 0
     # no device periods on a CPU: the host timing ranked the candidates
     assert result.timing == data["plans"][result.key]["timing"] == "host"
 
     x, w = random(rng, (256, 32)), random(rng, (32, 64))
-    resolved = tune.resolve_auto(
+    resolved = auto.resolve_auto(
         cg.OverlapConfig(method="auto"), AG, x[:32], w[:, :8], 8, w_transposed=False
     )
-    assert tune.spec_of(resolved) == result.best
+    assert resolved == result.best
     f = shard(
         lambda a, b: cg.all_gather_matmul(a, b, "x", config=cg.OverlapConfig(method="auto")),
         mesh1d(8),
@@ -121,29 +123,29 @@ def test_spec_round_trip():
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
     )
     for spec in specs + fused:
-        assert tune.spec_of(cg.bench.parse_method(spec)) == spec
-    tiles = cg.bench.parse_method("fused-wgm-w4").fused_tiles
+        assert spec_of(parse_method(spec)) == spec
+    tiles = parse_method("fused-wgm-w4").fused_tiles
     assert tiles.wg_along_m and tiles.grid_tile_width == 4 and tiles.cta_m == 256
-    tiles = cg.bench.parse_method("fused-direct-cm").fused_tiles
+    tiles = parse_method("fused-direct-cm").fused_tiles
     assert (tiles.cluster, tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (
         "m",
         2,
         256,
         256,
     )
-    assert tune.spec_of(cg.bench.parse_method("fused-w8")) == "fused"  # the default width
-    assert cg.bench.parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
-    assert cg.bench.parse_method("fused-direct").algorithm(AG) is cg.Algorithm.ATOMIC_GEMM_AG
-    tiles = cg.bench.parse_method("fused-direct-cm-d1").fused_tiles
+    assert spec_of(parse_method("fused-w8")) == "fused"  # the default width
+    assert parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
+    assert parse_method("fused-direct").algorithm(AG) is cg.Algorithm.ATOMIC_GEMM_AG
+    tiles = parse_method("fused-direct-cm-d1").fused_tiles
     assert tiles.release_lag == 1 and not tiles.chain_tiles
-    assert cg.bench.parse_method("fused-direct-ct").fused_tiles.chain_tiles
-    assert cg.bench.parse_method("fused-direct-cm-t0").fused_tiles.split_tail == 0
-    assert tune.spec_of(cg.bench.parse_method("fused-direct-t4")) == "fused-direct-t4"
-    assert cg.bench.parse_method("fused-direct-a3").fused_tiles.zero_ahead == 3
+    assert parse_method("fused-direct-ct").fused_tiles.chain_tiles
+    assert parse_method("fused-direct-cm-t0").fused_tiles.split_tail == 0
+    assert spec_of(parse_method("fused-direct-t4")) == "fused-direct-t4"
+    assert parse_method("fused-direct-a3").fused_tiles.zero_ahead == 3
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
-        cg.bench.parse_method("fused-x3")
+        parse_method("fused-x3")
     with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
-        cg.bench.parse_method("fused-direct-direct")
+        parse_method("fused-direct-direct")
 
 
 def test_direct_kernel_candidate_clusters_where_rows_allow():
@@ -226,13 +228,13 @@ def test_auto_never_picks_the_fused_kernel_where_it_cannot_run(tmp_path, monkeyp
     path = tmp_path / "tune.json"
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
     x, w = np.zeros((512, 64), np.float32), np.zeros((64, 128), np.float32)
-    key = tune.plan_key(cg_device_kind(), 2, "ag", (1024, 64, 256), "float32")
-    path.write_text(json.dumps({"plans": {key: {"method": "fused-w8"}}, "machines": {}}))
-    resolved = tune.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
+    key = cache.plan_key(cg_device_kind(), 2, "ag", (1024, 64, 256), "float32")
+    path.write_text(json.dumps(cache_file({key: "fused-w8"})))
+    resolved = auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
     assert not resolved.atomic_gemm and resolved.method is not cg.Method.AUTO
-    path.write_text(json.dumps({"plans": {key: {"method": "ring:2"}}, "machines": {}}))
-    resolved = tune.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
-    assert tune.spec_of(resolved) == "ring:2"
+    path.write_text(json.dumps(cache_file({key: "ring:2"})))
+    resolved = auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2, w_transposed=False)
+    assert spec_of(resolved) == "ring:2"
 
 
 def test_deterministic_auto_passes_over_arrival_order_plans(tmp_path, monkeypatch):
@@ -241,17 +243,26 @@ def test_deterministic_auto_passes_over_arrival_order_plans(tmp_path, monkeypatc
     kernels could run here)."""
     path = tmp_path / "tune.json"
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
-    monkeypatch.setattr(tune, "_fused_runs", lambda *args: True)
+    monkeypatch.setattr(auto, "_fused_runs", lambda *args: True)
     x, w = np.zeros((8192, 1024), np.float32), np.zeros((1024, 4096), np.float32)
-    key = tune.plan_key(cg_device_kind(), 2, "rs", (8192, 2048, 4096), "float32")
-    path.write_text(json.dumps({"plans": {key: {"method": "fused-direct-cm-t0"}}, "machines": {}}))
-    auto = cg.OverlapConfig(method="auto")
-    resolved = tune.resolve_auto(auto, RS, x, w, 2, w_transposed=False)
-    assert tune.spec_of(resolved) == "fused-direct-cm-t0" and not resolved.deterministic
-    strict = tune.resolve_auto(auto.replace(deterministic=True), RS, x, w, 2, w_transposed=False)
+    key = cache.plan_key(cg_device_kind(), 2, "rs", (8192, 2048, 4096), "float32")
+    path.write_text(json.dumps(cache_file({key: "fused-direct-cm-t0"})))
+    cfg = cg.OverlapConfig(method="auto")
+    resolved = auto.resolve_auto(cfg, RS, x, w, 2, w_transposed=False)
+    assert spec_of(resolved) == "fused-direct-cm-t0" and not resolved.deterministic
+    strict = auto.resolve_auto(cfg.replace(deterministic=True), RS, x, w, 2, w_transposed=False)
     assert strict.deterministic and strict.method is not cg.Method.AUTO
     tiles = strict.fused_tiles or cg.FusedTiles()
     assert tiles.split_tail == 1
+
+
+def cache_file(plans: dict[str, str]) -> dict:
+    """A version-2 cache file's contents with one plan per key, given by method spec."""
+    entries = {
+        key: cache.PlanEntry(parse_method(spec), 1.0, 1.0, "host", "").as_json()
+        for key, spec in plans.items()
+    }
+    return {"version": cache.VERSION, "plans": entries, "machines": {}}
 
 
 def cg_device_kind() -> str:

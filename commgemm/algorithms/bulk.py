@@ -12,6 +12,7 @@ from jax import lax
 
 from commgemm.algorithms.common import matmul
 from commgemm.config import Collective, OverlapConfig
+from commgemm.vma import all_gather_invariant
 
 
 def bulk_overlap(
@@ -28,7 +29,7 @@ def bulk_overlap(
     """(x @ w, collective(comm_operand)): the GEMM is local; the collective acts on `comm_axis`."""
     out = matmul(x, w, config, w_transposed, result_dtype=config.out_dtype)
     if collective is Collective.ALL_GATHER:
-        comm = lax.all_gather(comm_operand, axis_name, axis=comm_axis, tiled=True)
+        comm = all_gather_invariant(comm_operand, axis_name, axis=comm_axis)
     elif collective is Collective.REDUCE_SCATTER:
         comm = lax.psum_scatter(comm_operand, axis_name, scatter_dimension=comm_axis, tiled=True)
     else:

@@ -15,6 +15,7 @@ from jax import lax
 from commgemm.algorithms.common import after, matmul, reduce_dtype, send_one, split_rows
 from commgemm.config import OverlapConfig
 from commgemm.operands import axis_size
+from commgemm.vma import all_gather_invariant
 
 
 def _steps(size: int, bidirectional: bool) -> tuple[int, int]:
@@ -160,5 +161,5 @@ def matmul_all_reduce(
 ) -> jax.Array:
     """x [M, k], w [k, n] -> the sum [M, n]: the reduce-scatter ring, then an all-gather."""
     block = _reduce_scatter_chains(x, w, axis_name, config, w_transposed)
-    gathered = lax.all_gather(block.astype(reduce_dtype(config)), axis_name, axis=0, tiled=True)
+    gathered = all_gather_invariant(block.astype(reduce_dtype(config)), axis_name)
     return gathered.astype(config.out_dtype)

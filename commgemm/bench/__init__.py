@@ -2,7 +2,7 @@
 `overlap_report()`, presets and method specs."""
 
 from commgemm.bench.overlap import OverlapReport, OverlapRow, overlap_report
-from commgemm.bench.problems import PRESETS, make_problem, parse_method, parse_shape
+from commgemm.bench.problems import PRESETS, make_problem
 from commgemm.bench.spans import device_periods, device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark, benchmark_interleaved
 
@@ -18,6 +18,4 @@ __all__ = [
     "device_spans",
     "make_problem",
     "overlap_report",
-    "parse_method",
-    "parse_shape",
 ]

@@ -4,18 +4,27 @@ and each method, all timed in one run, with vs_bound and hidden (../shared/DESIG
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-import commgemm as cg
-from commgemm.bench.problems import Problem, make_problem, parse_method
+from commgemm.bench.problems import Problem, make_problem
 from commgemm.bench.spans import device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
+from commgemm.config import OverlapConfig
 
 #: The two forms of XLA's GEMM alone (`Problem.gemm_alone`); t_gemm is the faster one.
 GEMM_ALONE = {False: "gemm alone", True: "gemm alone (float32 result, cast)"}
+
+
+#: What `overlap_report` times when no methods are given.
+DEFAULT_METHODS = {
+    "none": OverlapConfig(),
+    "pipeline:4": OverlapConfig(method="pipeline", num_splits=4),
+    "ring": OverlapConfig(method="ring_exchange"),
+    "ring-bidi": OverlapConfig(method="ring_exchange", bidirectional=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +150,7 @@ def overlap_report(
     op: str,
     shape: tuple[int, int, int],
     mesh_devices: Sequence | None = None,
-    methods: Sequence[str | cg.OverlapConfig] = ("none", "pipeline:4", "ring", "ring-bidi"),
+    methods: Mapping[str, OverlapConfig] | Sequence[OverlapConfig] | None = None,
     *,
     dtype: str = "bfloat16",
     iters: int = 50,
@@ -154,7 +163,8 @@ def overlap_report(
 ) -> OverlapReport:
     """Times, in one run: the GEMM alone (XLA's dot in both result forms of
     `Problem.gemm_alone`; t_gemm is the faster), the collective alone, XLA's own `jnp.dot` (if
-    asked) and `cg.gemm` with each method (max |error| against the serial baseline beside each).
+    asked) and `cg.gemm` with each of `methods` ({name: config}, or configs named by their
+    repr; default DEFAULT_METHODS) (max |error| against the serial baseline beside each).
 
     The variants are timed interleaved (`benchmark_interleaved`: `iters` cycles, each one
     sample of `group` calls of every variant in a shuffled order), so the GPUs' drift under
@@ -169,7 +179,7 @@ def overlap_report(
     problem: Problem = make_problem(op, shape, dtype, mesh_devices)
     step = progress or (lambda _: None)
     x, w = problem.operands()
-    reference = problem.overlapped(cg.OverlapConfig())(x, w)
+    reference = problem.overlapped(OverlapConfig())(x, w)
     timed: dict[str, tuple[Callable, tuple]] = {
         GEMM_ALONE[False]: problem.gemm_alone(),
         GEMM_ALONE[True]: problem.gemm_alone(cast=True),
@@ -178,9 +188,11 @@ def overlap_report(
     if include_xla:
         timed["xla"] = (problem.xla(), (x, w))
     errors, failures = {}, []
-    for spec in methods:
-        cfg = parse_method(spec) if isinstance(spec, str) else spec
-        name = spec if isinstance(spec, str) else repr(spec)
+    if methods is None:
+        methods = DEFAULT_METHODS
+    if not isinstance(methods, Mapping):
+        methods = {repr(cfg): cfg for cfg in methods}
+    for name, cfg in methods.items():
         step(f"{name} (compile, check)")
         fn = problem.overlapped(cfg)
         try:

@@ -6,34 +6,55 @@ import argparse
 import contextlib
 import json
 import pathlib
+import sys
+
+from commgemm.cli import args as types
 
 DEFAULT_METHODS = "none,pipeline:2,pipeline:4,ring,ring-bidi,ring:2,ring-bidi:2"
+#: How long the presets take where there is no GPU, for the help text.
+CPU_NOTE = (
+    "The presets are GPU-sized: on a 2-core CPU with 8 virtual devices one call of a preset "
+    "takes seconds and a preset with the default flags runs for hours; there, CPU timings are "
+    "only a smoke test (try --shape 1024,1024,1024 --iters 5, about a minute)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=["ag", "rs", "ar", "2d"], default="ag")
+    parser.add_argument("--op", choices=["ag", "rs", "ar", "2d"], default="ag", help="the op")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--shape", help="M,K,N totals across the TP group")
-    group.add_argument("--preset", help="llama70b_mlp, llama8b_mlp, comm_heavy or notebook")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    group.add_argument(
+        "--shape",
+        type=types.shape,
+        default=(2048, 2048, 1024),
+        help="M,K,N totals across the TP group",
+    )
+    group.add_argument("--preset", choices=types.PRESET_NAMES, help="a named problem (M,K,N)")
+    parser.add_argument("--dtype", type=types.dtype, default="bfloat16", help="operand dtype")
     parser.add_argument(
         "--methods",
+        type=types.methods,
         default=DEFAULT_METHODS,
-        help=f"comma-separated method specs (default {DEFAULT_METHODS})",
+        help="comma-separated method specs: none, pipeline:N, ring, ring:N, ring-bidi[:N], "
+        "ring-agg, auto, fused[-...], fused-direct[-...]",
     )
     parser.add_argument(
-        "--iters", type=int, default=50, help="cycles: each times every variant once, interleaved"
+        "--iters",
+        type=types.int_at_least(2),
+        default=50,
+        help="cycles: each times every variant once, interleaved",
     )
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--warmup", type=types.int_at_least(1), default=3, help="untimed calls per variant"
+    )
     parser.add_argument(
         "--spans",
-        type=int,
+        type=types.int_at_least(0),
         default=0,
         help="also profile this many calls per variant and report GPU-timestamp spans (GPU only)",
     )
     parser.add_argument(
         "--periods",
-        type=int,
+        type=types.int_at_least(0),
         default=0,
         help="also read steady-state device periods from this many interleaved rounds (GPU only)",
     )
@@ -43,25 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
     from commgemm.bench.overlap import overlap_report
-    from commgemm.bench.problems import PRESETS, parse_method, parse_shape
+    from commgemm.bench.problems import PRESETS
+    from commgemm.cli.specs import parse_method
     from commgemm.devices import environment
 
-    if args.preset:
-        if args.preset not in PRESETS:
-            raise SystemExit(f"unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
-        shape = PRESETS[args.preset]
-    else:
-        shape = parse_shape(args.shape or "2048,2048,1024")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        parse_method(m)  # fail before any work
-    dtype = {"bf16": "bfloat16", "f32": "float32"}[args.dtype]
-    import jax
+    shape = PRESETS[args.preset] if args.preset else args.shape
+    methods = {spec: parse_method(spec) for spec in args.methods}
+    dtype = args.dtype
 
     lead = jax.process_index() == 0  # every process measures; process 0 reports
     console = Console(quiet=not lead)
@@ -75,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"{args.op} {name}")
+            if lead and not sys.stderr.isatty():  # no bar there: a line per step
+                print(f"bench {args.op}: {name}", file=sys.stderr, flush=True)
 
         report = overlap_report(
             args.op,
@@ -109,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             cells += [f"{r.period_ms:.3f}", f"{r.vs_bound_period:.2f}"]
         table.add_row(*cells)
     console.print(table)
+    if jax.default_backend() == "cpu":
+        console.print("CPU backend: these timings are only a smoke test, not a measurement.")
     if report.span_error:
         console.print(f"device spans not measured: {report.span_error}")
     if report.period_error:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from commgemm.config import Collective, FusedTiles, Method, OverlapConfig
-from commgemm.plan import split_requirement
+from commgemm.config import Collective, FusedTiles, Method, OverlapConfig, split_requirement
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
+from commgemm.cli import args as types
+from commgemm.cli.args import PRESET_NAMES
 from commgemm.devices import setup_devices
 
-#: commgemm.bench.PRESETS' names (that module imports jax, which must wait for setup_devices).
-PRESET_NAMES = ("llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp", "notebook")
+__all__ = ["PRESET_NAMES", "build_parser", "main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -20,6 +21,14 @@ def _demo(args: argparse.Namespace) -> int:
     from commgemm.devices import environment
 
     env = environment()
+    multiple = 4 * env["device_count"]
+    if args.size % multiple:
+        print(
+            f"commgemm demo: --size {args.size} must be a multiple of {multiple} (4 x the "
+            f"{env['device_count']} devices), e.g. {max(1, args.size // multiple) * multiple}",
+            file=sys.stderr,
+        )
+        return 2
     console = Console(quiet=env["process_index"] != 0)  # one table, from process 0
     console.print(
         f"commgemm demo on {env['device_count']} x {env['device_kind']} ({env['backend']}) in "
@@ -46,6 +55,9 @@ def _launch(args: argparse.Namespace) -> int:
     from commgemm.launch import LaunchError, launch
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("commgemm launch: no command to run: pass it after --", file=sys.stderr)
+        return 2
     try:
         return launch(
             args.n,
@@ -53,10 +65,11 @@ def _launch(args: argparse.Namespace) -> int:
             cpu_devices=args.cpu_devices,
             gpus_per_process=args.gpus_per_process,
             timeout_s=args.timeout,
+            coordinator=args.coordinator,
         )
     except LaunchError as err:
         print(f"commgemm launch: {err}", file=sys.stderr)
-        return 1
+        return err.returncode
 
 
 def _relaunch(processes: int, argv: list[str]) -> int:
@@ -75,30 +88,45 @@ def _relaunch(processes: int, argv: list[str]) -> int:
         )
     except LaunchError as err:
         print(f"commgemm: {err}", file=sys.stderr)
-        return 1
+        return err.returncode
 
 
 def _tune(args: argparse.Namespace) -> int:
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
-    from commgemm.bench.problems import PRESETS, parse_shape
-    from commgemm.tune import cache_path, tune
+    from commgemm.autotune.tuner import tune
+    from commgemm.bench.problems import PRESETS
+    from commgemm.cli.specs import parse_method, spec_of
 
-    shape = PRESETS[args.preset] if args.preset else parse_shape(args.shape)
-    dtype = {"bf16": "bfloat16", "f32": "float32"}[args.dtype]
-    methods = args.methods.split(",") if args.methods else None
+    shape = PRESETS[args.preset] if args.preset else args.shape
+    methods = [parse_method(m) for m in args.methods] if args.methods else None
     result = tune(
-        args.op, shape, dtype=dtype, methods=methods, iters=args.iters, periods=args.periods
+        args.op,
+        shape,
+        dtype=args.dtype,
+        methods=methods,
+        iters=args.iters,
+        periods=args.periods,
+        label=spec_of,
     )
     table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
-    for name, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
-        table.add_row(name, f"{t:.3f}", f"{result.vs_bound[name]:.2f}")
+    for cfg, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
+        table.add_row(spec_of(cfg), f"{t:.3f}", f"{result.vs_bound[cfg]:.2f}")
     console = Console()
     console.print(table)
     if result.period_error:
         console.print(f"device periods: {result.period_error}")
-    console.print(f"best: {result.best} (stored in {cache_path()})")
+    if result.save_error:
+        print(
+            f"commgemm tune: could not write the tune cache ({result.save_error}); the "
+            f"measured entry for {result.key} was:\n{json.dumps(result.entry, indent=1)}",
+            file=sys.stderr,
+        )
+        return 1
+    console.print(f"best: {spec_of(result.best)} (stored in {result.saved_to})")
     return 0
 
 
@@ -110,52 +138,88 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="commgemm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run every collective x method, check and time it")
-    demo.add_argument("--size", type=int, default=1024, help="M = K = N (default 1024)")
-    demo.add_argument("--iters", type=int, default=5)
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    demo.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        help="run in N processes under jax.distributed (see `commgemm launch`)",
-    )
-    demo.set_defaults(run=_demo)
-    from commgemm.bench import cli as bench_cli
+    from commgemm import __version__
+    from commgemm.cli import bench as bench_cli
 
-    bench = sub.add_parser("bench", help="overlap report: GEMM, collective, serial, methods")
-    bench_cli.add_arguments(bench)
-    bench.add_argument(
-        "--processes",
-        type=int,
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="commgemm", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"commgemm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    processes = dict(
+        type=types.int_at_least(1),
         default=1,
         help="run in N processes under jax.distributed (see `commgemm launch`)",
     )
+    demo = sub.add_parser(
+        "demo", help="run every collective x method, check and time it", formatter_class=fmt
+    )
+    demo.add_argument(
+        "--size",
+        type=types.int_at_least(1),
+        default=1024,
+        help="M = K = N; a multiple of 4 x the device count",
+    )
+    demo.add_argument("--iters", type=types.int_at_least(1), default=5, help="timed calls each")
+    demo.add_argument("--dtype", type=types.dtype, default="float32", help="operand dtype")
+    demo.add_argument("--processes", **processes)
+    demo.set_defaults(run=_demo)
+    bench = sub.add_parser(
+        "bench",
+        help="overlap report: GEMM, collective, serial, methods",
+        description=bench_cli.CPU_NOTE,
+        formatter_class=fmt,
+    )
+    bench_cli.add_arguments(bench)
+    bench.add_argument("--processes", **processes)
     bench.set_defaults(run=bench_cli.run)
-    tune = sub.add_parser("tune", help="measure candidate plans, cache the best for AUTO")
-    tune.add_argument("--op", choices=["ag", "rs", "ar"], default="ag")
+    tune = sub.add_parser(
+        "tune",
+        help="measure candidate plans, cache the best for AUTO",
+        description=bench_cli.CPU_NOTE,
+        formatter_class=fmt,
+    )
+    tune.add_argument("--op", choices=["ag", "rs", "ar"], default="ag", help="the op")
     group = tune.add_mutually_exclusive_group(required=True)
-    group.add_argument("--shape", help="M,K,N totals across the TP group")
-    group.add_argument("--preset", choices=sorted(PRESET_NAMES))
-    tune.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    tune.add_argument("--methods", help="comma-separated specs (default: every candidate)")
+    group.add_argument("--shape", type=types.shape, help="M,K,N totals across the TP group")
+    group.add_argument("--preset", choices=types.PRESET_NAMES, help="a named problem (M,K,N)")
+    tune.add_argument("--dtype", type=types.dtype, default="bfloat16", help="operand dtype")
     tune.add_argument(
-        "--iters", type=int, default=40, help="cycles: each times every candidate once, interleaved"
+        "--methods",
+        type=types.methods,
+        help="comma-separated method specs (default: every candidate)",
+    )
+    tune.add_argument(
+        "--iters",
+        type=types.int_at_least(2),
+        default=40,
+        help="cycles: each times every candidate once, interleaved",
     )
     tune.add_argument(
         "--periods",
-        type=int,
+        type=types.int_at_least(0),
         default=6,
         help="rounds of device periods, which rank the candidates where they can be read (GPUs)",
     )
     tune.set_defaults(run=_tune)
-    launch = sub.add_parser("launch", help="run a command in N processes under jax.distributed")
-    launch.add_argument("-n", type=int, required=True, help="number of processes")
-    launch.add_argument("--cpu-devices", type=int, help="virtual CPU devices per process")
-    launch.add_argument("--gpus-per-process", type=int, help="GPUs per process (GPU runs)")
-    launch.add_argument("--timeout", type=float, default=600.0, help="limit for the whole run (s)")
+    launch = sub.add_parser(
+        "launch", help="run a command in N processes under jax.distributed", formatter_class=fmt
+    )
+    launch.add_argument("-n", type=types.int_at_least(1), required=True, help="processes")
+    launch.add_argument(
+        "--cpu-devices",
+        type=types.int_at_least(1),
+        help="virtual CPU devices per process (default: 8 // n)",
+    )
+    launch.add_argument(
+        "--gpus-per-process", type=types.int_at_least(1), help="GPUs per process (GPU runs)"
+    )
+    launch.add_argument(
+        "--timeout", type=types.positive_float, default=600.0, help="limit for the whole run (s)"
+    )
+    launch.add_argument(
+        "--coordinator",
+        help="host:port of the coordination service (default: 127.0.0.1 and a free port)",
+    )
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     launch.set_defaults(run=_launch)
     info = sub.add_parser("info", help="devices, backend, versions, XLA flags")

@@ -1,0 +1,88 @@
+"""AUTO at plan time: the tune cache's winner for the problem, else the cost model's choice.
+Reads the cache; never measures."""
+
+from __future__ import annotations
+
+import jax
+
+from commgemm.autotune import cache
+from commgemm.autotune.costmodel import DEFAULT_FIGURES, choose
+from commgemm.config import Collective, Method, OverlapConfig
+
+#: The tuner's and the cache's short names of the collectives.
+OP_NAMES = {
+    Collective.ALL_GATHER: "ag",
+    Collective.REDUCE_SCATTER: "rs",
+    Collective.ALL_REDUCE: "ar",
+}
+
+
+def global_shape(
+    collective: Collective, x: jax.Array, w: jax.Array, size: int, *, w_transposed: bool
+) -> tuple[int, int, int]:
+    """(M, K, N) of the problem one per-shard call (x the 2-D view) is a shard of."""
+    rows = x.shape[0]
+    n_local = w.shape[0] if w_transposed else w.shape[1]
+    if collective is Collective.ALL_GATHER:
+        return size * rows, x.shape[1], size * n_local
+    return rows, size * x.shape[1], n_local
+
+
+def resolve_auto(
+    cfg: OverlapConfig,
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    *,
+    w_transposed: bool,
+) -> OverlapConfig:
+    """The concrete config for method=AUTO on this per-shard call: the cached winner for the
+    global shape (where it can run here), else the cost model's choice (with cfg.deterministic,
+    among the plans whose result is the same on every call). The dtype fields,
+    save_gathered_input and deterministic stay cfg's."""
+    from commgemm.algorithms.fused import varies_between_calls
+
+    shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
+    kind = jax.devices()[0].device_kind
+    found = cache.load()
+    entry = found.plans.get(cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name))
+    chosen = entry.config if entry is not None else None
+    fused_ok = _fused_runs(cfg, collective, x, w, size, w_transposed)
+    if chosen is not None and chosen.atomic_gemm:
+        varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
+        if not fused_ok or varies:
+            chosen = None
+    if chosen is None:
+        fig = found.machines.get(cache.machine_key(kind, size)) or DEFAULT_FIGURES.get(
+            jax.default_backend(), DEFAULT_FIGURES["gpu"]
+        )
+        chosen, _ = choose(
+            collective,
+            shape,
+            x.shape[0],
+            size,
+            x.dtype.itemsize,
+            fig,
+            fused=fused_ok,
+            deterministic=cfg.deterministic,
+        )
+    return cfg.replace(**{f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS})
+
+
+def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
+    """Whether the fused kernel can run this call under cfg's dtype fields."""
+    from commgemm.algorithms.fused import unsupported_reason
+
+    if collective is Collective.ALL_REDUCE:
+        return False
+    trial = cfg.replace(
+        method=Method.RING_EXCHANGE,
+        num_splits=1,
+        bidirectional=False,
+        aggregate=False,
+        atomic_gemm=True,
+        fused_tiles=None,
+        chain_gemms=False,
+    )
+    return unsupported_reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

@@ -1,0 +1,190 @@
+"""The tuner behind `commgemm tune`: measure the candidate plans of one problem in one run
+(`commgemm.bench.overlap_report`), store the fastest and the machine figures the run implies in
+the tune cache for Method.AUTO."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pathlib
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from commgemm.autotune import cache
+from commgemm.autotune.costmodel import DEFAULT_FIGURES, MachineFigures, candidates
+from commgemm.config import Collective, FusedTiles, OverlapConfig
+
+OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Collective.ALL_REDUCE}
+
+
+def _fused(method: str, **tiles) -> OverlapConfig:
+    return OverlapConfig(
+        method=method, atomic_gemm=True, fused_tiles=FusedTiles(**tiles) if tiles else None
+    )
+
+
+#: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates,
+#: where the shape allows them; on 2xH200 each was the fastest, or within noise of it, on some
+#: preset (docs/performance.md).
+FUSED_TILINGS = {
+    Collective.ALL_GATHER: (
+        _fused("ring_exchange", grid_tile_width=16),
+        _fused("ring_exchange", grid_minor_m=True),
+        _fused("pipeline"),
+        _fused("pipeline", grid_tile_width=16),
+        _fused("pipeline", cluster="m"),
+        _fused("pipeline", cluster="m", spread=50),
+    ),
+    Collective.REDUCE_SCATTER: (
+        _fused("pipeline"),
+        _fused("pipeline", cluster="m", split_tail=0),
+        _fused("pipeline", cluster="m", chain_tiles=True),
+        _fused("pipeline", cluster="m", chain_tiles=True, split_tail=0),
+        _fused(
+            "pipeline",
+            wg_along_m=True,
+            cluster="m",
+            chain_tiles=True,
+            tile_m=64,
+            tile_n=256,
+            tile_k=128,
+            stages=2,
+            split_tail=0,
+            zero_ahead=2,
+        ),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """What one tuning run measured: each candidate's time and vs_bound (ms, by `timing`), the
+    winner, the machine figures, and whether (and where) the cache was written."""
+
+    key: str
+    best: OverlapConfig
+    times_ms: dict[OverlapConfig, float]
+    vs_bound: dict[OverlapConfig, float]
+    machine: MachineFigures
+    timing: str = "host"  # what ranked the candidates: "host" or "device periods"
+    period_error: str | None = None  # why device periods were not used, where asked for
+    saved_to: pathlib.Path | None = None
+    save_error: str | None = None  # why the cache could not be written (the figures are kept)
+    entry: dict | None = None  # the cache entry, as JSON
+
+
+def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: str):
+    """The cost model's candidates for this problem, and the extra fused tilings that can run."""
+    from commgemm.algorithms.fused import reason_for_shape
+
+    collective = OPS[op]
+    rows = shape[0] // size if collective is Collective.ALL_GATHER else shape[0]
+    fused = collective is not Collective.ALL_REDUCE and (
+        reason_for_shape(collective, shape, size, dtype) is None
+    )
+    found = candidates(collective, rows, size, fused=fused, shape=shape)
+    if fused:
+        found += [
+            c
+            for c in FUSED_TILINGS[collective]
+            if c not in found and reason_for_shape(collective, shape, size, dtype, c) is None
+        ]
+    return found
+
+
+def tune(
+    op: str,
+    shape: tuple[int, int, int],
+    *,
+    dtype: str = "bfloat16",
+    methods: Sequence[OverlapConfig] | None = None,
+    iters: int = 40,
+    periods: int = 6,
+    path: pathlib.Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    label: Callable[[OverlapConfig], str] = repr,
+) -> TuneResult:
+    """Measures every candidate (`overlap_report`: one run, interleaved) and stores the fastest
+    and the machine figures the run implies (GEMM rate, received bytes per second) in the cache.
+    Where device periods can be read (GPUs; `periods` rounds, 0 for none) they rank the
+    candidates, being far steadier than the host-timed medians; elsewhere the host timing.
+    A cache that cannot be written does not lose the measurements: `save_error` says why and
+    `entry` holds what would have been stored."""
+    from commgemm.bench.overlap import overlap_report
+
+    if op not in OPS:
+        raise ValueError(f"op={op!r}: the tuner handles {sorted(OPS)}")
+    size = len(jax.devices())
+    methods = list(methods) if methods is not None else default_candidates(op, shape, size, dtype)
+    if not methods:
+        raise ValueError("no candidate to measure")
+    named = {label(c): c for c in methods}
+    report = overlap_report(
+        op,
+        shape,
+        methods=named,
+        dtype=dtype,
+        iters=iters,
+        periods=periods,
+        include_xla=False,
+        progress=progress,
+    )
+    if not report.rows:
+        raise ValueError(f"no candidate could run: {report.failures}")
+    by_period = all(r.period_ms is not None for r in report.rows)
+
+    def t_of(r) -> float:
+        return r.period_ms if by_period else r.t_ms
+
+    def vs_bound_of(r) -> float:
+        return r.vs_bound_period if by_period else r.vs_bound
+
+    best = min(report.rows, key=t_of)
+    t_gemm = report.period_gemm_ms if by_period else report.t_gemm_ms
+    t_comm = report.period_comm_ms if by_period else report.t_comm_ms
+    kind = jax.devices()[0].device_kind
+    itemsize = np.dtype(dtype).itemsize
+    m, k, n = shape
+    received = {
+        "ag": (size - 1) * (m // size) * k,
+        "rs": (size - 1) * (m // size) * n,
+        "ar": 2 * (size - 1) * (m // size) * n,
+    }[op]
+    default = DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
+    machine = MachineFigures(
+        flops_per_s=2.0 * m * k * n / size / (t_gemm * 1e-3),
+        bytes_per_s=received * itemsize / (t_comm * 1e-3) if size > 1 else default.bytes_per_s,
+        latency_s=default.latency_s,
+        interference=default.interference,
+    )
+    timing = "device periods" if by_period else "host"
+    key = cache.plan_key(kind, size, op, shape, dtype)
+    entry = cache.PlanEntry(
+        config=named[best.name],
+        t_ms=t_of(best),
+        vs_bound=vs_bound_of(best),
+        timing=timing,
+        measured=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    saved_to = save_error = None
+    try:
+        saved_to = cache.store({key: entry}, {cache.machine_key(kind, size): machine}, path)
+    except OSError as err:
+        save_error = f"{type(err).__name__}: {err}"
+    return TuneResult(
+        key,
+        named[best.name],
+        {named[r.name]: t_of(r) for r in report.rows},
+        {named[r.name]: vs_bound_of(r) for r in report.rows},
+        machine,
+        timing,
+        report.period_error,
+        saved_to,
+        save_error,
+        entry.as_json(),
+    )
+
+
+__all__ = ["FUSED_TILINGS", "TuneResult", "default_candidates", "tune"]

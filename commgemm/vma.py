@@ -1,0 +1,37 @@
+"""Varying manual axes: what `jax.shard_map(..., check_vma=True)` tracks, read and produced the
+same way on every supported jax.
+
+Under check_vma=True (shard_map's default) every value inside carries the set of mesh axes it
+varies over; `lax.psum` returns a value invariant over its axis, and the transpose of a psum is
+the identity on an invariant cotangent. Under check_vma=False nothing is tracked and the
+transpose of a psum is another psum. The ops here follow `lax` in both settings.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes `x` is typed as varying over (empty outside shard_map or unchecked)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def checks_vma(axis_name: str) -> bool:
+    """Whether the enclosing shard_map tracks varying axes: only then is an axis index typed as
+    varying over its own axis."""
+    return axis_name in varying_axes(lax.axis_index(axis_name))
+
+
+def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` typed as invariant over
+    `axis_name` (every device holds the same result), as an all-reduce's result is."""
+    gather = getattr(lax, "all_gather_invariant", None)
+    if gather is None:  # jax 0.10 keeps it private
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis_name, axis=axis, tiled=True)
