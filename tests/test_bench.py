@@ -282,3 +282,60 @@ def test_cli_info(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["device_count"] == 8 and "jax" in info
+
+
+def test_cli_bench_progress_lines_and_cpu_note(capsys):
+    """Off a terminal, a line per step on stderr; on a CPU, the note that timings are only a
+    smoke test."""
+    code = main(["bench", "--shape", "256,64,64", "--iters", "2", "--methods", "none,ring"])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "bench ag: none (compile, check)" in out.err and "bench ag: ring" in out.err
+    assert "only a smoke test" in out.out
+
+
+def test_cli_version_and_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and f"commgemm {cg.__version__}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 50)" in text and "GPU-sized" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["demo", "--iters", "0"], "--iters: 0 must be >= 1"),
+        (["demo", "--processes", "0"], "--processes: 0 must be >= 1"),
+        (["demo", "--dtype", "int8"], "--dtype: 'int8': choose from"),
+        (["bench", "--iters", "1"], "--iters: 1 must be >= 2"),
+        (["bench", "--shape", "10,10"], "must be M,K,N"),
+        (["bench", "--shape", "0,10,10"], "must be M,K,N"),
+        (["bench", "--methods", "foo"], "unknown method 'foo'"),
+        (["bench", "--methods", "ring:0"], "num_splits=0"),
+        (["bench", "--methods", "ring:x"], "number of splits"),
+        (["tune", "--shape", "8,8,8", "--periods", "-1"], "--periods: -1 must be >= 0"),
+        (["launch", "-n", "0", "--", "true"], "-n: 0 must be >= 1"),
+        (["launch", "-n", "1", "--timeout", "0", "--", "true"], "--timeout: 0.0 must be > 0"),
+        (["launch", "-n", "1", "--cpu-devices", "0", "--", "true"], "--cpu-devices: 0"),
+    ],
+)
+def test_cli_refuses_bad_flags_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_demo_size_must_divide(capsys):
+    assert main(["demo", "--size", "10"]) == 2
+    assert "--size 10 must be a multiple of 32" in capsys.readouterr().err
+
+
+def test_one_spelling_of_methods_and_dtypes():
+    """The CLI's short names work in the library too."""
+    assert parse_method("ring").method is cg.OverlapConfig(method="ring").method
+    assert args.dtype("bf16") == args.dtype("bfloat16") == "bfloat16"
+    assert cg.OverlapConfig(out_dtype="bf16").out_dtype == "bfloat16"

@@ -1,7 +1,6 @@
 """Real processes under jax.distributed on the CPU (gloo), started by `commgemm launch`."""
 
 import io
-import os
 import pathlib
 import signal
 import subprocess
