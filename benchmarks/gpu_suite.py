@@ -83,7 +83,7 @@ def run_reports(presets, ops, methods, iters, spans, periods, save) -> list[dict
             report = cg.bench.overlap_report(
                 op,
                 cg.bench.PRESETS[preset],
-                methods={spec: parse_method(spec) for spec in methods},
+                methods={spec: parse_method(spec, op) for spec in methods},
                 dtype="bfloat16",
                 iters=iters,
                 spans=spans,

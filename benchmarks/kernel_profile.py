@@ -1,5 +1,5 @@
 """Where the direct RS kernel's time goes inside one call, per compute warpgroup, from Mosaic
-GPU's on-device profiler (2xH200 stage 34).
+GPU's on-device profiler.
 
 The kernel (`scatter_add_gemm`) names its compute warpgroups' phases: "zero" (the output's
 zeroing, until it has landed), "epilogue" (a tile's sums converted, staged in smem and handed to
@@ -10,8 +10,8 @@ the SM's counter, medians over the warpgroups; the "ideal" K loop is the tile's 
 tensor cores' peak per cycle).
 
 The profiled call runs after warm-up calls; its output is compared with the same kernel's
-compiled without the profiler (`max_diff_vs_unprofiled_rel`; stage 34's JSON has an older
-`identical_to_unprofiled`, false for every kernel there: split tails add in arrival order).
+compiled without the profiler (`max_diff_vs_unprofiled_rel`; split tails add in arrival order,
+so not bit-identical).
 Writes DIR/NAME.json (summaries) and DIR/NAME-<preset>-<spec>.json.gz (the raw Chrome trace of
 one device).
 
@@ -22,10 +22,10 @@ one device).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import pathlib
-import sys
 import tempfile
 import time
 
@@ -33,12 +33,35 @@ import jax
 import numpy as np
 
 import commgemm as cg
-from commgemm.algorithms import mosaic_tiles as mt
 from commgemm.bench.kernel_trace import phase_summary
-from commgemm.bench.problems import make_problem, parse_method
+from commgemm.bench.problems import make_problem
+from commgemm.cli.specs import parse_method
+from commgemm.mosaic_gpu import DirectRSConfig
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from probe import fused_variant  # noqa: E402
+
+def rs_kernel(problem, spec: str, compiler_params: dict | None = None):
+    """The direct RS kernel of `spec` alone (jitted shard_map), with extra compiler params."""
+    from jax.sharding import PartitionSpec as P
+
+    from commgemm.mosaic_gpu import scatter_add_gemm
+
+    cfg = _config(spec)
+    body = functools.partial(
+        scatter_add_gemm.matmul_reduce_scatter,
+        axis_name="tp",
+        config=cfg,
+        compiler_params=compiler_params,
+    )
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=problem.mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P("tp", None),
+            check_vma=False,
+        )
+    )
+
 
 PROBLEMS = "llama8b_mlp:fused-direct-wgm-cm-ct-m64-n256-t0"
 #: profiled ranges per warpgroup (a CTA runs about 30 tiles on the presets)
@@ -50,16 +73,12 @@ def profile(preset: str, spec: str, out: pathlib.Path, name: str, warm: int) -> 
 
     problem = make_problem("rs", cg.bench.PRESETS[preset], "bfloat16")
     x, w = problem.operands()
-    plain = np.asarray(fused_variant(problem, spec, x, w)(x, w), np.float32)
+    plain = np.asarray(rs_kernel(problem, spec)(x, w), np.float32)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="kprof-"))
     params = dict(profile_space=SPACE, profile_dir=str(trace_dir), reduction_scratch_bytes=0)
     if "profile_bounds_check" in plgpu.CompilerParams.__dataclass_fields__:  # jax >= 0.11
         params["profile_bounds_check"] = True
-    mt.COMPILER_OVERRIDES.update(params)
-    try:
-        f = fused_variant(problem, spec, x, w)
-    finally:
-        mt.COMPILER_OVERRIDES.clear()
+    f = rs_kernel(problem, spec, params)
     for _ in range(warm):
         jax.block_until_ready(f(x, w))
     jax.effects_barrier()
@@ -72,27 +91,27 @@ def profile(preset: str, spec: str, out: pathlib.Path, name: str, warm: int) -> 
     if not files:
         raise RuntimeError(f"no trace written to {trace_dir}")
     trace = json.loads(files[0].read_text())
-    with gzip.open(out / f"{name}-{preset}-{spec.replace('@', '_')}.json.gz", "wt") as fh:
+    with gzip.open(out / f"{name}-{preset}-{spec}.json.gz", "wt") as fh:
         json.dump(trace, fh)
     m, k, n = cg.bench.PRESETS[preset]
-    tiles = _config(spec).fused_tiles
+    tiles = _config(spec).kernel
     tile_flops = 2.0 * tiles.cta_m * tiles.cta_n * (k // problem.size)
     row = {"preset": preset, "spec": spec, **phase_summary(trace["traceEvents"], tile_flops)}
-    # split tails add in arrival order, and the diagnostics race: not bit-identical
+    # split tails add in arrival order: not bit-identical
     scale = float(np.abs(plain).max()) or 1.0
     row["max_diff_vs_unprofiled_rel"] = float(np.abs(profiled - plain).max()) / scale
     return row
 
 
 def _config(spec: str) -> cg.OverlapConfig:
-    cfg = parse_method(spec.partition("@")[0])
-    return cfg.replace(fused_tiles=cfg.fused_tiles or cg.FusedTiles())
+    cfg = parse_method(spec, "rs")
+    return cfg.replace(kernel=cfg.kernel or DirectRSConfig())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--problems", default=PROBLEMS, help="preset:spec[@epilogue],... (RS)")
+    parser.add_argument("--problems", default=PROBLEMS, help="preset:spec,... (direct RS kernels)")
     parser.add_argument("--name", default="kernel_profile")
     parser.add_argument("--warm", type=int, default=5)
     args = parser.parse_args()

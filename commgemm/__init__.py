@@ -1,15 +1,14 @@
-"""commgemm: collective GEMMs for JAX with their communication overlapped."""
+"""commgemm: collective GEMMs for JAX with their communication overlapped.
 
-from commgemm.config import (
-    Algorithm,
-    Collective,
-    FusedTiles,
-    Method,
-    OverlapConfig,
-    select_algorithm,
-)
+The ops (per shard, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
+`matmul_all_reduce`, `matmul_2d`, `bulk_overlap`; the global entry `gemm`; how each is
+overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
+buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
+`commgemm.numerics`. Several processes: `initialize`, `launch`.
+"""
+
+from commgemm.config import Algorithm, Collective, Method, OverlapConfig
 from commgemm.distributed import initialize
-from commgemm.flags import xla_flags
 from commgemm.gemm import gemm
 from commgemm.launch import launch
 from commgemm.ops import (
@@ -20,7 +19,6 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.registry import (
-    OverlapBuffer,
     create_overlap_buffer,
     destroy_all_overlap_buffers,
     destroy_overlap_buffer,
@@ -43,24 +41,18 @@ def __getattr__(name: str):
 __all__ = [
     "Algorithm",
     "Collective",
-    "FusedTiles",
     "Method",
-    "OverlapBuffer",
     "OverlapConfig",
     "all_gather_matmul",
-    "bench",
     "bulk_overlap",
     "create_overlap_buffer",
     "destroy_all_overlap_buffers",
     "destroy_overlap_buffer",
     "gemm",
+    "get_overlap_buffer",
     "initialize",
     "launch",
-    "get_overlap_buffer",
     "matmul_2d",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
-    "numerics",
-    "select_algorithm",
-    "xla_flags",
 ]

@@ -1,3 +1,5 @@
+"""`python -m commgemm ...`: the CLI (`commgemm.cli`)."""
+
 import sys
 
 from commgemm.cli import main

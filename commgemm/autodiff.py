@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms import BY_METHOD, module_for
 from commgemm.config import Collective, Method, OverlapConfig
 from commgemm.vma import checks_vma
+from commgemm.xla import BY_METHOD, module_for
 
 
 def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
@@ -45,7 +45,7 @@ def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
     return cfg.replace(
         method=Method.RING_EXCHANGE if cfg.atomic_gemm else cfg.method,
         atomic_gemm=False,
-        fused_tiles=None,
+        kernel=None,
         aggregate=False,
         bidirectional=cfg.bidirectional or cfg.aggregate,
         collective=None,

@@ -12,6 +12,8 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
+from commgemm.mosaic_gpu.configs import FAMILIES, KernelConfig
+
 
 class Collective(enum.Enum):
     """Which collective accompanies the GEMM (the reference's CommOverlapType)."""
@@ -77,7 +79,7 @@ class Algorithm(enum.Enum):
     ATOMIC_GEMM_RS_P2P = "atomic_gemm_rs_p2p"
 
 
-#: Algorithms that run a fused (atomic) GEMM kernel on Hopper GPUs (commgemm.algorithms.fused):
+#: Algorithms that run a fused (atomic) GEMM kernel on Hopper GPUs (commgemm.mosaic_gpu.fused):
 #: AG_P2P and RS_P2P as rings, ATOMIC_GEMM_RS as direct reduce-adds into each owner,
 #: ATOMIC_GEMM_AG as rows pushed straight to every peer.
 ATOMIC_ALGORITHMS = frozenset(
@@ -177,107 +179,6 @@ def check_bool(value: object, field: str) -> None:
         raise ValueError(f"{field}={value!r} must be True or False")
 
 
-@dataclasses.dataclass(frozen=True)
-class FusedTiles:
-    """The tiling of the fused kernels (atomic_gemm; jax's Hopper matmul kernel): each of a
-    CTA's two compute warpgroups owns a tile_m x tile_n output block, the two stacked along N
-    (or M with wg_along_m); `stages` K-steps are loaded ahead; CTAs walk the output tiles in
-    bands `grid_tile_width` tiles wide (L2 reuse; 8 by default, the best or within noise of it
-    on every 2xH200 preset, where 1 was up to 1.4x slower on comm_heavy AG), along N, or along
-    M with grid_minor_m (then an AG step's CTAs all start on the first column of tiles, the ones
-    that send x's rows).
-    The epilogue stores (and, in RS, adds the received partial sums) in epi x epi blocks.
-    cluster="m" (or "n") runs the GEMM+RS kernels in 2-CTA clusters: the two CTAs take tiles
-    adjacent along M (N) and load their shared w (x) tiles once, multicast to both (halves
-    that operand's traffic from L2); jax's all-gather kernel has no clusters.
-    Direct kernels only (atomic_gemm with PIPELINE): release_lag=1 keeps one wgmma in flight
-    (a K-step's smem slot is released a step late; the all-gather kernels always do this), and
-    chain_tiles runs a CTA's tiles as one pipeline, so the next tile's loads start before this
-    one's epilogue (not with release_lag). In the direct all-gather kernel `senders` tiles of
-    each band of x rows (its first visits) share pushing the band to the peers. In the direct
-    reduce-scatter kernel split_tail=s > 1 splits each tile of the last, partly filled wave of
-    CTAs into s K-ranges run by s CTAs (their partial sums reduce-added, as the devices' are),
-    this device's own tiles, so the wave ends sooner; 0 picks s from a model of the wave
-    (`scatter_add_gemm.tail_plan`), 1 (default) leaves the tail whole. In the direct all-gather
-    kernel spread=s (percent, 0 to 100) interleaves this device's own tiles, the ones that
-    send x's rows, with the peers' tiles after the first wave, stretching the own block over up
-    to s% more of the schedule (`push_gather_gemm.spread_plan`), so the sends keep pace with
-    the link where they take longer than the own block's GEMM; 0 (default) runs the own block
-    first. In the direct reduce-scatter kernel zero_ahead=D > 0 zeroes the output (which the
-    devices' tiles are reduce-added into) D waves of CTAs ahead of the adds instead of all of it
-    before the first tile: the compute warpgroups zero the tiles of the first D waves, and while
-    it loads wave j each CTA's load warpgroup zeroes its share of wave j + D's tiles, one
-    semaphore a wave (`scatter_add_gemm.wave_tiles`); 0 (default) zeroes all of it first. The
-    load warpgroups' zero block takes 2 KiB of shared memory beside the pipeline's (Mosaic GPU
-    refuses a tiling that leaves less when it compiles the kernel); on 2xH200, D = 2 with 64 x
-    256 warpgroup tiles (the cost model's RS tiling) was 0.5 to 1.2% faster than 0."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    wg_along_m: bool = False
-    grid_tile_width: int = 8
-    grid_minor_m: bool = False
-    epi: int = 64
-    cluster: str | None = None
-    release_lag: int = 0
-    chain_tiles: bool = False
-    senders: int = 8
-    split_tail: int = 1
-    spread: int = 0
-    zero_ahead: int = 0
-
-    def __post_init__(self) -> None:
-        if self.cluster not in (None, "m", "n"):
-            raise ValueError(f"FusedTiles.cluster={self.cluster!r} must be None, 'm' or 'n'")
-        if self.release_lag not in (0, 1) or isinstance(self.release_lag, bool):
-            raise ValueError(f"FusedTiles.release_lag={self.release_lag!r} must be 0 or 1")
-        if self.chain_tiles and self.release_lag:
-            raise ValueError("FusedTiles.chain_tiles does not go with release_lag=1 (jax's rule)")
-        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width", "epi", "senders"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"FusedTiles.{field}={value!r} must be a positive int")
-        split = self.split_tail
-        if isinstance(split, bool) or not isinstance(split, int) or split < 0:
-            raise ValueError(f"FusedTiles.split_tail={split!r} must be an int >= 0 (0: automatic)")
-        spread = self.spread
-        if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread <= 100:
-            raise ValueError(f"FusedTiles.spread={spread!r} must be an int from 0 to 100 (percent)")
-        ahead = self.zero_ahead
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"FusedTiles.zero_ahead={ahead!r} must be an int >= 0 (0: all first)")
-        if self.stages < 2:
-            raise ValueError(f"FusedTiles.stages={self.stages} must be >= 2")
-        if self.tile_m % self.epi or self.tile_n % self.epi:
-            raise ValueError(
-                f"FusedTiles.epi={self.epi} must divide tile_m={self.tile_m} and "
-                f"tile_n={self.tile_n}"
-            )
-
-    @property
-    def cta_m(self) -> int:
-        return self.tile_m * (2 if self.wg_along_m else 1)
-
-    @property
-    def cta_n(self) -> int:
-        return self.tile_n * (1 if self.wg_along_m else 2)
-
-    @property
-    def cluster_size(self) -> int:
-        return 1 if self.cluster is None else 2
-
-    @property
-    def cluster_m(self) -> int:
-        """Rows of output one cluster computes per tile."""
-        return self.cta_m * (2 if self.cluster == "m" else 1)
-
-    @property
-    def cluster_n(self) -> int:
-        return self.cta_n * (2 if self.cluster == "n" else 1)
-
-
 _FLAGS = (
     "bidirectional",
     "aggregate",
@@ -301,7 +202,7 @@ class OverlapConfig:
       aggregate: ALL_GATHER ring only: exchange both ways and run one GEMM on the two chunks that
         arrived in a step (the reference's aggregate_ag).
       atomic_gemm: one fused kernel does the GEMM and the transfers (Hopper GPUs, one process,
-        bf16/fp16; see commgemm.algorithms.fused): with RING_EXCHANGE a ring
+        bf16/fp16; see commgemm.mosaic_gpu.fused): with RING_EXCHANGE a ring
         (ATOMIC_GEMM_AG_P2P / ATOMIC_GEMM_RS_P2P); with PIPELINE no ring: AG pushes x's rows
         straight to every peer, whose tiles wait only for their own band (ATOMIC_GEMM_AG), RS
         reduce-adds each tile straight into its owner (ATOMIC_GEMM_RS). Where it cannot run, the op
@@ -314,13 +215,15 @@ class OverlapConfig:
         dW (default: the forward has it anyway, and keeping it spares the backward a second
         all-gather of the largest operand) instead of saving only the local x and re-gathering
         it beside the dX GEMM (BULK overlap; P times less activation memory, for long sequences).
-      fused_tiles: atomic_gemm: the kernel's `FusedTiles` (None: the default tiling).
+      kernel: atomic_gemm: the fused kernel's config, of the family the call runs
+        (`RingAGConfig`, `RingRSConfig`, `DirectAGConfig`, `DirectRSConfig`; checked at plan
+        time); None: that family's default.
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
-        in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; benchmarks/NOTES.md).
+        in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a
-        tile gets more than two of them: on more than 2 devices, and with FusedTiles.split_tail
+        tile gets more than two of them: on more than 2 devices, and with DirectRSConfig.split_tail
         (which AUTO may pick); with deterministic=True such a config raises at plan time and
         AUTO passes over such plans. Off by default, as XLA's own GPU reductions.
     """
@@ -336,7 +239,7 @@ class OverlapConfig:
     out_dtype: str | None = None
     save_gathered_input: bool = True
     chain_gemms: bool = False
-    fused_tiles: FusedTiles | None = None
+    kernel: KernelConfig | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -384,11 +287,22 @@ class OverlapConfig:
                 raise ValueError(
                     f"aggregate=True is for ALL_GATHER only, got collective={self.collective.name}"
                 )
-        if self.fused_tiles is not None:
-            if not isinstance(self.fused_tiles, FusedTiles):
-                raise ValueError(f"fused_tiles={self.fused_tiles!r} must be a FusedTiles")
+        if self.kernel is not None:
+            if not isinstance(self.kernel, tuple(FAMILIES.values())):
+                raise ValueError(
+                    f"kernel={self.kernel!r} must be one of the kernel configs {sorted(FAMILIES)}"
+                )
+            direct = type(self.kernel).__name__.startswith("Direct")
+            if self.method not in (
+                Method.AUTO,
+                Method.PIPELINE if direct else Method.RING_EXCHANGE,
+            ):
+                raise ValueError(
+                    f"kernel={type(self.kernel).__name__}(...) is for method "
+                    f"{'PIPELINE' if direct else 'RING_EXCHANGE'}, got {self.method.name}"
+                )
             if not self.atomic_gemm:
-                raise ValueError("fused_tiles needs atomic_gemm=True (the fused kernels)")
+                raise ValueError("kernel needs atomic_gemm=True (the fused kernels)")
         if self.collective is not None and self.method is not Method.AUTO:
             select_algorithm(self.collective, self.method, atomic_gemm=self.atomic_gemm)
 
@@ -420,8 +334,11 @@ def split_requirement(collective: Collective, method: Method, size: int, splits:
 
 
 def config_to_fields(config: OverlapConfig) -> dict:
-    """`config` as JSON-ready fields (enums by value, dtypes by name, fused_tiles a dict)."""
+    """`config` as JSON-ready fields (enums by value, dtypes by name, the kernel config a dict
+    with its family's name under "family")."""
     out = dataclasses.asdict(config)
+    if config.kernel is not None:
+        out["kernel"] = {"family": type(config.kernel).__name__, **out["kernel"]}
     out["method"] = config.method.value
     out["collective"] = None if config.collective is None else config.collective.value
     return out
@@ -434,9 +351,12 @@ def config_from_fields(fields: dict) -> OverlapConfig:
       ValueError / TypeError: unknown fields or values that do not validate.
     """
     fields = dict(fields)
-    tiles = fields.get("fused_tiles")
-    if tiles is not None:
-        if not isinstance(tiles, dict):
-            raise ValueError(f"fused_tiles={tiles!r} must be an object of FusedTiles fields")
-        fields["fused_tiles"] = FusedTiles(**tiles)
+    kernel = fields.get("kernel")
+    if kernel is not None:
+        if not isinstance(kernel, dict) or kernel.get("family") not in FAMILIES:
+            raise ValueError(
+                f"kernel={kernel!r} must be an object with a family of {sorted(FAMILIES)}"
+            )
+        kernel = dict(kernel)
+        fields["kernel"] = FAMILIES[kernel.pop("family")](**kernel)
     return OverlapConfig(**fields)

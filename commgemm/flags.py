@@ -1,7 +1,7 @@
 """XLA flags the overlap can use on GPUs, for the user to apply before jax starts.
 
-Measured on 2xH200 (BENCHMARKS.md, benchmarks/NOTES.md): none of these helps every preset, so
-the library sets none by default; its own schedule hints (commgemm.algorithms.common.after) are
+Measured on 2xH200 (docs/performance.md): none of these helps every preset, so
+the library sets none by default; its own schedule hints (commgemm.xla.common.after) are
 per call and need no flag.
 """
 

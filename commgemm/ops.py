@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.algorithms.bulk import bulk_overlap as _bulk
-from commgemm.algorithms.common import matmul
 from commgemm.autodiff import collective_matmul
 from commgemm.config import Collective, Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
@@ -25,6 +23,8 @@ from commgemm.operands import (
 )
 from commgemm.plan import make_plan
 from commgemm.registry import resolve
+from commgemm.xla.bulk import bulk_overlap as _bulk
+from commgemm.xla.common import matmul
 
 ConfigLike = OverlapConfig | int | None
 

@@ -56,9 +56,9 @@ def _check_fused(
     cfg: OverlapConfig,
     w_transposed: bool,
 ) -> None:
-    """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.algorithms.fused)
+    """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.mosaic_gpu.fused)
     where it can run; anything else is a clear error, not a silent fallback."""
-    from commgemm.algorithms import fused  # imports Pallas lazily
+    from commgemm.mosaic_gpu import fused  # imports Pallas lazily
 
     reason = fused.unsupported_reason(collective, x, w, size, cfg, w_transposed=w_transposed)
     if reason is not None:
@@ -101,6 +101,19 @@ def make_plan(
             "collective of another buffer (use commgemm.bulk_overlap); for this op use "
             "PIPELINE or RING_EXCHANGE"
         )
+    if size == 1 and algorithm is not Algorithm.NO_OVERLAP:
+        # one device: nothing to move or overlap, so every method is the local GEMM (a fused
+        # kernel would also need peers' memory, which a single device has no runtime for)
+        cfg = cfg.replace(
+            method=Method.NONE,
+            num_splits=1,
+            bidirectional=False,
+            aggregate=False,
+            atomic_gemm=False,
+            kernel=None,
+            chain_gemms=False,
+        )
+        algorithm = Algorithm.NO_OVERLAP
     if algorithm in ATOMIC_ALGORITHMS:
         _check_fused(algorithm, collective, x, w, size, cfg, w_transposed)
     need = split_requirement(collective, cfg.method, size, cfg.num_splits)

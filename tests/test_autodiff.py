@@ -222,26 +222,27 @@ def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
     ("op", "spec"), [("ag", "fused-w8"), ("rs", "fused-w8"), ("rs", "fused-direct")]
 )
 def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
-    """The fused kernels run only on Hopper GPUs (benchmarks/fused_check.py checks them there).
+    """The fused kernels run only on Hopper GPUs (tests/gpu checks them there).
     Here a stand-in with the kernels' contract (the ring's result; AG without the gathered x)
     checks the plumbing around them: dispatch on atomic_gemm, a backward config without the
     fused fields (RING_EXCHANGE), and AG's re-gather for dW."""
-    from commgemm.algorithms import fused, ring_exchange
+    from commgemm.mosaic_gpu import fused
+    from commgemm.xla import ring_exchange
 
     def ag_stand_in(x, w, axis_name, config, *, w_transposed, return_gathered=False):
-        assert config.atomic_gemm and config.fused_tiles.grid_tile_width == 8
+        assert config.atomic_gemm and config.kernel.grid_tile_width == 8
         out = ring_exchange.all_gather_matmul(
             x,
             w,
             axis_name,
-            config.replace(atomic_gemm=False, fused_tiles=None),
+            config.replace(atomic_gemm=False, kernel=None),
             w_transposed=w_transposed,
         )
         return (out, None) if return_gathered else out
 
     def rs_stand_in(x, w, axis_name, config, *, w_transposed):
-        assert config.atomic_gemm and config.method is parse_method(spec).method
-        plain_cfg = config.replace(atomic_gemm=False, fused_tiles=None)
+        assert config.atomic_gemm and config.method is parse_method(spec, op).method
+        plain_cfg = config.replace(atomic_gemm=False, kernel=None)
         return ring_exchange.matmul_reduce_scatter(
             x, w, axis_name, plain_cfg, w_transposed=w_transposed
         )
@@ -249,7 +250,7 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
     monkeypatch.setattr(fused, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(fused, "all_gather_matmul", ag_stand_in)
     monkeypatch.setattr(fused, "matmul_reduce_scatter", rs_stand_in)
-    cfg = parse_method(spec).replace(**F64)
+    cfg = parse_method(spec, op).replace(**F64)
     x, w, b = _data(rng, 4)
     got = jax.grad(_loss(sharded(op, cfg, 4, None)), argnums=(0, 1))(x, w, b)
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)

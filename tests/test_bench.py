@@ -163,7 +163,7 @@ def test_overlap_report_failures_and_spans_on_cpu():
     report = cg.bench.overlap_report(
         "ag",
         (1024, 64, 2048),
-        methods={m: parse_method(m) for m in ("ring", "fused")},
+        methods={m: parse_method(m, "ag") for m in ("ring", "fused")},
         dtype="bfloat16",
         iters=3,
         spans=2,

@@ -6,6 +6,9 @@ import commgemm as cg
 from commgemm import Algorithm as A
 from commgemm import Collective as C
 from commgemm import Method as M
+from commgemm import mosaic_gpu
+from commgemm.config import config_from_fields, config_to_fields, select_algorithm
+from commgemm.flags import xla_flags
 
 
 @pytest.mark.parametrize(
@@ -27,7 +30,7 @@ from commgemm import Method as M
     ],
 )
 def test_select_algorithm(collective, method, atomic, expected):
-    assert cg.select_algorithm(collective, method, atomic_gemm=atomic) is expected
+    assert select_algorithm(collective, method, atomic_gemm=atomic) is expected
 
 
 @pytest.mark.parametrize(
@@ -41,7 +44,7 @@ def test_select_algorithm(collective, method, atomic, expected):
 )
 def test_select_algorithm_rejects(collective, method, atomic):
     with pytest.raises(ValueError, match="atomic|unsupported pairing"):
-        cg.select_algorithm(collective, method, atomic_gemm=atomic)
+        select_algorithm(collective, method, atomic_gemm=atomic)
 
 
 @pytest.mark.parametrize(
@@ -105,32 +108,42 @@ def test_registry_rejects_bad_arguments():
 
 
 def test_xla_flags(monkeypatch):
-    assert cg.xla_flags() == ""
-    flags = cg.xla_flags(cublas_gemm=True, copy_engine_p2p=True)
+    assert xla_flags() == ""
+    flags = xla_flags(cublas_gemm=True, copy_engine_p2p=True)
     assert "--xla_gpu_enable_triton_gemm=false" in flags
     assert "--xla_gpu_use_memcpy_local_p2p=true" in flags
     monkeypatch.setenv("XLA_FLAGS", "")
     with pytest.raises(RuntimeError, match="already started its backends"):
         __import__("jax").devices()
-        cg.xla_flags(cublas_gemm=True, apply=True)
+        xla_flags(cublas_gemm=True, apply=True)
 
 
-def test_fused_tiles_validation():
-    cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, fused_tiles=cg.FusedTiles())
+@pytest.mark.parametrize(
+    "family", ["RingAGConfig", "RingRSConfig", "DirectAGConfig", "DirectRSConfig"]
+)
+def test_kernel_config_validation(family):
+    cls = getattr(mosaic_gpu, family)
+    method = "pipeline" if family.startswith("Direct") else "ring_exchange"
+    cfg = cg.OverlapConfig(method=method, atomic_gemm=True, kernel=cls())
     assert hash(cfg) == hash(cfg.replace())
-    with pytest.raises(ValueError, match="fused_tiles needs atomic_gemm=True"):
-        cg.OverlapConfig(method="ring_exchange", fused_tiles=cg.FusedTiles())
-    with pytest.raises(ValueError, match="FusedTiles.stages=1 must be >= 2"):
-        cg.FusedTiles(stages=1)
-    with pytest.raises(ValueError, match="FusedTiles.tile_n=0 must be a positive int"):
-        cg.FusedTiles(tile_n=0)
-    with pytest.raises(ValueError, match="FusedTiles.epi=96 must divide tile_m=128"):
-        cg.FusedTiles(epi=96)
-    assert (cg.FusedTiles().cta_m, cg.FusedTiles().cta_n) == (128, 256)
-    with pytest.raises(ValueError, match="FusedTiles.release_lag=2 must be 0 or 1"):
-        cg.FusedTiles(release_lag=2)
-    with pytest.raises(ValueError, match="chain_tiles does not go with release_lag=1"):
-        cg.FusedTiles(release_lag=1, chain_tiles=True)
+    assert config_from_fields(config_to_fields(cfg)) == cfg
+    with pytest.raises(ValueError, match=f"{family}.stages=1 must be >= 2"):
+        cls(stages=1)
+    with pytest.raises(ValueError, match=f"{family}.tile_n=0 must be a positive int"):
+        cls(tile_n=0)
+    with pytest.raises(ValueError, match="must be multiples of the epilogue block 64"):
+        cls(tile_m=96)
+    with pytest.raises(ValueError, match=f"{family}.wg_along_m='yes' must be a bool"):
+        cls(wg_along_m="yes")
+    assert (cls().cta_m, cls().cta_n) == (128, 256)
+    assert (cls(wg_along_m=True).cta_m, cls(wg_along_m=True).cta_n) == (256, 128)
+
+
+def test_direct_rs_config_fields():
     for split in (-1, True, 2.0):
         with pytest.raises(ValueError, match="split_tail=.* must be an int >= 0"):
-            cg.FusedTiles(split_tail=split)
+            mosaic_gpu.DirectRSConfig(split_tail=split)
+    with pytest.raises(ValueError, match="chain_tiles='no' must be a bool"):
+        mosaic_gpu.DirectRSConfig(chain_tiles="no")
+    tiles = mosaic_gpu.DirectRSConfig(cluster="m")
+    assert (tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (2, 256, 256)

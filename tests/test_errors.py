@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import P, mesh1d, mesh2d, random, shard
+from helpers import P, mesh1d, mesh2d, random, reference, shard
 
 import commgemm as cg
+from commgemm import mosaic_gpu
 
 
 def call(op, x, w, size=4, x_spec=P("x", None), w_spec=P(None, "x"), out=P(None, "x"), **kw):
@@ -87,70 +88,54 @@ def test_fused_kernel_tile_divisibility(rng):
 
 
 def test_fused_clusters(rng):
-    """2-CTA clusters: GEMM+RS only (jax's all-gather kernel has none), and the tile divisibility
-    counts the cluster's two tiles."""
+    """2-CTA clusters: the tile divisibility counts the cluster's two tiles; jax's ring
+    all-gather kernel has no clusters and the direct one pairs along M only."""
     clustered = cg.OverlapConfig(
-        method="pipeline", atomic_gemm=True, fused_tiles=cg.FusedTiles(cluster="m")
+        method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(cluster="m")
     )
-    ag = clustered.replace(method="ring_exchange")
-    x, w = random(rng, (512, 64), ml_dtypes.bfloat16), random(rng, (64, 1024), ml_dtypes.bfloat16)
-    with pytest.raises(ValueError, match="all-gather kernel .* has no CTA clusters"):
-        call(cg.all_gather_matmul, x, w, config=ag)
     # RS on 4 devices, K sharded: 128 rows each, one 128-row tile but not a cluster's two
     specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
     x, w = random(rng, (512, 256), ml_dtypes.bfloat16), random(rng, (256, 256), ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match="rows per device=128 must be divisible by the tile 256"):
         call(cg.matmul_reduce_scatter, x, w, config=clustered, **specs)
-    wide = clustered.replace(fused_tiles=cg.FusedTiles(cluster="n"))
+    wide = clustered.replace(kernel=mosaic_gpu.DirectRSConfig(cluster="n"))
     with pytest.raises(ValueError, match="N=256 must be divisible by the tile 512"):
         call(cg.matmul_reduce_scatter, x, w, config=wide, **specs)
-    with pytest.raises(ValueError, match="FusedTiles.cluster='k' must be None, 'm' or 'n'"):
-        cg.FusedTiles(cluster="k")
+    with pytest.raises(ValueError, match=r"DirectRSConfig.cluster='k' must be one of \(None"):
+        mosaic_gpu.DirectRSConfig(cluster="k")
+    with pytest.raises(
+        ValueError, match=r"DirectAGConfig.cluster='n' must be one of \(None, 'm'\)"
+    ):
+        mosaic_gpu.DirectAGConfig(cluster="n")
+    with pytest.raises(TypeError):
+        mosaic_gpu.RingAGConfig(cluster="m")  # jax's ring kernel has no clusters
 
 
-def test_direct_kernel_options(rng):
-    """release_lag / chain_tiles are for the direct kernels; the AG one takes clusters along M
-    only and does not chain its tiles; chaining needs whole rounds of stages along K."""
+def test_kernel_config_of_another_family_is_refused(rng):
+    """Each kernel takes its own family's config: the family follows the op and the method."""
     bf16 = ml_dtypes.bfloat16
     x, w = random(rng, (512, 64), bf16), random(rng, (64, 1024), bf16)
     direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
     cases = [
-        (direct.replace(fused_tiles=cg.FusedTiles(cluster="n")), "clusters along M only"),
-        (direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True)), "does not chain its tiles"),
-        (
-            direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(release_lag=1)),
-            "release_lag and chain_tiles are for the direct kernels",
-        ),
-        (
-            direct.replace(fused_tiles=cg.FusedTiles(split_tail=0)),
-            "split_tail is for the direct reduce-scatter kernel",
-        ),
-        (
-            direct.replace(fused_tiles=cg.FusedTiles(zero_ahead=3)),
-            "zero_ahead is for the direct reduce-scatter kernel",
-        ),
-        (
-            direct.replace(method="ring_exchange", fused_tiles=cg.FusedTiles(spread=50)),
-            "spread is for the direct all-gather kernel",
-        ),
+        (direct.replace(kernel=mosaic_gpu.DirectRSConfig()), "DirectAGConfig's kernel"),
         (direct, "ATOMIC_GEMM_AG .* cannot run this call: it runs on GPUs"),
     ]
     for config, why in cases:
         with pytest.raises(ValueError, match=why):
             call(cg.all_gather_matmul, x, w, config=config)
-    specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
-    spread = direct.replace(fused_tiles=cg.FusedTiles(spread=100))
-    with pytest.raises(ValueError, match="spread is for the direct all-gather kernel"):
-        x, w = random(rng, (1024, 512), bf16), random(rng, (512, 256), bf16)
-        call(cg.matmul_reduce_scatter, x, w, config=spread, **specs)
+    with pytest.raises(ValueError, match="RingRSConfig.* is for method RING_EXCHANGE"):
+        direct.replace(kernel=mosaic_gpu.RingRSConfig())
+    with pytest.raises(ValueError, match="kernel needs atomic_gemm=True"):
+        cg.OverlapConfig(method="pipeline", kernel=mosaic_gpu.DirectRSConfig())
     for bad in (-1, 101, True, 0.5):
-        with pytest.raises(ValueError, match="must be an int from 0 to 100"):
-            cg.FusedTiles(spread=bad)
+        with pytest.raises(ValueError, match="spread="):
+            mosaic_gpu.DirectAGConfig(spread=bad)
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="zero_ahead=.* must be an int >= 0"):
-            cg.FusedTiles(zero_ahead=bad)
+            mosaic_gpu.DirectRSConfig(zero_ahead=bad)
+    specs = dict(x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
     x, w = random(rng, (1024, 3 * 4 * 64), bf16), random(rng, (3 * 4 * 64, 256), bf16)
-    chained = direct.replace(fused_tiles=cg.FusedTiles(chain_tiles=True))
+    chained = direct.replace(kernel=mosaic_gpu.DirectRSConfig(chain_tiles=True))
     with pytest.raises(ValueError, match="chain_tiles needs K/tile_k=3 divisible by 4 stages"):
         call(cg.matmul_reduce_scatter, x, w, config=chained, **specs)
 
@@ -158,7 +143,11 @@ def test_direct_kernel_options(rng):
 @pytest.mark.parametrize(
     ("size", "tiles", "why"),
     [
-        (2, cg.FusedTiles(split_tail=0), "split_tail adds a tile's K-ranges in arrival order"),
+        (
+            2,
+            mosaic_gpu.DirectRSConfig(split_tail=0),
+            "split_tail adds a tile's K-ranges in arrival order",
+        ),
         (4, None, "on 4 devices a tile's partial sums are added in arrival order"),
     ],
 )
@@ -169,7 +158,7 @@ def test_deterministic_refuses_arrival_order_adds(rng, size, tiles, why):
     bf16 = ml_dtypes.bfloat16
     x, w = random(rng, (128 * size, 64 * size), bf16), random(rng, (64 * size, 256), bf16)
     specs = dict(size=size, x_spec=P(None, "x"), w_spec=P("x", None), out=P("x", None))
-    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, fused_tiles=tiles)
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     with pytest.raises(ValueError, match=f"deterministic=True, and {why}"):
         call(cg.matmul_reduce_scatter, x, w, config=cfg.replace(deterministic=True), **specs)
     with pytest.raises(ValueError, match="it runs on GPUs"):
@@ -181,13 +170,14 @@ def test_deterministic_refuses_arrival_order_adds(rng, size, tiles, why):
 def test_chain_tiles_needs_two_tiles_per_cta_at_plan_time(monkeypatch):
     """On a GPU (faked here: 132 SMs) the plan-time check refuses chained pipelines when the
     CTAs would not get two tiles each, so AUTO and the tuner leave such tilings out."""
-    from commgemm.algorithms import fused, mosaic_tiles
+    from commgemm.mosaic_gpu import fused
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
     monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
     rs = cg.Collective.REDUCE_SCATTER
     chained = cg.OverlapConfig(
-        method="pipeline", atomic_gemm=True, fused_tiles=cg.FusedTiles(chain_tiles=True)
+        method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(chain_tiles=True)
     )
     size = jax.device_count()
     small = (128 * size * 16, 256 * size, 256)  # 16 tiles per device
@@ -262,7 +252,7 @@ def test_fused_kernel_environment_checks(monkeypatch):
 
     import jax
 
-    from commgemm.algorithms import fused
+    from commgemm.mosaic_gpu import fused
 
     def machine(capability: str, version: tuple, processes: int = 1) -> str | None:
         gpu = types.SimpleNamespace(platform="gpu", compute_capability=capability)
@@ -398,3 +388,28 @@ def test_traced_buffer_id_refused(rng):
 def test_one_dimensional_x_says_what_is_expected(rng, op):
     with pytest.raises(ValueError, match=r"x must be \[rows, K\].*got shape \(16,\).*x\[None\]"):
         call(op, random(rng, (64,)), random(rng, (16, 8)), x_spec=P("x"))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        cg.OverlapConfig(method="ring_exchange", atomic_gemm=True),
+        cg.OverlapConfig(method="pipeline", atomic_gemm=True),
+        cg.OverlapConfig(method="ring_exchange", bidirectional=True, num_splits=2),
+        cg.OverlapConfig(method="auto"),
+    ],
+    ids=["fused-ring", "fused-direct", "ring-bidi", "auto"],
+)
+@pytest.mark.parametrize("op", list(ZERO_OPS))
+def test_axis_of_one_device_is_a_local_gemm(rng, cfg, op):
+    """A mesh axis of size 1: any config, fused ones included, plans the local GEMM (there is
+    nothing to overlap, and no peer memory to run a fused kernel on)."""
+    if op == "ar" and cfg.atomic_gemm:
+        pytest.skip("there is no fused all-reduce kernel (refused at plan time, tested above)")
+    fn, xs, ws, os = ZERO_OPS[op]
+    bf16 = ml_dtypes.bfloat16
+    x, w = random(rng, (256, 128), bf16), random(rng, (128, 256), bf16)
+    f = shard(lambda a, b: fn(a, b, "x", config=cfg), mesh1d(1), (xs, ws), os)
+    np.testing.assert_allclose(
+        np.asarray(f(x, w), np.float64), reference(x, w), rtol=2e-2, atol=2e-2 * np.sqrt(128)
+    )

@@ -1,6 +1,6 @@
 """The direct fused kernels (Mosaic GPU) lower for a CUDA target on the CPU: their Pallas code
 traces and compiles to Mosaic GPU's MLIR, for several meshes and tilings. They only run on
-Hopper GPUs (benchmarks/fused_check.py checks their outputs there); this catches what breaks
+Hopper GPUs (tests/gpu checks their outputs there); this catches what breaks
 before a kernel is ever launched."""
 
 import jax
@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commgemm as cg
-from commgemm.algorithms import mosaic_tiles, push_gather_gemm, scatter_add_gemm
+from commgemm import mosaic_gpu
 from commgemm.cli.specs import parse_method
+from commgemm.mosaic_gpu import push_gather_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -41,18 +43,14 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape) -> str:
         "fused-direct",
         "fused-direct-gm-w2",
         "fused-direct-cm",
-        "fused-direct-p1",
         "fused-direct-cm-r100",
         "fused-direct-gm-r50",
-        "fused-direct-cm@fenced",  # the flags release-fenced (a probe)
     ],
 )
 def test_push_gather_gemm_lowers(size, spec):
-    spec, _, probe = spec.partition("@")
-    cfg = parse_method(spec)
-    fenced = probe == "fenced"
+    cfg = parse_method(spec, "ag")
     text = lower(
-        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg, fenced=fenced),
+        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg),
         P("x", None),
         P(None, "x"),
         P(None, "x"),
@@ -68,24 +66,18 @@ def test_push_gather_gemm_lowers(size, spec):
     "spec",
     [
         "fused-direct-cm",
-        "fused-direct-d1",
         "fused-direct-cm-ct",
         "fused-direct-cm-ct-t2",  # 256 / 66 tiles: a tail of 58 tiles, split in two
         "fused-direct-wgm-cm-m64-n256-t0",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
         "fused-direct-wgm-cm-ct-m64-n256-t0-a3",  # zeroing three waves ahead, a split tail
         "fused-direct-ct-a1",
-        "fused-direct-cm@add-unzeroed",
-        "fused-direct-cm-ct-a1@add-fenced",
     ],
 )
 def test_scatter_add_gemm_lowers(size, spec):
-    spec, _, epilogue = spec.partition("@")
-    cfg = parse_method(spec)
+    cfg = parse_method(spec, "rs")
     text = lower(
-        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(
-            x, w, "x", cfg, epilogue=epilogue or "add"
-        ),
+        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
         P(None, "x"),
         P("x", None),
         P("x", None),
@@ -98,7 +90,7 @@ def test_scatter_add_gemm_lowers(size, spec):
 
 def test_chain_tiles_needs_two_tiles_per_cta():
     cfg = cg.OverlapConfig(
-        method="pipeline", atomic_gemm=True, fused_tiles=cg.FusedTiles(chain_tiles=True)
+        method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(chain_tiles=True)
     )
     with pytest.raises(ValueError, match="chain_tiles needs two tiles per CTA, got 16 tiles"):
         lower(
@@ -126,7 +118,7 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
-    tiles = cg.FusedTiles(grid_tile_width=width, grid_minor_m=minor_m, cluster=cluster)
+    tiles = mosaic_gpu.DirectAGConfig(grid_tile_width=width, grid_minor_m=minor_m, cluster=cluster)
     minor = MatmulDimension.M if minor_m else MatmulDimension.N
     order = jnp.arange(m_iters * n_iters, dtype=jnp.int32)  # the kernel's tile order
     snake = jax.vmap(lambda t: plgpu.planar_snake(t, (m_iters, n_iters), minor, width))
@@ -158,10 +150,10 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     spread=st.integers(0, 100),
 )
 def test_spread_schedule(size, own, ctas, lead, spread):
-    """ATOMIC_GEMM_AG with FusedTiles.spread: every (step, tile) is run once, each block's tiles
+    """ATOMIC_GEMM_AG with DirectAGConfig.spread: every (step, tile) is run once, each block's tiles
     in tile order, and a peer's tile t comes after the own tiles up to t + lead (the sends of
     its band: the same schedule runs on every device), so no tile waits on one still to come."""
-    tiles = cg.FusedTiles(spread=spread)
+    tiles = mosaic_gpu.DirectAGConfig(spread=spread)
     head, region = push_gather_gemm.spread_plan(tiles, own, ctas, lead)
     assert head <= own <= region <= 2 * own - head
     lin = jnp.arange(size * own, dtype=jnp.int32)
@@ -191,7 +183,7 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
     """ATOMIC_GEMM_RS with split_tail: the main loop runs whole waves of CTAs and the tail's K
     ranges; together every (tile, owner) gets each K-step exactly once, and the tail's tiles
     are this device's own (offset 0), the own copy of each other tile first."""
-    tiles = cg.FusedTiles(split_tail=split)
+    tiles = mosaic_gpu.DirectRSConfig(split_tail=split)
     num_tiles = size * per_block
     try:
         tail, splits = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
@@ -231,11 +223,11 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
     split=st.sampled_from([0, 1, 2]),
 )
 def test_wave_tiles_are_each_waves_first_adds(size, per_block, ctas, k_iters, split):
-    """FusedTiles.zero_ahead zeroes wave w's tile range before wave w: the ranges follow one
+    """DirectRSConfig.zero_ahead zeroes wave w's tile range before wave w: the ranges follow one
     another from 0 to per_block, each tile's first add (any owner) comes in the wave whose
     range holds it, and the traced ranges (the kernel's) equal the static ones."""
     num_tiles = size * per_block
-    tiles = cg.FusedTiles(split_tail=split)
+    tiles = mosaic_gpu.DirectRSConfig(split_tail=split)
     try:
         tail, _ = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
     except ValueError:  # an explicit split that does not fit (the test above)
@@ -270,7 +262,7 @@ def test_wave_tiles_are_each_waves_first_adds(size, per_block, ctas, k_iters, sp
     ],
 )
 def test_automatic_split_tail(num_tiles, k_iters, expected):
-    tiles = cg.FusedTiles(split_tail=0)
+    tiles = mosaic_gpu.DirectRSConfig(split_tail=0)
     plan = scatter_add_gemm.tail_plan(num_tiles, num_tiles // 2, 66, k_iters, tiles)
     assert plan == expected
 
@@ -278,9 +270,9 @@ def test_automatic_split_tail(num_tiles, k_iters, expected):
 @pytest.mark.parametrize("size", [2, 4])
 def test_ring_reduce_scatter_lowers(size):
     """ATOMIC_GEMM_RS_P2P (the ring kernel): one received-count semaphore per ring step."""
-    from commgemm.algorithms import fused
+    from commgemm.mosaic_gpu import fused
 
-    cfg = parse_method("fused")
+    cfg = parse_method("fused", "rs")
     text = lower(
         lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False),
         P(None, "x"),
@@ -293,37 +285,10 @@ def test_ring_reduce_scatter_lowers(size):
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
-def test_compiler_overrides_reach_the_kernels(monkeypatch):
-    """mosaic_tiles.COMPILER_OVERRIDES (kernel_profile.py's profiler switch) is merged into the
-    fused kernels' CompilerParams, and nothing is set by default."""
-    assert mosaic_tiles.COMPILER_OVERRIDES == {}
+def test_compiler_params_reach_the_kernels():
+    """The fused kernels' one hook (kernel_profile.py's profiler switch): extra CompilerParams
+    fields passed explicitly, nothing set by default."""
     plain = mosaic_tiles.kernel_params(132, 2)["compiler_params"]
-    monkeypatch.setitem(mosaic_tiles.COMPILER_OVERRIDES, "reduction_scratch_bytes", 0)
-    params = mosaic_tiles.kernel_params(132, 2)["compiler_params"]
+    params = mosaic_tiles.kernel_params(132, 2, {"reduction_scratch_bytes": 0})["compiler_params"]
     assert params.reduction_scratch_bytes == 0 != plain.reduction_scratch_bytes
     assert params.lowering_semantics == plain.lowering_semantics
-
-
-@pytest.mark.parametrize("epilogue", scatter_add_gemm.EPILOGUES + scatter_add_gemm.PROBES, ids=str)
-def test_epilogue_flags_right_sums(epilogue):
-    """Exactly the kernel and its release-fenced probes zero the output, add into it and keep
-    every zero_ahead step (stage 44's first "add-fenced" stored plainly: wrong sums)."""
-    flags = scatter_add_gemm.epilogue_flags(epilogue)
-    right = flags.zeroes and flags.adds and flags.waits and flags.signals and flags.stores
-    assert right == (epilogue in scatter_add_gemm.CORRECT_SUMS)
-
-
-def test_unknown_epilogue_is_refused():
-    cfg = parse_method("fused-direct")
-    with pytest.raises(ValueError, match="epilogue='add-late-zero' must be one of"):
-        lower(
-            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(
-                x, w, "x", cfg, epilogue="add-late-zero"
-            ),
-            P(None, "x"),
-            P("x", None),
-            P("x", None),
-            2,
-            (4096, 1024),
-            (1024, 4096),
-        )

@@ -8,10 +8,12 @@ import pytest
 from helpers import P, assert_close, mesh1d, random, reference, shard
 
 import commgemm as cg
+from commgemm import mosaic_gpu
 from commgemm.autotune import auto, cache, costmodel, tuner
 from commgemm.cli import main
 from commgemm.cli.specs import parse_method, spec_of
 from commgemm.config import Collective
+from commgemm.mosaic_gpu import heuristics
 
 AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
 DIRECT = cg.OverlapConfig(method="pipeline", atomic_gemm=True)  # ATOMIC_GEMM_AG / _RS
@@ -56,7 +58,7 @@ def test_candidates_respect_divisibility():
 
 def test_tune_caches_the_winner_and_auto_uses_it(tmp_path, monkeypatch, rng):
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
-    methods = [parse_method(m) for m in ("none", "ring", "ring:2")]
+    methods = [parse_method(m, "ag") for m in ("none", "ring", "ring:2")]
     result = tuner.tune("ag", (256, 32, 64), dtype="float32", methods=methods, iters=3)
     assert result.best == min(result.times_ms, key=result.times_ms.get)
     data = json.loads((tmp_path / "tune.json").read_text())
@@ -101,51 +103,38 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
     assert not (tmp_path / "none.json").exists()
 
 
-def test_spec_round_trip():
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_spec_round_trip(op):
     specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain")
-    fused = (
-        "fused",
-        "fused-w1",
-        "fused-wgm",
-        "fused-wgm-m64-s3-w4",
-        "fused-n64",
-        "fused-gm-w4",
-        "fused-s3-e128",
-        "fused-direct",
-        "fused-direct-wgm-w16",
-        "fused-direct-cm",
-        "fused-direct-cm-w16",
-        "fused-cn-w16",
-        "fused-direct-cm-d1",
-        "fused-direct-ct-w16",
-        "fused-direct-gm-p4",
-        "fused-direct-cm-r85",
-        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
-    )
+    fused = {
+        "ag": ("fused", "fused-w1", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-gm-w4",
+               "fused-direct", "fused-direct-cm", "fused-direct-cm-w16", "fused-direct-cm-r85"),
+        "rs": ("fused", "fused-cn-w16", "fused-direct", "fused-direct-ct-w16",
+               "fused-direct-cm-ct-t2", "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2"),
+    }[op]  # fmt: skip
     for spec in specs + fused:
-        assert spec_of(parse_method(spec)) == spec
-    tiles = parse_method("fused-wgm-w4").fused_tiles
+        assert spec_of(parse_method(spec, op)) == spec
+    tiles = parse_method("fused-wgm-w4", op).kernel
     assert tiles.wg_along_m and tiles.grid_tile_width == 4 and tiles.cta_m == 256
-    tiles = parse_method("fused-direct-cm").fused_tiles
-    assert (tiles.cluster, tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (
-        "m",
-        2,
-        256,
-        256,
-    )
-    assert spec_of(parse_method("fused-w8")) == "fused"  # the default width
-    assert parse_method("fused-direct").algorithm(RS) is cg.Algorithm.ATOMIC_GEMM_RS
-    assert parse_method("fused-direct").algorithm(AG) is cg.Algorithm.ATOMIC_GEMM_AG
-    tiles = parse_method("fused-direct-cm-d1").fused_tiles
-    assert tiles.release_lag == 1 and not tiles.chain_tiles
-    assert parse_method("fused-direct-ct").fused_tiles.chain_tiles
-    assert parse_method("fused-direct-cm-t0").fused_tiles.split_tail == 0
-    assert spec_of(parse_method("fused-direct-t4")) == "fused-direct-t4"
-    assert parse_method("fused-direct-a3").fused_tiles.zero_ahead == 3
+    assert spec_of(parse_method("fused-w8", op)) == "fused"  # the default width
+    expected = {"ag": cg.Algorithm.ATOMIC_GEMM_AG, "rs": cg.Algorithm.ATOMIC_GEMM_RS}[op]
+    assert parse_method("fused-direct", op).algorithm(cg.Collective(op)) is expected
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):
-        parse_method("fused-x3")
+        parse_method("fused-x3", op)
     with pytest.raises(ValueError, match="unknown fused tiling 'direct'"):
-        parse_method("fused-direct-direct")
+        parse_method("fused-direct-direct", op)
+    with pytest.raises(ValueError, match="needs the op"):
+        parse_method("fused-direct")
+
+
+def test_spec_family_fields():
+    assert parse_method("fused-direct-ct", "rs").kernel.chain_tiles
+    assert parse_method("fused-direct-cm-t0", "rs").kernel.split_tail == 0
+    assert parse_method("fused-direct-a3", "rs").kernel.zero_ahead == 3
+    with pytest.raises(ValueError, match="DirectAGConfig has no \\['chain_tiles'\\]"):
+        parse_method("fused-direct-ct", "ag")
+    with pytest.raises(ValueError, match="RingAGConfig has no \\['cluster'\\]"):
+        parse_method("fused-cm", "ag")
 
 
 def test_direct_kernel_candidate_clusters_where_rows_allow():
@@ -153,18 +142,20 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
         found = costmodel.candidates(RS, rows, size, fused=True, **kw)
         return next(c for c in found if c.atomic_gemm and c.method is cg.Method.PIPELINE)
 
-    wide = cg.FusedTiles(wg_along_m=True, tile_m=64, tile_n=256, split_tail=0, zero_ahead=2)
-    assert direct(8192, 2).fused_tiles == dataclasses.replace(wide, cluster="m")
+    wide = mosaic_gpu.DirectRSConfig(
+        wg_along_m=True, tile_m=64, tile_n=256, split_tail=0, zero_ahead=2
+    )
+    assert direct(8192, 2).kernel == dataclasses.replace(wide, cluster="m")
     # 384 rows: three 128-row tiles, no pair
-    assert direct(384 * 2, 2).fused_tiles == wide
+    assert direct(384 * 2, 2).kernel == wide
     assert all(not c.atomic_gemm for c in costmodel.candidates(RS, 8192, 2))
     # chained pipelines where K/tile_k is whole rounds of stages and each CTA gets two tiles
-    assert direct(8192, 2, shape=(8192, 4096, 14336)).fused_tiles.chain_tiles
-    assert not direct(8192, 2, shape=(8192, 4096 + 128, 14336)).fused_tiles.chain_tiles
-    assert not direct(8192, 2, shape=(8192, 4096, 1024)).fused_tiles.chain_tiles  # 64 tiles
+    assert direct(8192, 2, shape=(8192, 4096, 14336)).kernel.chain_tiles
+    assert not direct(8192, 2, shape=(8192, 4096 + 128, 14336)).kernel.chain_tiles
+    assert not direct(8192, 2, shape=(8192, 4096, 1024)).kernel.chain_tiles  # 64 tiles
     # deterministic: whole tails, and no direct kernel beyond 2 devices (arrival-order adds)
     found = costmodel.candidates(RS, 8192, 2, fused=True, deterministic=True)
-    assert [c.fused_tiles for c in found if c.method is cg.Method.PIPELINE and c.atomic_gemm] == [
+    assert [c.kernel for c in found if c.method is cg.Method.PIPELINE and c.atomic_gemm] == [
         dataclasses.replace(wide, cluster="m", split_tail=1)
     ]
     found = costmodel.candidates(RS, 8192, 4, fused=True, deterministic=True)
@@ -175,9 +166,9 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
 @pytest.mark.parametrize(
     ("shape", "tiles"),
     [
-        ((16384, 8192, 4096), cg.FusedTiles(cluster="m", spread=50)),  # comm_heavy
-        ((16384 + 256, 8192, 4096), cg.FusedTiles(spread=50)),  # 8320 rows: no cluster pairs
-        ((8192, 4096, 14336), cg.FusedTiles(grid_minor_m=True)),  # llama8b_mlp
+        ((16384, 8192, 4096), mosaic_gpu.DirectAGConfig(cluster="m", spread=50)),  # comm_heavy
+        ((16384 + 256, 8192, 4096), mosaic_gpu.DirectAGConfig(spread=50)),  # no cluster pairs
+        ((8192, 4096, 14336), mosaic_gpu.DirectAGConfig(grid_minor_m=True)),  # llama8b_mlp
     ],
 )
 def test_direct_ag_spreads_its_own_tiles_where_sends_outlast_their_gemm(shape, tiles):
@@ -187,7 +178,7 @@ def test_direct_ag_spreads_its_own_tiles_where_sends_outlast_their_gemm(shape, t
     t_gemm, t_comm = costmodel._times(AG, shape, 2, 2, h200)
     assert (t_comm > t_gemm / 2) == bool(tiles.spread)
     cfg, _ = costmodel.choose(AG, shape, shape[0] // 2, 2, 2, h200, fused=True)
-    assert cfg == DIRECT.replace(fused_tiles=tiles)
+    assert cfg == DIRECT.replace(kernel=tiles)
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
@@ -205,12 +196,12 @@ def test_fused_prediction(size, collective):
     # the direct kernels: no per-step latency, chosen over the ring; RS in 2-CTA clusters where
     # the rows per device fill a cluster's two 128-row tiles, AG walking its tiles along M
     if collective is RS:
-        tiles = costmodel.direct_rs_tiles(rows, size, SHAPE)
+        tiles = heuristics.direct_rs_config(rows, size, SHAPE)
         assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
         assert (tiles.cta_m, tiles.cta_n, tiles.split_tail, tiles.zero_ahead) == (128, 256, 0, 2)
     else:
-        tiles = cg.FusedTiles(grid_minor_m=True)
-    assert cfg == DIRECT.replace(fused_tiles=tiles) and best == pytest.approx(t_gemm + 2e-6)
+        tiles = mosaic_gpu.DirectAGConfig(grid_minor_m=True)
+    assert cfg == DIRECT.replace(kernel=tiles) and best == pytest.approx(t_gemm + 2e-6)
     assert best <= predicted * (1 + 1e-12)
     slow_link = fake(1e13, 1e9, latency=0.0)
     t_gemm, t_comm = costmodel._times(collective, SHAPE, size, 2, slow_link)
@@ -252,14 +243,13 @@ def test_deterministic_auto_passes_over_arrival_order_plans(tmp_path, monkeypatc
     assert spec_of(resolved) == "fused-direct-cm-t0" and not resolved.deterministic
     strict = auto.resolve_auto(cfg.replace(deterministic=True), RS, x, w, 2, w_transposed=False)
     assert strict.deterministic and strict.method is not cg.Method.AUTO
-    tiles = strict.fused_tiles or cg.FusedTiles()
-    assert tiles.split_tail == 1
+    assert strict.kernel is None or strict.kernel.split_tail == 1
 
 
 def cache_file(plans: dict[str, str]) -> dict:
     """A version-2 cache file's contents with one plan per key, given by method spec."""
     entries = {
-        key: cache.PlanEntry(parse_method(spec), 1.0, 1.0, "host", "").as_json()
+        key: cache.PlanEntry(parse_method(spec, key.split("/")[2]), 1.0, 1.0, "host", "").as_json()
         for key, spec in plans.items()
     }
     return {"version": cache.VERSION, "plans": entries, "machines": {}}

@@ -42,9 +42,23 @@ DAMAGE = {
         _file({KEY: {"config": {"method": "teleport"}}}).encode(),
         "not a Method",
     ),
+    "unknown kernel family": (
+        _file({KEY: {"config": {"atomic_gemm": True, "kernel": {"family": "Warp"}}}}).encode(),
+        "family",
+    ),
     "unknown field": (_file({KEY: {"config": {"warp": 9}}}).encode(), "unknown config fields"),
     "bad fused tiles": (
-        _file({KEY: {"config": {"atomic_gemm": True, "fused_tiles": {"stages": 0}}}}).encode(),
+        _file(
+            {
+                KEY: {
+                    "config": {
+                        "method": "pipeline",
+                        "atomic_gemm": True,
+                        "kernel": {"family": "DirectRSConfig", "stages": 0},
+                    }
+                }
+            }
+        ).encode(),
         "stages",
     ),
     "zero machine figures": (

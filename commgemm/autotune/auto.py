@@ -41,7 +41,7 @@ def resolve_auto(
     global shape (where it can run here), else the cost model's choice (with cfg.deterministic,
     among the plans whose result is the same on every call). The dtype fields,
     save_gathered_input and deterministic stay cfg's."""
-    from commgemm.algorithms.fused import varies_between_calls
+    from commgemm.mosaic_gpu.fused import varies_between_calls
 
     shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
     kind = jax.devices()[0].device_kind
@@ -72,7 +72,7 @@ def resolve_auto(
 
 def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
     """Whether the fused kernel can run this call under cfg's dtype fields."""
-    from commgemm.algorithms.fused import unsupported_reason
+    from commgemm.mosaic_gpu.fused import unsupported_reason
 
     if collective is Collective.ALL_REDUCE:
         return False
@@ -82,7 +82,7 @@ def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
         bidirectional=False,
         aggregate=False,
         atomic_gemm=True,
-        fused_tiles=None,
+        kernel=None,
         chain_gemms=False,
     )
     return unsupported_reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

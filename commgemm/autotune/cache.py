@@ -43,7 +43,7 @@ CHOSEN_FIELDS = (
     "aggregate",
     "atomic_gemm",
     "chain_gemms",
-    "fused_tiles",
+    "kernel",
 )
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from commgemm.config import Collective, FusedTiles, Method, OverlapConfig, split_requirement
+from commgemm.config import Collective, Method, OverlapConfig, split_requirement
+from commgemm.mosaic_gpu.heuristics import direct_ag_config, direct_rs_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,55 +164,6 @@ def _predict_fused(t_gemm: float, t_comm: float, size: int, lat: float) -> float
     return (size - 1) * (max(step, transfer) + lat) + step + lat
 
 
-#: Streaming multiprocessors assumed where the GPU is not at hand (H100 / H200 SXM).
-SMS = 132
-
-
-def direct_rs_tiles(
-    rows: int,
-    size: int,
-    shape: tuple[int, int, int] | None = None,
-    *,
-    deterministic: bool = False,
-) -> FusedTiles:
-    """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known):
-    warpgroup tiles of 64 x 256 (a 128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA
-    clusters along M where the rows per device fill them, the last wave split along K unless
-    `deterministic`, and chained tile pipelines where K/tile_k is whole rounds of stages and
-    every CTA of a 132-SM GPU gets two tiles (stage 24: 1 to 2.5% faster than the default
-    tiling in clusters on all four 2xH200 RS presets), and the output zeroed two waves ahead
-    of the adds (FusedTiles.zero_ahead; stages 41 and 42: 0.5 to 1.2% faster on llama8b_mlp,
-    llama13b_mlp and comm_heavy, within noise on llama70b_mlp)."""
-    tiles = FusedTiles(
-        wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic), zero_ahead=2
-    )
-    if (rows // size) % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
-        tiles = dataclasses.replace(tiles, cluster="m")
-    if shape is not None:
-        _, k, n = shape
-        k_iters = k // size // tiles.tile_k
-        count = size * (rows // size // tiles.cluster_m) * (n // tiles.cluster_n)
-        ctas = SMS // tiles.cluster_size
-        if k_iters % tiles.stages == 0 and count >= 2 * ctas:
-            tiles = dataclasses.replace(tiles, chain_tiles=True)
-    return tiles
-
-
-def direct_ag_tiles(rows: int, *, spread: bool = False) -> FusedTiles:
-    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M (as
-    fast as the best ring tiling or faster on all four 2xH200 AG presets, stage 20); with
-    `spread` (sending the own rows takes longer than their GEMM), the own tiles spread among
-    the peers' in 2-CTA clusters where the rows allow (comm_heavy AG, stage 30: 0.741 ms
-    against 0.757 without the spread, the same at 50 to 100%; 1 to 2% slower on llama8b AG,
-    where the sends take half the own GEMM)."""
-    if not spread:
-        return FusedTiles(grid_minor_m=True)
-    tiles = FusedTiles(spread=50)
-    if rows % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
-        tiles = dataclasses.replace(tiles, cluster="m")
-    return tiles
-
-
 def candidates(
     collective: Collective,
     rows: int,
@@ -224,20 +176,19 @@ def candidates(
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
     with `fused`, also the fused kernels (for AG and RS, where the caller found they can run):
-    the ring and the direct one. The direct RS kernel takes `direct_rs_tiles` (2-CTA clusters
-    were 1.5 to 3% faster on three of the four 2xH200 RS presets, stages 14 to 16; split tails
-    1 to 2.5% on all four, stage 24); with `deterministic` it keeps whole tails and runs on 2
-    devices only (its adds otherwise happen in arrival order). The direct AG kernel takes
-    `direct_ag_tiles` (`spread`: sending a device's rows takes longer than their GEMM).
+    the ring and the direct one. The direct RS kernel takes `heuristics.direct_rs_config`; with
+    `deterministic` it keeps whole tails and runs on 2 devices only (its adds otherwise happen
+    in arrival order). The direct AG kernel takes
+    `heuristics.direct_ag_config` (`spread`: sending a device's rows takes longer than their GEMM).
     `shape`: the global (M, K, N), where known (see `direct_rs_tiles`)."""
     out = [OverlapConfig()]
     direct_rs = not deterministic or size == 2
     if fused and size > 1 and collective is Collective.REDUCE_SCATTER and direct_rs:
-        tiles = direct_rs_tiles(rows, size, shape, deterministic=deterministic)
-        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
+        tiles = direct_rs_config(rows, size, shape, deterministic=deterministic)
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles))
     if fused and size > 1 and collective is Collective.ALL_GATHER:
-        tiles = direct_ag_tiles(rows, spread=spread)
-        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, fused_tiles=tiles))
+        tiles = direct_ag_config(rows, spread=spread)
+        out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
     for s in (2, 4, 8):

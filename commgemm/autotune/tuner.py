@@ -14,48 +14,9 @@ import numpy as np
 
 from commgemm.autotune import cache
 from commgemm.autotune.costmodel import DEFAULT_FIGURES, MachineFigures, candidates
-from commgemm.config import Collective, FusedTiles, OverlapConfig
+from commgemm.config import Collective, OverlapConfig
 
 OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Collective.ALL_REDUCE}
-
-
-def _fused(method: str, **tiles) -> OverlapConfig:
-    return OverlapConfig(
-        method=method, atomic_gemm=True, fused_tiles=FusedTiles(**tiles) if tiles else None
-    )
-
-
-#: Tilings of the fused kernels the tuner also measures, beside the cost model's candidates,
-#: where the shape allows them; on 2xH200 each was the fastest, or within noise of it, on some
-#: preset (docs/performance.md).
-FUSED_TILINGS = {
-    Collective.ALL_GATHER: (
-        _fused("ring_exchange", grid_tile_width=16),
-        _fused("ring_exchange", grid_minor_m=True),
-        _fused("pipeline"),
-        _fused("pipeline", grid_tile_width=16),
-        _fused("pipeline", cluster="m"),
-        _fused("pipeline", cluster="m", spread=50),
-    ),
-    Collective.REDUCE_SCATTER: (
-        _fused("pipeline"),
-        _fused("pipeline", cluster="m", split_tail=0),
-        _fused("pipeline", cluster="m", chain_tiles=True),
-        _fused("pipeline", cluster="m", chain_tiles=True, split_tail=0),
-        _fused(
-            "pipeline",
-            wg_along_m=True,
-            cluster="m",
-            chain_tiles=True,
-            tile_m=64,
-            tile_n=256,
-            tile_k=128,
-            stages=2,
-            split_tail=0,
-            zero_ahead=2,
-        ),
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +36,23 @@ class TuneResult:
     entry: dict | None = None  # the cache entry, as JSON
 
 
+def _tuning_configs(op: str) -> list[OverlapConfig]:
+    """The fused kernels' tuning candidates (`mosaic_gpu.heuristics`) as configs."""
+    from commgemm.mosaic_gpu.heuristics import TUNING_CANDIDATES
+
+    return [
+        OverlapConfig(
+            method="pipeline" if type(k).__name__.startswith("Direct") else "ring_exchange",
+            atomic_gemm=True,
+            kernel=k,
+        )
+        for k in TUNING_CANDIDATES.get(op, ())
+    ]
+
+
 def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: str):
     """The cost model's candidates for this problem, and the extra fused tilings that can run."""
-    from commgemm.algorithms.fused import reason_for_shape
+    from commgemm.mosaic_gpu.fused import reason_for_shape
 
     collective = OPS[op]
     rows = shape[0] // size if collective is Collective.ALL_GATHER else shape[0]
@@ -88,7 +63,7 @@ def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: s
     if fused:
         found += [
             c
-            for c in FUSED_TILINGS[collective]
+            for c in _tuning_configs(op)
             if c not in found and reason_for_shape(collective, shape, size, dtype, c) is None
         ]
     return found
@@ -187,4 +162,4 @@ def tune(
     )
 
 
-__all__ = ["FUSED_TILINGS", "TuneResult", "default_candidates", "tune"]
+__all__ = ["TuneResult", "default_candidates", "tune"]

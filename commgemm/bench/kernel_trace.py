@@ -5,7 +5,7 @@ writes a Chrome trace per call: for every warpgroup ("tid") the begin ("B") and 
 each named scope the kernel entered, stamped with the SM's cycle counter (the trace's "ts" is
 cycles / 1000 within a warpgroup). The direct RS kernel (`scatter_add_gemm`) names its compute
 warpgroups' phases "zero", "epilogue" and "landed"; what lies between two epilogues is a
-tile's K loop. With FusedTiles.zero_ahead its load warpgroups name theirs too ("ahead_signal",
+tile's K loop. With DirectRSConfig.zero_ahead its load warpgroups name theirs too ("ahead_signal",
 "ahead_zero", "ahead_wait", once a tile). `phase_summary` turns one trace into medians over the
 warpgroups.
 """

@@ -102,7 +102,11 @@ def _tune(args: argparse.Namespace) -> int:
     from commgemm.cli.specs import parse_method, spec_of
 
     shape = PRESETS[args.preset] if args.preset else args.shape
-    methods = [parse_method(m) for m in args.methods] if args.methods else None
+    try:
+        methods = [parse_method(m, args.op) for m in args.methods] if args.methods else None
+    except ValueError as err:
+        print(f"commgemm tune: {err}", file=sys.stderr)
+        return 2
     result = tune(
         args.op,
         shape,

@@ -70,8 +70,13 @@ def methods(text: str) -> list[str]:
     if not out:
         raise argparse.ArgumentTypeError("no method given")
     for spec in out:
-        try:
-            parse_method(spec)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
+        errors = []
+        for op in ("ag", "rs"):  # the op, which picks a fused kernel's family, comes later
+            try:
+                parse_method(spec, op)
+                break
+            except ValueError as err:
+                errors.append(str(err))
+        else:
+            raise argparse.ArgumentTypeError(errors[-1])
     return out

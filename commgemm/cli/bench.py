@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from commgemm.devices import environment
 
     shape = PRESETS[args.preset] if args.preset else args.shape
-    methods = {spec: parse_method(spec) for spec in args.methods}
+    try:
+        methods = {spec: parse_method(spec, args.op) for spec in args.methods}
+    except ValueError as err:
+        print(f"commgemm bench: {err}", file=sys.stderr)
+        return 2
     dtype = args.dtype
 
     lead = jax.process_index() == 0  # every process measures; process 0 reports

@@ -5,95 +5,90 @@ back. Only the command line speaks this language; the library and the tune cache
 
 from __future__ import annotations
 
-from commgemm.config import FusedTiles, Method, OverlapConfig
+from commgemm.config import Method, OverlapConfig
 
 
-def parse_fused(spec: str) -> OverlapConfig:
+_KEYS = {
+    "w": "grid_tile_width",
+    "s": "stages",
+    "m": "tile_m",
+    "n": "tile_n",
+    "k": "tile_k",
+    "t": "split_tail",
+    "r": "spread",
+    "a": "zero_ahead",
+}
+_FLAGS = {"wgm": "wg_along_m", "gm": "grid_minor_m", "ct": "chain_tiles"}
+
+
+def parse_fused(spec: str, op: str) -> OverlapConfig:
     """'fused' (the ring kernels, RING_EXCHANGE) or 'fused-direct' (method PIPELINE, no ring:
     ATOMIC_GEMM_AG pushes x's rows to every peer, ATOMIC_GEMM_RS reduce-adds tiles into their
-    owner), with optional tiling suffixes: '-w8' (grid_tile_width), '-s3' (stages), '-wgm'
-    (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128' (tile_m / tile_n /
-    tile_k), '-e128' (epilogue blocks), '-cm' / '-cn' (2-CTA clusters along M / N), '-d1'
-    (release_lag), '-ct' (chain_tiles), '-p1' (senders), '-t4' / '-t0' (split_tail, 0
-    automatic), '-r80' (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'."""
+    owner) for op "ag" or "rs", with optional tiling suffixes: '-w8' (grid_tile_width), '-s3'
+    (stages), '-wgm' (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128'
+    (tile_m / tile_n / tile_k), '-cm' / '-cn' (2-CTA clusters along M / N), '-ct'
+    (chain_tiles), '-t4' / '-t0' (split_tail, 0 automatic), '-r80' (spread), '-a3'
+    (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'. The op picks the kernel family
+    (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
+    from commgemm.config import Collective
+    from commgemm.mosaic_gpu.fused import FAMILY
+
+    if op not in ("ag", "rs"):
+        raise ValueError(f"{spec!r}: the fused kernels are for op ag or rs, not {op!r}")
     fields: dict[str, object] = {}
-    keys = {
-        "w": "grid_tile_width",
-        "s": "stages",
-        "m": "tile_m",
-        "n": "tile_n",
-        "k": "tile_k",
-        "e": "epi",
-        "d": "release_lag",
-        "p": "senders",
-        "t": "split_tail",
-        "r": "spread",
-        "a": "zero_ahead",
-    }
-    method = "ring_exchange"
+    method = Method.RING_EXCHANGE
     for part in spec.split("-")[1:]:
-        if part == "direct" and method == "ring_exchange":
-            method = "pipeline"
-        elif part == "wgm":
-            fields["wg_along_m"] = True
-        elif part == "gm":
-            fields["grid_minor_m"] = True
+        if part == "direct" and method is Method.RING_EXCHANGE:
+            method = Method.PIPELINE
+        elif part in _FLAGS:
+            fields[_FLAGS[part]] = True
         elif part in ("cm", "cn"):
             fields["cluster"] = part[1]
-        elif part == "ct":
-            fields["chain_tiles"] = True
-        elif part[:1] in keys and part[1:].isdigit():
-            fields[keys[part[0]]] = int(part[1:])
+        elif part[:1] in _KEYS and part[1:].isdigit():
+            fields[_KEYS[part[0]]] = int(part[1:])
         else:
             raise ValueError(
-                f"unknown fused tiling {part!r} in {spec!r}; "
-                "use -direct, -w<N>, -s<N>, -m<N>, -n<N>, -k<N>, -e<N>, -d<N>, -p<N>, -t<N>, "
-                "-r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct"
+                f"unknown fused tiling {part!r} in {spec!r}; use -direct, -w<N>, -s<N>, -m<N>, "
+                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct"
             )
-    tiles = FusedTiles(**fields) if fields else None
-    return OverlapConfig(method=method, atomic_gemm=True, fused_tiles=tiles)
+    family = FAMILY[(Collective(op), method)]
+    try:
+        kernel = family(**fields) if fields else None
+    except TypeError:
+        unknown = sorted(set(fields) - set(family.__dataclass_fields__))
+        raise ValueError(f"{spec!r}: {family.__name__} has no {unknown}") from None
+    return OverlapConfig(method=method, atomic_gemm=True, kernel=kernel)
 
 
-def fused_spec(tiles: FusedTiles | None, *, direct: bool = False) -> str:
-    """The inverse of `parse_fused` (direct: the kernels of method PIPELINE)."""
-    parts = ["fused", "direct"] if direct else ["fused"]
-    default = FusedTiles()
-    tiles = tiles or default
-    if tiles.wg_along_m:
-        parts.append("wgm")
-    if tiles.grid_minor_m:
-        parts.append("gm")
-    if tiles.cluster:
-        parts.append(f"c{tiles.cluster}")
-    if tiles.chain_tiles:
+def fused_spec(config: OverlapConfig) -> str:
+    """The inverse of `parse_fused`: the spec of an atomic_gemm config."""
+    parts = ["fused", "direct"] if config.method is Method.PIPELINE else ["fused"]
+    kernel = config.kernel
+    if kernel is None:
+        return "-".join(parts)
+    default = type(kernel)()
+    for key, field in (("wgm", "wg_along_m"), ("gm", "grid_minor_m")):
+        if getattr(kernel, field):
+            parts.append(key)
+    if getattr(kernel, "cluster", None):
+        parts.append(f"c{kernel.cluster}")
+    if getattr(kernel, "chain_tiles", False):
         parts.append("ct")
-    fields = (
-        ("m", "tile_m"),
-        ("n", "tile_n"),
-        ("k", "tile_k"),
-        ("s", "stages"),
-        ("w", "grid_tile_width"),
-    )
-    extra = (
-        ("e", "epi"),
-        ("d", "release_lag"),
-        ("p", "senders"),
-        ("t", "split_tail"),
-        ("r", "spread"),
-        ("a", "zero_ahead"),
-    )
-    for key, field in fields + extra:
-        if getattr(tiles, field) != getattr(default, field):
-            parts.append(f"{key}{getattr(tiles, field)}")
+    for key in ("m", "n", "k", "s", "w", "t", "r", "a"):
+        field = _KEYS[key]
+        if hasattr(kernel, field) and getattr(kernel, field) != getattr(default, field):
+            parts.append(f"{key}{getattr(kernel, field)}")
     return "-".join(parts)
 
 
-def parse_method(spec: str) -> OverlapConfig:
+def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
     """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto',
     'fused' (RING_EXCHANGE with atomic_gemm: one kernel, Hopper GPUs; tilings as in
     `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on."""
     if spec == "fused" or spec.startswith("fused-"):
-        return parse_fused(spec)
+        if op is None:
+            raise ValueError(f"{spec!r}: a fused kernel spec needs the op (ag or rs)")
+        return parse_fused(spec, op)
     spec, chain = (spec[: -len("-chain")], True) if spec.endswith("-chain") else (spec, False)
     name, colon, splits = spec.partition(":")
     if colon and not splits.isdigit():
@@ -118,7 +113,7 @@ def parse_method(spec: str) -> OverlapConfig:
 def spec_of(cfg: OverlapConfig) -> str:
     """The method spec string (as `commgemm bench --methods` takes) of a config."""
     if cfg.atomic_gemm:
-        return fused_spec(cfg.fused_tiles, direct=cfg.method is Method.PIPELINE)
+        return fused_spec(cfg)
     name = {Method.NONE: "none", Method.PIPELINE: "pipeline"}.get(cfg.method)
     if name is None:
         name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU runs by name, from the repository root on a GPU machine (PYTHONPATH=. and its jax):
+#   bash benchmarks/run.sh check   OUT         fused kernels' outputs and gradients vs float32
+#   bash benchmarks/run.sh tune    OUT         tune every preset x op (cache in OUT/tune.json)
+#   bash benchmarks/run.sh suite   OUT [CACHE] the suite: every preset x op, AUTO (reading CACHE),
+#                                              serial, XLA's dot and windowed einsum, PyTorch
+#                                              async TP, by device periods
+#   bash benchmarks/run.sh profile OUT         Mosaic GPU's profile of the direct RS kernel
+set -euo pipefail
+export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+target=$1 out=$2
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$out/gpus.txt"
+export COMMGEMM_TUNE_CACHE=$out/tune.json
+case $target in
+  check) JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu --junitxml="$out/gpu_tests.xml" ;;
+  tune)
+    for preset in llama70b_mlp llama8b_mlp comm_heavy; do
+      for op in ag rs; do python3 -m commgemm tune --op $op --preset $preset --iters 12; done
+    done ;;
+  suite)
+    if [ -n "${3:-}" ]; then cp "$3" "$out/tune.json"; fi
+    python3 benchmarks/gpu_suite.py --out "$out/suite" --iters 15 --spans 0 --periods 6 \
+      --timeout 380 --modes default,windowed_einsum ;;
+  profile) python3 benchmarks/kernel_profile.py --out "$out" ;;
+  *) echo "unknown target $target: check, tune, suite or profile" >&2; exit 2 ;;
+esac

@@ -1,0 +1,146 @@
+"""One small validated config per fused kernel family: the ring kernels (`RingAGConfig`,
+`RingRSConfig`, ATOMIC_GEMM_AG_P2P / _RS_P2P) and the direct ones (`DirectAGConfig`,
+`DirectRSConfig`, ATOMIC_GEMM_AG / _RS).
+
+Every family shares the GEMM tiling of jax's Hopper matmul (its `TuningConfig`): each of a CTA's
+two compute warpgroups owns a tile_m x tile_n block (stacked along N, or along M with
+wg_along_m); `stages` K-steps of tile_k are loaded ahead; CTAs walk the output tiles in bands
+`grid_tile_width` tiles wide along N (along M with grid_minor_m); the epilogue stores in EPI x
+EPI blocks. `cluster` ("m" or "n", where a family has it) pairs two CTAs whose shared operand
+is loaded once and multicast to both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: The epilogue's block (EPI x EPI elements): what every measured tiling used.
+EPI = 64
+
+
+def _positive_int(value: object, field: str, family: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{family}.{field}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    wg_along_m: bool = False
+    grid_tile_width: int = 8
+    grid_minor_m: bool = False
+
+    def __post_init__(self) -> None:
+        family = type(self).__name__
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
+            _positive_int(getattr(self, field), field, family)
+        for field in ("wg_along_m", "grid_minor_m"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{family}.{field}={getattr(self, field)!r} must be a bool")
+        if self.stages < 2:
+            raise ValueError(f"{family}.stages={self.stages} must be >= 2")
+        if self.tile_m % EPI or self.tile_n % EPI:
+            raise ValueError(
+                f"{family}: tile_m={self.tile_m} and tile_n={self.tile_n} must be multiples of "
+                f"the epilogue block {EPI}"
+            )
+        cluster = getattr(self, "cluster", None)
+        if cluster not in self._clusters:
+            raise ValueError(f"{family}.cluster={cluster!r} must be one of {self._clusters}")
+
+    _clusters = (None,)  # the clusters a family allows (a class attribute, not a field)
+    epi = EPI
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if getattr(self, "cluster", None) is None else 2
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.wg_along_m else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (1 if self.wg_along_m else 2)
+
+    @property
+    def cluster_m(self) -> int:
+        """Rows of output one cluster computes per tile."""
+        return self.cta_m * (2 if getattr(self, "cluster", None) == "m" else 1)
+
+    @property
+    def cluster_n(self) -> int:
+        return self.cta_n * (2 if getattr(self, "cluster", None) == "n" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAGConfig(_Tiling):
+    """ATOMIC_GEMM_AG_P2P, jax's `all_gather_lhs_matmul`: each CTA sends the x tile it multiplies
+    to the next device; step s multiplies the block that arrived in step s-1. No clusters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingRSConfig(_Tiling):
+    """ATOMIC_GEMM_RS_P2P: at step s the epilogue adds the partial sum received from the
+    previous device and writes the tile into the next device's buffer."""
+
+    cluster: str | None = None
+    _clusters = (None, "m", "n")
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectAGConfig(_Tiling):
+    """ATOMIC_GEMM_AG (`push_gather_gemm`): rows pushed to every peer, flagged per band.
+
+    spread: percent (0 to 100) of the schedule after the first wave over which this device's own
+    tiles (the ones that send x's rows) are interleaved with the peers'; 0 runs them first.
+    cluster: "m" only (the pair shares w's blocks).
+    """
+
+    cluster: str | None = None
+    spread: int = 0
+    _clusters = (None, "m")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int):
+            raise ValueError(f"DirectAGConfig.spread={self.spread!r} must be an int")
+        if not 0 <= self.spread <= 100:
+            raise ValueError(f"DirectAGConfig.spread={self.spread} must be from 0 to 100")
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectRSConfig(_Tiling):
+    """ATOMIC_GEMM_RS (`scatter_add_gemm`): every tile reduce-added straight into its owner.
+
+    chain_tiles: a CTA's tiles run as one pipeline (the next tile's loads start before this one's
+      epilogue); needs K/tile_k divisible by stages and two tiles per CTA.
+    split_tail: s > 1 splits each tile of the last, partly filled wave of CTAs into s K-ranges;
+      0 picks s from a model of the wave; 1 leaves the tail whole.
+    zero_ahead: D > 0 zeroes the output D waves of CTAs ahead of the adds; 0 zeroes it first.
+    """
+
+    cluster: str | None = None
+    chain_tiles: bool = False
+    split_tail: int = 1
+    zero_ahead: int = 0
+    _clusters = (None, "m", "n")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.chain_tiles, bool):
+            raise ValueError(f"DirectRSConfig.chain_tiles={self.chain_tiles!r} must be a bool")
+        for field, what in (("split_tail", "0: automatic"), ("zero_ahead", "0: all first")):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"DirectRSConfig.{field}={value!r} must be an int >= 0 ({what})")
+
+
+KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig
+#: The family of each config type, by name (the tune cache's tag).
+FAMILIES: dict[str, type] = {
+    c.__name__: c for c in (RingAGConfig, RingRSConfig, DirectAGConfig, DirectRSConfig)
+}

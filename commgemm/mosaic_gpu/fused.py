@@ -1,0 +1,292 @@
+"""ATOMIC_GEMM_AG_P2P and ATOMIC_GEMM_RS_P2P: the GEMM and the ring transfers in one GPU kernel.
+
+The split methods (PIPELINE, RING_EXCHANGE) leave the order of GEMMs and transfers to XLA's
+scheduler, which keeps one collective-permute in flight and starts each transfer only where the
+compute stream reaches it. Here one persistent Mosaic GPU kernel (Pallas, Hopper) does both, the
+way the reference's atomic GEMMs do with userbuffers:
+
+  AG: jax's own `all_gather_lhs_matmul`: while a CTA multiplies a tile of x it also writes that
+      tile, already in shared memory, into the next device's buffer over NVLink; step s
+      multiplies the block that arrived in step s-1.
+  RS: ours, built on jax's Hopper matmul kernel: at step s device d computes its partial
+      product of row block (d - s - 1) mod P, adds the partial sum of that block received from
+      device d-1 (read in the epilogue; none at step 0), and writes each tile straight into
+      device d+1's buffer; at the last step the block is d's own and the sum goes to the output.
+      Partial sums travel in the output dtype.
+  Method PIPELINE, no ring:
+  ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
+      multiplying them; a peer's tiles wait only for their own band of rows.
+  ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
+      output, tiles of all blocks interleaved.
+
+Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
+with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
+spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
+divide into the kernel's tiles. Mosaic GPU itself also wants the mesh's devices in id order
+(it raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.mosaic_gpu import push_gather_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.configs import (
+    DirectAGConfig,
+    DirectRSConfig,
+    KernelConfig,
+    RingAGConfig,
+    RingRSConfig,
+)
+
+#: The kernel family of each (collective, method) pairing with atomic_gemm.
+FAMILY = {
+    (Collective.ALL_GATHER, Method.RING_EXCHANGE): RingAGConfig,
+    (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE): RingRSConfig,
+    (Collective.ALL_GATHER, Method.PIPELINE): DirectAGConfig,
+    (Collective.REDUCE_SCATTER, Method.PIPELINE): DirectRSConfig,
+}
+
+
+def kernel_config(collective: Collective, config: OverlapConfig) -> KernelConfig:
+    """The kernel config this call runs: config.kernel, or its family's default."""
+    return config.kernel or FAMILY[(collective, config.method)]()
+
+
+def tuning_config(tiles: KernelConfig):
+    """`tiles` as the TuningConfig of jax's Hopper matmul kernel."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    dim = hm.MatmulDimension
+    return hm.TuningConfig(
+        tile_m=tiles.tile_m,
+        tile_n=tiles.tile_n,
+        tile_k=tiles.tile_k,
+        max_concurrent_steps=tiles.stages,
+        grid_tile_width=tiles.grid_tile_width,
+        grid_minor_dim=dim.M if tiles.grid_minor_m else dim.N,
+        epi_tile_m=tiles.epi,
+        epi_tile_n=tiles.epi,
+        wg_dimension=dim.M if tiles.wg_along_m else dim.N,
+        cluster_dimension={None: None, "m": dim.M, "n": dim.N}[getattr(tiles, "cluster", None)],
+    )
+
+
+def _gpu_reason() -> str | None:
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        return f"it runs on GPUs; this backend is {devices[0].platform}"
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    if not capability.startswith("9"):
+        return f"it needs a Hopper GPU (compute capability 9.x), got {capability or 'unknown'}"
+    if jax.__version_info__ < (0, 11):
+        return f"it needs jax >= 0.11 (tested on 0.11.2), this is {jax.__version__}"
+    if jax.process_count() != 1:
+        return "it needs one process driving all GPUs (got several processes)"
+    try:
+        from jax.experimental.pallas.ops.gpu import (
+            collective_matmul_mgpu,  # noqa: F401
+            hopper_matmul_mgpu,  # noqa: F401
+        )
+    except ImportError as err:  # jax too old, or jaxlib without Mosaic GPU
+        return f"this jax has no Mosaic GPU collective kernels ({err})"
+    return None
+
+
+def varies_between_calls(collective: Collective, config: OverlapConfig, size: int) -> str | None:
+    """Why this fused config's result may differ in the last bit from call to call (partial
+    sums added in arrival order), or None when it is the same every time."""
+    if not config.atomic_gemm or config.method is not Method.PIPELINE:
+        return None
+    if collective is not Collective.REDUCE_SCATTER:
+        return None
+    tiles = kernel_config(collective, config)
+    if getattr(tiles, "split_tail", 1) != 1:
+        return "split_tail adds a tile's K-ranges in arrival order"
+    if size > 2:
+        return f"on {size} devices a tile's partial sums are added in arrival order"
+    return None
+
+
+def unsupported_reason(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+) -> str | None:
+    """Why the fused kernel cannot run this per-shard call (x the 2-D view [rows, K], w [K, n]
+    or [n, K] with w_transposed), or None when it can."""
+    if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return f"there is no fused kernel for {collective.name}"
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it needs bfloat16 or float16 operands, got {x.dtype}"
+    for field in ("out_dtype", "reduce_dtype"):
+        value = getattr(config, field)
+        if value is not None and jnp.dtype(value) != x.dtype:
+            return f"{field}={value} differs from the operands' {x.dtype}"
+    if config.accumulate_dtype != "float32":
+        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
+    if config.num_splits != 1 or config.bidirectional or config.aggregate:
+        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    family = FAMILY[(collective, config.method)]
+    tiles = kernel_config(collective, config)
+    if not isinstance(tiles, family):
+        return (
+            f"kernel={type(tiles).__name__}(...) is another kernel's config: this call runs "
+            f"{family.__name__}'s kernel ({collective.name} with {config.method.name})"
+        )
+    chain_tiles = getattr(tiles, "chain_tiles", False)
+    rows, k = x.shape
+    m = rows if collective is Collective.ALL_GATHER else rows // size
+    n = w.shape[0] if w_transposed else w.shape[1]
+    for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n)):
+        if value % by:
+            return f"{what}={value} must be divisible by the tile {by}"
+    if k % tiles.tile_k:
+        return f"K={k} must be divisible by the tile {tiles.tile_k}"
+    if chain_tiles and (k // tiles.tile_k) % tiles.stages:
+        return f"chain_tiles needs K/tile_k={k // tiles.tile_k} divisible by {tiles.stages} stages"
+    if config.deterministic and (why := varies_between_calls(collective, config, size)):
+        return f"deterministic=True, and {why}"
+    if (reason := _gpu_reason()) is not None:
+        return reason
+    if size != jax.device_count():
+        return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
+    if chain_tiles:
+        ctas = mosaic_tiles.num_sms() // tiles.cluster_size
+        count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
+        if count < 2 * ctas:
+            return f"chain_tiles needs two tiles per CTA, got {count} tiles for {ctas} CTAs"
+    return None
+
+
+def reason_for_shape(
+    collective: Collective,
+    shape: tuple[int, int, int],
+    size: int,
+    dtype: str,
+    config: OverlapConfig | None = None,
+) -> str | None:
+    """`unsupported_reason` for a global (M, K, N) problem over `size` devices (the tuner's
+    view): AG x [M/P, K], w [K, N/P]; RS x [M, K/P], w [K/P, N]."""
+    m, k, n = shape
+    if collective is Collective.ALL_GATHER:
+        x_shape, w_shape = (m // size, k), (k, n // size)
+    else:
+        x_shape, w_shape = (m, k // size), (k // size, n)
+    config = config or OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    return unsupported_reason(
+        collective,
+        jax.ShapeDtypeStruct(x_shape, dtype),
+        jax.ShapeDtypeStruct(w_shape, dtype),
+        size,
+        config,
+        w_transposed=False,
+    )
+
+
+def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
+    return w.T if w_transposed else w
+
+
+def all_gather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+    return_gathered: bool = False,
+) -> jax.Array | tuple[jax.Array, None]:
+    """x [m, K] local rows, w [K, n] -> all_gather(x) @ w [P*m, n], in one kernel.
+
+    With return_gathered the second result is None: the kernel keeps the gathered rows in its
+    own scratch, so the backward pass gathers x again (beside its dX GEMM).
+    """
+    if config.method is Method.PIPELINE:
+        out = push_gather_gemm.all_gather_matmul(x, _as_kn(w, w_transposed), axis_name, config)
+        return (out, None) if return_gathered else out
+    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
+
+    with jax.named_scope("fused_ag_gemm"):
+        out = collective_matmul_mgpu.all_gather_lhs_matmul(
+            x,
+            _as_kn(w, w_transposed),
+            axis_name,
+            config=tuning_config(kernel_config(Collective.ALL_GATHER, config)),
+            dtype=x.dtype,
+        )
+    return (out, None) if return_gathered else out
+
+
+def matmul_reduce_scatter(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+) -> jax.Array:
+    """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel:
+    the ring (RING_EXCHANGE) or the direct reduce-adds of `scatter_add_gemm` (PIPELINE)."""
+    if config.method is Method.PIPELINE:
+        return scatter_add_gemm.matmul_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    size = lax.axis_size(axis_name)
+    w = _as_kn(w, w_transposed)
+    rows, n = x.shape[0] // size, w.shape[1]
+    num_sms = mosaic_tiles.num_sms()
+    tiles = kernel_config(Collective.REDUCE_SCATTER, config)
+    tuning = tuning_config(tiles)
+    signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
+
+    def body(x_ref, w_ref, out_ref, inbox_ref):
+        # one count per step: with one shared count, a CTA a step ahead of another could
+        # complete the count for a step whose writes have not all landed (P > 2)
+        received = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1),)))
+        wg = lax.axis_index("wg")
+        here = lax.axis_index(axis_name)
+        succ = lax.rem(here + 1, jnp.int32(size))
+        for step in range(size):
+            block = lax.rem(here + 2 * size - step - 1, jnp.int32(size))
+            last = step == size - 1
+            if step:  # the partial sum of this block from device d-1 must have landed
+                pl.semaphore_wait(received.at[step - 1], value=signals_per_step, decrement=False)
+            hm.kernel(
+                x_ref.at[pl.ds(block * rows, rows)],
+                w_ref,
+                inbox_ref.at[step - 1] if step else None,
+                out_ref if last else plgpu.remote_ref(inbox_ref, succ).at[step],
+                config=tuning,
+            )
+            if not last:
+
+                @pl.when(wg < 2)
+                def _signal(sent=received.at[step]):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the writes have landed
+                    pl.semaphore_signal(sent, device_id=succ)
+
+    with jax.named_scope("fused_gemm_rs"):
+        out, _ = plgpu.kernel(
+            body,
+            out_type=[
+                jax.ShapeDtypeStruct((rows, n), x.dtype),
+                jax.ShapeDtypeStruct((size - 1, rows, n), x.dtype),  # partial sums received
+            ],
+            **mosaic_tiles.kernel_params(num_sms, tiles.cluster_size),
+        )(x, w)
+    return out
+
+
+def matmul_all_reduce(*args, **kwargs):
+    raise NotImplementedError("there is no fused GEMM + all-reduce kernel")

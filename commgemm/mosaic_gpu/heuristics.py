@@ -1,0 +1,87 @@
+"""Default configs and autotuning candidates of the fused kernel families, beside the kernels:
+what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`) and the extra
+tilings the tuner also measures (`tuning_candidates`). Each was the fastest, or within noise of
+it, on some 2xH200 preset (docs/performance.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from commgemm.mosaic_gpu.configs import (
+    DirectAGConfig,
+    DirectRSConfig,
+    KernelConfig,
+    RingAGConfig,
+)
+from commgemm.mosaic_gpu.tiles import HOPPER_SMS
+
+
+def direct_rs_config(
+    rows: int,
+    size: int,
+    shape: tuple[int, int, int] | None = None,
+    *,
+    deterministic: bool = False,
+) -> DirectRSConfig:
+    """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known):
+    warpgroup tiles of 64 x 256 (a 128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA
+    clusters along M where the rows per device fill them, the last wave split along K unless
+    `deterministic`, chained tile pipelines where K/tile_k is whole rounds of stages and every
+    CTA of a 132-SM GPU gets two tiles, and the output zeroed two waves ahead of the adds: the
+    fastest tiling on the 2xH200 RS presets (docs/performance.md)."""
+    tiles = DirectRSConfig(
+        wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic), zero_ahead=2
+    )
+    if (rows // size) % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
+        tiles = dataclasses.replace(tiles, cluster="m")
+    if shape is not None:
+        _, k, n = shape
+        k_iters = k // size // tiles.tile_k
+        count = size * (rows // size // tiles.cluster_m) * (n // tiles.cluster_n)
+        ctas = HOPPER_SMS // tiles.cluster_size  # the GPU may not be at hand
+        if k_iters % tiles.stages == 0 and count >= 2 * ctas:
+            tiles = dataclasses.replace(tiles, chain_tiles=True)
+    return tiles
+
+
+def direct_ag_config(rows: int, *, spread: bool = False) -> DirectAGConfig:
+    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M; with
+    `spread` (sending the own rows takes longer than their GEMM), the own tiles spread among
+    the peers' (50%) in 2-CTA clusters where the rows allow. Where the sends take less than
+    the own GEMM, spreading was 1 to 2% slower on 2xH200 (docs/performance.md)."""
+    if not spread:
+        return DirectAGConfig(grid_minor_m=True)
+    tiles = DirectAGConfig(spread=50)
+    if rows % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
+        tiles = dataclasses.replace(tiles, cluster="m")
+    return tiles
+
+
+#: Tilings the tuner measures beside the cost model's, per collective ("ag" / "rs").
+TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
+    "ag": (
+        RingAGConfig(grid_tile_width=16),
+        RingAGConfig(grid_minor_m=True),
+        DirectAGConfig(),
+        DirectAGConfig(grid_tile_width=16),
+        DirectAGConfig(cluster="m"),
+        DirectAGConfig(cluster="m", spread=50),
+    ),
+    "rs": (
+        DirectRSConfig(),
+        DirectRSConfig(cluster="m", split_tail=0),
+        DirectRSConfig(cluster="m", chain_tiles=True),
+        DirectRSConfig(cluster="m", chain_tiles=True, split_tail=0),
+        DirectRSConfig(
+            wg_along_m=True,
+            cluster="m",
+            chain_tiles=True,
+            tile_m=64,
+            tile_n=256,
+            tile_k=128,
+            stages=2,
+            split_tail=0,
+            zero_ahead=2,
+        ),
+    ),
+}

@@ -1,0 +1,227 @@
+"""ATOMIC_GEMM_AG: all-gather + GEMM in one kernel, each band of x rows flagged as it lands.
+
+x [m, K] (this device's rows), w [K, n] -> all_gather(x) @ w [P*m, n], rows in device order.
+One persistent Mosaic GPU kernel walks the tiles of all P row blocks, its own block first.
+While CTAs multiply the first `senders` tiles of a band of their own rows (cta_m rows), each
+writes its share of the x blocks it loaded into shared memory (every senders-th K block) into
+every peer's inbox over NVLink, then raises that band's flag at each peer. A tile of a peer's
+block waits only for its own band's flags, not for the whole block (jax's ring kernel,
+ATOMIC_GEMM_AG_P2P, waits a step). Where sending the own rows outlasts their GEMM, `spread`
+interleaves the own tiles with the peers' after the first wave (`spread_plan`,
+`schedule_unit`). Slot j of a device's inbox holds the rows of device (d - j - 1) mod P.
+Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
+relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair shares w).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import OverlapConfig
+from commgemm.mosaic_gpu import tiles as mt
+from commgemm.mosaic_gpu.configs import DirectAGConfig
+
+#: Tiles of a band (its first visits) that share pushing the band's rows: with one, a band's
+#: transfer had one store in flight and ran slower than the GEMM (docs/performance.md).
+SENDERS = 8
+
+
+def senders(tiles: DirectAGConfig, n_iters: int, k_iters: int) -> int:
+    """How many tiles of a band push its rows (SENDERS, at most the columns of the
+    band's first visits: its first strip along N, or every column along M)."""
+    width = n_iters if tiles.grid_minor_m else min(tiles.grid_tile_width, n_iters)
+    return max(1, min(SENDERS, width, k_iters))
+
+
+def send_lead(tiles: DirectAGConfig, m_iters: int, n_iters: int, num_senders: int) -> int:
+    """How far, in the kernel's tile order, a band's last sending visit can come after any of
+    the band's tiles: along N a band's senders are consecutive in its first strip; along M a
+    band is visited once every strip-width tiles."""
+    if tiles.grid_minor_m:
+        return (num_senders - 1) * min(tiles.grid_tile_width, m_iters)
+    return num_senders - 1
+
+
+def spread_plan(tiles: DirectAGConfig, own: int, ctas: int, lead: int) -> tuple[int, int]:
+    """(head, region) of the schedule of `own` tiles per block (DirectAGConfig.spread): the first
+    `head` units are own tiles (a wave of CTAs, plus `lead`: nothing of the peers' has been
+    sent before), then the rest of the own tiles spread evenly over units [head, region),
+    peers' tiles filling the gaps. At most one unit in two is a peer's, so a peer's tile always
+    comes after the sends of its band (`schedule_unit`); region == own: own block first."""
+    head = min(own, ctas + lead + 2)
+    return head, own + tiles.spread * (own - head) // 100
+
+
+def schedule_unit(lin, own: int, head: int, region: int):
+    """(step, tile) of the kernel's `lin`-th unit of work (`spread_plan`): step 0 is one of this
+    device's `own` tiles, step s > 0 a tile of the rows that arrived in inbox slot s - 1."""
+    if region == own:
+        return lin // own, lin - (lin // own) * own
+    stretch = region - head
+    x = jnp.minimum(jnp.maximum(lin - head, 0), stretch)
+    placed = x * (own - head) // stretch  # own tiles in units [head, lin)
+    is_own = (lin < head) | ((lin < region) & ((x + 1) * (own - head) // stretch > placed))
+    peer = lin - head - placed  # peers' tiles in units [0, lin)
+    step = jnp.where(is_own, 0, 1 + peer // own)
+    tile = jnp.where(is_own, jnp.where(lin < head, lin, head + placed), peer - (peer // own) * own)
+    return step, tile
+
+
+def _visit_rank(tiles: DirectAGConfig, m_idx: jax.Array, n_idx: jax.Array, n_iters: int):
+    """Which visit of band `m_idx` by `plgpu.planar_snake` column `n_idx` is (0 the first):
+    along N a strip walks its columns in order; along M the strips of `grid_tile_width`
+    bands alternate direction."""
+    if not tiles.grid_minor_m:
+        return n_idx
+    strip = m_idx // (tiles.grid_tile_width * (2 if tiles.cluster == "m" else 1))
+    return jnp.where(lax.rem(strip, jnp.int32(2)) == 0, n_idx, n_iters - 1 - n_idx)
+
+
+def all_gather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    config: OverlapConfig,
+    *,
+    compiler_params: Mapping | None = None,
+) -> jax.Array:
+    """x [m, K] (rows sharded over axis_name), w [K, n] (local) -> [P*m, n], all_gather(x) @ w
+    in x's dtype, rows in device order."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    size = lax.axis_size(axis_name)
+    tiles = config.kernel or DirectAGConfig()
+    dtype = x.dtype
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
+    bands = m // tiles.cta_m
+    step_tiles = m_iters * n_iters
+    num_senders = senders(tiles, n_iters, k_iters)
+    sms = mt.num_sms()
+    lead = send_lead(tiles, m_iters, n_iters, num_senders)
+    head, region = spread_plan(tiles, step_tiles, sms // tiles.cluster_size, lead)
+    if size == 1:
+        head = region = step_tiles
+    if region > step_tiles and step_tiles * step_tiles >= 2**31:
+        raise ValueError(f"DirectAGConfig.spread needs fewer tiles a block, got {step_tiles}")
+    num_slots = mt.epilogue_slots(tiles)
+
+    def get_pipeline(body, compute_context):
+        # release 1: a block stays in smem a step longer, while it is being sent
+        return mt.tile_pipeline(tiles, dtype, k_iters, body, compute_context, release=1)
+
+    def body(x_ref, w_ref, out_ref, inbox_ref):
+        arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1), bands)))
+        here = lax.axis_index(axis_name)
+        wg = lax.axis_index("wg")
+        # the peers, in the order of their inbox slots for this device's rows
+        peers = [lax.rem(here + j + 1, jnp.int32(size)) for j in range(size - 1)]
+
+        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=1)
+        def _scope(pipeline_allocs, out_smem):
+            @plgpu.nd_loop((size * step_tiles,), collective_axes="cluster_grid")
+            def _tiles(info):
+                (lin,) = info.index
+                step, tile = schedule_unit(lin, step_tiles, head, region)
+                # whose rows this step multiplies
+                source = lax.rem(here + size - step, jnp.int32(size))
+                at = mt.tile_slices(tiles, tile, m_iters, n_iters)
+                band_rows = pl.ds(at.m_idx * tiles.cta_m, tiles.cta_m)
+                # the band's first num_senders visits push its rows: K block kk from visit
+                # kk mod num_senders
+                rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
+                sender = (step == 0) & (rank < num_senders) & (wg == 0)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(
+                        pl.run_scoped, acc_ref=plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32)
+                    )
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+
+                        @pl.when(sender)
+                        def _band_sent():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
+                            for j, peer in enumerate(peers):
+                                mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
+
+                        acc = acc_ref[...].astype(dtype)
+                        out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = acc[epi_m, epi_n]
+                            plgpu.commit_smem()
+                            dest = out_ref.at[out_rows, at.cta_n].at[at.wg_m, at.wg_n]
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
+
+                def mma_body(idxs, a_smem, b_smem, acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], b_smem.at[:, at.wg_n])
+
+                    (kk,) = idxs
+                    now = sender & (lax.rem(kk, jnp.int32(num_senders)) == rank)
+                    before = sender & (kk > 0) & (lax.rem(kk - 1, jnp.int32(num_senders)) == rank)
+
+                    @pl.when(now)
+                    def _send():
+                        block = pl.ds(kk * tiles.tile_k, tiles.tile_k)
+                        for j, peer in enumerate(peers):
+                            plgpu.copy_smem_to_gmem(
+                                a_smem,
+                                plgpu.remote_ref(inbox_ref, peer).at[j, band_rows, block],
+                                commit_group=j == size - 2,  # one group per K-step
+                            )
+
+                    # a block's slot is released at the end of the next K-step (release 1), or
+                    # reused by the next tile's first loads after the last: its send must have
+                    # read it by then
+                    @pl.when(before & now)
+                    def _previous_read():
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                    @pl.when((before & ~now) | (now & (kk == k_iters - 1)))
+                    def _all_read():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                    plgpu.wgmma_wait(1)
+                    return acc_ref
+
+                def run(rows_ref):
+                    get_pipeline(mma_body, compute_context)(
+                        rows_ref.at[band_rows, :],
+                        w_ref.at[:, at.cta_n],
+                        allocations=pipeline_allocs,
+                    )
+
+                @pl.when(step == 0)
+                def _own_rows():
+                    run(x_ref)
+
+                if size > 1:
+
+                    @pl.when(step > 0)
+                    def _peer_rows():
+                        slot = step - 1
+                        pl.semaphore_wait(
+                            arrived.at[slot, at.m_idx], value=num_senders, decrement=False
+                        )
+                        run(inbox_ref.at[slot])
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    with jax.named_scope("fused_ag_gemm_push"):
+        out, _ = plgpu.kernel(
+            body,
+            out_type=[
+                jax.ShapeDtypeStruct((size * m, n), dtype),
+                jax.ShapeDtypeStruct((max(size - 1, 1), m, k), dtype),  # the peers' rows
+            ],
+            **mt.kernel_params(sms, tiles.cluster_size, compiler_params),
+        )(x, w)
+    return out

@@ -1,0 +1,229 @@
+"""Pieces shared by the fused Mosaic GPU kernels that walk output tiles themselves
+(`scatter_add_gemm`, `push_gather_gemm`): launch parameters, the K-loop pipeline of one tile and
+where a tile lies. They follow jax's Hopper matmul kernel (`hopper_matmul_mgpu.kernel`): one
+persistent CTA per SM (2-CTA clusters optional), two compute warpgroups that own a tile_m x
+tile_n block each of the CTA's tile, one warpgroup that issues the TMA loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.mosaic_gpu.configs import KernelConfig
+
+#: Streaming multiprocessors of an H100 / H200 SXM: the grid where the GPU is not at hand.
+HOPPER_SMS = 132
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of this process's first device (the kernels' grid)."""
+    return jax.devices()[0].core_count
+
+
+def kernel_params(sms: int, cluster: int, compiler_params: Mapping | None = None) -> dict:
+    """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
+    clusters of `cluster`), two compute warpgroups and one that issues the loads.
+    `compiler_params`: extra `plgpu.CompilerParams` fields (e.g. Mosaic GPU's profiler, as
+    benchmarks/kernel_profile.py asks for); None in normal use."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    semantics = plgpu.LoweringSemantics.Warpgroup
+    return dict(
+        grid=(sms // cluster,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=semantics, **(compiler_params or {})
+        ),
+    )
+
+
+def relaxed_signal(sem, device_id=None) -> None:
+    """Add 1 to semaphore `sem` (on peer `device_id`, or here) with a relaxed atomic: no
+    system-scope release fence before it, which `pl.semaphore_signal` issues and which stalls
+    the signalling warpgroup for thousands of cycles while NVLink traffic is in flight.
+    Invariant: only for a signal that says this thread's awaited TMA stores
+    (`wait_smem_to_gmem(..., wait_read_only=False)`) have landed; those writes are complete
+    before the atomic issues.
+    On jax < 0.11 (where Mosaic GPU's inline code takes no peer refs; the fused kernels run
+    on >= 0.11 only) it falls back to `pl.semaphore_signal`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        pl.semaphore_signal(sem, device_id=device_id)
+        return
+    ref = sem if device_id is None else plgpu.remote_ref(sem, device_id)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _signal(_, sem_ref):
+        mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem_ref)).signal(1, relaxed=True)
+
+    _signal(ref)
+
+
+def smem_transforms(dtype, minor: int) -> tuple:
+    """Tiling and swizzle of an smem block whose minor dimension holds `minor` elements."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def tile_pipeline(
+    tiles: KernelConfig, dtype, k_iters: int, body, compute_context, *, release=0, state=None
+):
+    """The warp-specialized K loop of one CTA tile: x blocks [cta_m, tile_k] and w blocks
+    [tile_k, cta_n], `tiles.stages` loaded ahead (shared across a 2-CTA cluster by multicast).
+    `release`: a K-step's smem slot is released that many steps late (its wgmma may still run,
+    or its block still be read by a transfer). `state`: `chain_state` where a CTA's tiles run
+    as one pipeline."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    transforms = smem_transforms(dtype, tiles.tile_k)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec(
+                (tiles.cta_m, tiles.tile_k),
+                lambda kk: (0, kk),
+                transforms=transforms,
+                memory_space=plgpu.SMEM,
+                delay_release=release,
+                collective_axes=("cluster",)
+                if getattr(tiles, "cluster", None) == "n"
+                else (),  # shared x
+            ),
+            plgpu.BlockSpec(
+                (tiles.tile_k, tiles.cta_n),
+                lambda kk: (kk, 0),
+                transforms=transforms,
+                memory_space=plgpu.SMEM,
+                delay_release=release,
+                collective_axes=("cluster",)
+                if getattr(tiles, "cluster", None) == "m"
+                else (),  # shared w
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=tiles.stages,
+        compute_context=compute_context,
+        pipeline_state=state,
+    )
+
+
+def chain_state(info) -> jax.Array:
+    """The pipeline state of a CTA's tile in an nd_loop that chains its tiles' pipelines
+    (DirectRSConfig.chain_tiles): the loads of the next tile start while this one's last K-steps
+    run, instead of after its pipeline drains. The CTA must have at least two tiles."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    states = plgpu.PipelinePipeline
+    last = info.local_index == info.num_local_steps - 1
+    state = jnp.where(last, jnp.int32(states.STOP), jnp.int32(states.STEADY))
+    return jnp.where(info.local_index == 0, jnp.int32(states.START), state)
+
+
+def tile_smem(tiles: KernelConfig, dtype, k_iters: int, x_ref, w_ref, *, release=0):
+    """Decorator running fn(pipeline_allocs, out_smem) in the shared memory of `tile_pipeline`
+    (allocated once, for every tile) and of the epilogue (`out_smem`), for all warpgroups."""
+    from jax.experimental import pallas as pl
+
+    ignore = lambda *_, **__: None  # noqa: E731
+    pipeline = tile_pipeline(tiles, dtype, k_iters, ignore, ignore, release=release)
+    return functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline.get_allocations(x_ref, w_ref),
+        out_smem=out_smem(tiles, dtype),
+        collective_axes="wg",
+    )
+
+
+def cluster_tile(tiles: KernelConfig, tile: jax.Array, m_iters: int, n_iters: int):
+    """(m_idx, n_idx) of the `tile`-th cluster tile of an [m_iters, n_iters] grid, walked in
+    bands `grid_tile_width` wide (`plgpu.planar_snake`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+
+    minor = MatmulDimension.M if tiles.grid_minor_m else MatmulDimension.N
+    return plgpu.planar_snake(tile, (m_iters, n_iters), minor, tiles.grid_tile_width)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSlices:
+    """Where one CTA tile lies: its band and column (in CTA tiles), the CTA's slices of the
+    output and the compute warpgroup's slices within them."""
+
+    m_idx: jax.Array
+    n_idx: jax.Array
+    cta_m: object
+    cta_n: object
+    wg_m: object
+    wg_n: object
+
+
+def tile_slices(tiles: KernelConfig, tile: jax.Array, m_iters: int, n_iters: int) -> TileSlices:
+    """The `tile`-th cluster tile of an [m_iters, n_iters] grid (of cluster tiles), walked in
+    bands `grid_tile_width` wide (`plgpu.planar_snake`), as this CTA and warpgroup see it."""
+    from jax.experimental import pallas as pl
+
+    m_idx, n_idx = cluster_tile(tiles, tile, m_iters, n_iters)
+    cluster = getattr(tiles, "cluster", None)
+    if cluster == "m":
+        m_idx = m_idx * 2 + lax.axis_index("cluster")
+    elif cluster == "n":
+        n_idx = n_idx * 2 + lax.axis_index("cluster")
+    wg = lax.axis_index("wg")
+    if tiles.wg_along_m:
+        wg_m, wg_n = pl.ds(wg * tiles.tile_m, tiles.tile_m), slice(None)
+    else:
+        wg_m, wg_n = slice(None), pl.ds(wg * tiles.tile_n, tiles.tile_n)
+    return TileSlices(
+        m_idx=m_idx,
+        n_idx=n_idx,
+        cta_m=pl.ds(m_idx * tiles.cta_m, tiles.cta_m),
+        cta_n=pl.ds(n_idx * tiles.cta_n, tiles.cta_n),
+        wg_m=wg_m,
+        wg_n=wg_n,
+    )
+
+
+def epilogue_slots(tiles: KernelConfig) -> int:
+    """How many epi x epi smem blocks each compute warpgroup's epilogue cycles through."""
+    return min(2, (tiles.tile_m * tiles.tile_n) // (tiles.epi * tiles.epi))
+
+
+def out_smem(tiles: KernelConfig, dtype):
+    """The epilogue's smem: (warpgroup, slot) blocks of epi x epi."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    shape = (2, epilogue_slots(tiles), tiles.epi, tiles.epi)
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype, tiles.epi))
+
+
+def epilogue_blocks(tiles: KernelConfig, slots: int) -> list[tuple[slice, slice, int]]:
+    """The epi x epi blocks of a warpgroup's tile_m x tile_n tile, in store order, each with
+    the smem slot it goes through."""
+    per_row = tiles.tile_n // tiles.epi
+    return [
+        (
+            slice(mi * tiles.epi, (mi + 1) * tiles.epi),
+            slice(ni * tiles.epi, (ni + 1) * tiles.epi),
+            (mi * per_row + ni) % slots,
+        )
+        for mi in range(tiles.tile_m // tiles.epi)
+        for ni in range(per_row)
+    ]

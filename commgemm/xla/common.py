@@ -1,0 +1,76 @@
+"""Pieces every algorithm uses: the local GEMM under a config, and ring permutations."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import OverlapConfig
+from commgemm.operands import local_matmul
+
+
+def matmul(
+    a: jax.Array,
+    w: jax.Array,
+    config: OverlapConfig,
+    w_transposed: bool,
+    *,
+    result_dtype: str | None = None,
+) -> jax.Array:
+    """a [r, K] @ w -> [r, n], accumulated in config.accumulate_dtype and returned in
+    `result_dtype` (default: the accumulate dtype). Named "gemm" in profiles.
+
+    A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
+    its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and
+    round once at the end, the same as accumulating in float32 and casting, but without writing
+    a float32 [r, n] and reading it back (on 2xH200 that separate cast made the serial
+    llama70b GEMM+RS 10% slower; docs/performance.md).
+    """
+    direct = (
+        result_dtype is not None
+        and config.accumulate_dtype == "float32"
+        and jnp.dtype(result_dtype).itemsize == 2
+        and jnp.issubdtype(jnp.dtype(result_dtype), jnp.floating)
+    )
+    with jax.named_scope("gemm"):
+        out = local_matmul(
+            a,
+            w,
+            w_transposed=w_transposed,
+            accumulate_dtype=result_dtype if direct else config.accumulate_dtype,
+        )
+    return out if result_dtype is None else out.astype(result_dtype)
+
+
+def reduce_dtype(config: OverlapConfig) -> str:
+    """The dtype partial sums travel in: config.reduce_dtype, else the output dtype."""
+    return config.reduce_dtype or config.out_dtype
+
+
+def ring_perm(size: int, shift: int) -> list[tuple[int, int]]:
+    """ppermute pairs sending from each device to the one `shift` places further round the ring."""
+    return [(i, (i + shift) % size) for i in range(size)]
+
+
+def send_one(chunk: jax.Array, axis_name: str, size: int, shift: int) -> jax.Array:
+    """`chunk` moved `shift` places round the ring of `axis_name` (one ppermute)."""
+    return lax.ppermute(chunk, axis_name, ring_perm(size, shift))
+
+
+def split_rows(a: jax.Array, parts: int) -> list[jax.Array]:
+    """a [r, ...] as `parts` equal row blocks (r divisible by parts, checked by the caller)."""
+    rows = a.shape[0] // parts
+    return [a[i * rows : (i + 1) * rows] for i in range(parts)]
+
+
+def after(value: jax.Array, previous: object | None) -> jax.Array:
+    """`value`, held back until `previous` exists.
+
+    Chunked collectives have no data dependency on one another, so XLA's combiner passes merge
+    them into one (undoing the pipeline). Tying chunk c+1's collective input to chunk c's
+    collective output keeps them separate and in order, while the GEMMs stay free to overlap.
+    """
+    if previous is None or not jax.tree.leaves(previous):
+        return value
+    return lax.optimization_barrier((value, previous))[0]

@@ -1,0 +1,125 @@
+"""The fused kernels and the XLA methods on Hopper GPUs: outputs and gradients against a
+float32 reference (HIGHEST precision) on fresh random data, back-to-back calls, plan errors.
+
+bf16 outputs: |error| <= REL * max|reference| (8 mantissa bits; RS partial sums also rounded).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+from commgemm.cli.specs import parse_method
+
+REL = 1.5e-2
+#: (M, K, N) global shapes; the fused kernels need M/P % 128, N/P % 256, K/P % 64.
+SHAPES = [(2048, 1024, 1536), (8192, 4096, 14336)]
+SPECS = {
+    "ag": ["fused", "fused-gm", "fused-direct", "fused-direct-gm", "fused-direct-cm-r50"],
+    "rs": [
+        "fused",
+        "fused-direct",
+        "fused-direct-cm-ct",
+        "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
+    ],
+}
+
+
+def _mesh(n: int | None = None) -> Mesh:
+    devices = jax.devices()[: n or jax.device_count()]
+    return Mesh(np.array(devices), ("x",))
+
+
+def _sharded(op: str, mesh: Mesh, cfg, w_transposed: bool = False):
+    if op == "ag":
+        specs = (P("x", None), P("x", None) if w_transposed else P(None, "x"))
+        out, fn = P(None, "x"), cg.all_gather_matmul
+    else:
+        specs = (P(None, "x"), P(None, "x") if w_transposed else P("x", None))
+        out, fn = P("x", None), cg.matmul_reduce_scatter
+    body = lambda a, b: fn(a, b, "x", config=cfg, w_transposed=w_transposed)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))
+
+
+def _relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _operands(shape, seed):
+    m, k, n = shape
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    return x, w, jax.random.normal(kg, (m, n), jnp.bfloat16)
+
+
+def _reference(a, b):
+    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("w_transposed", [False, True], ids=["w", "wT"])
+@pytest.mark.parametrize(("op", "spec"), [(op, s) for op in SPECS for s in SPECS[op]])
+def test_fused_outputs_and_gradients(two_gpus, op, spec, shape, w_transposed):
+    x, w, g = _operands(shape, hash((op, spec, shape)) % 2**31)
+    stored = w.T if w_transposed else w
+    f = _sharded(op, _mesh(), parse_method(spec, op), w_transposed)
+    assert _relative_error(f(x, stored), _reference(x, w)) <= REL
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * g.astype(jnp.float32))
+
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, stored)
+    ref_fn = lambda a, b: _reference(a, b.T if w_transposed else b)  # noqa: E731
+    want = jax.jit(jax.grad(loss(ref_fn), argnums=(0, 1)))(x, stored)
+    for a, b in zip(got, want, strict=True):
+        assert _relative_error(a, b) <= REL
+
+
+@pytest.mark.parametrize(("op", "spec"), [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm")])
+def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
+    """24 calls enqueued back to back, two inputs alternating: each equals that input's call
+    run alone, bit for bit (no state leaks between calls; on 2 GPUs the adds have one order)."""
+    if jax.device_count() != 2:
+        pytest.skip("a fixed add order holds on 2 GPUs")
+    f = _sharded(op, _mesh(), parse_method(spec, op))
+    inputs = [_operands(SHAPES[-1], seed)[:2] for seed in (1, 2)]
+    alone = [np.asarray(jax.block_until_ready(f(*i)), np.float32) for i in inputs]
+    outs = [f(*inputs[c % 2]) for c in range(24)]
+    for c, out in enumerate(outs):
+        assert np.array_equal(np.asarray(out, np.float32), alone[c % 2]), c
+
+
+def test_fused_plan_errors(two_gpus):
+    """Shapes and dtypes the fused kernels cannot take raise at plan time, never hang."""
+    mesh = _mesh()
+    cases = [
+        ((2 * 64, 256, 512), jnp.bfloat16, "must be divisible by the tile"),
+        ((512, 256, 512), jnp.float32, "bfloat16 or float16"),
+    ]
+    for (m, k, n), dtype, why in cases:
+        x, w = jnp.zeros((m, k), dtype), jnp.zeros((k, n), dtype)
+        with pytest.raises(ValueError, match=why):
+            _sharded("ag", mesh, parse_method("fused", "ag"))(x, w)
+
+
+@pytest.mark.parametrize("spec", ["none", "pipeline:2", "ring", "ring-bidi:2", "auto"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_xla_methods_on_every_gpu(op, spec):
+    """The XLA-scheduled methods on all GPUs of this machine (one GPU included)."""
+    x, w, _ = _operands(SHAPES[0], 7)
+    f = _sharded(op, _mesh(), parse_method(spec, op))
+    assert _relative_error(f(x, w), _reference(x, w)) <= REL
+
+
+@pytest.mark.parametrize("spec", ["fused", "fused-direct"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fused_config_on_one_gpu_runs_the_local_gemm(op, spec):
+    """A mesh axis of one GPU plans the local GEMM for a fused config (no peers to send to)."""
+    x, w, _ = _operands(SHAPES[0], 11)
+    f = _sharded(op, _mesh(1), parse_method(spec, op))
+    assert _relative_error(f(x, w), _reference(x, w)) <= REL
