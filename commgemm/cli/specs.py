@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from commgemm.config import Method, OverlapConfig
 
-
 _KEYS = {
     "w": "grid_tile_width",
     "s": "stages",
