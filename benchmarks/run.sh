@@ -6,11 +6,14 @@
 #                                              serial, XLA's dot and windowed einsum, PyTorch
 #                                              async TP, by device periods
 #   bash benchmarks/run.sh profile OUT         Mosaic GPU's profile of the direct RS kernel
+#   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
 set -euo pipefail
 export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 target=$1 out=$2
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$out/gpus.txt"
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$out/gpus.txt"
+fi
 export COMMGEMM_TUNE_CACHE=$out/tune.json
 case $target in
   check) JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu --junitxml="$out/gpu_tests.xml" ;;
@@ -23,5 +26,12 @@ case $target in
     python3 benchmarks/gpu_suite.py --out "$out/suite" --iters 15 --spans 0 --periods 6 \
       --timeout 380 --modes default,windowed_einsum ;;
   profile) python3 benchmarks/kernel_profile.py --out "$out" ;;
-  *) echo "unknown target $target: check, tune, suite or profile" >&2; exit 2 ;;
+  tpu)
+    for preset in llama70b_mlp llama8b_mlp comm_heavy llama13b_mlp notebook; do
+      for op in ag rs; do
+        python3 -m commgemm bench --op $op --preset $preset --iters 20 \
+          --methods none,ring,fused,fused-direct,auto --json "$out/$preset-$op.json"
+      done
+    done ;;
+  *) echo "unknown target $target: check, tune, suite, profile or tpu" >&2; exit 2 ;;
 esac

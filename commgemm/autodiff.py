@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 from commgemm.vma import checks_vma
-from commgemm.xla import BY_METHOD, module_for
+from commgemm.xla import module_for
 
 
 def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
@@ -40,8 +40,11 @@ def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, c
 
 
 def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
-    """The forward's method for the backward collectives (a fused forward's backward runs the
-    ring, RING_EXCHANGE); gradients come out in x's dtype."""
+    """The forward's method for the backward collectives (a fused Hopper forward's backward
+    runs the ring, RING_EXCHANGE; the TPU kernels' backward runs the same kernels, AG <-> RS);
+    gradients come out in x's dtype."""
+    if uses_tpu_kernels(cfg):
+        return cfg.replace(collective=None, out_dtype=x.dtype.name, reduce_dtype=None)
     return cfg.replace(
         method=Method.RING_EXCHANGE if cfg.atomic_gemm else cfg.method,
         atomic_gemm=False,
@@ -87,7 +90,7 @@ def _forward(collective, x, w, axis_name, cfg, w_transposed):
 def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
     x, w, gathered = residuals
     back = _backward_config(cfg, x)
-    module = BY_METHOD[back.method]
+    module = module_for(back)
     if collective is Collective.ALL_GATHER:
         if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
             gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)

@@ -108,6 +108,14 @@ _ALGORITHMS: dict[tuple[Collective, Method, bool], Algorithm] = {
 }
 
 
+def uses_tpu_kernels(config: OverlapConfig) -> bool:
+    """Whether an atomic_gemm config runs the Pallas TPU kernels (on a TPU, or interpreted)
+    rather than the Hopper ones."""
+    import jax
+
+    return config.atomic_gemm and (config.interpret or jax.default_backend() == "tpu")
+
+
 def select_algorithm(
     collective: Collective, method: Method, *, atomic_gemm: bool = False
 ) -> Algorithm:
@@ -180,6 +188,7 @@ def check_bool(value: object, field: str) -> None:
 
 
 _FLAGS = (
+    "interpret",
     "bidirectional",
     "aggregate",
     "atomic_gemm",
@@ -215,6 +224,9 @@ class OverlapConfig:
         dW (default: the forward has it anyway, and keeping it spares the backward a second
         all-gather of the largest operand) instead of saving only the local x and re-gathering
         it beside the dX GEMM (BULK overlap; P times less activation memory, for long sequences).
+      interpret: atomic_gemm: run the fused kernels as Pallas TPU kernels in Pallas' TPU
+        interpret mode, on any backend (the CPU tests and the demo; on a TPU backend they run
+        natively without it; see commgemm.pallas_tpu).
       kernel: atomic_gemm: the fused kernel's config, of the family the call runs
         (`RingAGConfig`, `RingRSConfig`, `DirectAGConfig`, `DirectRSConfig`; checked at plan
         time); None: that family's default.
@@ -240,6 +252,7 @@ class OverlapConfig:
     save_gathered_input: bool = True
     chain_gemms: bool = False
     kernel: KernelConfig | None = None
+    interpret: bool = False
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -287,6 +300,10 @@ class OverlapConfig:
                 raise ValueError(
                     f"aggregate=True is for ALL_GATHER only, got collective={self.collective.name}"
                 )
+        if self.interpret and not (self.atomic_gemm or self.method is Method.AUTO):
+            raise ValueError(
+                "interpret=True needs atomic_gemm=True (the fused TPU kernels) or method=AUTO"
+            )
         if self.kernel is not None:
             if not isinstance(self.kernel, tuple(FAMILIES.values())):
                 raise ValueError(

@@ -45,6 +45,30 @@ def demo_configs(op: str) -> list[tuple[str, cg.OverlapConfig]]:
     return out
 
 
+def tpu_configs(interpret: bool) -> list[tuple[str, cg.OverlapConfig]]:
+    """The Pallas TPU kernels' rows (interpreted off a TPU)."""
+    suffix = " (TPU kernel, interpreted)" if interpret else " (TPU kernel)"
+    return [
+        (f"RING_EXCHANGE{suffix}", cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
+                                                     interpret=interpret)),
+        (f"PIPELINE direct{suffix}", cg.OverlapConfig(method="pipeline", atomic_gemm=True,
+                                                      interpret=interpret)),
+    ]  # fmt: skip
+
+
+def _plan(devices: list) -> list[tuple[str, list, list]]:
+    """(op, devices, configs) to run: every op on all devices; on a CPU (one process) also the
+    TPU kernels in interpret mode on the largest power of two of devices below the count (the
+    interpreter needs a spare CPU device), natively on a TPU."""
+    out = [(op, devices, demo_configs(op)) for op in ("ag", "rs", "ar", "2d")]
+    backend = jax.default_backend()
+    if backend in ("cpu", "tpu") and jax.process_count() == 1 and len(devices) > 2:
+        count = len(devices) if backend == "tpu" else 1 << (len(devices) - 1).bit_length() - 1
+        configs = tpu_configs(interpret=backend != "tpu")
+        out += [(op, devices[:count], configs) for op in ("ag", "rs", "2d")]
+    return out
+
+
 def _problem(op: str, size: int, rng: np.random.Generator, m: int, k: int, n: int):
     """Global x, w and the three specs of `op` on a 1-D mesh 'tp' (2-D: mesh ('x', 'y'))."""
     if op == "ag":
@@ -109,10 +133,9 @@ def run_demo(
     dtype: str = "float32",
 ) -> list[DemoRow]:
     """Runs every op x method; returns one row each (max |error| vs float64, median ms)."""
-    devices = jax.devices()
     rng = np.random.default_rng(seed)
     rows = []
-    for op in ("ag", "rs", "ar", "2d"):
+    for op, devices, configs in _plan(jax.devices()):
         mesh = _mesh(op, devices)
         x, w, (xs, ws, os) = _problem(op, len(devices), rng, m, k, n)
         x, w = x.astype(dtype), w.astype(dtype)
@@ -121,7 +144,7 @@ def run_demo(
             16 * _unit_roundoff(dtype) * np.sqrt(k) * float(np.abs(ref).max() / np.sqrt(k) + 1)
         )
         xd, wd = place(x, NamedSharding(mesh, xs)), place(w, NamedSharding(mesh, ws))
-        for name, cfg in demo_configs(op):
+        for name, cfg in configs:
             if op == "2d" and cfg.aggregate:
                 continue
             call = functools.partial(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.autodiff import collective_matmul
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
 from commgemm.operands import (
     axis_size,
@@ -23,6 +23,7 @@ from commgemm.operands import (
 )
 from commgemm.plan import make_plan
 from commgemm.registry import resolve
+from commgemm.vma import all_gather_invariant
 from commgemm.xla.bulk import bulk_overlap as _bulk
 from commgemm.xla.common import matmul
 
@@ -239,7 +240,9 @@ def matmul_2d(
       [m, N], this device's row block of X @ W, replicated over `k_axis`.
     Methods: NONE (gather, GEMM, all-reduce); PIPELINE (N in num_splits column chunks, each
     chunk's gather and all-reduce overlapping its neighbours' GEMMs); RING_EXCHANGE (gather, then
-    the ring reduce-scatter + all-gather over k_axis).
+    the ring reduce-scatter + all-gather over k_axis); atomic_gemm with the TPU kernels (the
+    fused GEMM + reduce-scatter kernel along k_axis, its ring or direct form by the method,
+    then the all-gather; the gather of W over row_axis stays outside the kernel).
     """
     cfg, _ = resolve(config)
     check_dtypes(x, w)
@@ -254,9 +257,10 @@ def matmul_2d(
             f"contracting dimensions differ: x {x.shape} x {k_axis}={n_k} gives K="
             f"{x.shape[1] * n_k}, w {w.shape} x {row_axis}={n_rows} gives K={k_total}"
         )
-    if cfg.method in (Method.BULK, Method.AUTO) or cfg.atomic_gemm:
+    if cfg.method in (Method.BULK, Method.AUTO) or (cfg.atomic_gemm and not uses_tpu_kernels(cfg)):
         raise ValueError(
-            f"matmul_2d supports methods NONE, PIPELINE and RING_EXCHANGE, got "
+            f"matmul_2d supports methods NONE, PIPELINE and RING_EXCHANGE (and the TPU kernels, "
+            f"atomic_gemm on a TPU or with interpret=True), got "
             f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
         )
     check_epilogue(bias, activation, w.shape[1], x.dtype)
@@ -270,6 +274,10 @@ def matmul_2d(
         gathered = lax.all_gather(w_cols, row_axis, axis=0, tiled=True)  # [K, n]
         return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
 
+    if cfg.atomic_gemm:  # the TPU kernels: GEMM + RS fused along k_axis, then the gather
+        part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg)
+        z = all_gather_invariant(part, k_axis)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.method is Method.RING_EXCHANGE:
         z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
         return apply_epilogue(z, bias, activation, return_pre_activation)

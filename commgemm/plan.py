@@ -58,8 +58,12 @@ def _check_fused(
 ) -> None:
     """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.mosaic_gpu.fused)
     where it can run; anything else is a clear error, not a silent fallback."""
-    from commgemm.mosaic_gpu import fused  # imports Pallas lazily
+    from commgemm.config import uses_tpu_kernels
 
+    if uses_tpu_kernels(cfg):
+        from commgemm.pallas_tpu import ops as fused
+    else:
+        from commgemm.mosaic_gpu import fused  # imports Pallas lazily
     reason = fused.unsupported_reason(collective, x, w, size, cfg, w_transposed=w_transposed)
     if reason is not None:
         raise ValueError(

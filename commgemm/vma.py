@@ -35,3 +35,16 @@ def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.
     if gather is None:  # jax 0.10 keeps it private
         from jax._src.lax.parallel import all_gather_invariant as gather
     return gather(x, axis_name, axis=axis, tiled=True)
+
+
+def out_struct(
+    shape: tuple[int, ...], dtype, inputs: tuple, *, invariant_over: tuple[str, ...] = ()
+) -> jax.ShapeDtypeStruct:
+    """The ShapeDtypeStruct of a kernel's output inside shard_map: varying over the axes its
+    inputs vary over, less `invariant_over` (axes over which every device computes the same
+    value, as an all-reduce does). Outside shard_map or unchecked: a plain struct."""
+    axes = frozenset().union(*(varying_axes(a) for a in inputs)) - frozenset(invariant_over)
+    mat = getattr(jax.typeof(inputs[0]), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=axes))

@@ -19,7 +19,7 @@ RUNTIME = [
     if m.split(".")[1:2]
     in (
         ["ops"], ["gemm"], ["plan"], ["autodiff"], ["config"], ["registry"], ["operands"],
-        ["epilogue"], ["vma"], ["distributed"], ["xla"], ["mosaic_gpu"],
+        ["epilogue"], ["vma"], ["distributed"], ["xla"], ["mosaic_gpu"], ["pallas_tpu"],
     )
     or m in ("commgemm.autotune.auto", "commgemm.autotune.cache", "commgemm.autotune.costmodel")
 ]  # fmt: skip

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 
 from commgemm.autotune import cache
-from commgemm.autotune.costmodel import DEFAULT_FIGURES, choose
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.autotune.costmodel import choose, default_figures
+from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 
 #: The tuner's and the cache's short names of the collectives.
 OP_NAMES = {
@@ -54,8 +54,8 @@ def resolve_auto(
         if not fused_ok or varies:
             chosen = None
     if chosen is None:
-        fig = found.machines.get(cache.machine_key(kind, size)) or DEFAULT_FIGURES.get(
-            jax.default_backend(), DEFAULT_FIGURES["gpu"]
+        fig = found.machines.get(cache.machine_key(kind, size)) or default_figures(
+            jax.default_backend(), kind
         )
         chosen, _ = choose(
             collective,
@@ -66,14 +66,16 @@ def resolve_auto(
             fig,
             fused=fused_ok,
             deterministic=cfg.deterministic,
+            tpu=uses_tpu_kernels(cfg.replace(atomic_gemm=True, interpret=cfg.interpret)),
+            interpret=cfg.interpret,
         )
-    return cfg.replace(**{f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS})
+    chosen_fields = {f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS}
+    return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)
 
 
 def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
-    """Whether the fused kernel can run this call under cfg's dtype fields."""
-    from commgemm.mosaic_gpu.fused import unsupported_reason
-
+    """Whether the fused kernel can run this call under cfg's dtype fields (the TPU kernels
+    on a TPU, or with cfg.interpret; else the Hopper ones)."""
     if collective is Collective.ALL_REDUCE:
         return False
     trial = cfg.replace(
@@ -85,4 +87,9 @@ def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
         kernel=None,
         chain_gemms=False,
     )
+    if uses_tpu_kernels(trial.replace(interpret=cfg.interpret)):
+        from commgemm.pallas_tpu.ops import unsupported_reason
+    else:
+        from commgemm.mosaic_gpu.fused import unsupported_reason
+    trial = trial.replace(interpret=cfg.interpret)
     return unsupported_reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

@@ -35,6 +35,30 @@ DEFAULT_FIGURES = {
     "cpu": MachineFigures(2.0e10, 5.0e9, 5.0e-5),
 }
 
+#: TPU generations, not measured here (no TPU is lent to this project): peak dense bf16 FLOP/s
+#: per chip (Cloud TPU docs, "TPU v5e", "TPU v5p", "TPU v6e"), one-way bandwidth of one ICI link
+#: (the TPU chapter of "How to Scale Your Model", Austin et al., 2025: 4.5e10 B/s on v5e,
+#: 9e10 B/s on v5p and v6e), which is what a device receives from one neighbour of a ring; the
+#: latency a transfer costs and the interference are assumptions (docs/tpu.md).
+TPU_FIGURES = {
+    "v5e": MachineFigures(1.97e14, 4.5e10, 1.0e-5, 0.1),
+    "v5p": MachineFigures(4.59e14, 9.0e10, 1.0e-5, 0.1),
+    "v6e": MachineFigures(9.18e14, 9.0e10, 1.0e-5, 0.1),
+}
+
+
+def default_figures(backend: str, device_kind: str = "") -> MachineFigures:
+    """The cost model's figures where the tuner measured none: a TPU's by its generation (v5e
+    where it is not recognised), else the GPU's or the CPU's."""
+    if backend == "tpu":
+        kind = device_kind.lower()
+        if "v6" in kind:
+            return TPU_FIGURES["v6e"]
+        if "v5p" in kind or ("v5" in kind and "lite" not in kind and "v5e" not in kind):
+            return TPU_FIGURES["v5p"]
+        return TPU_FIGURES["v5e"]
+    return DEFAULT_FIGURES.get(backend, DEFAULT_FIGURES["gpu"])
+
 
 @dataclasses.dataclass
 class _Task:
@@ -173,6 +197,8 @@ def candidates(
     deterministic: bool = False,
     shape: tuple[int, int, int] | None = None,
     spread: bool = False,
+    tpu: bool = False,
+    interpret: bool = False,
 ) -> list[OverlapConfig]:
     """Configs the model (and the tuner) consider, keeping those x's split dimension allows;
     with `fused`, also the fused kernels (for AG and RS, where the caller found they can run):
@@ -180,8 +206,14 @@ def candidates(
     `deterministic` it keeps whole tails and runs on 2 devices only (its adds otherwise happen
     in arrival order). The direct AG kernel takes
     `heuristics.direct_ag_config` (`spread`: sending a device's rows takes longer than their GEMM).
-    `shape`: the global (M, K, N), where known (see `direct_rs_tiles`)."""
+    `shape`: the global (M, K, N), where known (see `direct_rs_tiles`). With `tpu`, the fused
+    candidates are the Pallas TPU kernels (ring and direct, adding in a fixed order; with
+    `interpret`, interpreted)."""
     out = [OverlapConfig()]
+    if tpu and fused and size > 1 and collective is not Collective.ALL_REDUCE:
+        for method in (Method.PIPELINE, Method.RING_EXCHANGE):
+            out.append(OverlapConfig(method=method, atomic_gemm=True, interpret=interpret))
+        fused = False
     direct_rs = not deterministic or size == 2
     if fused and size > 1 and collective is Collective.REDUCE_SCATTER and direct_rs:
         tiles = direct_rs_config(rows, size, shape, deterministic=deterministic)
@@ -212,6 +244,8 @@ def choose(
     *,
     fused: bool = False,
     deterministic: bool = False,
+    tpu: bool = False,
+    interpret: bool = False,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
@@ -223,6 +257,8 @@ def choose(
         deterministic=deterministic,
         shape=shape,
         spread=t_comm > t_gemm / size,  # the own rows take longer to send than to multiply
+        tpu=tpu,
+        interpret=interpret,
     )
     scored = [
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)

@@ -17,6 +17,12 @@ BY_METHOD: dict[Method, ModuleType] = {
 def module_for(config: OverlapConfig) -> ModuleType:
     """The module that runs `config`: the fused kernels for atomic_gemm, else its method's."""
     if config.atomic_gemm:
+        from commgemm.config import uses_tpu_kernels
+
+        if uses_tpu_kernels(config):
+            from commgemm.pallas_tpu import ops
+
+            return ops
         from commgemm.mosaic_gpu import fused  # imports Pallas lazily
 
         return fused

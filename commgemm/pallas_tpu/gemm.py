@@ -1,0 +1,253 @@
+"""Fused collective GEMMs as Pallas TPU kernels: all-gather + GEMM and GEMM + reduce-scatter,
+as a ring (RING_EXCHANGE: each step multiplies the block present while the next one travels)
+or direct (PIPELINE: every device sends to every peer at once, blocks multiplied as they land).
+
+Blocks travel HBM to HBM by remote DMA into per-step (ring) or per-sender (direct) places, each
+with its own receive semaphore; the GEMM streams them through VMEM in tiles of [tm, K] x [K, tn]
+(`Tiles`), accumulating in float32. Partial sums travel in the output dtype. Invariant: a
+device computes on a block only after its receive semaphore says all of it landed, and sends
+into a peer only after the start barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.pallas_tpu.common import LANES, Ring, barrier, dma, pallas_call
+from commgemm.vma import out_struct
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The VMEM tiles of the GEMM: [tm, K] rows of x by [K, tn] columns of w (K whole)."""
+
+    tm: int
+    tn: int
+
+    @staticmethod
+    def fit(rows: int, k: int, n: int, itemsize: int, budget: int) -> Tiles | None:
+        """The largest tiles (rows: divisors of `rows`, multiples of 8 where possible; columns:
+        multiples of LANES dividing n, or n) whose x, w and float32 output tiles (and the
+        added partial sums) fit `budget` bytes of VMEM; None when even the smallest do not."""
+        row_options = [d for d in range(rows, 0, -1) if rows % d == 0 and (d % 8 == 0 or d == rows)]
+        col_options = [n] + [t for t in range(n - n % LANES, 0, -LANES) if t and n % t == 0]
+        for tm in row_options:
+            for tn in col_options:
+                need = (tm * k + k * tn + tm * tn) * itemsize + 2 * tm * tn * 4
+                if need <= budget:
+                    return Tiles(tm, tn)
+        return None
+
+
+def _matmul_block(x_rows, w_ref, out_rows, tiles: Tiles, xv, wv, ov, add_rows=None, addv=None):
+    """out_rows [r, n] = x_rows [r, K] @ w [K, n] (+ add_rows), tile by tile through VMEM."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    r, n = out_rows.shape
+    tm, tn = tiles.tm, tiles.tn
+
+    @pl.loop(0, r // tm)
+    def _rows(i):
+        pltpu.sync_copy(x_rows.at[pl.ds(i * tm, tm)], xv)
+
+        @pl.loop(0, n // tn)
+        def _cols(j):
+            pltpu.sync_copy(w_ref.at[:, pl.ds(j * tn, tn)], wv)
+            acc = jnp.dot(xv[...], wv[...], preferred_element_type=jnp.float32)
+            if add_rows is not None:
+                pltpu.sync_copy(add_rows.at[pl.ds(i * tm, tm), pl.ds(j * tn, tn)], addv)
+                acc = acc + addv[...].astype(jnp.float32)
+            ov[...] = acc.astype(ov.dtype)
+            pltpu.sync_copy(ov, out_rows.at[pl.ds(i * tm, tm), pl.ds(j * tn, tn)])
+
+
+def _vmem(tiles: Tiles, k: int, dtype, out_dtype):
+    from jax.experimental.pallas import tpu as pltpu
+
+    return [
+        pltpu.VMEM((tiles.tm, k), dtype),
+        pltpu.VMEM((k, tiles.tn), dtype),
+        pltpu.VMEM((tiles.tm, tiles.tn), out_dtype),
+        pltpu.VMEM((tiles.tm, tiles.tn), out_dtype),
+    ]
+
+
+def all_gather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    tiles: Tiles,
+    *,
+    direct: bool = False,
+    interpret: bool = False,
+    race_check: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """x [m, K] local rows, w [K, n] -> (all_gather(x) @ w [P*m, n], all_gather(x) [P*m, K]).
+
+    Ring: at step t the block of device (d - t) mod P, already here, is multiplied while it is
+    sent on to the next device. Direct: this device's block goes to every peer first; then the
+    blocks are multiplied in ring order, each once its own semaphore says it landed.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    size = lax.axis_size(axis_name)
+    ring = Ring(axis_name, size)
+    (m, k), n = x.shape, w.shape[1]
+    shifts = tuple(range(1, size)) if direct else (1, -1)
+
+    def kernel(x_ref, w_ref, o_ref, g_ref, xv, wv, ov, _, local_sem, send_sems, recv_sems):
+        barrier(ring, shifts)
+        me = ring.index()
+        pltpu.sync_copy(x_ref, g_ref.at[pl.ds(me * m, m)])
+
+        def rows(src):
+            return pl.ds(src * m, m)
+
+        sends = []
+        if direct:  # this device's block to every peer, into its place there
+            for j, shift in enumerate(shifts):
+                move = dma(g_ref.at[rows(me)], g_ref.at[rows(me)], send_sems.at[j],
+                           recv_sems.at[shift - 1],
+                           ring.device(ring.neighbour(shift)))  # fmt: skip
+                move.start()
+                sends.append(move)
+        for t in range(size):
+            src = ring.neighbour(-t)
+            if t:  # the block of device me - t has landed
+                slot = t - 1  # ring: sent at step t - 1; direct: sent with shift t
+                dma(g_ref.at[rows(src)], g_ref.at[rows(src)], send_sems.at[0],
+                    recv_sems.at[slot], ring.device(me)).wait_recv()  # fmt: skip
+            if not direct and t < size - 1:  # pass it on while multiplying it
+                move = dma(g_ref.at[rows(src)], g_ref.at[rows(src)], send_sems.at[t],
+                           recv_sems.at[t], ring.device(ring.neighbour(1)))  # fmt: skip
+                move.start()
+                sends.append(move)
+            _matmul_block(g_ref.at[rows(src)], w_ref, o_ref.at[rows(src)], tiles, xv, wv, ov)
+        for move in sends:
+            move.wait_send()
+
+    return pallas_call(
+        kernel,
+        ring,
+        out_shape=[
+            out_struct((size * m, n), x.dtype, (x, w)),
+            out_struct((size * m, k), x.dtype, (x,)),
+        ],
+        in_memory=["hbm", "hbm"],
+        out_memory=["hbm", "hbm"],
+        scratch=_vmem(tiles, k, x.dtype, x.dtype)
+        + [
+            pltpu.SemaphoreType.DMA,
+            pltpu.SemaphoreType.DMA((size - 1,)),
+            pltpu.SemaphoreType.DMA((size - 1,)),
+        ],
+        interpret=interpret,
+        race_check=race_check,
+    )(x, w)
+
+
+def matmul_reduce_scatter(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    tiles: Tiles,
+    *,
+    direct: bool = False,
+    interpret: bool = False,
+    race_check: bool = False,
+) -> jax.Array:
+    """x [M, k], w [k, n] (K sharded) -> [M/P, n], this device's rows of sum_d x_d @ w_d.
+
+    Ring: at step t a device computes its partial product of row block (d - t - 1) mod P, adds
+    the partial sum received for it, and sends the sum on; at the last step the block is its own.
+    Direct: a device computes its partial of every peer's block and sends each to its owner
+    (peers' blocks first), then adds its own partial and the P-1 received ones in a fixed order.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    size = lax.axis_size(axis_name)
+    ring = Ring(axis_name, size)
+    r, n, k = x.shape[0] // size, w.shape[1], x.shape[1]
+    shifts = tuple(range(1, size)) if direct else (1, -1)
+
+    def kernel(x_ref, w_ref, o_ref, inbox, staged, xv, wv, ov, addv, send_sems, recv_sems):
+        barrier(ring, shifts)
+        me = ring.index()
+
+        def block(b):
+            return x_ref.at[pl.ds(b * r, r)]
+
+        sends = []
+        if direct:
+            for j, shift in enumerate(shifts):  # the owner me + shift; its inbox slot for me
+                owner = ring.neighbour(shift)
+                _matmul_block(block(owner), w_ref, staged.at[j], tiles, xv, wv, ov)
+                move = dma(staged.at[j], inbox.at[size - shift - 1], send_sems.at[j],
+                           recv_sems.at[size - shift - 1], ring.device(owner))  # fmt: skip
+                move.start()
+                sends.append(move)
+            _matmul_block(block(me), w_ref, o_ref, tiles, xv, wv, ov)
+            for j in range(size - 1):  # fixed order: the same result on every call
+                dma(staged.at[0], inbox.at[j], send_sems.at[0], recv_sems.at[j],
+                    ring.device(me)).wait_recv()  # fmt: skip
+                _add_into(o_ref, inbox.at[j], tiles, ov, addv)
+        else:
+            for t in range(size):
+                b = ring.neighbour(-t - 1)
+                received = None
+                if t:
+                    dma(staged.at[0], inbox.at[t - 1], send_sems.at[0], recv_sems.at[t - 1],
+                        ring.device(me)).wait_recv()  # fmt: skip
+                    received = inbox.at[t - 1]
+                dest = o_ref if t == size - 1 else staged.at[t]
+                _matmul_block(block(b), w_ref, dest, tiles, xv, wv, ov, received, addv)
+                if t < size - 1:
+                    move = dma(staged.at[t], inbox.at[t], send_sems.at[t], recv_sems.at[t],
+                               ring.device(ring.neighbour(1)))  # fmt: skip
+                    move.start()
+                    sends.append(move)
+        for move in sends:
+            move.wait_send()
+
+    out, _, _ = pallas_call(
+        kernel,
+        ring,
+        out_shape=[
+            out_struct((r, n), x.dtype, (x, w)),
+            out_struct((size - 1, r, n), x.dtype, (x, w)),  # received partial sums
+            out_struct((size - 1, r, n), x.dtype, (x, w)),  # partial sums sent
+        ],
+        in_memory=["hbm", "hbm"],
+        out_memory=["hbm", "hbm", "hbm"],
+        scratch=_vmem(tiles, k, x.dtype, x.dtype)
+        + [pltpu.SemaphoreType.DMA((size - 1,)), pltpu.SemaphoreType.DMA((size - 1,))],
+        interpret=interpret,
+        race_check=race_check,
+    )(x, w)
+    return out
+
+
+def _add_into(o_ref, add_ref, tiles: Tiles, ov, addv) -> None:
+    """o_ref [r, n] += add_ref [r, n], tile by tile (float32 adds)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    r, n = o_ref.shape
+    tm, tn = tiles.tm, tiles.tn
+
+    @pl.loop(0, r // tm)
+    def _rows(i):
+        @pl.loop(0, n // tn)
+        def _cols(j):
+            at = (pl.ds(i * tm, tm), pl.ds(j * tn, tn))
+            pltpu.sync_copy(o_ref.at[at], ov)
+            pltpu.sync_copy(add_ref.at[at], addv)
+            ov[...] = (ov[...].astype(jnp.float32) + addv[...].astype(jnp.float32)).astype(ov.dtype)
+            pltpu.sync_copy(ov, o_ref.at[at])

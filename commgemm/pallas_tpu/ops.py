@@ -1,0 +1,110 @@
+"""The fused TPU kernels behind the ops: ATOMIC_GEMM_AG_P2P / _RS_P2P (the rings, method
+RING_EXCHANGE) and ATOMIC_GEMM_AG / _RS (direct, method PIPELINE), on a TPU backend or, with
+`OverlapConfig(interpret=True)`, in Pallas' TPU interpret mode on any backend.
+
+Interpret mode on the CPU runs each device's kernel on one of the CPU client's threads (one per
+device) and needs one more: use a mesh of fewer devices than `jax.devices()` has there (the
+tests and the demo do).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.pallas_tpu import gemm
+from commgemm.pallas_tpu.common import VMEM_BUDGET
+
+
+def generation() -> str:
+    """The TPU generation whose VMEM budget applies ("interpret" off a TPU)."""
+    kind = jax.devices()[0].device_kind.lower()
+    if jax.default_backend() != "tpu":
+        return "interpret"
+    for name, marks in (("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p", "v5")), ("v6e", ("v6",))):
+        if any(mark in kind for mark in marks):
+            return name
+    return "v5e"  # the smallest budget where the kind is unknown
+
+
+def _shapes(collective, x, w, size, w_transposed):
+    rows, k = x.shape
+    n = w.shape[0] if w_transposed else w.shape[1]
+    return (rows if collective is Collective.ALL_GATHER else rows // size), k, n
+
+
+def tiles_for(collective: Collective, x, w, size: int, w_transposed: bool) -> gemm.Tiles | None:
+    m, k, n = _shapes(collective, x, w, size, w_transposed)
+    return gemm.Tiles.fit(m, k, n, jnp.dtype(x.dtype).itemsize, VMEM_BUDGET[generation()])
+
+
+def unsupported_reason(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    config: OverlapConfig,
+    *,
+    w_transposed: bool,
+) -> str | None:
+    """Why the TPU kernel cannot run this per-shard call, or None when it can."""
+    if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return f"there is no fused TPU kernel for {collective.name}"
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        return f"it takes float32 or bfloat16 operands, got {x.dtype}"
+    for field in ("out_dtype", "reduce_dtype"):
+        value = getattr(config, field)
+        if value is not None and jnp.dtype(value) != x.dtype:
+            return f"{field}={value} differs from the operands' {x.dtype}"
+    if config.accumulate_dtype != "float32":
+        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
+    if config.num_splits != 1 or config.bidirectional or config.aggregate:
+        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    if config.kernel is not None:
+        return f"kernel={type(config.kernel).__name__}(...) configures the Hopper kernels"
+    if jax.default_backend() != "tpu" and not config.interpret:
+        return "it runs on TPUs (or anywhere with interpret=True)"
+    if tiles_for(collective, x, w, size, w_transposed) is None:
+        m, k, n = _shapes(collective, x, w, size, w_transposed)
+        return (
+            f"no GEMM tile of rows {m}, K={k}, N={n} fits the "
+            f"{VMEM_BUDGET[generation()] >> 20} MiB VMEM budget ({generation()})"
+        )
+    return None
+
+
+def _kn(w, w_transposed):
+    return w.T if w_transposed else w
+
+
+def all_gather_matmul(x, w, axis_name, config, *, w_transposed, return_gathered=False):
+    """x [m, K], w [K, n] -> all_gather(x) @ w [P*m, n] (and the gathered x [P*m, K])."""
+    tiles = tiles_for(Collective.ALL_GATHER, x, w, jax.lax.axis_size(axis_name), w_transposed)
+    out, gathered = gemm.all_gather_matmul(
+        x,
+        _kn(w, w_transposed),
+        axis_name,
+        tiles,
+        direct=config.method is Method.PIPELINE,
+        interpret=config.interpret,
+    )
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_reduce_scatter(x, w, axis_name, config, *, w_transposed):
+    """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum."""
+    size = jax.lax.axis_size(axis_name)
+    tiles = tiles_for(Collective.REDUCE_SCATTER, x, w, size, w_transposed)
+    return gemm.matmul_reduce_scatter(
+        x,
+        _kn(w, w_transposed),
+        axis_name,
+        tiles,
+        direct=config.method is Method.PIPELINE,
+        interpret=config.interpret,
+    )
+
+
+def matmul_all_reduce(*args, **kwargs):
+    raise NotImplementedError("there is no fused TPU GEMM + all-reduce kernel")

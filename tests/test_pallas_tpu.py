@@ -1,0 +1,244 @@
+"""The Pallas TPU kernels in Pallas' TPU interpret mode on virtual CPU devices: ring
+collectives and fused collective GEMMs against float64 references, race detection, the start
+barrier shown necessary, gradients through the ops, the 2-D case, and plan-time errors.
+
+Interpret mode needs one CPU device more than the kernel's mesh (see commgemm.pallas_tpu.ops):
+rings of 2 and 4 run here on the suite's 8 devices; rings of 8 and the 2 x 4 mesh run in a
+process of 9 devices (`test_eight_device_rings`)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, mesh2d, shard
+
+import commgemm as cg
+from commgemm.mosaic_gpu import RingAGConfig
+from commgemm.pallas_tpu import gemm, ring
+from commgemm.pallas_tpu.common import races_found, reset_race_state
+
+pytest.importorskip("jax.experimental.pallas.tpu")
+
+TPU = dict(atomic_gemm=True, interpret=True)
+WORKER = pathlib.Path(__file__).with_name("tpu_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    reset_race_state()
+    yield
+
+
+def _unchecked(fn, mesh, in_specs, out_specs):
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    )
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["one-way", "both-ways"])
+def test_ring_all_gather(rng, size, bidirectional):
+    x = rng.standard_normal((size * 24, 40)).astype(np.float32)
+    f = _unchecked(
+        lambda a: ring.all_gather(
+            a, "x", bidirectional=bidirectional, interpret=True, race_check=True
+        ),
+        mesh1d(size),
+        P("x"),
+        P(),
+    )
+    np.testing.assert_array_equal(np.asarray(f(x)), x)
+    assert not races_found()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce"])
+def test_ring_reduce_scatter_and_all_reduce(rng, size, op):
+    x = rng.standard_normal((size * size * 8, 40)).astype(np.float32)  # each device [P*8, 40]
+    want = x.astype(np.float64).reshape(size, size * 8, 40).sum(0)
+    fn = getattr(ring, op)
+    out_spec = P("x") if op == "reduce_scatter" else P()
+    f = _unchecked(
+        lambda a: fn(a, "x", interpret=True, race_check=True), mesh1d(size), P("x"), out_spec
+    )
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-5)
+    assert not races_found()
+
+
+def test_barrier_prevents_a_race(rng):
+    """Without the start barrier a fast device writes into a peer's receive slots while the
+    peer is still setting them up: the interpreter's race detector reports it (the check can
+    fail), and with the barrier it reports nothing."""
+    x = rng.standard_normal((4 * 4 * 8, 128)).astype(np.float32)
+    for with_barrier in (True, False):
+        reset_race_state()
+        f = _unchecked(
+            lambda a, b=with_barrier: ring.reduce_scatter(
+                a, "x", interpret=True, race_check=True, with_barrier=b
+            ),
+            mesh1d(4),
+            P("x"),
+            P("x"),
+        )
+        jax.block_until_ready(f(x))
+        assert races_found() is not with_barrier
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+def test_fused_kernels_report_no_race(rng, size, direct):
+    m, k, n = 16, 64, 128
+    x, w = rng.standard_normal((size * m, k)), rng.standard_normal((k, size * n))
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    tiles = gemm.Tiles(8, 128)
+    ag = _unchecked(
+        lambda a, b: gemm.all_gather_matmul(
+            a, b, "x", tiles, direct=direct, interpret=True, race_check=True
+        )[0],
+        mesh1d(size),
+        (P("x"), P(None, "x")),
+        P(None, "x"),
+    )
+    np.testing.assert_allclose(np.asarray(ag(x, w)), x @ w, rtol=1e-4, atol=1e-4)
+    xr, wr = rng.standard_normal((size * m, size * k)), rng.standard_normal((size * k, n))
+    xr, wr = xr.astype(np.float32), wr.astype(np.float32)
+    rs = _unchecked(
+        lambda a, b: gemm.matmul_reduce_scatter(
+            a, b, "x", tiles, direct=direct, interpret=True, race_check=True
+        ),
+        mesh1d(size),
+        (P(None, "x"), P("x")),
+        P("x"),
+    )
+    np.testing.assert_allclose(np.asarray(rs(xr, wr)), xr @ wr, rtol=1e-4, atol=1e-4)
+    assert not races_found()
+
+
+OPS = {
+    "ag": (cg.all_gather_matmul, P("x", None), P(None, "x"), P(None, "x")),
+    "rs": (cg.matmul_reduce_scatter, P(None, "x"), P("x", None), P("x", None)),
+}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("method", ["ring_exchange", "pipeline"])
+@pytest.mark.parametrize("shape", [(16, 64, 128), (24, 40, 96)], ids=["even", "uneven"])
+def test_ops_values_and_gradients(rng, size, op, method, shape):
+    """The ops with the TPU kernels (interpreted), under shard_map's default check_vma: the
+    float64 reference's values and gradients; the backward runs the same kernels (AG <-> RS)."""
+    fn, xs, ws, os = OPS[op]
+    m, k, n = shape
+    if op == "ag":
+        x, w = rng.standard_normal((size * m, k)), rng.standard_normal((k, size * n))
+    else:
+        x, w = rng.standard_normal((size * m, size * k)), rng.standard_normal((size * k, n))
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    cfg = cg.OverlapConfig(method=method, **TPU)
+    f = shard(lambda a, b: fn(a, b, "x", config=cfg), mesh1d(size), (xs, ws), os)
+    np.testing.assert_allclose(np.asarray(f(x, w)), x.astype(np.float64) @ w, rtol=2e-4, atol=2e-4)
+    got = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(f(a, b))), (0, 1)))(x, w)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want = jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ b)), (0, 1))(x64, w64)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["ring_exchange", "pipeline"])
+def test_notebook_2d_case(rng, method):
+    """x P('x','y') @ w P('x', None) -> P('x', None) on a 2 x 2 mesh, the K reduction by the TPU
+    GEMM + reduce-scatter kernel along 'y'."""
+    x = rng.standard_normal((2 * 16, 2 * 64)).astype(np.float32)
+    w = rng.standard_normal((2 * 64, 128)).astype(np.float32)
+    cfg = cg.OverlapConfig(method=method, **TPU)
+    f = shard(
+        lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y", config=cfg),
+        mesh2d(2, 2),
+        (P("x", "y"), P("x", None)),
+        P("x", None),
+    )
+    np.testing.assert_allclose(np.asarray(f(x, w)), x.astype(np.float64) @ w, rtol=2e-4, atol=2e-4)
+
+
+def test_auto_picks_a_tpu_kernel_when_interpreting(rng):
+    from commgemm.autotune.auto import resolve_auto
+
+    sds = jax.ShapeDtypeStruct
+    cfg = cg.OverlapConfig(method="auto", interpret=True)
+    x, w = sds((128, 256), jnp.float32), sds((256, 128), jnp.float32)
+    chosen = resolve_auto(cfg, cg.Collective.ALL_GATHER, x, w, 4, w_transposed=False)
+    assert chosen.atomic_gemm and chosen.interpret and chosen.kernel is None
+
+
+@pytest.mark.parametrize(
+    "changes,why",
+    [
+        (dict(out_dtype="bfloat16"), "out_dtype=bfloat16 differs"),
+        (dict(num_splits=2), "num_splits, bidirectional and aggregate"),
+        (dict(kernel=RingAGConfig()), "configures the Hopper kernels"),
+    ],
+    ids=["out_dtype", "num_splits", "hopper-config"],
+)
+def test_plan_errors(rng, changes, why):
+    cfg = cg.OverlapConfig(method="ring_exchange", **TPU).replace(**changes)
+    x, w = rng.standard_normal((32, 64)).astype(np.float32), np.ones((64, 512), np.float32)
+    f = shard(lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg), mesh1d(4),
+              (P("x", None), P(None, "x")), P(None, "x"))  # fmt: skip
+    with pytest.raises(ValueError, match=why):
+        f(x, w)
+    with pytest.raises(ValueError, match="interpret=True needs atomic_gemm=True"):
+        cg.OverlapConfig(method="ring_exchange", interpret=True)
+
+
+def test_vmem_budget_refuses_too_large_blocks():
+    from commgemm.pallas_tpu.ops import unsupported_reason
+
+    sds = jax.ShapeDtypeStruct
+    cfg = cg.OverlapConfig(method="ring_exchange", **TPU)
+    big = sds((8, 1 << 20), jnp.float32), sds((1 << 20, 128), jnp.float32)  # K of a million
+    reason = unsupported_reason(cg.Collective.ALL_GATHER, *big, 4, cfg, w_transposed=False)
+    assert "fits the 16 MiB VMEM budget" in reason
+
+
+def test_eight_device_rings(rng):
+    """Rings of 8 and the 2 x 4 mesh, in a process of 9 CPU devices (the interpreter's spare)."""
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(int(rng.integers(1 << 30)))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=pathlib.Path(__file__).parent.parent,
+    )
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert line, done.stderr[-3000:]
+    results = json.loads(line[0].removeprefix("RESULTS "))
+    assert all(results.values()), results
+    assert len(results) == 11
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_bfloat16_operands(rng, op):
+    """bf16 operands and output, float32 accumulation: within bf16 rounding of the float64
+    reference (|error| <= 2e-2 max|reference|, partial sums also rounded on the way)."""
+    fn, xs, ws, os = OPS[op]
+    size, (m, k, n) = 4, (16, 64, 128)
+    shape_x, shape_w = (
+        ((size * m, k), (k, size * n)) if op == "ag" else ((size * m, size * k), (size * k, n))
+    )
+    x = rng.standard_normal(shape_x).astype(jnp.bfloat16)
+    w = rng.standard_normal(shape_w).astype(jnp.bfloat16)
+    cfg = cg.OverlapConfig(method="ring_exchange", **TPU)
+    f = shard(lambda a, b: fn(a, b, "x", config=cfg), mesh1d(size), (xs, ws), os)
+    out = f(x, w)
+    assert out.dtype == jnp.bfloat16
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-2 * np.abs(ref).max()
