@@ -1,7 +1,9 @@
 """commgemm: collective GEMMs for JAX with their communication overlapped.
 
 The ops (per shard, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
-`matmul_all_reduce`, `matmul_2d`, `bulk_overlap`; the global entry `gemm`; how each is
+`matmul_all_reduce`, `matmul_2d`, `bulk_overlap`, and for grouped GEMMs (mixture-of-experts)
+`grouped_matmul`, `all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`; the global
+entry `gemm`; how each is
 overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
 buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
 `commgemm.numerics`. Several processes: `initialize`, `launch`.
@@ -10,6 +12,11 @@ buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `comm
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig
 from commgemm.distributed import initialize
 from commgemm.gemm import gemm
+from commgemm.grouped.collective import (
+    all_gather_grouped_matmul,
+    grouped_matmul_reduce_scatter,
+)
+from commgemm.grouped.local import grouped_matmul
 from commgemm.launch import launch
 from commgemm.ops import (
     all_gather_matmul,
@@ -43,6 +50,7 @@ __all__ = [
     "Collective",
     "Method",
     "OverlapConfig",
+    "all_gather_grouped_matmul",
     "all_gather_matmul",
     "bulk_overlap",
     "create_overlap_buffer",
@@ -50,6 +58,8 @@ __all__ = [
     "destroy_overlap_buffer",
     "gemm",
     "get_overlap_buffer",
+    "grouped_matmul",
+    "grouped_matmul_reduce_scatter",
     "initialize",
     "launch",
     "matmul_2d",

@@ -292,3 +292,23 @@ def test_compiler_params_reach_the_kernels():
     params = mosaic_tiles.kernel_params(132, 2, {"reduction_scratch_bytes": 0})["compiler_params"]
     assert params.reduction_scratch_bytes == 0 != plain.reduction_scratch_bytes
     assert params.lowering_semantics == plain.lowering_semantics
+
+
+@pytest.mark.parametrize("groups", [8, 64])
+def test_hopper_grouped_gemm_lowers(groups):
+    """The grouped GEMM's Hopper path (jax's Mosaic GPU ragged dot, forward and dX) lowers for
+    a CUDA target, its backward included."""
+    from commgemm.mosaic_gpu import grouped
+
+    tiles = grouped.GroupedTiles()
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1024, 256), jnp.bfloat16), sds((groups, 256, 512), jnp.bfloat16))
+    sizes = jnp.full((groups,), 1024 // groups, jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(grouped.ragged_dot(x, w, sizes, tiles).astype(jnp.float32))
+
+    text = (
+        jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert text.count("mosaic_gpu") >= 2  # the forward and dX kernels

@@ -1,0 +1,136 @@
+"""Grouped GEMMs with their collective overlapped, per shard inside `jax.shard_map`, for
+tensor-parallel experts: all-gather + grouped GEMM (experts' columns sharded) and grouped GEMM
++ reduce-scatter (experts' rows, K, sharded). Methods NONE, PIPELINE (num_splits chunks of rows)
+and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops'; differentiable through
+JAX's own transposes of the collectives and of `ragged_dot`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import Method, OverlapConfig
+from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
+from commgemm.operands import axis_size, check_divisible
+from commgemm.registry import resolve
+from commgemm.xla.common import after, send_one
+
+ConfigLike = OverlapConfig | int | None
+
+
+def _config(config: ConfigLike, rows: int, need: int, op: str) -> OverlapConfig:
+    cfg, _ = resolve(config)
+    if cfg.method not in (Method.NONE, Method.PIPELINE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
+        raise ValueError(
+            f"{op} supports methods NONE, PIPELINE and RING_EXCHANGE (no fused kernel), got "
+            f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
+        )
+    if cfg.bidirectional or cfg.aggregate:
+        raise ValueError(f"{op}: the grouped ring runs one way (bidirectional=False)")
+    check_divisible(rows, need, f"{op}: x's rows", "the split requirement")
+    return cfg
+
+
+def all_gather_grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    axis_name: str,
+    *,
+    config: ConfigLike = None,
+) -> jax.Array:
+    """concat over shards s (axis order) of ragged_dot(x_s, w, group_sizes_s).
+
+    Args:
+      x: [m, K] this shard's rows, sorted by group.
+      w: [G, K, n], the experts' column shard.
+      group_sizes: [G] this shard's counts (summing to at most m).
+    Returns:
+      [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
+    """
+    check_grouped(x, w, group_sizes)
+    size, m = axis_size(axis_name), x.shape[0]
+    cfg, _ = resolve(config)
+    splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
+    cfg = _config(config, m, splits, "all_gather_grouped_matmul")
+    dtype = cfg.out_dtype or x.dtype.name
+    if cfg.method is Method.RING_EXCHANGE:
+        me = lax.axis_index(axis_name)
+        out = jnp.zeros((size * m, w.shape[2]), dtype)
+        block, sizes, last = x, group_sizes, None
+        for t in range(size):
+            nxt = None
+            if t < size - 1:  # pass the block on while multiplying it (held after the last GEMM)
+                nxt = (send_one(after(block, last), axis_name, size, 1),
+                       send_one(after(sizes, last), axis_name, size, 1))  # fmt: skip
+            last = grouped_matmul(block, w, sizes, out_dtype=dtype)
+            src = lax.rem(me + jnp.int32(size - t), jnp.int32(size))
+            out = lax.dynamic_update_slice_in_dim(out, last, src * m, axis=0)
+            if nxt is not None:
+                block, sizes = nxt
+        return out
+    rows = m // splits
+    chunks, previous = [], None
+    for c in range(splits):
+        part = x[c * rows : (c + 1) * rows]
+        sizes = sizes_in_rows(group_sizes, c * rows, (c + 1) * rows)
+        gathered = lax.all_gather(after(part, previous), axis_name, axis=0)  # [P, rows, K]
+        all_sizes = lax.all_gather(sizes, axis_name, axis=0)  # [P, G]
+        outs = [grouped_matmul(gathered[s], w, all_sizes[s], out_dtype=dtype) for s in range(size)]
+        chunks.append(jnp.stack(outs))  # [P, rows, n]
+        previous = gathered
+    return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
+
+
+def grouped_matmul_reduce_scatter(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    axis_name: str,
+    *,
+    config: ConfigLike = None,
+) -> jax.Array:
+    """This shard's rows of psum_scatter(ragged_dot(x, w, group_sizes)).
+
+    Args:
+      x: [M, k], this shard's K-slice, rows sorted by group (the same rows on every shard).
+      w: [G, k, N], this shard's K-slice of the experts.
+      group_sizes: [G], the same on every shard.
+    Returns:
+      [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
+    """
+    check_grouped(x, w, group_sizes)
+    size, rows_total = axis_size(axis_name), x.shape[0]
+    cfg, _ = resolve(config)
+    splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
+    cfg = _config(config, rows_total, size * splits, "grouped_matmul_reduce_scatter")
+    dtype = cfg.out_dtype or x.dtype.name
+    travel = cfg.reduce_dtype or dtype
+    r = rows_total // size
+    wide = jnp.promote_types(x.dtype, jnp.float32)  # the running sums' dtype
+
+    def partial(lo: int | jax.Array, count: int) -> jax.Array:
+        rows = lax.dynamic_slice_in_dim(x, lo, count, axis=0)
+        return grouped_matmul(rows, w, sizes_in_rows(group_sizes, lo, lo + count), out_dtype=travel)
+
+    if cfg.method is Method.RING_EXCHANGE:
+        me = lax.axis_index(axis_name)
+        acc, last = None, None
+        for t in range(size):
+            # the chain of a block visits the shards after its owner and ends on the owner
+            block = lax.rem(me + jnp.int32(2 * size - 1 - t), jnp.int32(size))
+            mine = partial(block * r, r).astype(wide)
+            acc = mine if acc is None else acc + mine
+            if t < size - 1:
+                acc = send_one(after(acc.astype(travel), last), axis_name, size, 1).astype(wide)
+            last = mine
+        return acc.astype(dtype)
+    sub = r // splits
+    outs, previous = [], None
+    for c in range(splits):
+        pieces = [partial(b * r + c * sub, sub) for b in range(size)]
+        chunk = after(jnp.concatenate(pieces), previous)
+        outs.append(lax.psum_scatter(chunk, axis_name, scatter_dimension=0, tiled=True))
+        previous = outs[-1]
+    return jnp.concatenate(outs).astype(dtype)

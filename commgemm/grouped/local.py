@@ -1,0 +1,104 @@
+"""The local grouped GEMM (mixture-of-experts): rows sorted by group, one weight per group, with
+the semantics of `jax.lax.ragged_dot` (rows past the groups' sum are zero)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import floating_dtype_name
+
+
+def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
+    """x [M, K], w [G, K, N], group_sizes [G] integers; one floating dtype for x and w."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [rows, K], got shape {x.shape}")
+    if w.ndim != 3:
+        raise ValueError(f"w must be [groups, K, N], got shape {w.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"contracting dimensions differ: x {x.shape} has K={x.shape[1]}, "
+                         f"w {w.shape} has K={w.shape[1]}")  # fmt: skip
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"group_sizes must have shape ({w.shape[0]},) (one count per group of w), got "
+            f"{group_sizes.shape}"
+        )
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integers, got {group_sizes.dtype}")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{name} has dtype {a.dtype}; grouped GEMMs need floating operands")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but w has dtype {w.dtype}: cast one so both match")
+
+
+def sizes_in_rows(group_sizes: jax.Array, lo, hi) -> jax.Array:
+    """The group sizes of rows [lo, hi) of a group-sorted operand (lo, hi may be traced):
+    each group's count clipped to the range."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    lo, hi = jnp.int32(lo), jnp.int32(hi)
+    return jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)
+
+
+def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of `rows` rows, int32 [rows]; -1 past the groups' sum."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    index = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)
+    return jnp.where(index < ends[-1] if ends.size else False, group, -1)
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    out_dtype=None,
+    scaling=None,
+    hopper_tiles=None,
+) -> jax.Array:
+    """Rows of x sorted by group times their group's weight: `lax.ragged_dot` semantics.
+
+    Args:
+      x: [M, K], rows sorted by group.
+      w: [G, K, N], one weight per group.
+      group_sizes: [G] int, rows per group, summing to at most M (rows past the sum give 0).
+      bias: optional [G, N], added to each row of its group (not to rows past the sum).
+      out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
+        float64 operands).
+      scaling: quantized operands are not yet supported (None).
+      hopper_tiles: the Hopper kernel's `GroupedTiles` (None: its default). On a Hopper GPU
+        with 16-bit operands whose K and N divide into the tiles, the GEMM runs jax's Mosaic GPU
+        ragged-dot kernel (and its dX); elsewhere XLA's ragged dot (on H200 4 to 23 times
+        slower for 8 to 64 groups: BENCHMARKS.md).
+    Returns:
+      [M, N]. Differentiable in x, w and bias.
+    """
+    if scaling is not None:
+        raise NotImplementedError("quantized grouped GEMMs (scaling=...) are not supported yet")
+    check_grouped(x, w, group_sizes)
+    out_dtype = floating_dtype_name(out_dtype or x.dtype.name, "out_dtype")
+    acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 for float64 operands
+    sizes = group_sizes.astype(jnp.int32)
+    from commgemm.mosaic_gpu import grouped as hopper
+
+    tiles = hopper_tiles or hopper.default_tiles(w.shape[2])
+    if hopper.unsupported_reason(x, w, tiles) is None:
+        out = hopper.ragged_dot(x, w, sizes, tiles)
+    elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:
+        # a 16-bit result asked of XLA directly: float32 accumulation inside, no extra pass
+        out = lax.ragged_dot(x, w, sizes, preferred_element_type=out_dtype)
+    else:
+        out = lax.ragged_dot(x, w, sizes, preferred_element_type=acc)
+    if bias is not None:
+        if bias.shape != (w.shape[0], w.shape[2]):
+            raise ValueError(
+                f"bias must be [groups, N] = {(w.shape[0], w.shape[2])}, got {bias.shape}"
+            )
+        group = group_of_rows(group_sizes, x.shape[0])
+        rows = jnp.where((group >= 0)[:, None], bias[jnp.maximum(group, 0)].astype(acc), 0)
+        out = out.astype(acc) + rows
+    return out.astype(out_dtype)

@@ -1,0 +1,155 @@
+"""Grouped GEMMs (mixture-of-experts) against a float64 masked reference: the local op with
+bias, the all-gather and reduce-scatter forms for every method and both shard_map settings,
+values and gradients, random group sizes (empty groups, one group taking every row, sums
+short of the rows), and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, shard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import commgemm as cg
+
+METHODS = {
+    "none": cg.OverlapConfig(),
+    "pipeline2": cg.OverlapConfig(method="pipeline", num_splits=2),
+    "ring": cg.OverlapConfig(method="ring_exchange"),
+}
+
+
+def reference(x, w, sizes):
+    """float64 sum over groups of the group's rows times its weight (zero past the sum)."""
+    ends = np.cumsum(sizes)
+    rows = np.arange(x.shape[0])
+    out = 0.0
+    for g in range(w.shape[0]):
+        mask = ((rows >= ends[g] - sizes[g]) & (rows < ends[g]))[:, None]
+        out = out + jnp.where(mask, x @ w[g], 0.0)
+    return out
+
+
+def random_sizes(rng, groups: int, rows: int) -> np.ndarray:
+    """Counts summing to at most `rows`, with empty groups and sometimes one group taking all."""
+    kind = rng.integers(3)
+    if kind == 0:
+        sizes = np.zeros(groups, np.int32)
+        sizes[rng.integers(groups)] = rows
+        return sizes
+    cuts = np.sort(rng.integers(0, rows + 1, size=groups))
+    sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+    if kind == 2:
+        sizes[rng.integers(groups)] = 0  # an empty group, the sum short of the rows
+    return sizes
+
+
+def _grads(f, *args):
+    return f(*args), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1))(*args)
+
+
+def _close(got, want, tol=1e-9):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=tol, atol=tol)
+
+
+def test_grouped_matmul_and_bias(rng):
+    x, w = rng.standard_normal((24, 16)), rng.standard_normal((3, 16, 8))
+    sizes, bias = np.array([5, 0, 10], np.int32), rng.standard_normal((3, 8))
+    out = cg.grouped_matmul(x, w, sizes, bias=bias)
+    want = reference(x, w, sizes) + np.concatenate(
+        [np.repeat(bias, sizes, axis=0), np.zeros((9, 8))]
+    )
+    _close(out, want)
+    _close(_grads(lambda a, b: cg.grouped_matmul(a, b, sizes), x, w),
+           _grads(lambda a, b: reference(a, b, sizes), x, w))  # fmt: skip
+    assert cg.grouped_matmul(x.astype(np.float32), w.astype(np.float32), sizes).dtype == np.float32
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    check_vma=st.booleans(),
+    size=st.sampled_from([2, 4, 8]),
+    method=st.sampled_from(sorted(METHODS)),
+    groups=st.integers(1, 5),
+    m=st.sampled_from([2, 4, 6]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_all_gather_grouped_matmul(check_vma, size, method, groups, m, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((size * m, 6))
+    w = rng.standard_normal((groups, 6, size * 3))
+    sizes = np.stack([random_sizes(rng, groups, m) for _ in range(size)])
+    f = shard(
+        lambda a, b, c: cg.all_gather_grouped_matmul(a, b, c[0], "x", config=METHODS[method]),
+        mesh1d(size),
+        (P("x"), P(None, None, "x"), P("x")),
+        P(None, "x"),
+        check_vma=check_vma,
+    )
+
+    def plain(a, b):
+        return jnp.concatenate(
+            [reference(a[s * m : (s + 1) * m], b, sizes[s]) for s in range(size)]
+        )
+
+    _close(_grads(lambda a, b: f(a, b, sizes), x, w), _grads(plain, x, w))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    check_vma=st.booleans(),
+    size=st.sampled_from([2, 4, 8]),
+    method=st.sampled_from(sorted(METHODS)),
+    groups=st.integers(1, 5),
+    r=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_matmul_reduce_scatter(check_vma, size, method, groups, r, seed):
+    rng = np.random.default_rng(seed)
+    rows = size * r
+    x = rng.standard_normal((rows, size * 3))
+    w = rng.standard_normal((groups, size * 3, 5))
+    sizes = random_sizes(rng, groups, rows)
+    f = shard(
+        lambda a, b: cg.grouped_matmul_reduce_scatter(
+            a, b, jnp.asarray(sizes), "x", config=METHODS[method]
+        ),
+        mesh1d(size),
+        (P(None, "x"), P(None, "x", None)),
+        P("x"),
+        check_vma=check_vma,
+    )
+    _close(_grads(f, x, w), _grads(lambda a, b: reference(a, b, sizes), x, w))
+
+
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        (((4, 8), (2, 8, 3), (2,)), None, None),
+        (((4, 8), (2, 7, 3), (2,)), ValueError, "contracting dimensions differ"),
+        (((4, 8), (2, 8, 3), (3,)), ValueError, r"group_sizes must have shape \(2,\)"),
+        (((8,), (2, 8, 3), (2,)), ValueError, r"x must be \[rows, K\]"),
+    ],
+)
+def test_bad_input(args, error, match):
+    (xs, ws, gs) = args
+    x, w, sizes = np.ones(xs), np.ones(ws), np.ones(gs, np.int32)
+    if error is None:
+        assert cg.grouped_matmul(x, w, sizes).shape == (4, 3)
+        with pytest.raises(TypeError, match="group_sizes must be integers"):
+            cg.grouped_matmul(x, w, sizes.astype(np.float32))
+        with pytest.raises(NotImplementedError, match="quantized"):
+            cg.grouped_matmul(x, w, sizes, scaling="fp8")
+        with pytest.raises(ValueError, match="one way"):
+            shard(
+                lambda a, b: cg.all_gather_grouped_matmul(
+                    a, b, jnp.ones(2, jnp.int32), "x",
+                    config=cg.OverlapConfig(method="ring", bidirectional=True),
+                ),
+                mesh1d(2), (P("x"), P(None, None, "x")), P(None, "x"),
+            )(np.ones((8, 8)), np.ones((2, 8, 6)))  # fmt: skip
+        return
+    with pytest.raises(error, match=match):
+        cg.grouped_matmul(x, w, sizes)
