@@ -2,7 +2,8 @@
 
 The ops (per shard, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
 `matmul_all_reduce`, `matmul_2d`, `bulk_overlap`, and for grouped GEMMs (mixture-of-experts)
-`grouped_matmul`, `all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`; the global
+`grouped_matmul`, `all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`, and for expert
+parallelism `all_to_all_grouped_matmul` / `grouped_matmul_all_to_all`; the global
 entry `gemm`; how each is
 overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
 buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
@@ -15,6 +16,10 @@ from commgemm.gemm import gemm
 from commgemm.grouped.collective import (
     all_gather_grouped_matmul,
     grouped_matmul_reduce_scatter,
+)
+from commgemm.grouped.expert_parallel import (
+    all_to_all_grouped_matmul,
+    grouped_matmul_all_to_all,
 )
 from commgemm.grouped.local import grouped_matmul
 from commgemm.launch import launch
@@ -52,6 +57,7 @@ __all__ = [
     "OverlapConfig",
     "all_gather_grouped_matmul",
     "all_gather_matmul",
+    "all_to_all_grouped_matmul",
     "bulk_overlap",
     "create_overlap_buffer",
     "destroy_all_overlap_buffers",
@@ -59,6 +65,7 @@ __all__ = [
     "gemm",
     "get_overlap_buffer",
     "grouped_matmul",
+    "grouped_matmul_all_to_all",
     "grouped_matmul_reduce_scatter",
     "initialize",
     "launch",

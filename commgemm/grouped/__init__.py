@@ -1,2 +1,3 @@
-"""Grouped GEMMs for mixture-of-experts: the local grouped GEMM (`local`) and its collective
-forms for tensor-parallel experts (`collective`)."""
+"""Grouped GEMMs for mixture-of-experts: the local grouped GEMM (`local`), its collective forms
+for tensor-parallel experts (`collective`) and expert parallelism's dispatch and return
+(`expert_parallel`)."""

@@ -1,0 +1,143 @@
+"""Expert parallelism: tokens dispatched to the shard that owns their expert, the experts'
+grouped GEMM, and the way back, per shard inside `jax.shard_map`.
+
+Shard d of P owns experts [d*e, (d+1)*e) of E = P*e. Each shard's tokens are sorted by global
+expert; group_sizes [E] are its counts. Shapes stay static: what shard s sends shard d is a
+block of m rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
+RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at step t - 1, so
+the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
+block first (one all-to-all), then multiplies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import Method
+from commgemm.grouped.local import check_grouped, grouped_matmul
+from commgemm.operands import axis_size, check_divisible
+from commgemm.registry import resolve
+from commgemm.xla.common import after
+
+
+def _starts(group_sizes: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """(first row, count) of each shard's tokens in a shard's expert-sorted rows."""
+    per_shard = group_sizes.astype(jnp.int32).reshape(size, -1).sum(axis=1)
+    return jnp.cumsum(per_shard) - per_shard, per_shard
+
+
+def _window(x: jax.Array, start, count) -> jax.Array:
+    """Rows [start, start + count) of x moved to the top, zeros below (x's shape)."""
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < count, jnp.roll(x, -start, axis=0), jnp.zeros((), x.dtype))
+
+
+def _exchange(values, axis_name: str, size: int, shift: int):
+    perm = [(i, (i + shift) % size) for i in range(size)]
+    return jax.tree.map(lambda v: lax.ppermute(v, axis_name, perm), values)
+
+
+def _method(config, op: str) -> Method:
+    cfg, _ = resolve(config)
+    if cfg.method not in (Method.NONE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
+        raise ValueError(f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}")
+    return cfg.method
+
+
+def all_to_all_grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    axis_name: str,
+    *,
+    config=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Dispatch this shard's tokens to their experts' shards and run this shard's experts.
+
+    Args:
+      x: [m, K] tokens sorted by global expert.
+      w: [e, K, N] this shard's experts.
+      group_sizes: [E = P*e] this shard's token counts per global expert.
+    Returns:
+      (y [P, m, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
+      order, zeros past their count; recv_sizes [P, e]: those counts), the input of
+      `grouped_matmul_all_to_all`.
+    """
+    size, e = axis_size(axis_name), w.shape[0]
+    check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
+    if group_sizes.shape[0] != size * e:
+        raise ValueError(
+            f"group_sizes has {group_sizes.shape[0]} experts, w {e} per shard x {size} shards"
+        )
+    check_grouped(x, w, group_sizes[:e])
+    method = _method(config, "all_to_all_grouped_matmul")
+    me = lax.axis_index(axis_name)
+    starts, counts = _starts(group_sizes, size)
+    sizes = group_sizes.astype(jnp.int32).reshape(size, e)
+
+    def outgoing(t: int):
+        dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
+        return _window(x, starts[dest], counts[dest]), sizes[dest]
+
+    if method is Method.NONE:
+        blocks = jnp.stack([outgoing(t)[0] for t in range(size)])  # [P, m, K] by shift
+        counts_out = jnp.stack([outgoing(t)[1] for t in range(size)])
+        received = [_exchange((blocks[t], counts_out[t]), axis_name, size, t) for t in range(size)]
+    else:
+        received, last = [], None
+        for t in range(size):
+            block, count = outgoing(t)
+            received.append(_exchange((after(block, last), count), axis_name, size, t))
+            last = received[-1][0]
+    outs, recv_sizes = [None] * size, [None] * size
+    for t, (block, count) in enumerate(received):  # from shard me - t
+        outs[t] = grouped_matmul(block, w, count)
+        recv_sizes[t] = count
+    # order by source shard: source s arrived at step (me - s) mod P
+    by_step_y, by_step_sizes = jnp.stack(outs), jnp.stack(recv_sizes)
+    step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
+    return by_step_y[step_of], by_step_sizes[step_of]
+
+
+def grouped_matmul_all_to_all(
+    y: jax.Array,
+    w: jax.Array,
+    recv_sizes: jax.Array,
+    group_sizes: jax.Array,
+    axis_name: str,
+    *,
+    config=None,
+) -> jax.Array:
+    """This shard's experts applied to the tokens it received, sent back to their shards.
+
+    Args:
+      y: [P, m, K2] per source shard, as `all_to_all_grouped_matmul` returns (after, say, an
+        activation).
+      w: [e, K2, N] this shard's experts.
+      recv_sizes: [P, e] the counts that came with y.
+      group_sizes: [E] this shard's own token counts per global expert (where its tokens'
+        results go back to).
+    Returns:
+      [m, N] in this shard's token order (zeros past the tokens' count).
+    """
+    size, m = axis_size(axis_name), y.shape[1]
+    method = _method(config, "grouped_matmul_all_to_all")
+    check_grouped(y[0], w, recv_sizes[0])
+    me = lax.axis_index(axis_name)
+    starts, counts = _starts(group_sizes, size)
+    out = jnp.zeros((m, w.shape[2]), y.dtype)
+    last = None
+    for t in range(size):  # results for shard me - t's tokens go back by shift -t
+        src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
+        z = grouped_matmul(y[src], w, recv_sizes[src])
+        back = _exchange(z if method is Method.NONE else after(z, last), axis_name, size, -t)
+        last = back
+        # what came back is from shard me + t: rows for that shard's experts, to their place
+        dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
+        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+        placed = jnp.roll(_window(back, 0, counts[dest]), starts[dest], axis=0)
+        inside = (rows >= starts[dest]) & (rows < starts[dest] + counts[dest])
+        out = jnp.where(inside, placed, out)
+    return out
