@@ -7,7 +7,8 @@ parallelism `all_to_all_grouped_matmul` / `grouped_matmul_all_to_all`; the globa
 entry `gemm`; how each is
 overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
 buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
-`commgemm.numerics`. Several processes: `initialize`, `launch`.
+`commgemm.numerics`. Several processes: `initialize`, `launch`. Layers in Transformer
+Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM.
 """
 
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig
@@ -23,6 +24,7 @@ from commgemm.grouped.expert_parallel import (
 )
 from commgemm.grouped.local import grouped_matmul
 from commgemm.launch import launch
+from commgemm.layers import CollectiveOpSet, dense, layernorm_mlp
 from commgemm.ops import (
     all_gather_matmul,
     bulk_overlap,
@@ -53,6 +55,7 @@ def __getattr__(name: str):
 __all__ = [
     "Algorithm",
     "Collective",
+    "CollectiveOpSet",
     "Method",
     "OverlapConfig",
     "all_gather_grouped_matmul",
@@ -61,6 +64,7 @@ __all__ = [
     "bulk_overlap",
     "create_overlap_buffer",
     "destroy_all_overlap_buffers",
+    "dense",
     "destroy_overlap_buffer",
     "gemm",
     "get_overlap_buffer",
@@ -69,6 +73,7 @@ __all__ = [
     "grouped_matmul_reduce_scatter",
     "initialize",
     "launch",
+    "layernorm_mlp",
     "matmul_2d",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
