@@ -1,0 +1,170 @@
+"""Quantized operands: scaling modes, `ScaledTensor`, `quantize` / `dequantize`, the delayed
+scaling state, and the block-scale swizzle cuBLAS expects (the reference system's vocabulary).
+
+Tensor scaling (one float32 scale per tensor): CURRENT computes the amax now; DELAYED takes the
+scale from an amax history kept in a functional `ScalingState`, updated by the step like an
+optimizer's state. Block scaling along `axis`: MXFP8 (32 elements a block, float8_e4m3fn
+values, power-of-two E8M0 scales) and NVFP4 (16 elements a block, float4_e2m1fn values,
+float8_e4m3fn block scales under one float32 global scale). A zero amax gives scale 1 (the
+tensor is all zeros); non-finite inputs stay non-finite in the result, as in jnp.
+
+Not yet wired into the ops: the GEMMs take unquantized operands (the quantized-GEMM issue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+
+
+class ScalingMode(enum.Enum):
+    NO_SCALING = "no_scaling"
+    DELAYED_TENSOR_SCALING = "delayed_tensor_scaling"
+    CURRENT_TENSOR_SCALING = "current_tensor_scaling"
+    MXFP8_1D_SCALING = "mxfp8_1d_scaling"
+    NVFP4_1D_SCALING = "nvfp4_1d_scaling"
+
+
+#: Elements per block of the block-scaled modes.
+BLOCK = {ScalingMode.MXFP8_1D_SCALING: 32, ScalingMode.NVFP4_1D_SCALING: 16}
+FP4 = jnp.dtype(ml_dtypes.float4_e2m1fn)
+E8M0 = jnp.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+def _max(dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledTensor:
+    """Quantized values and the scales that undo them: x ~= data * scale_inv (broadcast per
+    block along `axis` for block modes; times global_scale_inv for NVFP4)."""
+
+    data: jax.Array
+    scale_inv: jax.Array
+    global_scale_inv: jax.Array | None = None
+    mode: ScalingMode = dataclasses.field(default=ScalingMode.CURRENT_TENSOR_SCALING,
+                                          metadata=dict(static=True))  # fmt: skip
+    axis: int = dataclasses.field(default=-1, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScalingState:
+    """Delayed scaling's state: the last `len(amax_history)` amaxes (newest first) and the
+    scale they give. `algorithm` "max" takes the history's max, "most_recent" its newest."""
+
+    amax_history: jax.Array
+    scale: jax.Array
+    algorithm: str = dataclasses.field(default="max", metadata=dict(static=True))
+
+    @staticmethod
+    def create(history: int = 16, algorithm: str = "max") -> ScalingState:
+        if history < 1:
+            raise ValueError(f"history={history} must be >= 1")
+        if algorithm not in ("max", "most_recent"):
+            raise ValueError(f"algorithm={algorithm!r} must be 'max' or 'most_recent'")
+        return ScalingState(jnp.zeros(history, jnp.float32), jnp.ones((), jnp.float32), algorithm)
+
+
+def _scale(amax, dtype) -> jax.Array:
+    """float32 scale mapping amax onto the dtype's largest value (1 where amax is 0)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    return jnp.where(amax > 0, _max(dtype) / jnp.where(amax > 0, amax, 1.0), 1.0)
+
+
+def _blocks(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """x with `axis` moved last and split into blocks: [..., n/size, size]."""
+    axis = axis % x.ndim
+    if x.shape[axis] % size:
+        raise ValueError(
+            f"dimension {axis} of size {x.shape[axis]} must divide into blocks of {size}"
+        )
+    moved = jnp.moveaxis(x, axis, -1)
+    return moved.reshape(*moved.shape[:-1], -1, size)
+
+
+def _unblocks(b: jax.Array, axis: int, ndim: int) -> jax.Array:
+    return jnp.moveaxis(b.reshape(*b.shape[:-2], -1), -1, axis % ndim)
+
+
+def quantize(
+    x: jax.Array,
+    mode: ScalingMode | str,
+    *,
+    dtype=jnp.float8_e4m3fn,
+    axis: int = -1,
+    state: ScalingState | None = None,
+) -> ScaledTensor | tuple[ScaledTensor, ScalingState]:
+    """x in `mode`; DELAYED_TENSOR_SCALING takes and returns a `ScalingState`.
+
+    Gradients use float8_e5m2 (pass dtype=jnp.float8_e5m2): the hybrid recipe. Block modes
+    ignore `dtype` (MXFP8: float8_e4m3fn, NVFP4: float4_e2m1fn).
+    """
+    mode = ScalingMode(mode)
+    x32 = x.astype(jnp.float32)
+    if mode is ScalingMode.NO_SCALING:
+        return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)
+    if mode is ScalingMode.CURRENT_TENSOR_SCALING:
+        scale = _scale(jnp.max(jnp.abs(x32)), dtype)
+        data = jnp.clip(x32 * scale, -_max(dtype), _max(dtype)).astype(dtype)
+        return ScaledTensor(data, 1.0 / scale, mode=mode, axis=axis)
+    if mode is ScalingMode.DELAYED_TENSOR_SCALING:
+        if state is None:
+            raise ValueError("DELAYED_TENSOR_SCALING needs state= (ScalingState.create())")
+        data = jnp.clip(x32 * state.scale, -_max(dtype), _max(dtype)).astype(dtype)
+        history = jnp.roll(state.amax_history, 1).at[0].set(jnp.max(jnp.abs(x32)))
+        amax = history[0] if state.algorithm == "most_recent" else jnp.max(history)
+        new = ScalingState(history, _scale(amax, dtype), state.algorithm)
+        return ScaledTensor(data, 1.0 / state.scale, mode=mode, axis=axis), new
+    blocks = _blocks(x32, axis, BLOCK[mode])
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    if mode is ScalingMode.MXFP8_1D_SCALING:
+        # the largest power of two that keeps the block's amax within float8_e4m3fn's range
+        exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 8
+        scale_inv = jnp.exp2(exponent)
+        data = jnp.clip(blocks / scale_inv, -_max(jnp.float8_e4m3fn), _max(jnp.float8_e4m3fn))
+        data = _unblocks(data.astype(jnp.float8_e4m3fn), axis, x.ndim)
+        return ScaledTensor(data, scale_inv[..., 0].astype(E8M0), mode=mode, axis=axis)
+    global_scale_inv = jnp.max(amax) / (_max(FP4) * _max(jnp.float8_e4m3fn))
+    global_scale_inv = jnp.where(global_scale_inv > 0, global_scale_inv, 1.0)
+    block_scale = (amax / _max(FP4) / global_scale_inv).astype(jnp.float8_e4m3fn)
+    effective = block_scale.astype(jnp.float32) * global_scale_inv
+    data = blocks / jnp.where(effective > 0, effective, 1.0)
+    data = _unblocks(jnp.clip(data, -_max(FP4), _max(FP4)).astype(FP4), axis, x.ndim)
+    return ScaledTensor(data, block_scale[..., 0], global_scale_inv, mode=mode, axis=axis)
+
+
+def dequantize(t: ScaledTensor, dtype=jnp.float32) -> jax.Array:
+    """The values `t` stands for, in `dtype`."""
+    if t.mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.NVFP4_1D_SCALING):
+        blocks = _blocks(t.data.astype(jnp.float32), t.axis, BLOCK[t.mode])
+        scale = t.scale_inv.astype(jnp.float32)[..., None]
+        if t.global_scale_inv is not None:
+            scale = scale * t.global_scale_inv
+        return _unblocks(blocks * scale, t.axis, t.data.ndim).astype(dtype)
+    return (t.data.astype(jnp.float32) * t.scale_inv).astype(dtype)
+
+
+def swizzle_block_scales(scales: jax.Array) -> jax.Array:
+    """Block scales [rows, cols] in the layout cuBLAS reads for block-scaled GEMMs: padded to
+    128 x 4 tiles, each tile's 512 scales in the order (row % 32, row // 32 % 4, col % 4),
+    tiles row-major. Returns a flat array; `unswizzle_block_scales` inverts it."""
+    rows, cols = scales.shape
+    pr, pc = -rows % 128, -cols % 4
+    padded = jnp.pad(scales, ((0, pr), (0, pc)))
+    r, c = padded.shape
+    tiles = padded.reshape(r // 128, 4, 32, c // 4, 4)  # [row tile, row/32, row%32, col tile, col]
+    return tiles.transpose(0, 3, 2, 1, 4).reshape(-1)
+
+
+def unswizzle_block_scales(flat: jax.Array, rows: int, cols: int) -> jax.Array:
+    """The inverse of `swizzle_block_scales` for scales of shape [rows, cols]."""
+    r, c = rows + -rows % 128, cols + -cols % 4
+    tiles = flat.reshape(r // 128, c // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4)
+    return tiles.reshape(r, c)[:rows, :cols]
