@@ -116,6 +116,20 @@ def uses_tpu_kernels(config: OverlapConfig) -> bool:
     return config.atomic_gemm and (config.interpret or jax.default_backend() == "tpu")
 
 
+def fused_fields_reason(config: OverlapConfig, dtype) -> str | None:
+    """Why `config`'s dtype and splitting fields do not suit a fused kernel (every family runs
+    one GEMM, float32 accumulation, results and partial sums in the operands' dtype), or None."""
+    for field in ("out_dtype", "reduce_dtype"):
+        value = getattr(config, field)
+        if value is not None and np.dtype(value) != np.dtype(dtype):
+            return f"{field}={value} differs from the operands' {np.dtype(dtype).name}"
+    if config.accumulate_dtype != "float32":
+        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
+    if config.num_splits != 1 or config.bidirectional or config.aggregate:
+        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    return None
+
+
 def select_algorithm(
     collective: Collective, method: Method, *, atomic_gemm: bool = False
 ) -> Algorithm:

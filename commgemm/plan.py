@@ -58,13 +58,11 @@ def _check_fused(
 ) -> None:
     """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.mosaic_gpu.fused)
     where it can run; anything else is a clear error, not a silent fallback."""
-    from commgemm.config import uses_tpu_kernels
+    from commgemm.xla import module_for  # the fused module: TPU kernels or Hopper ones
 
-    if uses_tpu_kernels(cfg):
-        from commgemm.pallas_tpu import ops as fused
-    else:
-        from commgemm.mosaic_gpu import fused  # imports Pallas lazily
-    reason = fused.unsupported_reason(collective, x, w, size, cfg, w_transposed=w_transposed)
+    reason = module_for(cfg).unsupported_reason(
+        collective, x, w, size, cfg, w_transposed=w_transposed
+    )
     if reason is not None:
         raise ValueError(
             f"{algorithm.name} (the fused GEMM kernel) cannot run this call: {reason}. Use "

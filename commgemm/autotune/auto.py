@@ -86,10 +86,9 @@ def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
         atomic_gemm=True,
         kernel=None,
         chain_gemms=False,
+        interpret=cfg.interpret,
     )
-    if uses_tpu_kernels(trial.replace(interpret=cfg.interpret)):
-        from commgemm.pallas_tpu.ops import unsupported_reason
-    else:
-        from commgemm.mosaic_gpu.fused import unsupported_reason
-    trial = trial.replace(interpret=cfg.interpret)
-    return unsupported_reason(collective, x, w, size, trial, w_transposed=w_transposed) is None
+    from commgemm.xla import module_for  # the fused module: TPU kernels or Hopper ones
+
+    reason = module_for(trial).unsupported_reason
+    return reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

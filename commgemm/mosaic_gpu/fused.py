@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.mosaic_gpu import push_gather_gemm, scatter_add_gemm
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
@@ -127,14 +127,8 @@ def unsupported_reason(
         return f"there is no fused kernel for {collective.name}"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
-    for field in ("out_dtype", "reduce_dtype"):
-        value = getattr(config, field)
-        if value is not None and jnp.dtype(value) != x.dtype:
-            return f"{field}={value} differs from the operands' {x.dtype}"
-    if config.accumulate_dtype != "float32":
-        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
-    if config.num_splits != 1 or config.bidirectional or config.aggregate:
-        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    if (reason := fused_fields_reason(config, x.dtype)) is not None:
+        return reason
     family = FAMILY[(collective, config.method)]
     tiles = kernel_config(collective, config)
     if not isinstance(tiles, family):

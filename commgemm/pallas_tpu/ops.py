@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from commgemm.config import Collective, Method, OverlapConfig
+from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.pallas_tpu import gemm
 from commgemm.pallas_tpu.common import VMEM_BUDGET
 
@@ -53,14 +53,8 @@ def unsupported_reason(
         return f"there is no fused TPU kernel for {collective.name}"
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         return f"it takes float32 or bfloat16 operands, got {x.dtype}"
-    for field in ("out_dtype", "reduce_dtype"):
-        value = getattr(config, field)
-        if value is not None and jnp.dtype(value) != x.dtype:
-            return f"{field}={value} differs from the operands' {x.dtype}"
-    if config.accumulate_dtype != "float32":
-        return f"it accumulates in float32, got accumulate_dtype={config.accumulate_dtype}"
-    if config.num_splits != 1 or config.bidirectional or config.aggregate:
-        return "num_splits, bidirectional and aggregate do not apply (leave them at defaults)"
+    if (reason := fused_fields_reason(config, x.dtype)) is not None:
+        return reason
     if config.kernel is not None:
         return f"kernel={type(config.kernel).__name__}(...) configures the Hopper kernels"
     if jax.default_backend() != "tpu" and not config.interpret:
