@@ -8,7 +8,9 @@ entry `gemm`; how each is
 overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
 buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
 `commgemm.numerics`. Several processes: `initialize`, `launch`. Layers in Transformer
-Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM.
+Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM. Quantized
+operands (every op's `scaling=`): `ScalingMode`, `ScalingRecipe`, `ScalingState`, `quantize`,
+`dequantize`, `ScaledTensor`, `amax`.
 """
 
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig
@@ -32,12 +34,14 @@ from commgemm.ops import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
+from commgemm.quant import ScaledTensor, ScalingMode, ScalingState, dequantize, quantize
 from commgemm.registry import (
     create_overlap_buffer,
     destroy_all_overlap_buffers,
     destroy_overlap_buffer,
     get_overlap_buffer,
 )
+from commgemm.scaled import ScalingRecipe, amax
 
 __version__ = "0.1.0"
 
@@ -53,6 +57,13 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "quantize",
+    "dequantize",
+    "amax",
+    "ScalingState",
+    "ScalingRecipe",
+    "ScalingMode",
+    "ScaledTensor",
     "Algorithm",
     "Collective",
     "CollectiveOpSet",

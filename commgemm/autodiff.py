@@ -39,7 +39,7 @@ def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, c
     return grad.astype(w.dtype)
 
 
-def _backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
+def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
     """The forward's method for the backward collectives (a fused Hopper forward's backward
     runs the ring, RING_EXCHANGE; the TPU kernels' backward runs the same kernels, AG <-> RS);
     gradients come out in x's dtype."""
@@ -69,7 +69,7 @@ def collective_matmul(
     return _forward(collective, x, w, axis_name, cfg, w_transposed)[0]
 
 
-_FN = {
+FN_NAMES = {
     Collective.ALL_GATHER: "all_gather_matmul",
     Collective.REDUCE_SCATTER: "matmul_reduce_scatter",
     Collective.ALL_REDUCE: "matmul_all_reduce",
@@ -83,13 +83,13 @@ def _forward(collective, x, w, axis_name, cfg, w_transposed):
             x, w, axis_name, cfg, w_transposed=w_transposed, return_gathered=True
         )
         return out, (x, w, gathered)
-    out = getattr(module, _FN[collective])(x, w, axis_name, cfg, w_transposed=w_transposed)
+    out = getattr(module, FN_NAMES[collective])(x, w, axis_name, cfg, w_transposed=w_transposed)
     return out, (x, w, None)
 
 
 def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
     x, w, gathered = residuals
-    back = _backward_config(cfg, x)
+    back = backward_config(cfg, x)
     module = module_for(back)
     if collective is Collective.ALL_GATHER:
         if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them

@@ -21,6 +21,8 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.registry import resolve
+from commgemm.scaled import Scaling, as_recipe
+from commgemm.scaled import matmul as quantized_matmul
 
 Spec = tuple[str | None, ...]
 
@@ -153,6 +155,7 @@ def gemm(
     bias: jax.Array | None = None,
     activation: Activation = None,
     return_pre_activation: bool = False,
+    scaling: Scaling = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x @ w on sharded arrays, with the collective the shardings imply overlapped by `config`.
 
@@ -163,6 +166,8 @@ def gemm(
         one the shardings imply (and lets `gemm` work out x_spec / w_spec when it cannot read them).
       bias, activation, return_pre_activation: the epilogue (see `all_gather_matmul`); bias [N]
         is sharded like the output's last dimension.
+      scaling: quantized operands (see `all_gather_matmul`); the XLA fall-back runs the
+        quantized GEMM on the global arrays (commgemm.scaled.matmul).
       x_spec, w_spec: the operands' PartitionSpecs, needed only under jit on a mesh with Auto
         axes (there a tracer carries no sharding); read off the arrays otherwise.
     Layouts (a, r, c mesh axes):
@@ -176,6 +181,7 @@ def gemm(
       [..., N] with `out_sharding`.
     """
     cfg, _ = resolve(config)
+    recipe = as_recipe(scaling)
     check_dtypes(x, w)
     check_matmul_shapes(x, w)
     check_epilogue(bias, activation, w.shape[1], x.dtype)
@@ -209,17 +215,17 @@ def gemm(
                 f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, "
                 f"w {ws} -> out {PartitionSpec(*out)}, which need no such collective"
             )
-        z = _xla_gemm(x, w, mesh, PartitionSpec(*out), cfg)
+        z = _xla_gemm(x, w, mesh, PartitionSpec(*out), cfg, recipe)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.collective is not None and cfg.collective not in (layout.collective, Collective.NONE):
         raise ValueError(
             f"config.collective={cfg.collective.name} contradicts the shardings x {xs}, w {ws} "
             f"-> out {PartitionSpec(*out)}, which imply {layout.collective.name}"
         )
-    mapped = _sharded_call(
-        mesh, layout, config, activation, return_pre_activation, bias is not None
-    )
-    return mapped(x, w) if bias is None else mapped(x, w, bias)
+    has = (bias is not None, recipe is not None)
+    mapped = _sharded_call(mesh, layout, config, activation, return_pre_activation, *has)
+    extra = (() if recipe is None else (recipe,)) + (() if bias is None else (bias,))
+    return mapped(x, w, *extra)
 
 
 @functools.lru_cache(maxsize=256)
@@ -230,9 +236,11 @@ def _sharded_call(
     activation: Activation,
     return_pre_activation: bool,
     has_bias: bool,
+    has_recipe: bool,
 ):
     """The jitted shard_map of one layout and config, built once (so eager calls with the same
-    shapes reuse the compiled program, as jax.jit's cache does)."""
+    shapes reuse the compiled program, as jax.jit's cache does). Its arguments: x, w, then the
+    scaling recipe (replicated) and the bias where there are."""
     epilogue = dict(activation=activation, return_pre_activation=return_pre_activation)
     if layout.collective is Collective.NONE:
         row_axis, k_axis = layout.axis
@@ -250,10 +258,17 @@ def _sharded_call(
         )
     out_spec = PartitionSpec(*layout.out_spec)
     specs = (PartitionSpec(*layout.x_spec), PartitionSpec(*layout.w_spec))
+    if has_recipe:
+        specs += (PartitionSpec(),)
     if has_bias:
         specs += (PartitionSpec(layout.out_spec[-1]),)
+
+    def call(a, b, *rest):
+        recipe = rest[0] if has_recipe else None
+        return body(a, b, bias=rest[-1] if has_bias else None, scaling=recipe)
+
     mapped = jax.shard_map(
-        lambda a, b, *c: body(a, b, bias=c[0] if c else None),
+        call,
         mesh=mesh,
         in_specs=specs,
         out_specs=(out_spec, out_spec) if return_pre_activation else out_spec,
@@ -261,14 +276,20 @@ def _sharded_call(
     return jax.jit(mapped)
 
 
-def _xla_gemm(x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig):
-    """Plain XLA: one dot, float32 accumulation, then the requested sharding."""
-    out = lax.dot_general(
-        x,
-        w,
-        (((x.ndim - 1,), (0,)), ((), ())),
-        preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
-    ).astype(cfg.out_dtype or x.dtype)
+def _xla_gemm(
+    x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig, recipe
+):
+    """Plain XLA: one dot, float32 accumulation (or the quantized GEMM), then the requested
+    sharding."""
+    if recipe is not None:
+        out = quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
+    else:
+        out = lax.dot_general(
+            x,
+            w,
+            (((x.ndim - 1,), (0,)), ((), ())),
+            preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
+        ).astype(cfg.out_dtype or x.dtype)
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(out, NamedSharding(mesh, out_spec))
     return lax.with_sharding_constraint(out, NamedSharding(mesh, out_spec))

@@ -14,6 +14,8 @@ from commgemm.config import Collective, OverlapConfig
 from commgemm.epilogue import Activation
 from commgemm.operands import local_matmul
 from commgemm.ops import all_gather_matmul, matmul_reduce_scatter
+from commgemm.scaled import Scaling, as_recipe
+from commgemm.scaled import matmul as quantized_matmul
 
 _BACKWARD = {
     Collective.NONE: Collective.NONE,
@@ -54,6 +56,7 @@ def dense(
     sequence_axis: int = 1,
     config: OverlapConfig | int | None = None,
     activation: Activation = None,
+    scaling: Scaling = None,
 ) -> jax.Array:
     """x @ kernel (+ bias, activation) with the op set's collective along the sequence.
 
@@ -63,16 +66,20 @@ def dense(
       kernel: [H, F/P] column shard (ALL_GATHER), [F/P, H] row shard (REDUCE_SCATTER), [K, N].
       bias: [N] (the output's last dimension; sharded like it).
       sequence_axis: x's sequence dimension (gathered or scattered).
+      scaling: quantized operands (FP8 and the block modes; see commgemm.scaled).
     Returns:
       [B, S, F/P] (ALL_GATHER), [B, S/P, H] (REDUCE_SCATTER), [..., N] (NONE).
     """
     forward = collective_op_set.forward
     if forward is Collective.NONE:
-        wide = jnp.promote_types(x.dtype, jnp.float32).name  # float32 (float64 for float64)
-        out = local_matmul(
-            x.reshape(-1, x.shape[-1]), kernel, w_transposed=False, accumulate_dtype=wide
-        )
-        out = out.reshape(*x.shape[:-1], kernel.shape[1])
+        if as_recipe(scaling) is None:
+            wide = jnp.promote_types(x.dtype, jnp.float32).name  # float32 (float64 for float64)
+            out = local_matmul(
+                x.reshape(-1, x.shape[-1]), kernel, w_transposed=False, accumulate_dtype=wide
+            )
+            out = out.reshape(*x.shape[:-1], kernel.shape[1])
+        else:
+            out = quantized_matmul(x, kernel, scaling)
         out = out if bias is None else out + bias.astype(out.dtype)
         out = out.astype(x.dtype)
         if activation is not None:
@@ -82,8 +89,9 @@ def dense(
         raise ValueError(f"dense with {forward.name} needs the mesh axis_name of its collective")
     op = all_gather_matmul if forward is Collective.ALL_GATHER else matmul_reduce_scatter
     return op(
-        x, kernel, axis_name, config=config, axis=sequence_axis, bias=bias, activation=activation
-    )
+        x, kernel, axis_name, config=config, axis=sequence_axis, bias=bias, activation=activation,
+        scaling=scaling,
+    )  # fmt: skip
 
 
 def layernorm(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -110,6 +118,7 @@ def layernorm_mlp(
     activation: Activation = "gelu",
     sequence_axis: int = 1,
     config: OverlapConfig | int | None = None,
+    scaling: Scaling = None,
 ) -> jax.Array:
     """LayerNorm, then dense (column-parallel, all-gather + GEMM, bias, activation), then dense
     (row-parallel, GEMM + reduce-scatter, bias): a sequence-parallel MLP block.
@@ -123,6 +132,7 @@ def layernorm_mlp(
     h = layernorm(x, gamma, beta)
     h = dense(h, kernels[0], biases[0], collective_op_set=collective_op_sets[0],
               axis_name=axis_name, sequence_axis=sequence_axis, config=config,
-              activation=activation)  # fmt: skip
+              activation=activation, scaling=scaling)  # fmt: skip
     return dense(h, kernels[1], biases[1], collective_op_set=collective_op_sets[1],
-                 axis_name=axis_name, sequence_axis=sequence_axis, config=config)  # fmt: skip
+                 axis_name=axis_name, sequence_axis=sequence_axis, config=config,
+                 scaling=scaling)  # fmt: skip

@@ -23,6 +23,8 @@ from commgemm.operands import (
 )
 from commgemm.plan import make_plan
 from commgemm.registry import resolve
+from commgemm.scaled import Scaling, as_recipe
+from commgemm.scaled import collective_matmul as scaled_collective_matmul
 from commgemm.vma import all_gather_invariant
 from commgemm.xla.bulk import bulk_overlap as _bulk
 from commgemm.xla.common import matmul
@@ -56,7 +58,14 @@ def _run(
     bias: jax.Array | None,
     activation: Activation,
     return_pre_activation: bool,
+    scaling: Scaling,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    recipe = as_recipe(scaling)
+    if recipe is not None and resolve(config)[0].atomic_gemm:
+        raise ValueError(
+            f"{fn_name} with scaling= runs the XLA methods (NONE, PIPELINE, RING_EXCHANGE): the "
+            "fused kernels (atomic_gemm) take no quantized operands yet; use atomic_gemm=False"
+        )
     x2d, restore = _as_rows(x, axis, x_transposed)
     plan = make_plan(
         x2d,
@@ -72,9 +81,18 @@ def _run(
     check_epilogue(bias, activation, n, x.dtype)
     if 0 in (x2d.shape + (n,)):
         z = _empty_result(collective, x2d, n, plan)
+    elif recipe is not None:
+        cfg = _split_config(plan.config)
+        z = scaled_collective_matmul(collective, x2d, w, axis_name, cfg, w_transposed, recipe)
     else:
         z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
     return apply_epilogue(restore(z), bias, activation, return_pre_activation)
+
+
+def _split_config(cfg: OverlapConfig) -> OverlapConfig:
+    """The config a quantized call runs: the fused kernels take no quantized operands yet, so
+    AUTO's fused choice becomes the split algorithm of its method."""
+    return cfg.replace(atomic_gemm=False, kernel=None) if cfg.atomic_gemm else cfg
 
 
 def _empty_result(collective: Collective, x2d: jax.Array, n: int, plan) -> jax.Array:
@@ -89,6 +107,11 @@ def _empty_result(collective: Collective, x2d: jax.Array, n: int, plan) -> jax.A
 
 
 _EPILOGUE_DOC = """
+    Quantized (all ops): `scaling` (a `ScalingMode`, its name, or a `ScalingRecipe`) quantizes
+    x and w inside the op: the AG moves the quantized payload, RS and AR reduce in the output
+    (or reduce) dtype, and the backward quantizes dY; see commgemm.scaled. None or NO_SCALING:
+    the operands as they are.
+
     Epilogue (all ops): `bias` [n] (the output's last dimension, sharded like it) is added once,
     after any reduction; `activation` in {None, "gelu", "gelu_tanh"} follows; with
     `return_pre_activation=True` the op returns (y, pre_activation). Differentiable: the backward
@@ -107,6 +130,7 @@ def all_gather_matmul(
     bias: jax.Array | None = None,
     activation: Activation = None,
     return_pre_activation: bool = False,
+    scaling: Scaling = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """all_gather(x) @ w with the gather overlapped with the GEMM.
 
@@ -135,6 +159,7 @@ def all_gather_matmul(
         bias,
         activation,
         return_pre_activation,
+        scaling,
     )
 
 
@@ -150,6 +175,7 @@ def matmul_reduce_scatter(
     bias: jax.Array | None = None,
     activation: Activation = None,
     return_pre_activation: bool = False,
+    scaling: Scaling = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """reduce_scatter(x @ w): the GEMM of a K-sharded pair, its sum scattered over rows.
 
@@ -174,6 +200,7 @@ def matmul_reduce_scatter(
         bias,
         activation,
         return_pre_activation,
+        scaling,
     )
 
 
@@ -189,6 +216,7 @@ def matmul_all_reduce(
     bias: jax.Array | None = None,
     activation: Activation = None,
     return_pre_activation: bool = False,
+    scaling: Scaling = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """all_reduce(x @ w) for a K-sharded pair.
 
@@ -213,6 +241,7 @@ def matmul_all_reduce(
         bias,
         activation,
         return_pre_activation,
+        scaling,
     )
 
 
@@ -226,6 +255,7 @@ def matmul_2d(
     bias: jax.Array | None = None,
     activation: Activation = None,
     return_pre_activation: bool = False,
+    scaling: Scaling = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The 2-D mesh case: x P(row_axis, k_axis), w P(row_axis, None) -> out P(row_axis, None).
 
@@ -243,6 +273,8 @@ def matmul_2d(
     the ring reduce-scatter + all-gather over k_axis); atomic_gemm with the TPU kernels (the
     fused GEMM + reduce-scatter kernel along k_axis, its ring or direct form by the method,
     then the all-gather; the gather of W over row_axis stays outside the kernel).
+    `scaling` quantizes x and this device's K block of the gathered W in the GEMM + all-reduce
+    (scales shared over k_axis; W's gather over row_axis moves W as it is).
     """
     cfg, _ = resolve(config)
     check_dtypes(x, w)
@@ -275,20 +307,23 @@ def matmul_2d(
         return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
 
     if cfg.atomic_gemm:  # the TPU kernels: GEMM + RS fused along k_axis, then the gather
-        part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg)
+        part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
         z = all_gather_invariant(part, k_axis)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.method is Method.RING_EXCHANGE:
-        z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
+        z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
     check_divisible(w.shape[1], splits, "matmul_2d: N", "num_splits")
     width = w.shape[1] // splits
     base = cfg.replace(method=Method.NONE, num_splits=1, bidirectional=False)
     outs = [
-        matmul_all_reduce(x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base)
+        matmul_all_reduce(
+            x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base,
+            scaling=scaling,
+        )
         for c in range(splits)
-    ]
+    ]  # fmt: skip
     z = jnp.concatenate(outs, axis=1)
     return apply_epilogue(z, bias, activation, return_pre_activation)
 

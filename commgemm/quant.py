@@ -5,10 +5,13 @@ Tensor scaling (one float32 scale per tensor): CURRENT computes the amax now; DE
 scale from an amax history kept in a functional `ScalingState`, updated by the step like an
 optimizer's state. Block scaling along `axis`: MXFP8 (32 elements a block, float8_e4m3fn
 values, power-of-two E8M0 scales) and NVFP4 (16 elements a block, float4_e2m1fn values,
-float8_e4m3fn block scales under one float32 global scale). A zero amax gives scale 1 (the
-tensor is all zeros); non-finite inputs stay non-finite in the result, as in jnp.
+float8_e4m3fn block scales under one float32 global scale).
 
-Not yet wired into the ops: the GEMMs take unquantized operands (the quantized-GEMM issue).
+Edge cases: a zero amax gives scale 1 (the tensor is all zeros). A non-finite amax (an inf or
+NaN in x) also gives scale 1 (a delayed state keeps its previous scale), so the finite elements
+keep their values (clipped to the format's range) and only the non-finite ones come back
+non-finite (NaN in formats without inf), as they would in a jnp product: never a tensor of NaN
+from one bad element. The ops' quantized path is commgemm.scaled.
 """
 
 from __future__ import annotations
@@ -71,11 +74,28 @@ class ScalingState:
             raise ValueError(f"algorithm={algorithm!r} must be 'max' or 'most_recent'")
         return ScalingState(jnp.zeros(history, jnp.float32), jnp.ones((), jnp.float32), algorithm)
 
+    def update(self, amax: jax.Array, dtype=jnp.float8_e4m3fn) -> ScalingState:
+        """The state after observing `amax` (e.g. `commgemm.scaled.amax(x, axis_name)`, the
+        tensor's amax over its shards): the history shifted, the next scale from it. A
+        non-finite amax leaves the scale as it was."""
+        history = jnp.roll(self.amax_history, 1).at[0].set(jnp.asarray(amax, jnp.float32))
+        chosen = history[0] if self.algorithm == "most_recent" else jnp.max(history)
+        scale = jnp.where(jnp.isfinite(chosen), _scale(chosen, dtype), self.scale)
+        return ScalingState(history, scale, self.algorithm)
+
 
 def _scale(amax, dtype) -> jax.Array:
-    """float32 scale mapping amax onto the dtype's largest value (1 where amax is 0)."""
+    """float32 scale mapping amax onto the dtype's largest value (1 where amax is 0 or not
+    finite)."""
     amax = jnp.asarray(amax, jnp.float32)
-    return jnp.where(amax > 0, _max(dtype) / jnp.where(amax > 0, amax, 1.0), 1.0)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, _max(dtype) / jnp.where(ok, amax, 1.0), 1.0)
+
+
+def _cast(v: jax.Array, dtype) -> jax.Array:
+    """v clipped to dtype's finite range and cast; non-finite elements stay non-finite."""
+    top = _max(dtype)
+    return jnp.where(jnp.isfinite(v), jnp.clip(v, -top, top), v).astype(dtype)
 
 
 def _blocks(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -100,44 +120,50 @@ def quantize(
     dtype=jnp.float8_e4m3fn,
     axis: int = -1,
     state: ScalingState | None = None,
+    amax: jax.Array | None = None,
 ) -> ScaledTensor | tuple[ScaledTensor, ScalingState]:
     """x in `mode`; DELAYED_TENSOR_SCALING takes and returns a `ScalingState`.
 
     Gradients use float8_e5m2 (pass dtype=jnp.float8_e5m2): the hybrid recipe. Block modes
-    ignore `dtype` (MXFP8: float8_e4m3fn, NVFP4: float4_e2m1fn).
+    ignore `dtype` (MXFP8: float8_e4m3fn, NVFP4: float4_e2m1fn). `amax`: the whole tensor's
+    amax when x is one shard of it, so that every shard shares one tensor scale (CURRENT) or
+    global scale (NVFP4); default x's own.
     """
     mode = ScalingMode(mode)
     x32 = x.astype(jnp.float32)
     if mode is ScalingMode.NO_SCALING:
         return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)
     if mode is ScalingMode.CURRENT_TENSOR_SCALING:
-        scale = _scale(jnp.max(jnp.abs(x32)), dtype)
-        data = jnp.clip(x32 * scale, -_max(dtype), _max(dtype)).astype(dtype)
-        return ScaledTensor(data, 1.0 / scale, mode=mode, axis=axis)
+        scale = _scale(_amax(x32) if amax is None else amax, dtype)
+        return ScaledTensor(_cast(x32 * scale, dtype), 1.0 / scale, mode=mode, axis=axis)
     if mode is ScalingMode.DELAYED_TENSOR_SCALING:
         if state is None:
             raise ValueError("DELAYED_TENSOR_SCALING needs state= (ScalingState.create())")
-        data = jnp.clip(x32 * state.scale, -_max(dtype), _max(dtype)).astype(dtype)
-        history = jnp.roll(state.amax_history, 1).at[0].set(jnp.max(jnp.abs(x32)))
-        amax = history[0] if state.algorithm == "most_recent" else jnp.max(history)
-        new = ScalingState(history, _scale(amax, dtype), state.algorithm)
+        data = _cast(x32 * state.scale, dtype)
+        new = state.update(_amax(x32) if amax is None else amax, dtype)
         return ScaledTensor(data, 1.0 / state.scale, mode=mode, axis=axis), new
     blocks = _blocks(x32, axis, BLOCK[mode])
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    block_amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0), -1, keepdims=True)
     if mode is ScalingMode.MXFP8_1D_SCALING:
-        # the largest power of two that keeps the block's amax within float8_e4m3fn's range
-        exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 8
+        # the smallest power of two that brings the block's amax within float8_e4m3fn's range
+        # (rounded up, as Transformer Engine does, so no value saturates)
+        ratio = jnp.where(block_amax > 0, block_amax, 1.0) / _max(jnp.float8_e4m3fn)
+        exponent = jnp.ceil(jnp.log2(ratio))
         scale_inv = jnp.exp2(exponent)
-        data = jnp.clip(blocks / scale_inv, -_max(jnp.float8_e4m3fn), _max(jnp.float8_e4m3fn))
-        data = _unblocks(data.astype(jnp.float8_e4m3fn), axis, x.ndim)
+        data = _unblocks(_cast(blocks / scale_inv, jnp.float8_e4m3fn), axis, x.ndim)
         return ScaledTensor(data, scale_inv[..., 0].astype(E8M0), mode=mode, axis=axis)
-    global_scale_inv = jnp.max(amax) / (_max(FP4) * _max(jnp.float8_e4m3fn))
-    global_scale_inv = jnp.where(global_scale_inv > 0, global_scale_inv, 1.0)
-    block_scale = (amax / _max(FP4) / global_scale_inv).astype(jnp.float8_e4m3fn)
+    tensor_amax = jnp.max(block_amax) if amax is None else jnp.asarray(amax, jnp.float32)
+    global_scale_inv = 1.0 / _scale(tensor_amax, FP4) / _max(jnp.float8_e4m3fn)
+    block_scale = (block_amax / _max(FP4) / global_scale_inv).astype(jnp.float8_e4m3fn)
     effective = block_scale.astype(jnp.float32) * global_scale_inv
-    data = blocks / jnp.where(effective > 0, effective, 1.0)
-    data = _unblocks(jnp.clip(data, -_max(FP4), _max(FP4)).astype(FP4), axis, x.ndim)
+    data = _unblocks(_cast(blocks / jnp.where(effective > 0, effective, 1.0), FP4), axis, x.ndim)
     return ScaledTensor(data, block_scale[..., 0], global_scale_inv, mode=mode, axis=axis)
+
+
+def _amax(x32: jax.Array) -> jax.Array:
+    """The largest finite |x| (0 for an empty or all-non-finite x): one bad element does not
+    decide the scale of the rest."""
+    return jnp.max(jnp.where(jnp.isfinite(x32), jnp.abs(x32), 0), initial=0.0)
 
 
 def dequantize(t: ScaledTensor, dtype=jnp.float32) -> jax.Array:

@@ -8,6 +8,7 @@ from jax import lax
 
 from commgemm.config import OverlapConfig
 from commgemm.operands import local_matmul
+from commgemm.scaled import QuantizedRhs
 
 
 def matmul(
@@ -19,7 +20,9 @@ def matmul(
     result_dtype: str | None = None,
 ) -> jax.Array:
     """a [r, K] @ w -> [r, n], accumulated in config.accumulate_dtype and returned in
-    `result_dtype` (default: the accumulate dtype). Named "gemm" in profiles.
+    `result_dtype` (default: the accumulate dtype). Named "gemm" in profiles. Under an op's
+    `scaling=`, a is a quantized payload and w a `commgemm.scaled.QuantizedRhs`, which
+    multiplies it.
 
     A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
     its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and
@@ -27,6 +30,9 @@ def matmul(
     a float32 [r, n] and reading it back (on 2xH200 that separate cast made the serial
     llama70b GEMM+RS 10% slower; docs/performance.md).
     """
+    if isinstance(w, QuantizedRhs):  # the op's scaling=
+        with jax.named_scope("gemm"):
+            return w.matmul(a, w_transposed, config.accumulate_dtype, result_dtype)
     direct = (
         result_dtype is not None
         and config.accumulate_dtype == "float32"

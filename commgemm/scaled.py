@@ -1,0 +1,344 @@
+"""The ops' quantized path (`scaling=`): operands quantized inside the op, the quantized payload
+on the wire, partial sums reduced in bf16 or float32, and a straight-through VJP.
+
+How a shard's scales relate to the tensor's:
+  tensor scaling (CURRENT, DELAYED): one scale per tensor, the same on every shard. CURRENT
+    takes the amax over the op's mesh axis (`amax`, a lax.pmax); DELAYED takes it from the
+    caller's `ScalingState`, which the caller advances with that same amax. So the gathered
+    payload of AG + GEMM is float8 alone (the scale is the receiver's already), and the partial
+    sums of GEMM + RS / AR, scaled back in each GEMM's epilogue, add in one scale.
+  block scaling (MXFP8, NVFP4): blocks of 32 / 16 along the contracting dimension, which never
+    straddle shards (K per shard must be a multiple of the block); a row's block scales travel
+    with the row: the payload that moves is [rows, K + K/block] bytes (values, then scales).
+    NVFP4's float32 global scale is shared over the axis like a tensor scale; its values
+    travel as float8_e4m3fn bytes, which hold every float4_e2m1fn value exactly.
+
+The GEMM: tensor-scaled float8 operands go to XLA's dot as float8 with a float32 result, the
+two scales applied to it (XLA's GPU compiler gives that to cuBLASLt's FP8 GEMM on Hopper,
+scales as its alpha). Hopper has no tensor cores for block scales: block modes are emulated,
+dequantized per block in x's dtype, then multiplied (the layout, `quant.swizzle_block_scales`,
+is ready for hardware that has them).
+
+Backward (straight-through, as the reference system's): dY is quantized by current scaling to
+`grad_dtype` (float8_e5m2 by default; block modes use their own format), with its amax over the
+axis; dX runs the forward's complementary collective with the forward's method, on the
+quantized dY and W (block modes quantize W again with blocks along N, dX's contracting
+dimension); dW multiplies the quantized X (the gathered payload, for AG) by the quantized dY.
+Block modes' dW is emulated on the row-wise blocks (the hardware would want blocks along the
+rows, dW's contracting dimension). Delayed scaling keeps no state for dY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.config import Collective, OverlapConfig
+from commgemm.quant import (
+    BLOCK,
+    E8M0,
+    ScaledTensor,
+    ScalingMode,
+    ScalingState,
+    _amax,
+    dequantize,
+    quantize,
+)
+from commgemm.vma import checks_vma, varying_axes
+
+TENSOR_MODES = (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.DELAYED_TENSOR_SCALING)
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScalingRecipe:
+    """How an op quantizes its operands: `mode`, the forward operands' float8 `dtype` and dY's
+    `grad_dtype` (tensor modes; block modes have fixed formats). DELAYED_TENSOR_SCALING takes
+    the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
+    advances with `state.update(amax(x, axis_name))`, like optimizer state)."""
+
+    mode: ScalingMode = dataclasses.field(
+        default=ScalingMode.CURRENT_TENSOR_SCALING, metadata=dict(static=True)
+    )
+    dtype: str = dataclasses.field(default="float8_e4m3fn", metadata=dict(static=True))
+    grad_dtype: str = dataclasses.field(default="float8_e5m2", metadata=dict(static=True))
+    x_state: ScalingState | None = None
+    w_state: ScalingState | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ScalingMode(self.mode))
+        for name in ("dtype", "grad_dtype"):
+            value = jnp.dtype(getattr(self, name)).name
+            if value not in FLOAT8:
+                raise ValueError(f"ScalingRecipe {name}={value!r} must be one of {FLOAT8}")
+            object.__setattr__(self, name, value)
+        delayed = self.mode is ScalingMode.DELAYED_TENSOR_SCALING
+        if delayed != (self.x_state is not None and self.w_state is not None):
+            raise ValueError(
+                "DELAYED_TENSOR_SCALING needs x_state= and w_state= (ScalingState.create()), "
+                "and only it takes them"
+            )
+
+
+Scaling = ScalingRecipe | ScalingMode | str | None
+
+
+def as_recipe(scaling: Scaling) -> ScalingRecipe | None:
+    """`scaling` as a recipe; None for no quantization (None or NO_SCALING)."""
+    if scaling is None or isinstance(scaling, ScalingRecipe):
+        recipe = scaling
+    else:
+        mode = ScalingMode(scaling)
+        if mode is ScalingMode.DELAYED_TENSOR_SCALING:
+            raise ValueError(
+                "DELAYED_TENSOR_SCALING keeps state: pass scaling=cg.ScalingRecipe("
+                "'delayed_tensor_scaling', x_state=..., w_state=...)"
+            )
+        recipe = ScalingRecipe(mode)
+    if recipe is not None and recipe.mode is ScalingMode.NO_SCALING:
+        return None
+    return recipe
+
+
+def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:
+    """The largest finite |x| of the whole tensor that x is a shard of: the max over the mesh
+    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own)."""
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
+    local = _amax(x.astype(jnp.float32))
+    over = tuple(a for a in names if a in varying_axes(x)) if names else ()
+    if names and not checks_vma(names[0]):  # nothing tracked: every axis may vary
+        over = names
+    return lax.pmax(local, over) if over else local
+
+
+def fake_quantize(
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names=(), state=None
+) -> jax.Array:
+    """a quantized and dequantized, in a's dtype, with the identity gradient (straight-through):
+    the quantized values for computations that have no quantized kernel."""
+    q = dequantize(quantize_operand(lax.stop_gradient(a), recipe, axis, axis_names, state), a.dtype)
+    return lax.stop_gradient(q) + (a - lax.stop_gradient(a))
+
+
+def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
+    """Block modes need K (the forward's contracting size per shard) and N (dX's) in blocks."""
+    block = BLOCK.get(recipe.mode)
+    if block and (k % block or n % block):
+        raise ValueError(
+            f"{recipe.mode.name} scales blocks of {block} along the contracting dimensions: "
+            f"K per shard ({k}) and N per shard ({n}) must be multiples of {block}"
+        )
+
+
+def quantize_operand(
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
+) -> ScaledTensor:
+    """`a` quantized as an operand of a GEMM contracting its dimension `axis`, its tensor (or
+    NVFP4 global) scale shared over `axis_names`."""
+    if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
+        return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
+    shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
+    return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
+
+
+def payload(t: ScaledTensor) -> jax.Array:
+    """The rows that travel for a row-wise operand [r, K]: float8 values (tensor modes), or
+    values and block scales as bytes [r, K + K/block] (block modes)."""
+    if t.mode in TENSOR_MODES:
+        return t.data
+    values = t.data.astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
+    parts = (values, t.scale_inv)
+    return jnp.concatenate([lax.bitcast_convert_type(p, jnp.uint8) for p in parts], axis=1)
+
+
+def _unpack(rows: jax.Array, mode: ScalingMode, k: int) -> ScaledTensor:
+    """The inverse of `payload` for block modes, without NVFP4's global scale."""
+    values = lax.bitcast_convert_type(rows[:, :k], jnp.float8_e4m3fn)
+    scale_dtype = jnp.float8_e4m3fn if mode is ScalingMode.NVFP4_1D_SCALING else E8M0
+    scales = lax.bitcast_convert_type(rows[:, k:], scale_dtype)
+    return ScaledTensor(values, scales, mode=mode, axis=-1)
+
+
+def _scalar(t: ScaledTensor) -> jax.Array:
+    """The part of t's scale that is one number for the whole tensor."""
+    if t.mode in TENSOR_MODES:
+        return t.scale_inv
+    if t.global_scale_inv is not None:
+        return t.global_scale_inv
+    return jnp.ones((), jnp.float32)
+
+
+def _block_values(t: ScaledTensor, dtype) -> jax.Array:
+    """A block-scaled tensor's values times its block scales (the global scale left out)."""
+    return dequantize(dataclasses.replace(t, global_scale_inv=None), dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRhs:
+    """W as the XLA methods' local GEMM sees it under `scaling`: quantized, with the scale of
+    the left operand's tensor and how to read the left operand's payload rows. The methods
+    pass it where they pass w (commgemm.xla.common.matmul calls `matmul` on it)."""
+
+    w: ScaledTensor
+    lhs_scale_inv: jax.Array
+    lhs_k: int = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.data.shape
+
+    def matmul(
+        self, rows: jax.Array, w_transposed: bool, accumulate_dtype: str, result_dtype
+    ) -> jax.Array:
+        """payload rows [r, K(+scales)] @ W -> [r, n], scaled back, in `result_dtype`."""
+        mode = self.w.mode
+        scale = self.lhs_scale_inv * _scalar(self.w)
+        if mode in TENSOR_MODES:
+            lhs, rhs = rows, self.w.data
+        else:
+            lhs = _block_values(_unpack(rows, mode, self.lhs_k), self.dtype)
+            rhs = _block_values(self.w, self.dtype)
+        out = lax.dot_general(
+            lhs,
+            rhs,
+            (((1,), (1 if w_transposed else 0,)), ((), ())),
+            preferred_element_type=jnp.dtype(accumulate_dtype),
+        )
+        return (out * scale).astype(result_dtype or accumulate_dtype)
+
+
+def _rows(t_payload: jax.Array, mode: ScalingMode, k: int, dtype) -> jax.Array:
+    """A payload's values for dW: float8 as is (tensor modes), else dequantized per block."""
+    if mode in TENSOR_MODES:
+        return t_payload
+    return _block_values(_unpack(t_payload, mode, k), dtype)
+
+
+def _weight_grad(a, a_scale, d, d_scale, mode, k_a, k_d, w_transposed, cfg, w_dtype):
+    """dW = A^T @ dY as [K, n] (or dY^T @ A as [n, K]), from their payloads."""
+    a_rows, d_rows = _rows(a, mode, k_a, w_dtype), _rows(d, mode, k_d, w_dtype)
+    lhs, rhs = (d_rows, a_rows) if w_transposed else (a_rows, d_rows)
+    grad = lax.dot_general(
+        lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.dtype(cfg.accumulate_dtype)
+    )
+    return (grad * (a_scale * d_scale)).astype(w_dtype)
+
+
+def collective_matmul(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+    recipe: ScalingRecipe,
+) -> jax.Array:
+    """The validated 2-D collective GEMM of commgemm.ops under `recipe`: x [rows, K] quantized
+    with blocks along K, w along its K dimension, scales shared over `axis_name`. Collective
+    NONE (axis_name None) is the local GEMM, out in cfg.out_dtype."""
+    check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
+    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
+    k_dim = 1 if w_transposed else 0
+    qw = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_name, recipe.w_state)
+    fmt = (recipe.mode, recipe.grad_dtype)
+    return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _scaled(
+    collective: Collective,
+    axis_name: str,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+    fmt: tuple[ScalingMode, str],
+    x: jax.Array,
+    w: jax.Array,
+    qx: ScaledTensor,
+    qw: ScaledTensor,
+) -> jax.Array:
+    """The 2-D collective GEMM on quantized operands qx (x's rows, blocks along K) and qw (w,
+    blocks along K); x and w are what gradients flow to (straight-through)."""
+    return _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)[0]
+
+
+def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
+    from commgemm.autodiff import FN_NAMES
+    from commgemm.xla import module_for
+
+    k = x.shape[1]
+    rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name)
+    if collective is Collective.NONE:  # a local GEMM
+        out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
+        return out, (payload(qx), _scalar(qx), w, qw, jnp.zeros((0, k), x.dtype))
+    fn = getattr(module_for(cfg), FN_NAMES[collective])
+    if collective is Collective.ALL_GATHER:
+        out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
+                       return_gathered=True)  # fmt: skip
+    else:
+        out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
+    like_x = jnp.zeros((0, k), x.dtype)  # x's dtype and K, as an array residual
+    return out, (rows, _scalar(qx), w, qw, like_x)
+
+
+def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
+    from commgemm.autodiff import backward_config
+    from commgemm.xla import module_for
+
+    rows, x_scale, w, qw, like_x = residuals
+    x_dtype, k = like_x.dtype, like_x.shape[1]
+    mode, grad_dtype = fmt
+    back = backward_config(cfg, like_x)
+    if collective is Collective.ALL_REDUCE and not checks_vma(axis_name):
+        dy = lax.psum(dy, axis_name)  # the transpose of the all-reduce (identity if checked)
+    dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
+    n = dy.shape[1]
+    names = () if axis_name is None else axis_name
+    qdy = quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, names))
+    if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
+        n_dim = 0 if w_transposed else 1
+        qw = quantize(w, mode, axis=n_dim, amax=amax(w, names))
+    rhs = QuantizedRhs(qw, _scalar(qdy), n, x_dtype.name)
+    if collective is Collective.ALL_GATHER:
+        dx = module_for(back).matmul_reduce_scatter(
+            payload(qdy), rhs, axis_name, back, w_transposed=not w_transposed
+        )
+        d_rows = payload(qdy)
+    elif collective is Collective.REDUCE_SCATTER:
+        dx, d_rows = module_for(back).all_gather_matmul(
+            payload(qdy), rhs, axis_name, back, w_transposed=not w_transposed,
+            return_gathered=True,
+        )  # fmt: skip
+    else:  # a local GEMM, or the GEMM of an all-reduce (whose transpose is done above)
+        d_rows = payload(qdy)
+        dx = rhs.matmul(d_rows, not w_transposed, cfg.accumulate_dtype, x_dtype)
+    dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), mode, k, n, w_transposed, cfg, w.dtype)
+    return dx.astype(x_dtype), dw, None, None
+
+
+_scaled.defvjp(_forward, _backward)
+
+
+def matmul(
+    x: jax.Array, w: jax.Array, scaling: Scaling, *, w_transposed: bool = False
+) -> jax.Array:
+    """x [..., K] @ w [K, N] (or [N, K] with w_transposed) under `scaling`, as one GEMM: on one
+    device, or on global arrays that XLA partitions (with the whole tensor's amax). Returns
+    [..., N] in x's dtype; differentiable as the ops are. No scaling: a plain dot."""
+    recipe = as_recipe(scaling)
+    x2d = x.reshape(-1, x.shape[-1])
+    if recipe is None:
+        from commgemm.operands import local_matmul
+
+        wide = jnp.promote_types(x.dtype, jnp.float32).name
+        out = local_matmul(x2d, w, w_transposed=w_transposed, accumulate_dtype=wide)
+        return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
+    cfg = OverlapConfig(out_dtype=x.dtype.name)
+    out = collective_matmul(Collective.NONE, x2d, w, None, cfg, w_transposed, recipe)
+    return out.reshape(*x.shape[:-1], -1)

@@ -1,0 +1,230 @@
+"""Quantized collective GEMMs (`scaling=`): every op x method x mode against the float64 product
+of the same quantized operands (tight: only the order of float32 accumulation differs, since a
+shard's scales are the tensor's) and against the unquantized product (the mode's error, below);
+gradients against the straight-through reference; what moves on the wire (the lowered program);
+delayed scaling through the ops; the local GEMM, 2-D, gemm and dense; bad input."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, config_id, mesh1d, mesh2d, shard
+
+import commgemm as cg
+from commgemm import scaled
+from commgemm.quant import ScalingMode
+
+CUR = ScalingMode.CURRENT_TENSOR_SCALING
+MX = ScalingMode.MXFP8_1D_SCALING
+NV = ScalingMode.NVFP4_1D_SCALING
+MODES = [CUR, MX, NV]
+
+#: Max |error| against the unquantized float64 product, per sqrt(K), for unit-normal operands.
+#: e4m3 keeps 3 mantissa bits: a value's relative error is at most 2^-4, a product term's about
+#: 2^-3, and K terms of random sign add like sqrt(K) (measured: 0.17 for tensor scaling, 0.21
+#: for MXFP8, whose power-of-two scales leave the block's top value anywhere in (224, 448]).
+#: NVFP4's e2m1 keeps 1 mantissa bit: relative error up to 1/4 a value (measured 0.53).
+TRUE_TOL = {CUR: 0.35, MX: 0.4, NV: 1.0}
+#: Against the same quantized operands in float64: float32 accumulation only.
+RTOL, ATOL = 1e-5, 2e-5
+
+OPS = {
+    "ag": (cg.all_gather_matmul, (P("x", None), P(None, "x")), P(None, "x")),
+    "rs": (cg.matmul_reduce_scatter, (P(None, "x"), P("x", None)), P("x", None)),
+    "ar": (cg.matmul_all_reduce, (P(None, "x"), P("x", None)), P(None, None)),
+}
+
+
+def _configs(op: str):
+    yield cg.OverlapConfig(method="none")
+    yield cg.OverlapConfig(method="pipeline", num_splits=2)
+    yield cg.OverlapConfig(method="ring_exchange")
+    yield cg.OverlapConfig(method="ring_exchange", num_splits=2, bidirectional=True)
+    if op == "ag":
+        yield cg.OverlapConfig(method="ring_exchange", aggregate=True)
+
+
+CASES = [(op, cfg) for op in OPS for cfg in _configs(op)]
+
+
+def _dq(a, mode, axis):
+    """a quantized globally in `mode` (blocks along `axis`) and back, in float64."""
+    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+
+
+def _problem(rng, size):
+    m, k, n = 8 * size, 64 * size, 64 * size  # blocks of 32 in every shard's K and N
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return x, w
+
+
+def _fn(op, cfg, mode, size, check_vma=True):
+    fn, specs, out = OPS[op]
+    body = lambda a, b: fn(a, b, "x", config=cfg, scaling=mode)  # noqa: E731
+    return shard(body, mesh1d(size), specs, out, check_vma=check_vma)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("op,cfg", CASES, ids=[f"{o}-{config_id(c)}" for o, c in CASES])
+def test_matches_quantized_reference(rng, op, cfg, mode, size):
+    x, w = _problem(rng, size)
+    out = np.asarray(_fn(op, cfg, mode, size)(x, w), np.float64)
+    want = _dq(x, mode, -1) @ _dq(w, mode, 0)
+    k = x.shape[1]
+    assert out.shape == want.shape
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL * np.sqrt(k))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(out - exact).max() <= TRUE_TOL[mode] * np.sqrt(k)
+
+
+GRAD_CASES = [(op, cfg) for op, cfg in CASES if cfg.method.name in ("NONE", "RING_EXCHANGE")]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("op,cfg", GRAD_CASES, ids=[f"{o}-{config_id(c)}" for o, c in GRAD_CASES])
+def test_gradients_straight_through(rng, op, cfg, mode, check_vma):
+    """dX = q(dY) @ q(W)^T and dW = q(X)^T @ q(dY): dY quantized by current scaling to e5m2
+    (block modes: their own format, blocks along N), W again along N for block modes."""
+    size = 4
+    x, w = _problem(rng, size)
+    f = _fn(op, cfg, mode, size, check_vma)
+    y, vjp = jax.vjp(f, x, w)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw = jax.jit(vjp)(g)
+    g_mode, g_dtype = (CUR, jnp.float8_e5m2) if mode is CUR else (mode, jnp.float8_e4m3fn)
+    qg = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(g), g_mode, dtype=g_dtype), jnp.float64))
+    w_dgrad = _dq(w, mode, 0) if mode is CUR else _dq(w, mode, 1)
+    want_dx = qg @ w_dgrad.T
+    want_dw = _dq(x, mode, -1).T @ qg
+    for got, want, k in ((dx, want_dx, w.shape[1]), (dw, want_dw, x.shape[0])):
+        got = np.asarray(got, np.float64)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.sqrt(k))
+
+
+def _operand_types(text: str, name: str) -> list[str]:
+    """The operand types of every `name` collective in lowered StableHLO, as "8x256xf32"."""
+    # `op(%a) <{attrs}> : (types)` on one line, or `op(%a) <{attrs}> ({region}) : (types)`
+    pattern = rf'"stablehlo\.{name}"\((?:[^\n]*?\}}> : |.*?\}}\) : )\(tensor<([^>]*)>'
+    return re.findall(pattern, text, re.DOTALL)
+
+
+def _element_types(text: str, name: str) -> list[str]:
+    return [t.rsplit("x", 1)[-1] for t in _operand_types(text, name)]
+
+
+@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange"])
+@pytest.mark.parametrize("mode,payload", [(CUR, "f8E4M3FN"), (MX, "ui8"), (NV, "ui8")])
+def test_quantized_payload_on_the_wire(rng, method, mode, payload):
+    """AG + GEMM moves the quantized rows (float8, or values and block scales as bytes), never
+    x itself; RS and AR move float32 partial sums, never float8; the only other collective is
+    the scalar amax's all-reduce."""
+    size = 4
+    x, w = _problem(rng, size)
+    cfg = cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
+    text = _fn("ag", cfg, mode, size).lower(x, w).as_text()
+    moved = _element_types(text, "all_gather") + _element_types(text, "collective_permute")
+    assert moved and set(moved) == {payload}
+    amaxes = set() if mode is MX else {"f32"}  # scalars; MXFP8 shares no scale
+    assert set(_operand_types(text, "all_reduce")) == amaxes
+    for op in ("rs", "ar"):
+        text = _fn(op, cfg, mode, size).lower(x, w).as_text()
+        names = ("reduce_scatter", "collective_permute", "all_gather", "all_reduce")
+        moved = [t for name in names for t in _operand_types(text, name)]
+        partial_sums = {t for t in moved if t != "f32"}
+        assert partial_sums and {t.rsplit("x", 1)[-1] for t in partial_sums} == {"f32"}, moved
+
+
+def test_delayed_scaling_through_the_op(rng):
+    """The op quantizes with the states' scales (one per tensor, the same on every shard), and
+    `state.update(cg.amax(x, axis))` inside the step observes the whole tensor's amax."""
+    size = 4
+    x, w = _problem(rng, size)
+    xs = cg.ScalingState.create(history=4).update(jnp.float32(3.0))
+    ws = cg.ScalingState.create(history=4).update(jnp.float32(5.0))
+
+    def step(a, b, sx, sw):
+        recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=sx, w_state=sw)
+        y = cg.all_gather_matmul(a, b, "x", scaling=recipe)
+        return y, sx.update(cg.amax(a, "x")), sw.update(cg.amax(b, "x"))
+
+    specs = (P("x", None), P(None, "x"), P(), P())
+    f = shard(step, mesh1d(size), specs, (P(None, "x"), P(), P()))
+    y, new_x, new_w = f(x, w, xs, ws)
+    qx = cg.dequantize(cg.quantize(jnp.asarray(x), "delayed_tensor_scaling", state=xs)[0])
+    qw = cg.dequantize(cg.quantize(jnp.asarray(w), "delayed_tensor_scaling", state=ws)[0])
+    want = np.asarray(qx, np.float64) @ np.asarray(qw, np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))
+    np.testing.assert_allclose(float(new_x.amax_history[0]), np.abs(x).max(), rtol=1e-6)
+    np.testing.assert_allclose(float(new_w.amax_history[0]), np.abs(w).max(), rtol=1e-6)
+    np.testing.assert_allclose(float(new_x.scale), 448 / max(3.0, np.abs(x).max()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_local_matmul_and_dense(rng, mode):
+    x, w = _problem(rng, 1)
+    want = _dq(x, mode, -1) @ _dq(w, mode, 0)
+    out = jax.jit(lambda a, b: scaled.matmul(a, b, mode))(x, w)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * np.sqrt(64))
+    x3 = x.reshape(2, 4, 64)
+    out3 = cg.dense(x3, w, scaling=mode)
+    np.testing.assert_allclose(np.asarray(out3).reshape(8, -1), want, rtol=RTOL, atol=1e-3)
+    dx = jax.grad(lambda a: jnp.sum(scaled.matmul(a, w, mode)))(x)
+    assert dx.shape == x.shape and np.isfinite(np.asarray(dx)).all()
+
+
+@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange"])
+def test_matmul_2d_and_gemm(rng, method):
+    """The 2-D case scales x and W's K blocks over k_axis; gemm passes scaling to the op it
+    picks (here the all-gather) and to XLA's fall-back."""
+    mode = CUR
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 64)).astype(np.float32)
+    cfg = cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
+    body = lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y", config=cfg, scaling=mode)  # noqa: E731
+    f = shard(body, mesh2d(2, 2), (P("x", "y"), P("x", None)), P("x", None))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(np.asarray(f(x, w)) - exact).max() <= TRUE_TOL[mode] * np.sqrt(256)
+    mesh = mesh1d(4)
+    xs = jax.device_put(x[:, :64], jax.NamedSharding(mesh, P("x", None)))
+    ws = jax.device_put(w[:64], jax.NamedSharding(mesh, P(None, "x")))
+    out = cg.gemm(xs, ws, out_sharding=P(None, "x"), config=cfg, scaling=mode)
+    want = _dq(x[:, :64], mode, -1) @ _dq(w[:64], mode, 0)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * 8)
+    replicated = jax.device_put(x[:, :64], jax.NamedSharding(mesh, P()))
+    out = cg.gemm(replicated, ws, out_sharding=P(None, "x"), scaling=mode)  # XLA's fall-back
+    np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * 8)
+
+
+def test_non_finite_stays_local(rng):
+    """One inf in x spoils only the output rows it touches, as in jnp, not the whole result."""
+    x, w = _problem(rng, 2)
+    x[3, 5] = np.inf
+    out = np.asarray(_fn("ag", cg.OverlapConfig(), CUR, 2)(x, w))
+    assert not np.isfinite(out[3]).any()
+    assert np.isfinite(np.delete(out, 3, axis=0)).all()
+
+
+def test_bad_input(rng):
+    x, w = _problem(rng, 2)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        _fn("ag", cg.OverlapConfig(), MX, 2)(x[:, :48], w[:48])
+    with pytest.raises(ValueError, match="x_state= and w_state="):
+        cg.ScalingRecipe("delayed_tensor_scaling")
+    with pytest.raises(ValueError, match="keeps state"):
+        _fn("ag", cg.OverlapConfig(), "delayed_tensor_scaling", 2)(x, w)
+    with pytest.raises(ValueError, match="must be one of"):
+        cg.ScalingRecipe(dtype="bfloat16")
+    with pytest.raises(ValueError, match="not a valid ScalingMode"):
+        _fn("ag", cg.OverlapConfig(), "fp3", 2)(x, w)
+    fused = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    with pytest.raises(ValueError, match="take no quantized operands"):
+        _fn("ag", fused, CUR, 2)(x, w)
+    # NO_SCALING is the unquantized op
+    out = _fn("ag", cg.OverlapConfig(), "no_scaling", 2)(x, w)
+    np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
