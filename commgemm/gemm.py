@@ -20,6 +20,7 @@ from commgemm.ops import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
+from commgemm.partitioned import partitioned_gemm
 from commgemm.registry import resolve
 from commgemm.scaled import Scaling, as_recipe
 from commgemm.scaled import matmul as quantized_matmul
@@ -168,8 +169,10 @@ def gemm(
         is sharded like the output's last dimension.
       scaling: quantized operands (see `all_gather_matmul`); the XLA fall-back runs the
         quantized GEMM on the global arrays (commgemm.scaled.matmul).
-      x_spec, w_spec: the operands' PartitionSpecs, needed only under jit on a mesh with Auto
-        axes (there a tracer carries no sharding); read off the arrays otherwise.
+      x_spec, w_spec: the operands' PartitionSpecs; read off the arrays (placed arrays, or
+        tracers on Explicit mesh axes) when not given. Under jit on Auto mesh axes, where a
+        tracer carries no sharding, the layout is decided when XLA partitions the program
+        (commgemm.partitioned), from the shardings its propagation chose.
     Layouts (a, r, c mesh axes):
       x P(a, None), w P(None, a) -> out P(None, a): all-gather + GEMM (any row dim of N-D x).
       x P(None, a), w P(a, None) -> out P(a, None): GEMM + reduce-scatter.
@@ -200,11 +203,15 @@ def gemm(
     out = _entries(out_spec_raw, x.ndim, "out_sharding", names)
     xs, ws = _spec_of(x, x_spec, mesh), _spec_of(w, w_spec, mesh)
     if xs is None or ws is None:
-        if cfg.collective is None:
-            raise ValueError(
-                "gemm cannot read the operands' shardings under jit on a mesh with Auto axes: "
-                "pass x_spec= and w_spec=, set config.collective, or use Explicit mesh axes"
-            )
+        if cfg.collective is None:  # decided when XLA partitions the program
+            if recipe is not None and (recipe.x_state is not None):
+                raise ValueError(
+                    "gemm under jit on Auto mesh axes takes stateless scaling (a ScalingMode): "
+                    "for delayed scaling pass x_spec= and w_spec="
+                )
+            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out, config=config, scaling=recipe,
+                                 out_dtype=cfg.out_dtype or x.dtype.name)  # fmt: skip
+            return apply_epilogue(z, bias, activation, return_pre_activation)
         implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)

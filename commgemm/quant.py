@@ -147,9 +147,12 @@ def quantize(
     if mode is ScalingMode.MXFP8_1D_SCALING:
         # the smallest power of two that brings the block's amax within float8_e4m3fn's range
         # (rounded up, as Transformer Engine does, so no value saturates)
+        # from the float's exponent bits, not log2: exact on every backend (a GPU's fused
+        # log2 may round a power of two the other way)
         ratio = jnp.where(block_amax > 0, block_amax, 1.0) / _max(jnp.float8_e4m3fn)
-        exponent = jnp.ceil(jnp.log2(ratio))
-        scale_inv = jnp.exp2(exponent)
+        mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [.5, 1)
+        exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+        scale_inv = jnp.ldexp(jnp.ones_like(ratio), exponent)
         data = _unblocks(_cast(blocks / scale_inv, jnp.float8_e4m3fn), axis, x.ndim)
         return ScaledTensor(data, scale_inv[..., 0].astype(E8M0), mode=mode, axis=axis)
     tensor_amax = jnp.max(block_amax) if amax is None else jnp.asarray(amax, jnp.float32)

@@ -58,7 +58,16 @@ FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 @dataclasses.dataclass(frozen=True)
 class ScalingRecipe:
     """How an op quantizes its operands: `mode`, the forward operands' float8 `dtype` and dY's
-    `grad_dtype` (tensor modes; block modes have fixed formats). DELAYED_TENSOR_SCALING takes
+    `grad_dtype` (tensor modes; block modes have fixed formats).
+
+    `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
+    GPU promotes its partial sums to float32 every few K-steps (True; cuBLASLt without
+    FAST_ACCUM, XLA's ANY_F8_ANY_F8_F32) or accumulates in the tensor cores' narrower
+    accumulator (False, faster). The default, fast forward and split dgrad and wgrad, is
+    Transformer Engine's: gradients sum over more terms (dW over every token) and lose more.
+    Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
+
+    DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
     advances with `state.update(amax(x, axis_name))`, like optimizer state)."""
 
@@ -67,6 +76,9 @@ class ScalingRecipe:
     )
     dtype: str = dataclasses.field(default="float8_e4m3fn", metadata=dict(static=True))
     grad_dtype: str = dataclasses.field(default="float8_e5m2", metadata=dict(static=True))
+    split_accumulator: tuple[bool, bool, bool] = dataclasses.field(
+        default=(False, True, True), metadata=dict(static=True)
+    )
     x_state: ScalingState | None = None
     w_state: ScalingState | None = None
 
@@ -77,6 +89,13 @@ class ScalingRecipe:
             if value not in FLOAT8:
                 raise ValueError(f"ScalingRecipe {name}={value!r} must be one of {FLOAT8}")
             object.__setattr__(self, name, value)
+        split = tuple(bool(b) for b in self.split_accumulator)
+        if len(split) != 3:
+            raise ValueError(
+                f"split_accumulator={self.split_accumulator!r} needs three flags: "
+                "(forward, dgrad, wgrad)"
+            )
+        object.__setattr__(self, "split_accumulator", split)
         delayed = self.mode is ScalingMode.DELAYED_TENSOR_SCALING
         if delayed != (self.x_state is not None and self.w_state is not None):
             raise ValueError(
@@ -178,6 +197,22 @@ def _block_values(t: ScaledTensor, dtype) -> jax.Array:
     return dequantize(dataclasses.replace(t, global_scale_inv=None), dtype)
 
 
+def _dot(lhs, rhs, dims, accumulate_dtype, split_accumulator: bool) -> jax.Array:
+    """lax.dot_general of two operands; float8 ones on an NVIDIA GPU with the accumulation
+    `split_accumulator` asks for (see ScalingRecipe)."""
+    precision = None
+    if jnp.dtype(lhs.dtype).itemsize == 1 and jax.default_backend() == "gpu":
+        preset = lax.DotAlgorithmPreset
+        precision = preset.ANY_F8_ANY_F8_F32 if split_accumulator else (
+            preset.ANY_F8_ANY_F8_F32_FAST_ACCUM
+        )  # fmt: skip
+        accumulate_dtype = "float32"
+    return lax.dot_general(
+        lhs, rhs, (dims, ((), ())), precision=precision,
+        preferred_element_type=jnp.dtype(accumulate_dtype),
+    )  # fmt: skip
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedRhs:
@@ -189,6 +224,7 @@ class QuantizedRhs:
     lhs_scale_inv: jax.Array
     lhs_k: int = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
+    split_accumulator: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -205,12 +241,8 @@ class QuantizedRhs:
         else:
             lhs = _block_values(_unpack(rows, mode, self.lhs_k), self.dtype)
             rhs = _block_values(self.w, self.dtype)
-        out = lax.dot_general(
-            lhs,
-            rhs,
-            (((1,), (1 if w_transposed else 0,)), ((), ())),
-            preferred_element_type=jnp.dtype(accumulate_dtype),
-        )
+        dims = ((1,), (1 if w_transposed else 0,))
+        out = _dot(lhs, rhs, dims, accumulate_dtype, self.split_accumulator)
         return (out * scale).astype(result_dtype or accumulate_dtype)
 
 
@@ -221,13 +253,12 @@ def _rows(t_payload: jax.Array, mode: ScalingMode, k: int, dtype) -> jax.Array:
     return _block_values(_unpack(t_payload, mode, k), dtype)
 
 
-def _weight_grad(a, a_scale, d, d_scale, mode, k_a, k_d, w_transposed, cfg, w_dtype):
+def _weight_grad(a, a_scale, d, d_scale, fmt, k_a, k_d, w_transposed, cfg, w_dtype):
     """dW = A^T @ dY as [K, n] (or dY^T @ A as [n, K]), from their payloads."""
+    mode, _, split = fmt
     a_rows, d_rows = _rows(a, mode, k_a, w_dtype), _rows(d, mode, k_d, w_dtype)
     lhs, rhs = (d_rows, a_rows) if w_transposed else (a_rows, d_rows)
-    grad = lax.dot_general(
-        lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.dtype(cfg.accumulate_dtype)
-    )
+    grad = _dot(lhs, rhs, ((0,), (0,)), cfg.accumulate_dtype, split[2])
     return (grad * (a_scale * d_scale)).astype(w_dtype)
 
 
@@ -247,7 +278,7 @@ def collective_matmul(
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
     k_dim = 1 if w_transposed else 0
     qw = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_name, recipe.w_state)
-    fmt = (recipe.mode, recipe.grad_dtype)
+    fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
     return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)
 
 
@@ -257,7 +288,7 @@ def _scaled(
     axis_name: str,
     cfg: OverlapConfig,
     w_transposed: bool,
-    fmt: tuple[ScalingMode, str],
+    fmt: tuple[ScalingMode, str, tuple[bool, bool, bool]],
     x: jax.Array,
     w: jax.Array,
     qx: ScaledTensor,
@@ -273,7 +304,7 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
     from commgemm.xla import module_for
 
     k = x.shape[1]
-    rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name)
+    rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name, fmt[2][0])
     if collective is Collective.NONE:  # a local GEMM
         out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
         return out, (payload(qx), _scalar(qx), w, qw, jnp.zeros((0, k), x.dtype))
@@ -293,7 +324,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
 
     rows, x_scale, w, qw, like_x = residuals
     x_dtype, k = like_x.dtype, like_x.shape[1]
-    mode, grad_dtype = fmt
+    mode, grad_dtype, split = fmt
     back = backward_config(cfg, like_x)
     if collective is Collective.ALL_REDUCE and not checks_vma(axis_name):
         dy = lax.psum(dy, axis_name)  # the transpose of the all-reduce (identity if checked)
@@ -304,7 +335,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         n_dim = 0 if w_transposed else 1
         qw = quantize(w, mode, axis=n_dim, amax=amax(w, names))
-    rhs = QuantizedRhs(qw, _scalar(qdy), n, x_dtype.name)
+    rhs = QuantizedRhs(qw, _scalar(qdy), n, x_dtype.name, split[1])
     if collective is Collective.ALL_GATHER:
         dx = module_for(back).matmul_reduce_scatter(
             payload(qdy), rhs, axis_name, back, w_transposed=not w_transposed
@@ -318,7 +349,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     else:  # a local GEMM, or the GEMM of an all-reduce (whose transpose is done above)
         d_rows = payload(qdy)
         dx = rhs.matmul(d_rows, not w_transposed, cfg.accumulate_dtype, x_dtype)
-    dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), mode, k, n, w_transposed, cfg, w.dtype)
+    dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), fmt, k, n, w_transposed, cfg, w.dtype)
     return dx.astype(x_dtype), dw, None, None
 
 

@@ -31,6 +31,8 @@ def checks_vma(axis_name: str) -> bool:
 def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
     """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` typed as invariant over
     `axis_name` (every device holds the same result), as an all-reduce's result is."""
+    if not checks_vma(axis_name):  # nothing tracked (check_vma=False, custom_partitioning)
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
     gather = getattr(lax, "all_gather_invariant", None)
     if gather is None:  # jax 0.10 keeps it private
         from jax._src.lax.parallel import all_gather_invariant as gather

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.test_util import check_grads
 
 import commgemm as cg
-from commgemm.autodiff import _backward_config
+from commgemm.autodiff import backward_config
 from commgemm.cli.specs import parse_method
 
 F64 = dict(accumulate_dtype="float64")
@@ -256,5 +256,5 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
-    back = _backward_config(cfg, x)
+    back = backward_config(cfg, x)
     assert back.method is cg.Method.RING_EXCHANGE and not back.atomic_gemm

@@ -120,14 +120,6 @@ def test_unknown_mesh_axis_in_out_spec(rng):
         cg.gemm(xd, wd, out_sharding=P(None, "tp"))
 
 
-def test_auto_axes_under_jit_needs_specs(rng):
-    mesh = mesh1d(4)
-    _, _, xd, wd = _placed(rng, mesh, LAYOUTS["ag"])
-    f = jax.jit(lambda a, b: cg.gemm(a, b, out_sharding=NamedSharding(mesh, P(None, "x"))))
-    with pytest.raises(ValueError, match="pass x_spec= and w_spec="):
-        f(xd, wd)
-
-
 def test_eager_calls_reuse_the_compiled_plan(rng, monkeypatch):
     """cg.gemm outside jit traces once per (shapes, shardings, config), as jax.jit would: a
     ring method's second call does not plan (trace) again."""
