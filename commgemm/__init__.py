@@ -8,7 +8,8 @@ entry `gemm`; how each is
 overlapped: `OverlapConfig` (`Method`, `Collective`, `Algorithm`), or a registered overlap
 buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `commgemm.bench`,
 `commgemm.numerics`. Several processes: `initialize`, `launch`. Layers in Transformer
-Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM. Quantized
+Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM; Flax NNX layers:
+`commgemm.nnx` (needs flax). Quantized
 operands (every op's `scaling=`): `ScalingMode`, `ScalingRecipe`, `ScalingState`, `quantize`,
 `dequantize`, `ScaledTensor`, `amax`.
 """

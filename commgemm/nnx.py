@@ -1,0 +1,201 @@
+"""Flax NNX tensor-parallel layers whose GEMMs run overlapped (`pip install commgemm[flax]`).
+
+The layers act on global arrays under `jax.jit` (or `nnx.jit`) on a mesh with a tensor-parallel
+axis `axis_name` (and optionally a data axis for the batch): activations between layers are
+sequence-parallel, [B, S, H] sharded along S over the tensor axis; each GEMM is a `cg.gemm`
+with the output sharding of its layer, so XLA's partitioner runs the overlapped collective the
+shardings imply (commgemm.partitioned):
+
+  ColumnParallelLinear  [B, S/P, H] -> all-gather(S) + GEMM -> [B, S, F/P]  kernel [H, F/P]
+  RowParallelLinear     [B, S, F/P] -> GEMM + reduce-scatter(S) -> [B, S/P, H]  kernel [F/P, H]
+  ParallelMLP           LayerNorm, column (bias, activation), row: [B, S/P, H] -> [B, S/P, H]
+  ParallelAttentionProjections  QKV column-parallel (heads sharded), attention per head, the
+                        output projection row-parallel: [B, S/P, H] -> [B, S/P, H]
+
+With `sequence_parallel=False` the activations between layers are replicated over the tensor
+axis instead, and the row-parallel GEMM ends in an all-reduce. Parameters carry their
+PartitionSpecs as NNX sharding metadata; `create_sharded` builds a model under jit so that every
+parameter is created in its shards (no device ever holds a whole weight). Each layer takes an
+`OverlapConfig` (default Method.AUTO) and a stateless `scaling` mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from commgemm.config import Method, OverlapConfig
+from commgemm.epilogue import Activation
+from commgemm.gemm import gemm
+
+AUTO = OverlapConfig(method=Method.AUTO)
+LECUN = nnx.initializers.lecun_normal()
+
+
+def _param(rngs: nnx.Rngs, init, shape, dtype, spec, mesh) -> nnx.Param:
+    value = init(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=spec, mesh=mesh)
+
+
+class _Parallel(nnx.Module):
+    """What every layer here holds: the mesh, its axes and how its GEMMs are overlapped."""
+
+    def _setup(self, mesh, axis_name, data_axis, sequence_parallel, config, scaling):
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh}")
+        if data_axis is not None and data_axis not in mesh.axis_names:
+            raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {mesh}")
+        self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
+        self.sequence_parallel, self.config, self.scaling = sequence_parallel, config, scaling
+
+    def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:
+        """[B, S, features]: the batch on the data axis; S on the tensor axis (sequence
+        parallel) unless the features are."""
+        tp = self.axis_name
+        seq = tp if self.sequence_parallel and not sharded_features else None
+        return NamedSharding(self.mesh, P(self.data_axis, seq, tp if sharded_features else None))
+
+
+class ColumnParallelLinear(_Parallel):
+    """y = x @ kernel + bias, kernel [in, out] split by columns over the tensor axis.
+
+    x: [B, S, in] (sequence-parallel: S sharded; else replicated over the axis).
+    Returns [B, S, out] with out sharded over the tensor axis.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, mesh, rngs: nnx.Rngs,
+                 axis_name: str = "tp", data_axis: str | None = None,
+                 sequence_parallel: bool = True, use_bias: bool = True,
+                 activation: Activation = None, config: OverlapConfig | None = AUTO,
+                 scaling=None, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=LECUN):  # fmt: skip
+        self._setup(mesh, axis_name, data_axis, sequence_parallel, config, scaling)
+        self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype,
+                             (None, axis_name), mesh)  # fmt: skip
+        self.bias = (
+            _param(rngs, nnx.initializers.zeros, (out_features,), param_dtype, (axis_name,), mesh)
+            if use_bias
+            else None
+        )
+        self.activation, self.dtype = activation, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        bias = None if self.bias is None else self.bias[...].astype(dtype)
+        return gemm(x.astype(dtype), self.kernel[...].astype(dtype),
+                    out_sharding=self.activation_sharding(sharded_features=True),
+                    config=self.config, bias=bias, activation=self.activation,
+                    scaling=self.scaling)  # fmt: skip
+
+
+class RowParallelLinear(_Parallel):
+    """y = x @ kernel + bias, kernel [in, out] split by rows over the tensor axis.
+
+    x: [B, S, in] with in sharded over the tensor axis.
+    Returns [B, S, out]: S sharded (sequence-parallel: GEMM + reduce-scatter) or replicated
+    over the axis (GEMM + all-reduce); the bias (replicated) added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, mesh, rngs: nnx.Rngs,
+                 axis_name: str = "tp", data_axis: str | None = None,
+                 sequence_parallel: bool = True, use_bias: bool = True,
+                 config: OverlapConfig | None = AUTO, scaling=None, dtype=None,
+                 param_dtype=jnp.float32, kernel_init=LECUN):  # fmt: skip
+        self._setup(mesh, axis_name, data_axis, sequence_parallel, config, scaling)
+        self.kernel = _param(rngs, kernel_init, (in_features, out_features), param_dtype,
+                             (axis_name, None), mesh)  # fmt: skip
+        self.bias = (
+            _param(rngs, nnx.initializers.zeros, (out_features,), param_dtype, (None,), mesh)
+            if use_bias
+            else None
+        )
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        bias = None if self.bias is None else self.bias[...].astype(dtype)
+        return gemm(x.astype(dtype), self.kernel[...].astype(dtype),
+                    out_sharding=self.activation_sharding(sharded_features=False),
+                    config=self.config, bias=bias, scaling=self.scaling)  # fmt: skip
+
+
+def _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype):
+    return dict(mesh=mesh, axis_name=axis_name, data_axis=data_axis,
+                sequence_parallel=sequence_parallel, config=config, scaling=scaling,
+                dtype=dtype)  # fmt: skip
+
+
+class ParallelMLP(nnx.Module):
+    """LayerNorm, ColumnParallelLinear (bias, activation), RowParallelLinear: [B, S, H] ->
+    [B, S, H] (no residual), with the activations' shardings of the two layers."""
+
+    def __init__(self, hidden: int, ffn: int, *, mesh, rngs: nnx.Rngs, axis_name: str = "tp",
+                 data_axis: str | None = None, sequence_parallel: bool = True,
+                 activation: Activation = "gelu", config: OverlapConfig | None = AUTO,
+                 scaling=None, dtype=None):  # fmt: skip
+        kw = _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype)
+        self.norm = nnx.LayerNorm(hidden, rngs=rngs, dtype=dtype)
+        self.up = ColumnParallelLinear(hidden, ffn, rngs=rngs, activation=activation, **kw)
+        self.down = RowParallelLinear(ffn, hidden, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self.up(self.norm(x)))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax attention with a causal mask: q, k, v [B, S, heads, d] -> [B, S, heads, d]."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+class ParallelAttentionProjections(nnx.Module):
+    """Self-attention's projections in tensor parallelism: QKV column-parallel (the heads split
+    over the tensor axis, so each device attends with its own heads over the whole sequence),
+    `attention_fn` per head, the output projection row-parallel. [B, S, H] -> [B, S, H] (no
+    residual, no norm)."""
+
+    def __init__(self, hidden: int, num_heads: int, *, mesh, rngs: nnx.Rngs,
+                 axis_name: str = "tp", data_axis: str | None = None,
+                 sequence_parallel: bool = True, config: OverlapConfig | None = AUTO,
+                 scaling=None, dtype=None,
+                 attention_fn: Callable[..., jax.Array] = causal_attention):  # fmt: skip
+        size = mesh.shape[axis_name]
+        if hidden % num_heads or num_heads % size:
+            raise ValueError(
+                f"hidden={hidden} must be a multiple of num_heads={num_heads}, and num_heads of "
+                f"the tensor axis' size {size}"
+            )
+        kw = _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype)
+        self.num_heads, self.attention_fn = num_heads, attention_fn
+        # columns grouped [3, heads, d] so each device's shard holds whole heads of q, k and v
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, rngs=rngs, **kw)
+        self.out = RowParallelLinear(hidden, hidden, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, h = x.shape
+        heads, d = self.num_heads, h // self.num_heads
+        # [B, S, heads, 3, d]: device i's columns are heads i*heads/P.. of q, k and v alike
+        qkv = self.qkv(x).reshape(b, s, heads, 3, d)
+        q, k, v = (qkv[:, :, :, i] for i in range(3))
+        out = self.attention_fn(q, k, v)  # [B, S, heads, d]
+        return self.out(out.reshape(b, s, h))
+
+
+def create_sharded(factory: Callable[[], nnx.Module], mesh) -> nnx.Module:
+    """`factory()` built under jit with every parameter constrained to its PartitionSpec on
+    `mesh`: XLA creates each parameter in its shards, none is ever whole on one device."""
+
+    @nnx.jit
+    def build():
+        model = factory()
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, specs))
+        return model
+
+    with jax.set_mesh(mesh):
+        return build()
