@@ -7,6 +7,8 @@
 #                                              async TP, by device periods
 #   bash benchmarks/run.sh profile OUT         Mosaic GPU's profile of the direct RS kernel
 #   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
+#   bash benchmarks/run.sh fp8     OUT         one GPU: the FP8 GPU tests, then FP8 vs bf16 GEMMs
+#   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx vs plain Flax
 set -euo pipefail
 export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 target=$1 out=$2
@@ -33,5 +35,12 @@ case $target in
           --methods none,ring,fused,fused-direct,auto --json "$out/$preset-$op.json"
       done
     done ;;
-  *) echo "unknown target $target: check, tune, suite, profile or tpu" >&2; exit 2 ;;
+  fp8)  # the benchmark runs even when a test fails; the exit status is the tests'
+    status=0
+    JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_fp8_gpu.py \
+      --junitxml="$out/fp8_tests.xml" || status=$?
+    python3 benchmarks/fp8_gemm.py --out "$out"
+    exit $status ;;
+  layers) python3 benchmarks/layers_step.py --out "$out" ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8 or layers" >&2; exit 2 ;;
 esac

@@ -22,10 +22,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
+from commgemm.operands import dot
 from commgemm.vma import checks_vma
 from commgemm.xla import module_for
 
@@ -33,10 +33,7 @@ from commgemm.xla import module_for
 def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
     """dW for out = a @ W: a^T @ d as [K, n], or d^T @ a as [n, K] when W is stored transposed."""
     lhs, rhs = (d, a) if w_transposed else (a, d)
-    grad = lax.dot_general(
-        lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.dtype(cfg.accumulate_dtype)
-    )
-    return grad.astype(w.dtype)
+    return dot(lhs, rhs, ((0,), (0,)), accumulate_dtype=cfg.accumulate_dtype, result_dtype=w.dtype)
 
 
 def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
@@ -104,12 +101,8 @@ def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
     # The transpose of the all-reduce, as lax.psum's: the identity on the invariant cotangent
     # under check_vma=True, another all-reduce without the check.
     dp = dy if checks_vma(axis_name) else lax.psum(dy, axis_name)
-    dx = lax.dot_general(
-        dp,
-        w,
-        (((1,), (0 if w_transposed else 1,)), ((), ())),
-        preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
-    ).astype(x.dtype)
+    dx = dot(dp, w, ((1,), (0 if w_transposed else 1,)), accumulate_dtype=cfg.accumulate_dtype,
+             result_dtype=x.dtype)  # fmt: skip
     return dx, _weight_grad(x, dp, w, w_transposed, cfg)
 
 

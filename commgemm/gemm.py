@@ -7,13 +7,12 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
-from commgemm.operands import check_dtypes, check_matmul_shapes
+from commgemm.operands import check_dtypes, check_matmul_shapes, dot
 from commgemm.ops import (
     all_gather_matmul,
     matmul_2d,
@@ -291,12 +290,8 @@ def _xla_gemm(
     if recipe is not None:
         out = quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
     else:
-        out = lax.dot_general(
-            x,
-            w,
-            (((x.ndim - 1,), (0,)), ((), ())),
-            preferred_element_type=jnp.dtype(cfg.accumulate_dtype),
-        ).astype(cfg.out_dtype or x.dtype)
+        out = dot(x, w, ((x.ndim - 1,), (0,)), accumulate_dtype=cfg.accumulate_dtype,
+                  result_dtype=cfg.out_dtype or x.dtype)  # fmt: skip
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(out, NamedSharding(mesh, out_spec))
     return lax.with_sharding_constraint(out, NamedSharding(mesh, out_spec))

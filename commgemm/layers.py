@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from commgemm.config import Collective, OverlapConfig
 from commgemm.epilogue import Activation
-from commgemm.operands import local_matmul
+from commgemm.operands import dot
 from commgemm.ops import all_gather_matmul, matmul_reduce_scatter
 from commgemm.scaled import Scaling, as_recipe
 from commgemm.scaled import matmul as quantized_matmul
@@ -74,10 +74,7 @@ def dense(
     if forward is Collective.NONE:
         if as_recipe(scaling) is None:
             wide = jnp.promote_types(x.dtype, jnp.float32).name  # float32 (float64 for float64)
-            out = local_matmul(
-                x.reshape(-1, x.shape[-1]), kernel, w_transposed=False, accumulate_dtype=wide
-            )
-            out = out.reshape(*x.shape[:-1], kernel.shape[1])
+            out = dot(x, kernel, ((x.ndim - 1,), (0,)), accumulate_dtype=wide, result_dtype=wide)
         else:
             out = quantized_matmul(x, kernel, scaling)
         out = out if bias is None else out + bias.astype(out.dtype)

@@ -81,14 +81,23 @@ def collapse_rows(x: jax.Array, axis: int) -> tuple[jax.Array, Callable[[jax.Arr
     return x2d, restore
 
 
-def local_matmul(
-    a: jax.Array, w: jax.Array, *, w_transposed: bool, accumulate_dtype: str
-) -> jax.Array:
-    """a [r, K] @ w [K, n] (or w [n, K] when w_transposed) -> [r, n] in `accumulate_dtype`."""
-    contract_w = 1 if w_transposed else 0
-    return lax.dot_general(
-        a,
-        w,
-        dimension_numbers=(((1,), (contract_w,)), ((), ())),
-        preferred_element_type=jnp.dtype(accumulate_dtype),
+def dot(lhs: jax.Array, rhs: jax.Array, dims, *, accumulate_dtype: str, result_dtype) -> jax.Array:
+    """lax.dot_general(lhs, rhs, (dims, no batch)) accumulated in `accumulate_dtype`, returned
+    in `result_dtype`.
+
+    A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
+    its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and round
+    once at the end, the same as accumulating in float32 and casting, but without writing a
+    float32 result and reading it back (on 2xH200 that separate cast made the serial llama70b
+    GEMM+RS 10% slower; docs/performance.md).
+    """
+    result = jnp.dtype(result_dtype)
+    direct = (
+        jnp.dtype(accumulate_dtype) == jnp.float32
+        and result.itemsize == 2
+        and jnp.issubdtype(result, jnp.floating)
     )
+    out = lax.dot_general(
+        lhs, rhs, (dims, ((), ())), preferred_element_type=result if direct else accumulate_dtype
+    )
+    return out.astype(result)

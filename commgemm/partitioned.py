@@ -22,7 +22,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig
-from commgemm.operands import local_matmul
+from commgemm.operands import dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +40,10 @@ class _Call:
 def _plain(x: jax.Array, w: jax.Array, call: _Call) -> jax.Array:
     """The op's meaning: x @ w (w [N, K] when transposed), float32 accumulation."""
     wide = jnp.promote_types(x.dtype, jnp.float32).name
-    out = local_matmul(
-        x.reshape(-1, x.shape[-1]), w, w_transposed=call.w_transposed, accumulate_dtype=wide
-    )
-    return out.astype(call.out_dtype).reshape(*x.shape[:-1], -1)
+    x2d = x.reshape(-1, x.shape[-1])
+    dims = ((1,), (1 if call.w_transposed else 0,))
+    out = dot(x2d, w, dims, accumulate_dtype=wide, result_dtype=call.out_dtype)
+    return out.reshape(*x.shape[:-1], -1)
 
 
 def _body(layout, call: _Call):
@@ -152,9 +152,8 @@ def _gemm_bwd(call, residuals, dy):
     dx = _op(back)(dy, w, x)  # dY @ W^T, sharded like x
     rows = tuple(range(x.ndim - 1))
     lhs, rhs = (dy, x) if call.w_transposed else (x, dy)
-    dw = lax.dot_general(
-        lhs, rhs, ((rows, rows), ((), ())), preferred_element_type=jnp.float32
-    ).astype(w.dtype)
+    wide = jnp.promote_types(w.dtype, jnp.float32).name
+    dw = dot(lhs, rhs, (rows, rows), accumulate_dtype=wide, result_dtype=w.dtype)
     return dx, dw
 
 

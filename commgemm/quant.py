@@ -93,9 +93,10 @@ def _scale(amax, dtype) -> jax.Array:
 
 
 def _cast(v: jax.Array, dtype) -> jax.Array:
-    """v clipped to dtype's finite range and cast; non-finite elements stay non-finite."""
+    """v clipped to dtype's finite range and cast; non-finite elements stay non-finite (v - v
+    is 0, or NaN for an inf or NaN: one elementwise pass, no mask for XLA to materialize)."""
     top = _max(dtype)
-    return jnp.where(jnp.isfinite(v), jnp.clip(v, -top, top), v).astype(dtype)
+    return (jnp.clip(v, -top, top) + (v - v)).astype(dtype)
 
 
 def _blocks(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -134,13 +135,13 @@ def quantize(
     if mode is ScalingMode.NO_SCALING:
         return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)
     if mode is ScalingMode.CURRENT_TENSOR_SCALING:
-        scale = _scale(_amax(x32) if amax is None else amax, dtype)
+        scale = _scale(_amax(x) if amax is None else amax, dtype)
         return ScaledTensor(_cast(x32 * scale, dtype), 1.0 / scale, mode=mode, axis=axis)
     if mode is ScalingMode.DELAYED_TENSOR_SCALING:
         if state is None:
             raise ValueError("DELAYED_TENSOR_SCALING needs state= (ScalingState.create())")
         data = _cast(x32 * state.scale, dtype)
-        new = state.update(_amax(x32) if amax is None else amax, dtype)
+        new = state.update(_amax(x) if amax is None else amax, dtype)
         return ScaledTensor(data, 1.0 / state.scale, mode=mode, axis=axis), new
     blocks = _blocks(x32, axis, BLOCK[mode])
     block_amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0), -1, keepdims=True)
@@ -158,19 +159,29 @@ def quantize(
     tensor_amax = jnp.max(block_amax) if amax is None else jnp.asarray(amax, jnp.float32)
     global_scale_inv = 1.0 / _scale(tensor_amax, FP4) / _max(jnp.float8_e4m3fn)
     block_scale = (block_amax / _max(FP4) / global_scale_inv).astype(jnp.float8_e4m3fn)
-    effective = block_scale.astype(jnp.float32) * global_scale_inv
+    effective = _held(block_scale).astype(jnp.float32) * global_scale_inv
     data = _unblocks(_cast(blocks / jnp.where(effective > 0, effective, 1.0), FP4), axis, x.ndim)
     return ScaledTensor(data, block_scale[..., 0], global_scale_inv, mode=mode, axis=axis)
 
 
-def _amax(x32: jax.Array) -> jax.Array:
-    """The largest finite |x| (0 for an empty or all-non-finite x): one bad element does not
-    decide the scale of the rest."""
-    return jnp.max(jnp.where(jnp.isfinite(x32), jnp.abs(x32), 0), initial=0.0)
+def _amax(x: jax.Array) -> jax.Array:
+    """The largest finite |x| as float32 (0 for an empty or all-non-finite x): one bad element
+    does not decide the scale of the rest. Read in x's own dtype (exact), so that this pass and
+    the quantizing one each read x once, with no float32 copy between them."""
+    finite = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.zeros((), x.dtype))
+    return jnp.max(finite, initial=jnp.zeros((), x.dtype)).astype(jnp.float32)
+
+
+def _held(a):
+    """`a` as computed: XLA's GPU compiler, allowed excess precision (its default), drops a
+    round trip such as float32 -> float8 -> float32 inside one program, which would undo the
+    quantization; an optimization barrier keeps the narrow values."""
+    return jax.lax.optimization_barrier(a)
 
 
 def dequantize(t: ScaledTensor, dtype=jnp.float32) -> jax.Array:
     """The values `t` stands for, in `dtype`."""
+    t = _held(t)
     if t.mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.NVFP4_1D_SCALING):
         blocks = _blocks(t.data.astype(jnp.float32), t.axis, BLOCK[t.mode])
         scale = t.scale_inv.astype(jnp.float32)[..., None]

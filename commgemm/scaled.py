@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Collective, OverlapConfig
+from commgemm.operands import dot
 from commgemm.quant import (
     BLOCK,
     E8M0,
@@ -45,6 +46,7 @@ from commgemm.quant import (
     ScalingMode,
     ScalingState,
     _amax,
+    _held,
     dequantize,
     quantize,
 )
@@ -61,11 +63,12 @@ class ScalingRecipe:
     `grad_dtype` (tensor modes; block modes have fixed formats).
 
     `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
-    GPU promotes its partial sums to float32 every few K-steps (True; cuBLASLt without
-    FAST_ACCUM, XLA's ANY_F8_ANY_F8_F32) or accumulates in the tensor cores' narrower
-    accumulator (False, faster). The default, fast forward and split dgrad and wgrad, is
-    Transformer Engine's: gradients sum over more terms (dW over every token) and lose more.
-    Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
+    GPU promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
+    Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower
+    accumulator (False: ..._FAST_ACCUM). Default: promoted for all three. On one H200 with jax
+    0.11.2 the two ran at the same speed with the same error in the GEMM the ops use (a bf16
+    result, BENCHMARKS.md "FP8 GEMMs"): XLA kept promoting. Elsewhere the GEMMs accumulate in
+    float32 and the flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
@@ -77,7 +80,7 @@ class ScalingRecipe:
     dtype: str = dataclasses.field(default="float8_e4m3fn", metadata=dict(static=True))
     grad_dtype: str = dataclasses.field(default="float8_e5m2", metadata=dict(static=True))
     split_accumulator: tuple[bool, bool, bool] = dataclasses.field(
-        default=(False, True, True), metadata=dict(static=True)
+        default=(True, True, True), metadata=dict(static=True)
     )
     x_state: ScalingState | None = None
     w_state: ScalingState | None = None
@@ -128,7 +131,7 @@ def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:
     """The largest finite |x| of the whole tensor that x is a shard of: the max over the mesh
     axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own)."""
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
-    local = _amax(x.astype(jnp.float32))
+    local = _amax(x)
     over = tuple(a for a in names if a in varying_axes(x)) if names else ()
     if names and not checks_vma(names[0]):  # nothing tracked: every axis may vary
         over = names
@@ -170,7 +173,7 @@ def payload(t: ScaledTensor) -> jax.Array:
     values and block scales as bytes [r, K + K/block] (block modes)."""
     if t.mode in TENSOR_MODES:
         return t.data
-    values = t.data.astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
+    values = _held(t.data).astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
     parts = (values, t.scale_inv)
     return jnp.concatenate([lax.bitcast_convert_type(p, jnp.uint8) for p in parts], axis=1)
 
@@ -197,20 +200,26 @@ def _block_values(t: ScaledTensor, dtype) -> jax.Array:
     return dequantize(dataclasses.replace(t, global_scale_inv=None), dtype)
 
 
-def _dot(lhs, rhs, dims, accumulate_dtype, split_accumulator: bool) -> jax.Array:
-    """lax.dot_general of two operands; float8 ones on an NVIDIA GPU with the accumulation
-    `split_accumulator` asks for (see ScalingRecipe)."""
-    precision = None
+def _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype, split: bool):
+    """lax.dot_general(lhs, rhs) * scale in `result_dtype`.
+
+    Float8 operands on an NVIDIA GPU: one cuBLASLt FP8 GEMM with the result in `result_dtype`
+    and the scale folded into it (XLA's ANY_F8_ANY_F8_ANY algorithm, `split` choosing the
+    promoted or the fast accumulation). Measured on one H200 (benchmarks/fp8_gemm.py) this is
+    as fast as torch._scaled_mm with fast accumulation, 6-25% faster than asking for a float32
+    result and casting it. Elsewhere (other backends, the block modes' emulation): a float32
+    accumulation, scaled, then cast."""
+    result = jnp.dtype(result_dtype or accumulate_dtype)
     if jnp.dtype(lhs.dtype).itemsize == 1 and jax.default_backend() == "gpu":
         preset = lax.DotAlgorithmPreset
-        precision = preset.ANY_F8_ANY_F8_F32 if split_accumulator else (
-            preset.ANY_F8_ANY_F8_F32_FAST_ACCUM
-        )  # fmt: skip
-        accumulate_dtype = "float32"
-    return lax.dot_general(
-        lhs, rhs, (dims, ((), ())), precision=precision,
-        preferred_element_type=jnp.dtype(accumulate_dtype),
-    )  # fmt: skip
+        algorithm = preset.ANY_F8_ANY_F8_ANY if split else preset.ANY_F8_ANY_F8_ANY_FAST_ACCUM
+        out = lax.dot_general(lhs, rhs, (dims, ((), ())), precision=algorithm,
+                              preferred_element_type=result)  # fmt: skip
+        return out * scale.astype(result)
+    out = lax.dot_general(
+        lhs, rhs, (dims, ((), ())), preferred_element_type=jnp.dtype(accumulate_dtype)
+    )
+    return (out * scale).astype(result)
 
 
 @jax.tree_util.register_dataclass
@@ -242,8 +251,8 @@ class QuantizedRhs:
             lhs = _block_values(_unpack(rows, mode, self.lhs_k), self.dtype)
             rhs = _block_values(self.w, self.dtype)
         dims = ((1,), (1 if w_transposed else 0,))
-        out = _dot(lhs, rhs, dims, accumulate_dtype, self.split_accumulator)
-        return (out * scale).astype(result_dtype or accumulate_dtype)
+        return _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype,
+                           self.split_accumulator)  # fmt: skip
 
 
 def _rows(t_payload: jax.Array, mode: ScalingMode, k: int, dtype) -> jax.Array:
@@ -258,8 +267,8 @@ def _weight_grad(a, a_scale, d, d_scale, fmt, k_a, k_d, w_transposed, cfg, w_dty
     mode, _, split = fmt
     a_rows, d_rows = _rows(a, mode, k_a, w_dtype), _rows(d, mode, k_d, w_dtype)
     lhs, rhs = (d_rows, a_rows) if w_transposed else (a_rows, d_rows)
-    grad = _dot(lhs, rhs, ((0,), (0,)), cfg.accumulate_dtype, split[2])
-    return (grad * (a_scale * d_scale)).astype(w_dtype)
+    scale = a_scale * d_scale
+    return _scaled_dot(lhs, rhs, ((0,), (0,)), scale, cfg.accumulate_dtype, w_dtype, split[2])
 
 
 def collective_matmul(
@@ -365,11 +374,10 @@ def matmul(
     recipe = as_recipe(scaling)
     x2d = x.reshape(-1, x.shape[-1])
     if recipe is None:
-        from commgemm.operands import local_matmul
-
         wide = jnp.promote_types(x.dtype, jnp.float32).name
-        out = local_matmul(x2d, w, w_transposed=w_transposed, accumulate_dtype=wide)
-        return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
+        dims = ((1,), (1 if w_transposed else 0,))
+        out = dot(x2d, w, dims, accumulate_dtype=wide, result_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], -1)
     cfg = OverlapConfig(out_dtype=x.dtype.name)
     out = collective_matmul(Collective.NONE, x2d, w, None, cfg, w_transposed, recipe)
     return out.reshape(*x.shape[:-1], -1)

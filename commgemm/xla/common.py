@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import OverlapConfig
-from commgemm.operands import local_matmul
+from commgemm.operands import dot
 from commgemm.scaled import QuantizedRhs
 
 
@@ -24,29 +23,19 @@ def matmul(
     `scaling=`, a is a quantized payload and w a `commgemm.scaled.QuantizedRhs`, which
     multiplies it.
 
-    A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
-    its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and
-    round once at the end, the same as accumulating in float32 and casting, but without writing
-    a float32 [r, n] and reading it back (on 2xH200 that separate cast made the serial
-    llama70b GEMM+RS 10% slower; docs/performance.md).
+    The result is asked of XLA in a 16-bit result dtype directly (see operands.dot).
     """
     if isinstance(w, QuantizedRhs):  # the op's scaling=
         with jax.named_scope("gemm"):
             return w.matmul(a, w_transposed, config.accumulate_dtype, result_dtype)
-    direct = (
-        result_dtype is not None
-        and config.accumulate_dtype == "float32"
-        and jnp.dtype(result_dtype).itemsize == 2
-        and jnp.issubdtype(jnp.dtype(result_dtype), jnp.floating)
-    )
     with jax.named_scope("gemm"):
-        out = local_matmul(
+        return dot(
             a,
             w,
-            w_transposed=w_transposed,
-            accumulate_dtype=result_dtype if direct else config.accumulate_dtype,
+            ((1,), (1 if w_transposed else 0,)),
+            accumulate_dtype=config.accumulate_dtype,
+            result_dtype=result_dtype or config.accumulate_dtype,
         )
-    return out if result_dtype is None else out.astype(result_dtype)
 
 
 def reduce_dtype(config: OverlapConfig) -> str:

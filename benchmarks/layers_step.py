@@ -1,0 +1,112 @@
+"""One training step of a decoder built from commgemm.nnx's layers against the same decoder in
+plain Flax NNX (nnx.Linear), on one GPU: both in bf16 compute with float32 parameters, AdamW,
+timed interleaved by device periods (medians of 6 rounds). On one device our layers' GEMMs are
+local (a mesh axis of size 1), so this measures what the layers cost beside plain Flax.
+Writes OUT/layers_step.json.
+
+    PYTHONPATH=. python benchmarks/layers_step.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import commgemm as cg
+from commgemm import nnx as cgnnx
+from commgemm.bench.spans import device_periods_interleaved
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, BATCH, SEQ = 8192, 2048, 16, 8192, 4, 4, 2048
+BF16 = jnp.bfloat16
+
+
+class OursBlock(nnx.Module):
+    def __init__(self, mesh, rngs):
+        kw = dict(mesh=mesh, axis_name="tp", config=cg.OverlapConfig(), dtype=BF16)
+        self.norm = nnx.LayerNorm(HIDDEN, rngs=rngs, dtype=BF16)
+        self.attention = cgnnx.ParallelAttentionProjections(HIDDEN, HEADS, rngs=rngs, **kw)
+        self.mlp = cgnnx.ParallelMLP(HIDDEN, FFN, rngs=rngs, **kw)
+
+    def __call__(self, x):
+        x = x + self.attention(self.norm(x))
+        return x + self.mlp(x)
+
+
+class PlainBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(HIDDEN, rngs=rngs, dtype=BF16)
+        self.qkv = nnx.Linear(HIDDEN, 3 * HIDDEN, rngs=rngs, dtype=BF16)
+        self.proj = nnx.Linear(HIDDEN, HIDDEN, rngs=rngs, dtype=BF16)
+        self.mlp_norm = nnx.LayerNorm(HIDDEN, rngs=rngs, dtype=BF16)
+        self.up = nnx.Linear(HIDDEN, FFN, rngs=rngs, dtype=BF16)
+        self.down = nnx.Linear(FFN, HIDDEN, rngs=rngs, dtype=BF16)
+
+    def __call__(self, x):
+        b, s, h = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(b, s, HEADS, 3, h // HEADS)
+        att = cgnnx.causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
+        x = x + self.proj(att.reshape(b, s, h))
+        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x)), approximate=False))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, blocks, rngs):
+        self.embed = nnx.Embed(VOCAB, HIDDEN, rngs=rngs, dtype=BF16)
+        self.blocks = nnx.List(blocks)
+        self.norm = nnx.LayerNorm(HIDDEN, rngs=rngs, dtype=BF16)
+        self.head = nnx.Linear(HIDDEN, VOCAB, use_bias=False, rngs=rngs, dtype=BF16)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    rngs = nnx.Rngs(0)
+    ours = Decoder([OursBlock(mesh, rngs) for _ in range(LAYERS)], rngs)
+    plain = Decoder([PlainBlock(rngs) for _ in range(LAYERS)], rngs)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
+    variants = {}
+    for name, model in (("commgemm.nnx", ours), ("plain flax", plain)):
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        variants[name] = (train_step, (model, optimizer, tokens))
+    found = device_periods_interleaved(variants, rounds=6, calls=4)
+    ms = {name: f.get("median") for name, f in found.items()}
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "shape": dict(vocab=VOCAB, hidden=HIDDEN, heads=HEADS, ffn=FFN, layers=LAYERS,
+                            batch=BATCH, seq=SEQ),
+              "ms": ms, "ours_vs_plain": ms["commgemm.nnx"] / ms["plain flax"],
+              "errors": {n: f["error"] for n, f in found.items() if "error" in f}}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    (args.out / "layers_step.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
