@@ -81,9 +81,11 @@ def collapse_rows(x: jax.Array, axis: int) -> tuple[jax.Array, Callable[[jax.Arr
     return x2d, restore
 
 
-def dot(lhs: jax.Array, rhs: jax.Array, dims, *, accumulate_dtype: str, result_dtype) -> jax.Array:
+def dot(
+    lhs: jax.Array, rhs: jax.Array, dims, *, accumulate_dtype: str, result_dtype, out_sharding=None
+) -> jax.Array:
     """lax.dot_general(lhs, rhs, (dims, no batch)) accumulated in `accumulate_dtype`, returned
-    in `result_dtype`.
+    in `result_dtype` (and `out_sharding`, for operands on Explicit mesh axes).
 
     A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
     its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and round
@@ -98,6 +100,10 @@ def dot(lhs: jax.Array, rhs: jax.Array, dims, *, accumulate_dtype: str, result_d
         and jnp.issubdtype(result, jnp.floating)
     )
     out = lax.dot_general(
-        lhs, rhs, (dims, ((), ())), preferred_element_type=result if direct else accumulate_dtype
+        lhs,
+        rhs,
+        (dims, ((), ())),
+        preferred_element_type=result if direct else accumulate_dtype,
+        out_sharding=out_sharding,
     )
     return out.astype(result)

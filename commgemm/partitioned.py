@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig
 from commgemm.operands import dot
@@ -153,7 +153,10 @@ def _gemm_bwd(call, residuals, dy):
     rows = tuple(range(x.ndim - 1))
     lhs, rhs = (dy, x) if call.w_transposed else (x, dy)
     wide = jnp.promote_types(w.dtype, jnp.float32).name
-    dw = dot(lhs, rhs, (rows, rows), accumulate_dtype=wide, result_dtype=w.dtype)
+    typed = jax.typeof(w).sharding  # on a mixed mesh: w's Explicit axes (the rows' are summed)
+    explicit = typed.mesh.axis_names and any(t == AxisType.Explicit for t in typed.mesh.axis_types)
+    dw = dot(lhs, rhs, (rows, rows), accumulate_dtype=wide, result_dtype=w.dtype,
+             out_sharding=typed if explicit else None)  # fmt: skip
     return dx, dw
 
 
@@ -174,4 +177,11 @@ def partitioned_gemm(
     the shardings XLA's propagation chose imply a collective `gemm` knows."""
     call = _Call(x.ndim, False, tuple(out_spec), config, scaling, out_dtype)
     out = _gemm(x, w, call)
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t == AxisType.Explicit}  # fmt: skip
+    if explicit:  # a mixed mesh: the types carry the Explicit axes, the constraint the Auto ones
+        auto_spec = [None if e in explicit else e for e in out_spec]
+        typed = PartitionSpec(*[e if e in explicit else None for e in out_spec])
+        out = jax.sharding.reshard(out, NamedSharding(mesh, typed))
+        return lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(*auto_spec)))
     return lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(*out_spec)))

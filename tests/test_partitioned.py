@@ -105,3 +105,28 @@ def test_scaling_under_jit(rng):
         np.float64,
     )
     np.testing.assert_allclose(np.asarray(f(xd, wd)), q(x, -1) @ q(w, 0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["seq_ag", "seq_rs"])
+def test_mixed_mesh(rng, layout):
+    """An Explicit data axis beside an Auto tensor axis: the data axis rides in the types, the
+    tensor axis's layout is read at partitioning time; values, gradients, the ring's permutes."""
+    from jax.sharding import AxisType
+
+    _, shape, xs, ws, os_ = LAYOUTS[layout]
+    mesh = jax.make_mesh((2, 4), ("data", "x"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    x, w = random(rng, shape), random(rng, (shape[-1], 16))
+    xd = jax.device_put(x, NamedSharding(mesh, xs))
+    wd = jax.device_put(w, NamedSharding(mesh, ws))
+    out_sharding = NamedSharding(mesh, os_)
+    f = jax.jit(lambda a, b: cg.gemm(a, b, out_sharding=out_sharding, config=CONFIGS["ring"]))
+    out = f(xd, wd)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert_close(out, want, np.float32, shape[-1])
+    assert out.sharding.is_equivalent_to(out_sharding, 3)
+    assert "collective-permute" in f.lower(xd, wd).compile().as_text()
+    g = random(rng, want.shape)
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * g), (0, 1)))(xd, wd)
+    g64 = g.astype(np.float64).reshape(-1, 16)
+    assert_close(dx, (g64 @ w.T.astype(np.float64)).reshape(x.shape), np.float32, 16)
+    assert_close(dw, x.astype(np.float64).reshape(-1, shape[-1]).T @ g64, np.float32, 64)

@@ -67,8 +67,11 @@ def _fn(op, cfg, mode, size, check_vma=True):
     return shard(body, mesh1d(size), specs, out, check_vma=check_vma)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+#: Every op x method x mode at P = 4; P = 2 (one ring step) for the tensor mode.
+SIZED = [(m, 4) for m in MODES] + [(CUR, 2)]
+
+
+@pytest.mark.parametrize("mode,size", SIZED, ids=[f"{m.name}-P{p}" for m, p in SIZED])
 @pytest.mark.parametrize("op,cfg", CASES, ids=[f"{o}-{config_id(c)}" for o, c in CASES])
 def test_matches_quantized_reference(rng, op, cfg, mode, size):
     x, w = _problem(rng, size)
