@@ -6,6 +6,8 @@ from `create_overlap_buffer`, or None (Method.NONE, the serial baseline).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,8 +24,9 @@ from commgemm.operands import (
     normalize_axis,
 )
 from commgemm.plan import make_plan
+from commgemm.quant import ScaledTensor
 from commgemm.registry import resolve
-from commgemm.scaled import Scaling, as_recipe
+from commgemm.scaled import Scaling, as_recipe, prequantized_matmul
 from commgemm.scaled import collective_matmul as scaled_collective_matmul
 from commgemm.vma import all_gather_invariant
 from commgemm.xla.bulk import bulk_overlap as _bulk
@@ -60,6 +63,13 @@ def _run(
     return_pre_activation: bool,
     scaling: Scaling,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    if isinstance(x, ScaledTensor) or isinstance(w, ScaledTensor):
+        if x_transposed or bias is not None or activation is not None or scaling is not None:
+            raise ValueError(
+                f"{fn_name} on ScaledTensor operands takes no x_transposed, bias, activation or "
+                "scaling (apply the epilogue to the result)"
+            )
+        return _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_transposed)
     recipe = as_recipe(scaling)
     if recipe is not None and resolve(config)[0].atomic_gemm:
         raise ValueError(
@@ -89,6 +99,23 @@ def _run(
     return apply_epilogue(restore(z), bias, activation, return_pre_activation)
 
 
+def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_transposed):
+    """The op on operands the caller quantized (commgemm.scaled.prequantized_matmul)."""
+    if not (isinstance(x, ScaledTensor) and isinstance(w, ScaledTensor)):
+        raise TypeError(f"{fn_name}: quantize both x and w (cg.quantize), or pass scaling=")
+    data2d, restore = _as_rows(x.data, axis, False)
+    scales2d = x.scale_inv if x.scale_inv.ndim == 0 else _as_rows(x.scale_inv, axis, False)[0]
+    x2d = dataclasses.replace(x, data=data2d, scale_inv=scales2d, axis=-1)
+    out_dtype = resolve(config)[0].out_dtype or "float32"
+    stand_in = jax.ShapeDtypeStruct(data2d.shape, out_dtype)  # what the plan checks shapes by
+    w_stand_in = jax.ShapeDtypeStruct(w.data.shape, out_dtype)
+    plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
+                     w_transposed=w_transposed, op=fn_name)  # fmt: skip
+    z = prequantized_matmul(collective, x2d, w, axis_name, _split_config(plan.config),
+                            w_transposed)  # fmt: skip
+    return restore(z)
+
+
 def _split_config(cfg: OverlapConfig) -> OverlapConfig:
     """The config a quantized call runs: the fused kernels take no quantized operands yet, so
     AUTO's fused choice becomes the split algorithm of its method."""
@@ -110,7 +137,10 @@ _EPILOGUE_DOC = """
     Quantized (all ops): `scaling` (a `ScalingMode`, its name, or a `ScalingRecipe`) quantizes
     x and w inside the op: the AG moves the quantized payload, RS and AR reduce in the output
     (or reduce) dtype, and the backward quantizes dY; see commgemm.scaled. None or NO_SCALING:
-    the operands as they are.
+    the operands as they are. x and w may also be `ScaledTensor`s quantized by the caller (x
+    with blocks along K, w along its K dimension; tensor scales shared over the axis, e.g.
+    `cg.quantize(x, mode, amax=cg.amax(x, axis_name))`): forward only, not differentiable,
+    the result in config.out_dtype (default float32), no epilogue.
 
     Epilogue (all ops): `bias` [n] (the output's last dimension, sharded like it) is added once,
     after any reduction; `activation` in {None, "gelu", "gelu_tanh"} follows; with

@@ -291,6 +291,32 @@ def collective_matmul(
     return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)
 
 
+def prequantized_matmul(
+    collective: Collective,
+    qx: ScaledTensor,
+    qw: ScaledTensor,
+    axis_name: str,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+) -> jax.Array:
+    """The 2-D collective GEMM on operands the caller quantized: qx [rows, K] (blocks along K),
+    qw [K, n] (or [n, K] with w_transposed; blocks along K). Forward only; the result in
+    cfg.out_dtype."""
+    if qx.mode is not qw.mode:
+        raise ValueError(f"x is {qx.mode.name} but w is {qw.mode.name}: quantize both alike")
+    k_dim = 1 if w_transposed else 0
+    if qx.mode not in TENSOR_MODES and (qw.axis % 2 != k_dim):
+        raise ValueError(
+            f"w's blocks run along its dimension {qw.axis % 2}, but its K dimension is {k_dim}: "
+            f"quantize w with axis={k_dim}"
+        )
+    k = qx.data.shape[1]
+    fmt = (qx.mode, "float8_e5m2", (True, True, True))
+    like_x = jax.ShapeDtypeStruct((qx.data.shape[0], k), cfg.out_dtype)
+    out, _ = _forward(collective, axis_name, cfg, w_transposed, fmt, like_x, None, qx, qw)
+    return out
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _scaled(
     collective: Collective,

@@ -231,3 +231,38 @@ def test_bad_input(rng):
     # NO_SCALING is the unquantized op
     out = _fn("ag", cg.OverlapConfig(), "no_scaling", 2)(x, w)
     np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_prequantized_operands(rng, op, mode):
+    """ScaledTensor operands quantized by the caller with the shared amax give what scaling=
+    gives (forward)."""
+    size = 4
+    x, w = _problem(rng, size)
+    fn, specs, out_spec = OPS[op]
+    cfg = cg.OverlapConfig(method="ring_exchange", out_dtype="float32")
+
+    def body(a, b):
+        amax = lambda t: None if mode is MX else cg.amax(t, "x")  # noqa: E731
+        qa = cg.quantize(a, mode, amax=amax(a))
+        qb = cg.quantize(b, mode, axis=0, amax=amax(b))
+        return fn(qa, qb, "x", config=cfg), fn(a, b, "x", config=cfg, scaling=mode)
+
+    mine, inside = shard(body, mesh1d(size), specs, (out_spec, out_spec))(x, w)
+    np.testing.assert_allclose(np.asarray(mine), np.asarray(inside), rtol=1e-6, atol=1e-5)
+
+
+def test_prequantized_bad_input(rng):
+    x, w = _problem(rng, 2)
+
+    def run(make_x, make_w):
+        body = lambda a, b: cg.all_gather_matmul(make_x(a), make_w(b), "x")  # noqa: E731
+        return shard(body, mesh1d(2), (P("x", None), P(None, "x")), P(None, "x"))(x, w)
+
+    with pytest.raises(ValueError, match="quantize both alike"):
+        run(lambda a: cg.quantize(a, CUR), lambda b: cg.quantize(b, MX, axis=0))
+    with pytest.raises(TypeError, match="quantize both x and w"):
+        run(lambda a: cg.quantize(a, CUR), lambda b: b)
+    with pytest.raises(ValueError, match="quantize w with axis=0"):
+        run(lambda a: cg.quantize(a, MX), lambda b: cg.quantize(b, MX, axis=1))
