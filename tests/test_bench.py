@@ -196,8 +196,9 @@ def test_overlap_report_figures():
         iters=3,
     )
     assert report.t_gemm_ms > 0 and report.t_comm_ms > 0
-    # t_gemm: the faster of XLA's two GEMM forms, both timed and recorded
+    # t_gemm: the faster of XLA's two GEMM forms (no Mosaic GPU or torch GEMM on a CPU)
     assert len(report.gemm_ms) == 2 and report.t_gemm_ms == min(report.gemm_ms.values())
+    assert report.t_gemm_xla_ms == report.t_gemm_ms
     assert report.as_dict()["gemm_alone_ms"] == report.gemm_ms
     for row in report.rows:
         bound = max(report.t_gemm_ms, report.t_comm_ms)
@@ -208,6 +209,39 @@ def test_overlap_report_figures():
         )
     assert [r.name for r in report.rows] == ["xla", "none", "ring:2"]
     assert report.rows[2].max_error < 1e-3
+
+
+def test_best_gemm_bound_is_the_fastest_measured(monkeypatch):
+    """A faster local GEMM (here a stand-in for torch's cuBLAS that multiplies a smaller block)
+    becomes t_gemm and the bound; XLA's stays t_gemm_xla, with vs_bound_xla over it; one that
+    cannot run is reported among the failures, not silently dropped."""
+    from commgemm.bench.problems import Problem
+
+    small = jax.jit(lambda a, b: a @ b)
+    a, b = jnp.ones((8, 8), jnp.float32), jnp.ones((8, 8), jnp.float32)
+    monkeypatch.setattr(Problem, "gemm_alone_torch", lambda self: (small, (a, b)))
+
+    def broken(self):
+        raise RuntimeError("no Hopper here")
+
+    monkeypatch.setattr(Problem, "gemm_alone_mosaic", broken)
+    report = cg.bench.overlap_report(
+        "ag", (1024, 512, 1024), methods={"none": parse_method("none")}, dtype="float32", iters=5
+    )
+    xla = [report.gemm_ms[name] for name in ("gemm alone", "gemm alone (float32 result, cast)")]
+    assert report.t_gemm_xla_ms == min(xla)
+    assert report.gemm_ms["gemm alone (torch cuBLAS)"] < report.t_gemm_xla_ms
+    assert (
+        report.t_gemm_ms
+        == min(report.gemm_ms.values())
+        == report.gemm_ms["gemm alone (torch cuBLAS)"]
+    )
+    assert ("gemm alone (Mosaic GPU)", "RuntimeError: no Hopper here") in report.failures
+    for row in report.rows:
+        assert row.vs_bound == pytest.approx(row.t_ms / max(report.t_gemm_ms, report.t_comm_ms))
+        assert row.vs_bound_xla == pytest.approx(
+            row.t_ms / max(report.t_gemm_xla_ms, report.t_comm_ms)
+        )
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -14,8 +14,11 @@ from commgemm.bench.spans import device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 from commgemm.config import OverlapConfig
 
-#: The two forms of XLA's GEMM alone (`Problem.gemm_alone`); t_gemm is the faster one.
+#: The two forms of XLA's GEMM alone (`Problem.gemm_alone`).
 GEMM_ALONE = {False: "gemm alone", True: "gemm alone (float32 result, cast)"}
+#: The other local GEMMs the best-GEMM bound takes, where they run (`Problem.gemm_alone_mosaic`,
+#: `Problem.gemm_alone_torch`). t_gemm is the fastest of all; t_gemm_xla of XLA's two forms.
+OTHER_GEMMS = ("gemm alone (Mosaic GPU)", "gemm alone (torch cuBLAS)")
 
 
 #: What `overlap_report` times when no methods are given.
@@ -29,7 +32,8 @@ DEFAULT_METHODS = {
 
 @dataclasses.dataclass(frozen=True)
 class OverlapRow:
-    """One timed variant: t in ms (median), vs_bound = t / max(t_gemm, t_comm), and
+    """One timed variant: t in ms (median), vs_bound = t / max(t_gemm, t_comm) with t_gemm the
+    best local GEMM measured, vs_bound_xla the same over XLA's GEMM alone, and
     hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden).
     With device spans measured, span_ms is the median span and vs_bound_span the same ratio
     over the spans of the GEMM and the collective alone; with device periods, period_ms and
@@ -45,6 +49,7 @@ class OverlapRow:
     vs_bound_span: float | None = None
     period_ms: float | None = None
     vs_bound_period: float | None = None
+    vs_bound_xla: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,8 @@ class OverlapReport:
     period_gemm_ms: float | None = None
     period_comm_ms: float | None = None
     period_error: str | None = None  # why device periods were not measured, when asked for
+    t_gemm_xla_ms: float | None = None  # XLA's GEMM alone (the bound before the best-GEMM one)
+    period_gemm_xla_ms: float | None = None
 
     @property
     def period_bound_ms(self) -> float | None:
@@ -92,6 +99,8 @@ class OverlapReport:
             "period_bound_ms": self.period_bound_ms,
             "period_error": self.period_error,
             "gemm_alone_ms": self.gemm_ms,
+            "t_gemm_xla_ms": self.t_gemm_xla_ms,
+            "period_gemm_xla_ms": self.period_gemm_xla_ms,
             "rows": [
                 {
                     "name": r.name,
@@ -103,6 +112,7 @@ class OverlapReport:
                     "vs_bound_span": r.vs_bound_span,
                     "period_ms": r.period_ms,
                     "vs_bound_period": r.vs_bound_period,
+                    "vs_bound_xla": r.vs_bound_xla,
                     "timing": r.result.as_dict(),
                 }
                 for r in self.rows
@@ -159,10 +169,13 @@ def overlap_report(
     spans: int = 0,
     periods: int = 0,
     include_xla: bool = True,
+    best_gemm: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> OverlapReport:
     """Times, in one run: the GEMM alone (XLA's dot in both result forms of
-    `Problem.gemm_alone`; t_gemm is the faster), the collective alone, XLA's own `jnp.dot` (if
+    `Problem.gemm_alone`, and with best_gemm jax's Mosaic GPU Hopper matmul and torch's cuBLAS
+    where they run; t_gemm is the fastest, t_gemm_xla the faster XLA form), the collective
+    alone, XLA's own `jnp.dot` (if
     asked) and `cg.gemm` with each of `methods` ({name: config}, or configs named by their
     repr; default DEFAULT_METHODS) (max |error| against the serial baseline beside each).
 
@@ -185,9 +198,19 @@ def overlap_report(
         GEMM_ALONE[True]: problem.gemm_alone(cast=True),
         "collective alone": (problem.comm_alone(), (problem.comm_operand(),)),
     }
+    errors, failures = {}, []
+    if best_gemm:
+        makers = (problem.gemm_alone_mosaic, problem.gemm_alone_torch)
+        for name, make in zip(OTHER_GEMMS, makers, strict=True):
+            try:
+                found = make()
+                if found is not None:
+                    jax.block_until_ready(found[0](*found[1]))  # compiles and runs here
+                    timed[name] = found
+            except Exception as err:  # noqa: BLE001 - a GEMM that cannot run here is left out
+                failures.append((name, f"{type(err).__name__}: {err}"[:300]))
     if include_xla:
         timed["xla"] = (problem.xla(), (x, w))
-    errors, failures = {}, []
     if methods is None:
         methods = DEFAULT_METHODS
     if not isinstance(methods, Mapping):
@@ -206,16 +229,19 @@ def overlap_report(
     results = benchmark_interleaved(timed, iters=iters, warmup=warmup, group=group)
     span_ms, span_error = _spans(timed, spans, step) if spans else ({}, None)
     period_ms, period_error = _periods(timed, periods, step) if periods else ({}, None)
-    gemm_ms = {name: results.pop(name).median for name in GEMM_ALONE.values()}
+    gemm_names = [n for n in (*GEMM_ALONE.values(), *OTHER_GEMMS) if n in results]
+    gemm_ms = {name: results.pop(name).median for name in gemm_names}
     t_gemm = min(gemm_ms.values())
+    t_gemm_xla = min(gemm_ms[name] for name in GEMM_ALONE.values())
     t_comm = results.pop("collective alone").median
     span_bound = span_gemm = None
     if span_ms:
-        span_gemm = min(span_ms[name] for name in GEMM_ALONE.values())
+        span_gemm = min(span_ms[name] for name in gemm_names if name in span_ms)
         span_bound = max(span_gemm, span_ms["collective alone"])
-    period_bound = period_gemm = None
+    period_bound = period_gemm = period_gemm_xla = None
     if period_ms:
-        period_gemm = min(period_ms[name] for name in GEMM_ALONE.values())
+        period_gemm = min(period_ms[name] for name in gemm_names if name in period_ms)
+        period_gemm_xla = min(period_ms[name] for name in GEMM_ALONE.values())
         period_bound = max(period_gemm, period_ms["collective alone"])
     rows = tuple(
         OverlapRow(
@@ -229,6 +255,7 @@ def overlap_report(
             span_ms[name] / span_bound if span_bound else None,
             period_ms.get(name),
             period_ms[name] / period_bound if period_bound and name in period_ms else None,
+            result.median / max(t_gemm_xla, t_comm),
         )
         for name, result in results.items()
     )
@@ -248,4 +275,6 @@ def overlap_report(
         period_gemm,
         period_ms.get("collective alone"),
         period_error,
+        t_gemm_xla,
+        period_gemm_xla,
     )

@@ -87,13 +87,8 @@ class Problem:
         with a 16-bit result (float32 accumulation inside, as commgemm's GEMMs ask for it), or
         with cast=True a float32 result cast after; XLA picks other kernels for the two, and
         either can be the faster (on 2xH200 by 2 to 8%)."""
-        m, k, n = self.shape
         p = self.size
-        if self.op == "2d":
-            rows, cols = self.mesh.devices.shape
-            lm, lk, ln = m // rows, k // cols, n
-        else:
-            lm, lk, ln = {"ag": (m, k, n // p), "rs": (m, k // p, n), "ar": (m, k // p, n)}[self.op]
+        lm, lk, ln = self._local_shape()
         spec = P(tuple(self.mesh.axis_names))
         dtype = jnp.dtype(self.dtype)
 
@@ -103,6 +98,59 @@ class Problem:
 
         fn = self._local(body, (spec, spec), spec)
         return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
+
+    def _local_shape(self) -> tuple[int, int, int]:
+        m, k, n = self.shape
+        if self.op == "2d":
+            rows, cols = self.mesh.devices.shape
+            return m // rows, k // cols, n
+        p = self.size
+        return {"ag": (m, k, n // p), "rs": (m, k // p, n), "ar": (m, k // p, n)}[self.op]
+
+    def gemm_alone_mosaic(self) -> tuple[Callable, tuple[jax.Array, jax.Array]] | None:
+        """jax's Mosaic GPU Hopper matmul (`hopper_matmul_mgpu`) of the local shape on every
+        device, no communication, with the fused kernels' tiles (128 x 128 x 64, 4 stages);
+        None where it cannot run (no Hopper GPU, a shape those tiles do not divide)."""
+        lm, lk, ln = self._local_shape()
+        device = self.mesh.devices.flat[0]
+        hopper = str(getattr(device, "compute_capability", "")).startswith("9")
+        if device.platform != "gpu" or not hopper:
+            return None
+        if lm % 128 or ln % 128 or lk % 64 or self.dtype not in ("bfloat16", "float16"):
+            return None
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+        tiles = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                                grid_tile_width=8)  # fmt: skip
+        spec = P(tuple(self.mesh.axis_names))
+        fn = self._local(lambda a, b: hm.matmul(a[0], b[0], None, tiles)[None], (spec, spec), spec)
+        p = self.size
+        return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
+
+    def gemm_alone_torch(self) -> tuple[Callable, tuple] | None:
+        """cuBLAS through torch (torch.matmul) of the local shape on the first device; its
+        result's block_until_ready waits for the GPU as a jax array's does, so it is timed the
+        same way. None without torch, CUDA or a 16-bit dtype."""
+        try:
+            import torch
+        except ImportError:
+            return None
+        if not torch.cuda.is_available() or self.dtype not in ("bfloat16", "float16"):
+            return None
+        lm, lk, ln = self._local_shape()
+        dtype = getattr(torch, self.dtype)
+        a = torch.randn(lm, lk, device="cuda", dtype=dtype)
+        b = torch.randn(lk, ln, device="cuda", dtype=dtype)
+
+        class Done:
+            def __init__(self, out):
+                self.out = out
+
+            def block_until_ready(self):
+                torch.cuda.synchronize()
+                return self
+
+        return (lambda: Done(torch.matmul(a, b))), ()
 
     def comm_alone(self) -> Callable:
         """The op's collective with no GEMM, on the tensor it moves (bound's second term)."""
