@@ -128,9 +128,10 @@ class Problem:
         return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
 
     def gemm_alone_torch(self) -> tuple[Callable, tuple] | None:
-        """cuBLAS through torch (torch.matmul) of the local shape on the first device; its
-        result's block_until_ready waits for the GPU as a jax array's does, so it is timed the
-        same way. None without torch, CUDA or a 16-bit dtype."""
+        """cuBLAS through torch (torch.matmul) of the local shape on the first device. Each
+        call's result carries a CUDA event recorded after its GEMM, and its is_ready and
+        block_until_ready ask that event, as a jax array's ask for its own buffer, so the
+        harness times it the same way. None without torch, CUDA or a 16-bit dtype."""
         try:
             import torch
         except ImportError:
@@ -144,10 +145,14 @@ class Problem:
 
         class Done:
             def __init__(self, out):
-                self.out = out
+                self.out, self.event = out, torch.cuda.Event()
+                self.event.record()
+
+            def is_ready(self) -> bool:
+                return self.event.query()
 
             def block_until_ready(self):
-                torch.cuda.synchronize()
+                self.event.synchronize()
                 return self
 
         return (lambda: Done(torch.matmul(a, b))), ()
