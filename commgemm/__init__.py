@@ -14,6 +14,7 @@ operands (every op's `scaling=`): `ScalingMode`, `ScalingRecipe`, `ScalingState`
 `dequantize`, `ScaledTensor`, `amax`.
 """
 
+from commgemm.bulk import bulk_overlap
 from commgemm.config import Algorithm, Collective, Method, OverlapConfig
 from commgemm.distributed import initialize
 from commgemm.gemm import gemm
@@ -30,7 +31,6 @@ from commgemm.launch import launch
 from commgemm.layers import CollectiveOpSet, dense, layernorm_mlp
 from commgemm.ops import (
     all_gather_matmul,
-    bulk_overlap,
     matmul_2d,
     matmul_all_reduce,
     matmul_reduce_scatter,
