@@ -140,8 +140,10 @@ def test_bad_input(args, error, match):
         assert cg.grouped_matmul(x, w, sizes).shape == (4, 3)
         with pytest.raises(TypeError, match="group_sizes must be integers"):
             cg.grouped_matmul(x, w, sizes.astype(np.float32))
-        with pytest.raises(NotImplementedError, match="quantized"):
+        with pytest.raises(ValueError, match="not a valid ScalingMode"):
             cg.grouped_matmul(x, w, sizes, scaling="fp8")
+        with pytest.raises(ValueError, match="multiples of 32"):
+            cg.grouped_matmul(x, w, sizes, scaling="mxfp8_1d_scaling")
         with pytest.raises(ValueError, match="one way"):
             shard(
                 lambda a, b: cg.all_gather_grouped_matmul(

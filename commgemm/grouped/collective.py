@@ -12,8 +12,10 @@ from jax import lax
 
 from commgemm.config import Method, OverlapConfig
 from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
+from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.registry import resolve
+from commgemm.scaled import Scaling
 from commgemm.xla.common import after, send_one
 
 ConfigLike = OverlapConfig | int | None
@@ -39,6 +41,7 @@ def all_gather_grouped_matmul(
     axis_name: str,
     *,
     config: ConfigLike = None,
+    scaling: Scaling = None,
 ) -> jax.Array:
     """concat over shards s (axis order) of ragged_dot(x_s, w, group_sizes_s).
 
@@ -46,10 +49,15 @@ def all_gather_grouped_matmul(
       x: [m, K] this shard's rows, sorted by group.
       w: [G, K, n], the experts' column shard.
       group_sizes: [G] this shard's counts (summing to at most m).
+      scaling: quantized operands, emulated (commgemm.grouped.scaling).
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
     check_grouped(x, w, group_sizes)
+    if scaling is not None:  # emulated: commgemm.grouped.scaling
+        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
+        out = all_gather_grouped_matmul(x, w, group_sizes, axis_name, config=config)
+        return with_quantized_cotangent(out, recipe, axis_name)
     size, m = axis_size(axis_name), x.shape[0]
     cfg, _ = resolve(config)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
@@ -90,6 +98,7 @@ def grouped_matmul_reduce_scatter(
     axis_name: str,
     *,
     config: ConfigLike = None,
+    scaling: Scaling = None,
 ) -> jax.Array:
     """This shard's rows of psum_scatter(ragged_dot(x, w, group_sizes)).
 
@@ -97,10 +106,15 @@ def grouped_matmul_reduce_scatter(
       x: [M, k], this shard's K-slice, rows sorted by group (the same rows on every shard).
       w: [G, k, N], this shard's K-slice of the experts.
       group_sizes: [G], the same on every shard.
+      scaling: quantized operands, emulated (commgemm.grouped.scaling).
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
     """
     check_grouped(x, w, group_sizes)
+    if scaling is not None:  # emulated: commgemm.grouped.scaling
+        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
+        out = grouped_matmul_reduce_scatter(x, w, group_sizes, axis_name, config=config)
+        return with_quantized_cotangent(out, recipe, axis_name)
     size, rows_total = axis_size(axis_name), x.shape[0]
     cfg, _ = resolve(config)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1

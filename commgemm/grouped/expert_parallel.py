@@ -17,8 +17,10 @@ from jax import lax
 
 from commgemm.config import Method
 from commgemm.grouped.local import check_grouped, grouped_matmul
+from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.registry import resolve
+from commgemm.scaled import Scaling
 from commgemm.xla.common import after
 
 
@@ -53,6 +55,7 @@ def all_to_all_grouped_matmul(
     axis_name: str,
     *,
     config=None,
+    scaling: Scaling = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dispatch this shard's tokens to their experts' shards and run this shard's experts.
 
@@ -63,8 +66,13 @@ def all_to_all_grouped_matmul(
     Returns:
       (y [P, m, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
       order, zeros past their count; recv_sizes [P, e]: those counts), the input of
-      `grouped_matmul_all_to_all`.
+      `grouped_matmul_all_to_all`. `scaling`: quantized operands, emulated
+      (commgemm.grouped.scaling).
     """
+    if scaling is not None:
+        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
+        y, recv = all_to_all_grouped_matmul(x, w, group_sizes, axis_name, config=config)
+        return with_quantized_cotangent(y, recipe, axis_name), recv
     size, e = axis_size(axis_name), w.shape[0]
     check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
     if group_sizes.shape[0] != size * e:
@@ -109,6 +117,7 @@ def grouped_matmul_all_to_all(
     axis_name: str,
     *,
     config=None,
+    scaling: Scaling = None,
 ) -> jax.Array:
     """This shard's experts applied to the tokens it received, sent back to their shards.
 
@@ -119,9 +128,14 @@ def grouped_matmul_all_to_all(
       recv_sizes: [P, e] the counts that came with y.
       group_sizes: [E] this shard's own token counts per global expert (where its tokens'
         results go back to).
+      scaling: quantized operands, emulated (commgemm.grouped.scaling).
     Returns:
       [m, N] in this shard's token order (zeros past the tokens' count).
     """
+    if scaling is not None:
+        y, w, recipe = quantized_operands(y, w, scaling, axis_name)
+        out = grouped_matmul_all_to_all(y, w, recv_sizes, group_sizes, axis_name, config=config)
+        return with_quantized_cotangent(out, recipe, axis_name)
     size, m = axis_size(axis_name), y.shape[1]
     method = _method(config, "grouped_matmul_all_to_all")
     check_grouped(y[0], w, recv_sizes[0])

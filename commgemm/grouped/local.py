@@ -69,7 +69,8 @@ def grouped_matmul(
       bias: optional [G, N], added to each row of its group (not to rows past the sum).
       out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
         float64 operands).
-      scaling: quantized operands are not yet supported (None).
+      scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`), emulated: see
+        commgemm.grouped.scaling.
       hopper_tiles: the Hopper kernel's `GroupedTiles` (None: its default). On a Hopper GPU
         with 16-bit operands whose K and N divide into the tiles, the GEMM runs jax's Mosaic GPU
         ragged-dot kernel (and its dX); elsewhere XLA's ragged dot (on H200 4 to 23 times
@@ -77,9 +78,14 @@ def grouped_matmul(
     Returns:
       [M, N]. Differentiable in x, w and bias.
     """
-    if scaling is not None:
-        raise NotImplementedError("quantized grouped GEMMs (scaling=...) are not supported yet")
     check_grouped(x, w, group_sizes)
+    if scaling is not None:
+        from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
+
+        x, w, recipe = quantized_operands(x, w, scaling)
+        out = grouped_matmul(x, w, group_sizes, bias=bias, out_dtype=out_dtype,
+                             hopper_tiles=hopper_tiles)  # fmt: skip
+        return with_quantized_cotangent(out, recipe)
     out_dtype = floating_dtype_name(out_dtype or x.dtype.name, "out_dtype")
     acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 for float64 operands
     sizes = group_sizes.astype(jnp.int32)

@@ -1,0 +1,69 @@
+"""Quantized grouped GEMMs (`scaling=` on the grouped ops), emulated: x and the experts' weights
+are quantized with blocks (or one scale) along K, their scales shared over the op's mesh axis as
+in commgemm.scaled, and the grouped GEMMs run on the quantized values in x's dtype; the
+backward is straight-through, with dY quantized as in commgemm.scaled (current scaling to
+float8_e5m2, or the block mode along N). What is emulated: the GEMMs are not FP8 tensor-core
+GEMMs, and the payloads move in x's dtype, not as float8 (XLA's ragged dot takes no float8
+operands here; a quantized grouped kernel is future work)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+from commgemm.quant import ScalingMode, dequantize, quantize
+from commgemm.scaled import (
+    TENSOR_MODES,
+    Scaling,
+    ScalingRecipe,
+    amax,
+    as_recipe,
+    check_blocks,
+    fake_quantize,
+)
+
+
+def quantized_operands(
+    x: jax.Array, w: jax.Array, scaling: Scaling, axis_name: str | None = None
+) -> tuple[jax.Array, jax.Array, ScalingRecipe | None]:
+    """(x, w, recipe) with x [..., K] and w [G, K, N] replaced by their quantized values
+    (straight-through); unchanged when scaling is None."""
+    recipe = as_recipe(scaling)
+    if recipe is None:
+        return x, w, None
+    check_blocks(recipe, x.shape[-1], w.shape[2])
+    names = () if axis_name is None else axis_name
+    x = fake_quantize(x, recipe, -1, names, recipe.x_state)
+    return x, fake_quantize(w, recipe, 1, names, recipe.w_state), recipe
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _quantized_cotangent(y: jax.Array, mode: ScalingMode, grad_dtype: str, axis_name):
+    return y
+
+
+def _fwd(y, mode, grad_dtype, axis_name):
+    return y, None
+
+
+def _bwd(mode, grad_dtype, axis_name, _, dy):
+    names = () if axis_name is None else axis_name
+    if mode in TENSOR_MODES:
+        q = quantize(dy, ScalingMode.CURRENT_TENSOR_SCALING, dtype=grad_dtype,
+                     amax=amax(dy, names))  # fmt: skip
+    else:
+        shared = None if mode is ScalingMode.MXFP8_1D_SCALING else amax(dy, names)
+        q = quantize(dy, mode, amax=shared)
+    return (lax.stop_gradient(dequantize(q, dy.dtype)),)
+
+
+_quantized_cotangent.defvjp(_fwd, _bwd)
+
+
+def with_quantized_cotangent(y: jax.Array, recipe: ScalingRecipe | None, axis_name=None):
+    """y itself; its cotangent quantized as `recipe` quantizes dY (nothing without a recipe)."""
+    if recipe is None:
+        return y
+    return _quantized_cotangent(y, recipe.mode, recipe.grad_dtype, axis_name)

@@ -1,0 +1,97 @@
+"""Quantized grouped GEMMs (`scaling=`, emulated): each grouped op x mode against the float64
+reference on the same quantized operands (shards share the tensor's scales, so per-shard
+quantization is the global one), and the straight-through gradients with dY quantized."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, shard
+from test_grouped import random_sizes, reference
+
+import commgemm as cg
+
+MODES = ["current_tensor_scaling", "mxfp8_1d_scaling", "nvfp4_1d_scaling"]
+TOL = 1e-5  # float32 accumulation of values that are exact after quantization
+
+
+def _dq(a, mode, axis):
+    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+
+
+def _grad_dq(g, mode):
+    """dY as the backward quantizes it: e5m2 current scaling, or the block mode along N."""
+    if mode == "current_tensor_scaling":
+        return _dq_dtype(g, mode, jnp.float8_e5m2)
+    return _dq(g, mode, -1)
+
+
+def _dq_dtype(a, mode, dtype):
+    t = cg.quantize(jnp.asarray(a), mode, dtype=dtype)
+    return np.asarray(cg.dequantize(t, jnp.float64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_local_values_and_gradients(rng, mode):
+    x = rng.standard_normal((48, 64)).astype(np.float32)
+    w = rng.standard_normal((3, 64, 32)).astype(np.float32)
+    sizes = random_sizes(rng, 3, 48)
+    out, vjp = jax.vjp(lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=mode), x, w)
+    qx, qw = _dq(x, mode, -1), _dq(w, mode, 1)
+    np.testing.assert_allclose(out, reference(qx, qw, sizes), rtol=TOL, atol=TOL * 8)
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    dx, dw = vjp(g)
+    _, ref_vjp = jax.vjp(lambda a, b: reference(a, b, sizes), qx, qw)
+    want_dx, want_dw = ref_vjp(_grad_dq(g, mode))
+    np.testing.assert_allclose(dx, want_dx, rtol=TOL, atol=TOL * 8)
+    np.testing.assert_allclose(dw, want_dw, rtol=TOL, atol=TOL * 8)
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_collective_forms(rng, mode, method):
+    size, m = 4, 8
+    cfg = cg.OverlapConfig(method="ring_exchange" if method == "ring" else "none")
+    x = rng.standard_normal((size * m, 64)).astype(np.float32)
+    w = rng.standard_normal((3, 64, 32 * size)).astype(np.float32)
+    sizes = np.stack([random_sizes(rng, 3, m) for _ in range(size)])
+    ag = shard(
+        lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "x", config=cfg, scaling=mode),
+        mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"),
+    )(x, w, sizes)  # fmt: skip
+    qx, qw = _dq(x, mode, -1), _dq(w, mode, 1)
+    want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(ag, want, rtol=TOL, atol=TOL * 8)
+    xk = rng.standard_normal((size * m, 32 * size)).astype(np.float32)
+    wk = rng.standard_normal((3, 32 * size, 32)).astype(np.float32)
+    one = random_sizes(rng, 3, size * m)
+    rs = shard(
+        lambda a, b: cg.grouped_matmul_reduce_scatter(a, b, jnp.asarray(one), "x", config=cfg,
+                                                      scaling=mode),
+        mesh1d(size), (P(None, "x"), P(None, "x", None)), P("x"),
+    )(xk, wk)  # fmt: skip
+    want = reference(_dq(xk, mode, -1), _dq(wk, mode, 1), one)
+    np.testing.assert_allclose(rs, want, rtol=TOL, atol=TOL * 16)
+
+
+def test_expert_parallel_pair(rng):
+    """Dispatch, experts, return, quantized: against the same composition on one device with
+    the quantized operands (the hidden activation quantized again by the second op)."""
+    mode, size, m, per_shard = "current_tensor_scaling", 4, 8, 2
+    experts = size * per_shard
+    x = rng.standard_normal((size * m, 32)).astype(np.float32)
+    w1 = rng.standard_normal((experts, 32, 16)).astype(np.float32)
+    w2 = rng.standard_normal((experts, 16, 8)).astype(np.float32)
+    tokens = [rng.integers(0, experts, size=m) for _ in range(size)]
+    sizes = np.stack([np.bincount(t, minlength=experts) for t in tokens]).astype(np.int32)
+
+    def body(a, b, c, g):
+        y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", scaling=mode)
+        return cg.grouped_matmul_all_to_all(y, c, received, g[0], "x", scaling=mode)
+
+    got = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"))(x, w1, w2, sizes)
+    qx, q1, q2 = _dq(x, mode, -1), _dq(w1, mode, 1), _dq(w2, mode, 1)
+    hidden = np.concatenate([reference(qx[s * m : (s + 1) * m], q1, sizes[s]) for s in range(size)])
+    qh = _dq(hidden, mode, -1)  # the second op quantizes its input, all shards sharing a scale
+    want = np.concatenate([reference(qh[s * m : (s + 1) * m], q2, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
