@@ -4,7 +4,8 @@ The layers act on global arrays under `jax.jit` (or `nnx.jit`) on a mesh with a 
 axis `axis_name` (and optionally a data axis for the batch): activations between layers are
 sequence-parallel, [B, S, H] sharded along S over the tensor axis; each GEMM is a `cg.gemm`
 with the output sharding of its layer, so XLA's partitioner runs the overlapped collective the
-shardings imply (commgemm.partitioned):
+shardings imply (commgemm.partitioned); `config=None` leaves a plain dot to XLA's own
+partitioner instead (the baseline the overlap is measured against):
 
   ColumnParallelLinear  [B, S/P, H] -> all-gather(S) + GEMM -> [B, S, F/P]  kernel [H, F/P]
   RowParallelLinear     [B, S, F/P] -> GEMM + reduce-scatter(S) -> [B, S/P, H]  kernel [F/P, H]
@@ -53,6 +54,22 @@ class _Parallel(nnx.Module):
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.sequence_parallel, self.config, self.scaling = sequence_parallel, config, scaling
 
+    def _gemm(self, x, kernel, bias, sharded_features: bool, activation) -> jax.Array:
+        """x @ kernel (+ bias, activation) with this layer's output sharding: cg.gemm, or with
+        config=None XLA's own partitioning of a plain dot (the baseline)."""
+        dtype = self.dtype or x.dtype
+        x, kernel = x.astype(dtype), kernel[...].astype(dtype)
+        bias = None if bias is None else bias[...].astype(dtype)
+        sharding = self.activation_sharding(sharded_features=sharded_features)
+        if self.config is not None:
+            return gemm(x, kernel, out_sharding=sharding, config=self.config, bias=bias,
+                        activation=activation, scaling=self.scaling)  # fmt: skip
+        out = jnp.dot(x, kernel, preferred_element_type=jnp.float32)
+        out = out if bias is None else out + bias.astype(out.dtype)
+        if activation is not None:
+            out = jax.nn.gelu(out, approximate=activation == "gelu_tanh")
+        return jax.lax.with_sharding_constraint(out.astype(dtype), sharding)
+
     def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:
         """[B, S, features]: the batch on the data axis; S on the tensor axis (sequence
         parallel) unless the features are."""
@@ -85,12 +102,7 @@ class ColumnParallelLinear(_Parallel):
         self.activation, self.dtype = activation, dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = self.dtype or x.dtype
-        bias = None if self.bias is None else self.bias[...].astype(dtype)
-        return gemm(x.astype(dtype), self.kernel[...].astype(dtype),
-                    out_sharding=self.activation_sharding(sharded_features=True),
-                    config=self.config, bias=bias, activation=self.activation,
-                    scaling=self.scaling)  # fmt: skip
+        return self._gemm(x, self.kernel, self.bias, True, self.activation)
 
 
 class RowParallelLinear(_Parallel):
@@ -117,11 +129,7 @@ class RowParallelLinear(_Parallel):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = self.dtype or x.dtype
-        bias = None if self.bias is None else self.bias[...].astype(dtype)
-        return gemm(x.astype(dtype), self.kernel[...].astype(dtype),
-                    out_sharding=self.activation_sharding(sharded_features=False),
-                    config=self.config, bias=bias, scaling=self.scaling)  # fmt: skip
+        return self._gemm(x, self.kernel, self.bias, False, None)
 
 
 def _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype):

@@ -157,10 +157,16 @@ def quantize(
         data = _unblocks(_cast(blocks / scale_inv, jnp.float8_e4m3fn), axis, x.ndim)
         return ScaledTensor(data, scale_inv[..., 0].astype(E8M0), mode=mode, axis=axis)
     tensor_amax = jnp.max(block_amax) if amax is None else jnp.asarray(amax, jnp.float32)
-    global_scale_inv = 1.0 / _scale(tensor_amax, FP4) / _max(jnp.float8_e4m3fn)
-    block_scale = (block_amax / _max(FP4) / global_scale_inv).astype(jnp.float8_e4m3fn)
+    # products with reciprocals, no chained divisions: a compiler may reassociate a / b / c
+    # inside a fused loop, and values one bit apart round apart at a format's midpoints
+    ok = (tensor_amax > 0) & jnp.isfinite(tensor_amax)
+    top = _max(FP4) * _max(jnp.float8_e4m3fn)
+    global_scale_inv = jnp.where(ok, tensor_amax * (1.0 / top), 1.0 / _max(jnp.float8_e4m3fn))
+    to_block_scale = 1.0 / (_max(FP4) * global_scale_inv)
+    block_scale = (block_amax * to_block_scale).astype(jnp.float8_e4m3fn)
     effective = _held(block_scale).astype(jnp.float32) * global_scale_inv
-    data = _unblocks(_cast(blocks / jnp.where(effective > 0, effective, 1.0), FP4), axis, x.ndim)
+    to_values = 1.0 / jnp.where(effective > 0, effective, 1.0)  # one per block
+    data = _unblocks(_cast(blocks * to_values, FP4), axis, x.ndim)
     return ScaledTensor(data, block_scale[..., 0], global_scale_inv, mode=mode, axis=axis)
 
 

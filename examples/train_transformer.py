@@ -141,7 +141,8 @@ def check_checkpoint(model: Decoder, shape: Shape, mesh: Mesh, config) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="auto",
-                        help="overlap method: auto, none, pipeline, ring_exchange")  # fmt: skip
+                        help="overlap method: auto, none, pipeline, ring_exchange; or xla (no "
+                             "commgemm: XLA's own partitioning of plain dots)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
     shape = Shape(layers=args.layers)
-    config = cg.OverlapConfig(method=args.method)
+    config = None if args.method == "xla" else cg.OverlapConfig(method=args.method)
     mesh = make_mesh(jax.devices())
     model, optimizer = build(shape, mesh, config)
     twin_mesh = make_mesh(jax.devices()[:1])

@@ -67,12 +67,21 @@ def _fn(op, cfg, mode, size, check_vma=True):
     return shard(body, mesh1d(size), specs, out, check_vma=check_vma)
 
 
-#: Every op x method x mode at P = 4; P = 2 (one ring step) for the tensor mode.
-SIZED = [(m, 4) for m in MODES] + [(CUR, 2)]
+#: Every op x method for the tensor mode at P = 2 and 4; the block modes (whose payload takes
+#: the same code paths in every method) with the serial and ring methods at P = 4.
+FORWARD = [(op, cfg, CUR, p) for op, cfg in CASES for p in (2, 4)] + [
+    (op, cfg, mode, 4)
+    for op, cfg in CASES
+    for mode in (MX, NV)
+    if cfg.method.name == "NONE" or (cfg.method.name == "RING_EXCHANGE" and cfg.num_splits == 1)
+]
 
 
-@pytest.mark.parametrize("mode,size", SIZED, ids=[f"{m.name}-P{p}" for m, p in SIZED])
-@pytest.mark.parametrize("op,cfg", CASES, ids=[f"{o}-{config_id(c)}" for o, c in CASES])
+@pytest.mark.parametrize(
+    "op,cfg,mode,size",
+    FORWARD,
+    ids=[f"{o}-{config_id(c)}-{m.name}-P{p}" for o, c, m, p in FORWARD],
+)
 def test_matches_quantized_reference(rng, op, cfg, mode, size):
     x, w = _problem(rng, size)
     out = np.asarray(_fn(op, cfg, mode, size)(x, w), np.float64)
@@ -84,12 +93,21 @@ def test_matches_quantized_reference(rng, op, cfg, mode, size):
     assert np.abs(out - exact).max() <= TRUE_TOL[mode] * np.sqrt(k)
 
 
-GRAD_CASES = [(op, cfg) for op, cfg in CASES if cfg.method.name in ("NONE", "RING_EXCHANGE")]
+#: Serial and ring methods, every mode, under check_vma=True; the tensor mode also without it.
+GRAD_CASES = [
+    (op, cfg, mode, vma)
+    for op, cfg in CASES
+    if cfg.method.name in ("NONE", "RING_EXCHANGE")
+    for mode in MODES
+    for vma in ((True, False) if mode is CUR else (True,))
+]
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
-@pytest.mark.parametrize("op,cfg", GRAD_CASES, ids=[f"{o}-{config_id(c)}" for o, c in GRAD_CASES])
+@pytest.mark.parametrize(
+    "op,cfg,mode,check_vma",
+    GRAD_CASES,
+    ids=[f"{o}-{config_id(c)}-{m.name}-vma{v}" for o, c, m, v in GRAD_CASES],
+)
 def test_gradients_straight_through(rng, op, cfg, mode, check_vma):
     """dX = q(dY) @ q(W)^T and dW = q(X)^T @ q(dY): dY quantized by current scaling to e5m2
     (block modes: their own format, blocks along N), W again along N for block modes."""
@@ -175,9 +193,9 @@ def test_local_matmul_and_dense(rng, mode):
     out = jax.jit(lambda a, b: scaled.matmul(a, b, mode))(x, w)
     np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * np.sqrt(64))
     x3 = x.reshape(2, 4, 64)
-    out3 = cg.dense(x3, w, scaling=mode)
+    out3 = jax.jit(lambda a, b: cg.dense(a, b, scaling=mode))(x3, w)
     np.testing.assert_allclose(np.asarray(out3).reshape(8, -1), want, rtol=RTOL, atol=1e-3)
-    dx = jax.grad(lambda a: jnp.sum(scaled.matmul(a, w, mode)))(x)
+    dx = jax.jit(jax.grad(lambda a: jnp.sum(scaled.matmul(a, w, mode))))(x)
     assert dx.shape == x.shape and np.isfinite(np.asarray(dx)).all()
 
 

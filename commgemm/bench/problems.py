@@ -48,15 +48,18 @@ class Problem:
         m, k, n = self.shape
         return self._random((m, k), self.x_spec, seed), self._random((k, n), self.w_spec, seed + 1)
 
-    def overlapped(self, cfg: OverlapConfig, compiler_options: dict | None = None) -> Callable:
-        """`cg.gemm` under `cfg`, jitted (with XLA `compiler_options` if given, e.g. debug
-        options that exist as flags only)."""
+    def overlapped(
+        self, cfg: OverlapConfig, compiler_options: dict | None = None, scaling=None
+    ) -> Callable:
+        """`cg.gemm` under `cfg` (and `scaling`), jitted (with XLA `compiler_options` if given,
+        e.g. debug options that exist as flags only)."""
         call = functools.partial(
             gemm,
             out_sharding=NamedSharding(self.mesh, self.out_spec),
             config=cfg,
             x_spec=self.x_spec,
             w_spec=self.w_spec,
+            scaling=scaling,
         )
         return jax.jit(call, compiler_options=compiler_options)
 

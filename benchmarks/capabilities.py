@@ -1,0 +1,196 @@
+"""The capabilities beyond the bf16 ops, timed overlapped on all devices of one host (the
+2-GPU issue's list; the same script serves 4 and 8 GPUs): FP8 ops against bf16, the grouped
+GEMMs overlapped against their serial composition, the layers' training step against XLA's
+own sharding of the same model, and the backward pass alone. One process drives every device;
+times are device periods (interleaved rounds, medians) on GPUs, host-timed medians elsewhere
+(`--quick` on 8 virtual CPU devices is a smoke run of the script, not a measurement).
+
+    PYTHONPATH=. python benchmarks/capabilities.py --out DIR [--quick]
+
+Writes DIR/capabilities.json (every section's rows, as they finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from commgemm.devices import setup_devices
+
+setup_devices()  # before jax starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import commgemm as cg  # noqa: E402
+from commgemm.bench.problems import PRESETS, make_problem  # noqa: E402
+
+FULL = {
+    "presets": ["llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp"],
+    "grouped": dict(tokens=8192, hidden=4096, ffn=14336, experts=8),
+    "decoder": dict(hidden=2048, heads=16, ffn=8192, layers=4, batch=4, seq=2048, vocab=8192),
+}
+QUICK = {
+    "presets": ["quick"],
+    "grouped": dict(tokens=256, hidden=64, ffn=128, experts=4),
+    "decoder": dict(hidden=64, heads=8, ffn=128, layers=1, batch=2, seq=64, vocab=128),
+}
+SHAPES = dict(PRESETS, quick=(256, 128, 256))
+METHODS = {
+    "none": cg.OverlapConfig(),
+    "pipeline:4": cg.OverlapConfig(method="pipeline", num_splits=4),
+    "ring": cg.OverlapConfig(method="ring_exchange"),
+    "auto": cg.OverlapConfig(method="auto"),
+}
+
+
+def time_variants(variants: dict) -> dict[str, float]:
+    """{name: median ms}: device periods on GPUs, host-timed interleaved medians elsewhere."""
+    if jax.default_backend() == "gpu":
+        from commgemm.bench.spans import device_periods_interleaved
+
+        found = device_periods_interleaved(variants, rounds=6)
+        return {name: f.get("median") for name, f in found.items()}
+    from commgemm.bench.timing import benchmark_interleaved
+
+    return {n: r.median for n, r in benchmark_interleaved(variants, iters=3, warmup=1).items()}
+
+
+def fp8_rows(devices, cfg) -> list[dict]:
+    """Each preset's AG and RS: bf16 serial and AUTO, FP8 (current scaling) serial, ring and
+    AUTO, XLA's bf16 dot; FP8 errors against the bf16 serial result."""
+    rows = []
+    for preset in cfg["presets"]:
+        for op in ("ag", "rs"):
+            problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
+            x, w = problem.operands()
+            variants = {"xla bf16": (problem.xla(), (x, w))}
+            for name in ("none", "auto"):
+                variants[f"bf16 {name}"] = (problem.overlapped(METHODS[name]), (x, w))
+            for name in ("none", "ring", "auto"):
+                fn = problem.overlapped(METHODS[name], scaling="current_tensor_scaling")
+                variants[f"fp8 {name}"] = (fn, (x, w))
+            ref = variants["bf16 none"][0](x, w).astype(jnp.float32)
+            scale = float(jnp.abs(ref).max())
+            errors = {n: float(jnp.abs(f(*a).astype(jnp.float32) - ref).max()) / scale
+                      for n, (f, a) in variants.items() if n.startswith("fp8")}  # fmt: skip
+            rows.append({"preset": preset, "op": op, "ms": time_variants(variants),
+                         "rel_error_vs_bf16": errors})  # fmt: skip
+    return rows
+
+
+def grouped_rows(devices, cfg) -> list[dict]:
+    """Tensor-parallel experts (AG + grouped GEMM, grouped GEMM + RS) and expert parallelism
+    (all-to-all + grouped GEMM and back), each method against the serial one (method none)."""
+    size, g = len(devices), cfg["grouped"]
+    mesh = Mesh(np.array(devices), ("tp",))
+    rng = np.random.default_rng(0)
+    m, k, n, e = g["tokens"] // size, g["hidden"], g["ffn"], g["experts"]
+    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, spec))  # noqa: E731
+    sizes = np.stack([np.bincount(rng.integers(0, e, m), minlength=e) for _ in range(size)])
+    sizes_d = jax.device_put(sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
+    x = put(rng.standard_normal((size * m, k)), P("tp"))
+    w_col = put(rng.standard_normal((e, k, n)) / k**0.5, P(None, None, "tp"))
+    w_row = put(rng.standard_normal((e, n, k)) / n**0.5, P(None, "tp", None))
+    h = put(rng.standard_normal((size * m, n)), P(None, "tp"))
+    one = jnp.asarray(np.bincount(rng.integers(0, e, size * m), minlength=e), jnp.int32)
+    rows = []
+    for name in ("none", "pipeline:4", "ring"):
+        c = METHODS[name]
+        ag = jax.jit(
+            jax.shard_map(
+                lambda a, b, s, c=c: cg.all_gather_grouped_matmul(a, b, s[0], "tp", config=c),
+                mesh=mesh,
+                in_specs=(P("tp"), P(None, None, "tp"), P("tp")),
+                out_specs=P(None, "tp"),
+            )
+        )
+        rs = jax.jit(
+            jax.shard_map(
+                lambda a, b, c=c: cg.grouped_matmul_reduce_scatter(a, b, one, "tp", config=c),
+                mesh=mesh,
+                in_specs=(P(None, "tp"), P(None, "tp", None)),
+                out_specs=P("tp"),
+            )
+        )
+        timed = {"ag+grouped": (ag, (x, w_col, sizes_d)), "grouped+rs": (rs, (h, w_row))}
+        rows.append({"method": name, "ms": time_variants(timed)})
+    per = max(e // size, 1)
+    w_ep = put(rng.standard_normal((per * size, k, n)) / k**0.5, P("tp"))
+    ep_sizes = np.stack([np.bincount(rng.integers(0, per * size, m), minlength=per * size)
+                         for _ in range(size)]).astype(np.int32)  # fmt: skip
+    ep_sizes_d = jax.device_put(ep_sizes, NamedSharding(mesh, P("tp")))
+    variants = {}
+    for name in ("none", "ring"):
+        c = METHODS[name]
+        variants[f"all-to-all+grouped {name}"] = (jax.jit(jax.shard_map(
+            lambda a, b, s, c=c: cg.all_to_all_grouped_matmul(a, b, s[0], "tp", config=c)[0],
+            mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp")), out_specs=P("tp"))),
+            (x, w_ep, ep_sizes_d))  # fmt: skip
+    rows.append({"method": "expert parallel", "ms": time_variants(variants)})
+    return rows
+
+
+def backward_rows(devices, cfg) -> list[dict]:
+    """The backward pass alone, dX of AG + GEMM (the RS of dY @ W^T) and of GEMM + RS (the AG of
+    dY), by cg.gemm's methods against XLA's gradient of its own dot."""
+    rows = []
+    for preset in cfg["presets"]:
+        for op in ("ag", "rs"):
+            problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
+            x, w = problem.operands()
+            variants = {}
+            for name in ("xla", "none", "ring", "auto"):
+                f = problem.xla() if name == "xla" else problem.overlapped(METHODS[name])
+                grad = jax.jit(jax.grad(lambda a, b, f=f: jnp.sum(f(a, b).astype(jnp.float32))))
+                variants[f"dX {name}"] = (grad, (x, w))
+            rows.append({"preset": preset, "op": op, "ms": time_variants(variants)})
+    return rows
+
+
+def layers_rows(devices, cfg) -> list[dict]:
+    """One AdamW step of examples/train_transformer.py's decoder at `cfg["decoder"]`'s size,
+    commgemm.nnx with each method, against `--method xla`: the same model whose GEMMs XLA's
+    partitioner shards from the parameters' and activations' shardings."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    import train_transformer as example
+
+    shape = example.Shape(**cfg["decoder"])
+    mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "tp"))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, shape.vocab, (shape.batch, shape.seq + 1)), jnp.int32)
+    variants = {}
+    for name in ("xla", "none", "ring", "auto"):
+        config = None if name == "xla" else METHODS[name]
+        model, optimizer = example.build(shape, mesh, config)
+        variants[name] = (example.train_step, (model, optimizer, tokens))
+    return [{"decoder": cfg["decoder"], "ms": time_variants(variants)}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    parser.add_argument("--sections", default="fp8,grouped,backward,layers")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg, devices = (QUICK if args.quick else FULL), jax.devices()
+    result = {"devices": [str(d) for d in devices], "backend": jax.default_backend(),
+              "jax": jax.__version__, "quick": args.quick}  # fmt: skip
+    sections = {"fp8": fp8_rows, "grouped": grouped_rows, "backward": backward_rows,
+                "layers": layers_rows}  # fmt: skip
+    for name in args.sections.split(","):
+        start = time.time()
+        result[name] = sections[name](devices, cfg)
+        print(f"{name}: {time.time() - start:.0f}s", json.dumps(result[name])[:2000], flush=True)
+        (args.out / "capabilities.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
