@@ -139,17 +139,21 @@ def grouped_rows(devices, cfg) -> list[dict]:
 
 def backward_rows(devices, cfg) -> list[dict]:
     """The backward pass alone, dX of AG + GEMM (the RS of dY @ W^T) and of GEMM + RS (the AG of
-    dY), by cg.gemm's methods against XLA's gradient of its own dot."""
+    dY), by cg.gemm's methods against XLA's gradient of its own dot; dY random (a constant one
+    would let XLA fold the collective away), the forward pruned (dX does not need it)."""
     rows = []
     for preset in cfg["presets"]:
         for op in ("ag", "rs"):
             problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
             x, w = problem.operands()
+            m, _, n = problem.shape
+            dy = problem._random((m, n), problem.out_spec, 7)
             variants = {}
             for name in ("xla", "none", "ring", "auto"):
                 f = problem.xla() if name == "xla" else problem.overlapped(METHODS[name])
-                grad = jax.jit(jax.grad(lambda a, b, f=f: jnp.sum(f(a, b).astype(jnp.float32))))
-                variants[f"dX {name}"] = (grad, (x, w))
+                loss = lambda a, b, g, f=f: jnp.sum(f(a, b) * g, dtype=jnp.float32)  # noqa: E731
+                grad = jax.jit(jax.grad(loss))
+                variants[f"dX {name}"] = (grad, (x, w, dy))
             rows.append({"preset": preset, "op": op, "ms": time_variants(variants)})
     return rows
 

@@ -9,6 +9,9 @@
 #   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
 #   bash benchmarks/run.sh fp8     OUT         one GPU: the FP8 GPU tests, then FP8 vs bf16 GEMMs
 #   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx vs plain Flax
+#   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
+#                                              backward alone and the layers' training step,
+#                                              overlapped against serial and XLA's own sharding
 set -euo pipefail
 export PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 target=$1 out=$2
@@ -42,5 +45,6 @@ case $target in
     python3 benchmarks/fp8_gemm.py --out "$out"
     exit $status ;;
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8 or layers" >&2; exit 2 ;;
+  capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers or capabilities" >&2; exit 2 ;;
 esac

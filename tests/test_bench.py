@@ -373,3 +373,35 @@ def test_one_spelling_of_methods_and_dtypes():
     assert parse_method("ring").method is cg.OverlapConfig(method="ring").method
     assert args.dtype("bf16") == args.dtype("bfloat16") == "bfloat16"
     assert cg.OverlapConfig(out_dtype="bf16").out_dtype == "bfloat16"
+
+
+def test_capabilities_script_runs(tmp_path):
+    """benchmarks/capabilities.py (the multi-GPU run's script) end to end on 8 virtual CPU
+    devices with tiny shapes: every section but the layers' (the training example's own test
+    covers that model), rows for every variant."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parent.parent
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "capabilities.py"), "--out", str(tmp_path),
+         "--quick", "--sections", "fp8,grouped,backward"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "capabilities.json").read_text())
+    assert len(result["devices"]) == 8
+    fp8 = result["fp8"][0]
+    assert set(fp8["ms"]) == {"xla bf16", "bf16 none", "bf16 auto", "fp8 none", "fp8 ring",
+                              "fp8 auto"}  # fmt: skip
+    assert all(0 < e < 0.1 for e in fp8["rel_error_vs_bf16"].values())
+    assert [r["method"] for r in result["grouped"]] == [
+        "none",
+        "pipeline:4",
+        "ring",
+        "expert parallel",
+    ]
+    assert all(t > 0 for row in result["backward"] for t in row["ms"].values())
