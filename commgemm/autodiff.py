@@ -26,7 +26,7 @@ from jax import lax
 
 from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 from commgemm.operands import dot
-from commgemm.vma import checks_vma
+from commgemm.vma import checks_vma, like_primal
 from commgemm.xla import module_for
 
 
@@ -92,18 +92,23 @@ def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
         if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
             gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
         dx = module.matmul_reduce_scatter(dy, w, axis_name, back, w_transposed=not w_transposed)
-        return dx, _weight_grad(gathered, dy, w, w_transposed, cfg)
+        return _typed(dx, x, _weight_grad(gathered, dy, w, w_transposed, cfg), w)
     if collective is Collective.REDUCE_SCATTER:
         dx, dy_gathered = module.all_gather_matmul(
             dy, w, axis_name, back, w_transposed=not w_transposed, return_gathered=True
         )
-        return dx, _weight_grad(x, dy_gathered, w, w_transposed, cfg)
+        return _typed(dx, x, _weight_grad(x, dy_gathered, w, w_transposed, cfg), w)
     # The transpose of the all-reduce, as lax.psum's: the identity on the invariant cotangent
     # under check_vma=True, another all-reduce without the check.
     dp = dy if checks_vma(axis_name) else lax.psum(dy, axis_name)
     dx = dot(dp, w, ((1,), (0 if w_transposed else 1,)), accumulate_dtype=cfg.accumulate_dtype,
              result_dtype=x.dtype)  # fmt: skip
-    return dx, _weight_grad(x, dp, w, w_transposed, cfg)
+    return _typed(dx, x, _weight_grad(x, dp, w, w_transposed, cfg), w)
+
+
+def _typed(dx, x, dw, w):
+    """(dx, dw) typed as x and w (summed over the mesh axes only they vary over: vma)."""
+    return like_primal(dx, x), like_primal(dw, w)
 
 
 collective_matmul.defvjp(_forward, _backward)

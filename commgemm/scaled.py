@@ -50,7 +50,7 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.vma import checks_vma, varying_axes
+from commgemm.vma import checks_vma, like_primal, varying_axes
 
 TENSOR_MODES = (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.DELAYED_TENSOR_SCALING)
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
@@ -342,14 +342,14 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
     rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name, fmt[2][0])
     if collective is Collective.NONE:  # a local GEMM
         out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
-        return out, (payload(qx), _scalar(qx), w, qw, jnp.zeros((0, k), x.dtype))
+        return out, (payload(qx), _scalar(qx), w, qw, x[:0])
     fn = getattr(module_for(cfg), FN_NAMES[collective])
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
                        return_gathered=True)  # fmt: skip
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
-    like_x = jnp.zeros((0, k), x.dtype)  # x's dtype and K, as an array residual
+    like_x = x[:0]  # x's dtype, K and varying axes, as an array residual
     return out, (rows, _scalar(qx), w, qw, like_x)
 
 
@@ -385,7 +385,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
         d_rows = payload(qdy)
         dx = rhs.matmul(d_rows, not w_transposed, cfg.accumulate_dtype, x_dtype)
     dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), fmt, k, n, w_transposed, cfg, w.dtype)
-    return dx.astype(x_dtype), dw, None, None
+    return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None
 
 
 _scaled.defvjp(_forward, _backward)

@@ -50,3 +50,19 @@ def out_struct(
     if mat is None:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=axes))
+
+
+def like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A custom VJP's cotangent `ct` typed as its primal input's: summed over the mesh axes only
+    `ct` varies over (the transpose of the broadcast that let an input invariant over an axis,
+    say weights over a data axis, meet operands varying over it), and marked varying over the
+    axes only `primal` varies over. Unchecked (check_vma=False) nothing is tracked: shard_map's
+    own transpose sums over the unmentioned axes, and `ct` is returned as is."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    if extra:
+        ct = lax.psum(ct, extra)
+    missing = tuple(sorted(varying_axes(primal) - varying_axes(ct)))
+    if missing:
+        pcast = getattr(lax, "pcast", None)
+        ct = pcast(ct, missing, to="varying") if pcast else lax.pvary(ct, missing)
+    return ct

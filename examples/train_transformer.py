@@ -146,6 +146,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-checkpoint", action="store_true",
+                        help="skip the checkpoint's save and restore")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
@@ -173,7 +175,8 @@ def main(argv=None) -> dict:
             twin_losses.append(float(train_step(twin, twin_optimizer, tokens)))
             info = f"loss {loss:.4f} (twin {twin_losses[-1]:.4f})  step {times[-1] * 1e3:.1f} ms"
             progress.update(task, advance=1, info=info)
-    check_checkpoint(model, shape, mesh, config)
+    if not args.no_checkpoint:
+        check_checkpoint(model, shape, mesh, config)
     gap = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     summary = {
         "mesh": dict(mesh.shape), "method": args.method, "first_loss": losses[0],

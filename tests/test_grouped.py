@@ -67,7 +67,7 @@ def test_grouped_matmul_and_bias(rng):
     assert cg.grouped_matmul(x.astype(np.float32), w.astype(np.float32), sizes).dtype == np.float32
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
@@ -97,7 +97,7 @@ def test_all_gather_grouped_matmul(check_vma, size, method, groups, m, seed):
     _close(_grads(lambda a, b: f(a, b, sizes), x, w), _grads(plain, x, w))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
@@ -163,7 +163,7 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     return np.bincount(tokens, minlength=experts).astype(np.int32)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),

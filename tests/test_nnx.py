@@ -113,16 +113,22 @@ def test_bad_input():
         cgnnx.ParallelAttentionProjections(24, 6, mesh=mesh, rngs=nnx.Rngs(0))
 
 
-def test_training_example_matches_its_twin():
-    """Three steps of the example: the loss falls, every step's loss is its unsharded twin's
-    to float32 precision, and the sharded checkpoint round-trips (checked inside)."""
+@pytest.fixture(scope="module")
+def example():
     path = pathlib.Path(__file__).parent.parent / "examples" / "train_transformer.py"
     spec = importlib.util.spec_from_file_location("train_transformer", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # its dataclass looks its module up
-    spec.loader.exec_module(example)
-    summary = example.main(["--steps", "3", "--layers", "1", "--method", "ring_exchange",
-                            "--quiet"])  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange", "auto", "xla"])
+def test_training_example_matches_its_twin(example, method):
+    """Twenty steps of the example: the loss falls, every step's loss is its unsharded twin's
+    to float32 precision, and (ring) the sharded checkpoint round-trips (checked inside)."""
+    argv = ["--steps", "20", "--layers", "1", "--method", method, "--quiet"]
+    summary = example.main(argv + ([] if method == "ring_exchange" else ["--no-checkpoint"]))
     assert summary["mesh"] == {"data": 2, "tp": 4}
-    assert summary["last_loss"] < summary["first_loss"]
-    assert summary["max_gap_to_twin"] < 1e-4
+    assert summary["last_loss"] < summary["first_loss"] - 0.5
+    assert summary["max_gap_to_twin"] < 1e-3

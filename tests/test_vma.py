@@ -125,3 +125,46 @@ def test_values_and_gradients_any_setting(check_vma, size, op, method, m, k, n, 
         check_vma=check_vma,
     )
     _assert_same(_grads(f, x, w), _grads(lambda a, b: a @ b, x, w))
+
+
+#: op -> (x spec, w spec, out spec) on a ("data", "tp") mesh: activations sharded over both,
+#: weights over the tensor axis only (replicated over data, as in data + tensor parallelism).
+DATA_TP = {
+    "ag": (P("data", "tp", None), P(None, "tp"), P("data", None, "tp")),
+    "rs": (P("data", None, "tp"), P("tp", None), P("data", "tp", None)),
+    "ar": (P("data", None, "tp"), P("tp", None), P("data", None, None)),
+}
+
+
+@SETTINGS
+@pytest.mark.parametrize("op", list(DATA_TP))
+@pytest.mark.parametrize("method", ["none", "ring", "pipeline2"])
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
+def test_weights_replicated_over_a_data_axis(rng, op, method, check_vma, scaling):
+    """dW sums over the data axis its weights are replicated over (under check_vma the custom
+    VJP types its cotangents as the primal inputs; unchecked shard_map sums): gradients equal
+    the unsharded composition's (float64; FP8: the same op's bf16 gradients to FP8's error)."""
+    mesh = jax.sharding.Mesh(mesh2d(2, 4).devices, ("data", "tp"))
+    x, w = rng.standard_normal((4, 16, 64)), rng.standard_normal((64, 32))
+    fn = {"ag": cg.all_gather_matmul, "rs": cg.matmul_reduce_scatter,
+          "ar": cg.matmul_all_reduce}[op]  # fmt: skip
+    cfg = METHODS[method]
+    if scaling:
+        x, w = x.astype(np.float32), w.astype(np.float32)
+        cfg = cfg.replace(accumulate_dtype="float32")
+    xs, ws, os_ = DATA_TP[op]
+    f = shard(lambda a, b: fn(a, b, "tp", axis=1, config=cfg, scaling=scaling), mesh, (xs, ws),
+              os_, check_vma=check_vma)  # fmt: skip
+    if scaling is None:
+        _assert_same(_grads(f, x, w), _grads(lambda a, b: jnp.einsum("bsk,kn->bsn", a, b), x, w))
+        return
+    # FP8: a linear loss, so the gradients' error is the quantization's (e5m2 dY: 2^-3 of a
+    # value at most), far below the half of dW a missing sum over the data axis would lose
+    g = rng.standard_normal((4, 16, 32)).astype(np.float32)
+    got = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * g), (0, 1)))(x, w)
+    want = jax.grad(lambda a, b: jnp.sum(jnp.einsum("bsk,kn->bsn", a, b) * g), (0, 1))(
+        x.astype(np.float64), w.astype(np.float64)
+    )
+    for gt, r in zip(got, want, strict=True):
+        scale = float(np.abs(np.asarray(r)).max())
+        np.testing.assert_allclose(np.asarray(gt), np.asarray(r), atol=0.1 * scale)
