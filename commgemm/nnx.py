@@ -12,6 +12,8 @@ partitioner instead (the baseline the overlap is measured against):
   ParallelMLP           LayerNorm, column (bias, activation), row: [B, S/P, H] -> [B, S/P, H]
   ParallelAttentionProjections  QKV column-parallel (heads sharded), attention per head, the
                         output projection row-parallel: [B, S/P, H] -> [B, S/P, H]
+  ParallelMoE           experts split over the axis, tokens dispatched to them and back
+                        (all-to-all overlapped with the grouped GEMMs): [B, S, H] -> [B, S, H]
 
 With `sequence_parallel=False` the activations between layers are replicated over the tensor
 axis instead, and the row-parallel GEMM ends in an all-reduce. Parameters carry their
@@ -191,6 +193,87 @@ class ParallelAttentionProjections(nnx.Module):
         q, k, v = (qkv[:, :, :, i] for i in range(3))
         out = self.attention_fn(q, k, v)  # [B, S, heads, d]
         return self.out(out.reshape(b, s, h))
+
+
+def top_k_routing(logits: jax.Array, k: int):
+    """Top-k routing of tokens [m, E] logits: (expert [m*k], gate [m*k], token [m*k]) for each
+    token's k choices (token-major), gates the softmax over the chosen k."""
+    values, experts = jax.lax.top_k(logits, k)
+    gates = jax.nn.softmax(values.astype(jnp.float32), axis=-1)
+    tokens = jnp.repeat(jnp.arange(logits.shape[0]), k)
+    return experts.reshape(-1), gates.reshape(-1), tokens
+
+
+def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu"):
+    """The MoE block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H]
+    (experts sharded over `axis_name`): route, sort the k copies of each token by expert,
+    dispatch them to their experts' shards while the expert GEMMs run, back, combine."""
+    from commgemm.grouped.expert_parallel import (
+        all_to_all_grouped_matmul,
+        grouped_matmul_all_to_all,
+    )
+
+    size, e = jax.lax.axis_size(axis_name), w1.shape[0]
+    expert, gate, token = top_k_routing(x @ router.astype(x.dtype), k)
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
+    y, received = all_to_all_grouped_matmul(x[token[order]], w1, counts, axis_name,
+                                            config=config, scaling=scaling)  # fmt: skip
+    y = jax.nn.gelu(y, approximate=activation == "gelu_tanh")
+    out = grouped_matmul_all_to_all(y, w2, received, counts, axis_name, config=config,
+                                    scaling=scaling)  # fmt: skip
+    weighted = out * gate[order][:, None].astype(out.dtype)
+    return jnp.zeros_like(x).at[token[order]].add(weighted.astype(x.dtype))
+
+
+class ParallelMoE(nnx.Module):
+    """A mixture-of-experts feed-forward block with expert parallelism: a router (replicated),
+    top-k routing, the tokens dispatched to their experts' shards (`cg.all_to_all_grouped_matmul`,
+    the expert GEMMs running as tokens arrive), the activation, the way back
+    (`cg.grouped_matmul_all_to_all`) and the gated combine. [B, S, H] -> [B, S, H] (no residual),
+    the experts split over `axis_name` (num_experts divisible by its size); tokens stay where
+    they are (sequence-parallel over the axis by default)."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, *, mesh, rngs: nnx.Rngs,
+                 top_k: int = 2, axis_name: str = "tp", data_axis: str | None = None,
+                 config: OverlapConfig | None = AUTO, scaling=None, dtype=None,
+                 param_dtype=jnp.float32, activation: Activation = "gelu"):  # fmt: skip
+        size = mesh.shape[axis_name]
+        if num_experts % size or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"num_experts={num_experts} must be a multiple of the axis' size {size}, and "
+                f"top_k={top_k} between 1 and num_experts"
+            )
+        self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
+        self.top_k, self.config, self.scaling = top_k, config, scaling
+        self.dtype, self.activation = dtype, activation
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
+        self.router = _param(rngs, LECUN, (hidden, num_experts), param_dtype, (None, None), mesh)
+        self.w1 = _param(rngs, init, (num_experts, hidden, ffn), param_dtype,
+                         (axis_name, None, None), mesh)  # fmt: skip
+        self.w2 = _param(rngs, init, (num_experts, ffn, hidden), param_dtype,
+                         (axis_name, None, None), mesh)  # fmt: skip
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        b, s, h = x.shape
+        tokens = P((self.data_axis, self.axis_name) if self.data_axis else self.axis_name)
+        experts = P(self.axis_name)
+
+        def body(a, router, w1, w2):
+            return moe_per_shard(a, router, w1, w2, k=self.top_k, axis_name=self.axis_name,
+                                 config=self.config, scaling=self.scaling,
+                                 activation=self.activation)  # fmt: skip
+
+        out = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(tokens, P(), experts, experts), out_specs=tokens
+        )(  # fmt: skip
+            x.reshape(b * s, h).astype(dtype),
+            self.router[...],
+            self.w1[...].astype(dtype),
+            self.w2[...].astype(dtype),
+        )
+        return out.reshape(b, s, h)
 
 
 def create_sharded(factory: Callable[[], nnx.Module], mesh) -> nnx.Module:
