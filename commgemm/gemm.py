@@ -40,7 +40,9 @@ class Layout:
     out_spec: Spec
 
 
-def _entries(spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]) -> Spec:
+def spec_entries(
+    spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]
+) -> Spec:
     """A PartitionSpec as one entry per dimension: None or a single mesh-axis name."""
     entries = tuple(spec) if spec is not None else ()
     if len(entries) > ndim:
@@ -199,7 +201,7 @@ def gemm(
         raise TypeError(
             f"out_sharding must be a NamedSharding or PartitionSpec, got {type(out_sharding)}"
         )
-    out = _entries(out_spec_raw, x.ndim, "out_sharding", names)
+    out = spec_entries(out_spec_raw, x.ndim, "out_sharding", names)
     xs, ws = _spec_of(x, x_spec, mesh), _spec_of(w, w_spec, mesh)
     if xs is None or ws is None:
         if cfg.collective is None:  # decided when XLA partitions the program
@@ -214,7 +216,7 @@ def gemm(
         implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)
-    layout = classify(_entries(xs, x.ndim, "x", names), _entries(ws, 2, "w", names), out)
+    layout = classify(spec_entries(xs, x.ndim, "x", names), spec_entries(ws, 2, "w", names), out)
     if layout.collective is None:
         if cfg.collective not in (None, Collective.NONE):
             raise ValueError(

@@ -70,17 +70,17 @@ def _body(layout, call: _Call):
 
 
 def _specs(mesh, arg_shapes, call: _Call):
-    from commgemm.gemm import _entries
+    from commgemm.gemm import spec_entries
 
     names = tuple(mesh.axis_names)
-    x_spec = _entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
-    w_spec = _entries(arg_shapes[1].sharding.spec, 2, "w", names)
+    x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
+    w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names)
     if call.w_transposed:
         w_spec = w_spec[::-1]  # as [K, N]
     if call.out_spec is not None:
         out_spec = call.out_spec
     else:
-        out_spec = _entries(arg_shapes[2].sharding.spec, call.ndim, "like", names)
+        out_spec = spec_entries(arg_shapes[2].sharding.spec, call.ndim, "like", names)
     return x_spec, w_spec, out_spec
 
 

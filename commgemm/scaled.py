@@ -310,9 +310,8 @@ def prequantized_matmul(
             f"w's blocks run along its dimension {qw.axis % 2}, but its K dimension is {k_dim}: "
             f"quantize w with axis={k_dim}"
         )
-    k = qx.data.shape[1]
     fmt = (qx.mode, "float8_e5m2", (True, True, True))
-    like_x = jax.ShapeDtypeStruct((qx.data.shape[0], k), cfg.out_dtype)
+    like_x = qx.data[:0].astype(cfg.out_dtype)  # the dtype, K and varying axes _forward reads
     out, _ = _forward(collective, axis_name, cfg, w_transposed, fmt, like_x, None, qx, qw)
     return out
 
