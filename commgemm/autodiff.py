@@ -14,7 +14,9 @@
                         dW = X^T @ dP (both local)
 
 All functions act on the 2-D views [rows, K]; the epilogue (bias, GELU) stays outside, where JAX
-differentiates it and XLA fuses the bias gradient and GELU derivative into one pass.
+differentiates it and XLA fuses the bias gradient and GELU derivative into one pass. dX and dW
+are typed as x and w (under check_vma: summed over a mesh axis only the cotangent varies over,
+e.g. a data axis the weights are replicated over; vma.like_primal).
 """
 
 from __future__ import annotations
