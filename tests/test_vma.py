@@ -138,7 +138,7 @@ DATA_TP = {
 
 @SETTINGS
 @pytest.mark.parametrize("op", list(DATA_TP))
-@pytest.mark.parametrize("method", ["none", "ring", "pipeline2"])
+@pytest.mark.parametrize("method", ["none", "ring"])
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
 def test_weights_replicated_over_a_data_axis(rng, op, method, check_vma, scaling):
     """dW sums over the data axis its weights are replicated over (under check_vma the custom
