@@ -131,6 +131,13 @@ def quantize(
     global scale (NVFP4); default x's own.
     """
     mode = ScalingMode(mode)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize takes floating x, got {x.dtype}")
+    if mode in (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.DELAYED_TENSOR_SCALING):
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+            raise ValueError(
+                f"{mode.name} quantizes to float8_e4m3fn or float8_e5m2, not {jnp.dtype(dtype)}"
+            )
     x32 = x.astype(jnp.float32)
     if mode is ScalingMode.NO_SCALING:
         return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)

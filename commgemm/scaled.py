@@ -291,6 +291,24 @@ def collective_matmul(
     return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)
 
 
+def _check_scales(name: str, t: ScaledTensor) -> None:
+    """A ScaledTensor's scales fit its values: one per tensor, or one per block along t.axis."""
+    if t.mode in TENSOR_MODES:
+        want = ()
+    else:
+        axis = t.axis % t.data.ndim
+        want = list(t.data.shape)
+        if want[axis] % BLOCK[t.mode]:
+            raise ValueError(f"{name}'s dimension {axis} ({want[axis]}) is not whole blocks")
+        blocks = want.pop(axis) // BLOCK[t.mode]
+        want = (*want, blocks)  # the blocked axis moved last, as quantize lays them out
+    if tuple(t.scale_inv.shape) != tuple(want):
+        raise ValueError(
+            f"{name}'s scales have shape {tuple(t.scale_inv.shape)}; {t.mode.name} values of shape "
+            f"{tuple(t.data.shape)} with blocks along axis {t.axis} need {tuple(want)}"
+        )
+
+
 def prequantized_matmul(
     collective: Collective,
     qx: ScaledTensor,
@@ -304,6 +322,8 @@ def prequantized_matmul(
     cfg.out_dtype."""
     if qx.mode is not qw.mode:
         raise ValueError(f"x is {qx.mode.name} but w is {qw.mode.name}: quantize both alike")
+    for name, t in (("x", qx), ("w", qw)):
+        _check_scales(name, t)
     k_dim = 1 if w_transposed else 0
     if qx.mode not in TENSOR_MODES and (qw.axis % 2 != k_dim):
         raise ValueError(

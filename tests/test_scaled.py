@@ -4,6 +4,7 @@ shard's scales are the tensor's) and against the unquantized product (the mode's
 gradients against the straight-through reference; what moves on the wire (the lowered program);
 delayed scaling through the ops; the local GEMM, 2-D, gemm and dense; bad input."""
 
+import dataclasses
 import re
 
 import jax
@@ -288,3 +289,26 @@ def test_prequantized_bad_input(rng):
         run(lambda a: cg.quantize(a, CUR), lambda b: b)
     with pytest.raises(ValueError, match="quantize w with axis=0"):
         run(lambda a: cg.quantize(a, MX), lambda b: cg.quantize(b, MX, axis=1))
+
+
+def test_scales_and_dtypes_checked(rng):
+    """Scales that do not fit their values, and formats a mode cannot quantize to, are clear
+    errors, not a wrong product."""
+    x, w = _problem(rng, 2)
+    with pytest.raises(ValueError, match="quantizes to float8_e4m3fn or float8_e5m2"):
+        cg.quantize(jnp.asarray(x), CUR, dtype=jnp.bfloat16)
+    with pytest.raises(TypeError, match="floating x"):
+        cg.quantize(jnp.ones((4, 32), jnp.int32), MX)
+
+    def run(make_x):
+        body = lambda a, b: cg.all_gather_matmul(  # noqa: E731
+            make_x(a), cg.quantize(b, MX, axis=0), "x"
+        )
+        return shard(body, mesh1d(2), (P("x", None), P(None, "x")), P(None, "x"))(x, w)
+
+    def wrong_scales(a):
+        t = cg.quantize(a, MX)
+        return dataclasses.replace(t, scale_inv=t.scale_inv[:, :1])
+
+    with pytest.raises(ValueError, match="scales have shape"):
+        run(wrong_scales)
