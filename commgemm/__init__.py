@@ -35,14 +35,21 @@ from commgemm.ops import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
-from commgemm.quant import ScaledTensor, ScalingMode, ScalingState, dequantize, quantize
+from commgemm.quant import (
+    ScaledTensor,
+    ScalingMode,
+    ScalingRecipe,
+    ScalingState,
+    amax,
+    dequantize,
+    quantize,
+)
 from commgemm.registry import (
     create_overlap_buffer,
     destroy_all_overlap_buffers,
     destroy_overlap_buffer,
     get_overlap_buffer,
 )
-from commgemm.scaled import ScalingRecipe, amax
 
 __version__ = "0.1.0"
 

@@ -20,8 +20,8 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.partitioned import partitioned_gemm
+from commgemm.quant import Scaling, as_recipe
 from commgemm.registry import resolve
-from commgemm.scaled import Scaling, as_recipe
 from commgemm.scaled import matmul as quantized_matmul
 
 Spec = tuple[str | None, ...]

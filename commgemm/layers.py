@@ -14,7 +14,7 @@ from commgemm.config import Collective, OverlapConfig
 from commgemm.epilogue import Activation
 from commgemm.operands import dot
 from commgemm.ops import all_gather_matmul, matmul_reduce_scatter
-from commgemm.scaled import Scaling, as_recipe
+from commgemm.quant import Scaling, as_recipe
 from commgemm.scaled import matmul as quantized_matmul
 
 _BACKWARD = {

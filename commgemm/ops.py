@@ -23,10 +23,10 @@ from commgemm.operands import (
     normalize_axis,
 )
 from commgemm.plan import make_plan
-from commgemm.quant import ScaledTensor
+from commgemm.quant import ScaledTensor, Scaling, as_recipe
 from commgemm.registry import resolve
-from commgemm.scaled import Scaling, as_recipe, prequantized_matmul
 from commgemm.scaled import collective_matmul as scaled_collective_matmul
+from commgemm.scaled import prequantized_matmul
 from commgemm.vma import all_gather_invariant
 
 ConfigLike = OverlapConfig | int | None

@@ -1,5 +1,6 @@
 """Quantized operands: scaling modes, `ScaledTensor`, `quantize` / `dequantize`, the delayed
-scaling state, and the block-scale swizzle cuBLAS expects (the reference system's vocabulary).
+scaling state, the block-scale swizzle cuBLAS expects (the reference system's vocabulary), and
+the recipe an op's `scaling=` takes (`ScalingRecipe`, `as_recipe`, `amax` over mesh axes).
 
 Tensor scaling (one float32 scale per tensor): CURRENT computes the amax now; DELAYED takes the
 scale from an amax history kept in a functional `ScalingState`, updated by the step like an
@@ -22,6 +23,9 @@ import enum
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+from jax import lax
+
+from commgemm.vma import checks_vma, varying_axes
 
 
 class ScalingMode(enum.Enum):
@@ -221,3 +225,89 @@ def unswizzle_block_scales(flat: jax.Array, rows: int, cols: int) -> jax.Array:
     r, c = rows + -rows % 128, cols + -cols % 4
     tiles = flat.reshape(r // 128, c // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4)
     return tiles.reshape(r, c)[:rows, :cols]
+
+
+TENSOR_MODES = (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.DELAYED_TENSOR_SCALING)
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScalingRecipe:
+    """How an op quantizes its operands: `mode`, the forward operands' float8 `dtype` and dY's
+    `grad_dtype` (tensor modes; block modes have fixed formats).
+
+    `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
+    GPU promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
+    Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower
+    accumulator (False: ..._FAST_ACCUM). Default: promoted for all three. On one H200 with jax
+    0.11.2 the two ran at the same speed with the same error in the GEMM the ops use (a bf16
+    result, BENCHMARKS.md "FP8 GEMMs"): XLA kept promoting. Elsewhere the GEMMs accumulate in
+    float32 and the flag does nothing.
+
+    DELAYED_TENSOR_SCALING takes
+    the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
+    advances with `state.update(amax(x, axis_name))`, like optimizer state)."""
+
+    mode: ScalingMode = dataclasses.field(
+        default=ScalingMode.CURRENT_TENSOR_SCALING, metadata=dict(static=True)
+    )
+    dtype: str = dataclasses.field(default="float8_e4m3fn", metadata=dict(static=True))
+    grad_dtype: str = dataclasses.field(default="float8_e5m2", metadata=dict(static=True))
+    split_accumulator: tuple[bool, bool, bool] = dataclasses.field(
+        default=(True, True, True), metadata=dict(static=True)
+    )
+    x_state: ScalingState | None = None
+    w_state: ScalingState | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ScalingMode(self.mode))
+        for name in ("dtype", "grad_dtype"):
+            value = jnp.dtype(getattr(self, name)).name
+            if value not in FLOAT8:
+                raise ValueError(f"ScalingRecipe {name}={value!r} must be one of {FLOAT8}")
+            object.__setattr__(self, name, value)
+        split = tuple(bool(b) for b in self.split_accumulator)
+        if len(split) != 3:
+            raise ValueError(
+                f"split_accumulator={self.split_accumulator!r} needs three flags: "
+                "(forward, dgrad, wgrad)"
+            )
+        object.__setattr__(self, "split_accumulator", split)
+        delayed = self.mode is ScalingMode.DELAYED_TENSOR_SCALING
+        if delayed != (self.x_state is not None and self.w_state is not None):
+            raise ValueError(
+                "DELAYED_TENSOR_SCALING needs x_state= and w_state= (ScalingState.create()), "
+                "and only it takes them"
+            )
+
+
+Scaling = ScalingRecipe | ScalingMode | str | None
+
+
+def as_recipe(scaling: Scaling) -> ScalingRecipe | None:
+    """`scaling` as a recipe; None for no quantization (None or NO_SCALING)."""
+    if scaling is None or isinstance(scaling, ScalingRecipe):
+        recipe = scaling
+    else:
+        mode = ScalingMode(scaling)
+        if mode is ScalingMode.DELAYED_TENSOR_SCALING:
+            raise ValueError(
+                "DELAYED_TENSOR_SCALING keeps state: pass scaling=cg.ScalingRecipe("
+                "'delayed_tensor_scaling', x_state=..., w_state=...)"
+            )
+        recipe = ScalingRecipe(mode)
+    if recipe is not None and recipe.mode is ScalingMode.NO_SCALING:
+        return None
+    return recipe
+
+
+def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:
+    """The largest finite |x| of the whole tensor that x is a shard of: the max over the mesh
+    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own)."""
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
+    local = _amax(x)
+    over = tuple(a for a in names if a in varying_axes(x)) if names else ()
+    if names and not checks_vma(names[0]):  # nothing tracked: every axis may vary
+        over = names
+    return lax.pmax(local, over) if over else local

@@ -14,8 +14,8 @@ from commgemm.config import Method, OverlapConfig
 from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
 from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
+from commgemm.quant import Scaling
 from commgemm.registry import resolve
-from commgemm.scaled import Scaling
 from commgemm.xla.common import after, send_one
 
 ConfigLike = OverlapConfig | int | None

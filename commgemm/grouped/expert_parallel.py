@@ -19,8 +19,8 @@ from commgemm.config import Method
 from commgemm.grouped.local import check_grouped, grouped_matmul
 from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
+from commgemm.quant import Scaling
 from commgemm.registry import resolve
-from commgemm.scaled import Scaling
 from commgemm.xla.common import after
 
 

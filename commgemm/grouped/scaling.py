@@ -13,16 +13,17 @@ import functools
 import jax
 from jax import lax
 
-from commgemm.quant import ScalingMode, dequantize, quantize
-from commgemm.scaled import (
+from commgemm.quant import (
     TENSOR_MODES,
     Scaling,
+    ScalingMode,
     ScalingRecipe,
     amax,
     as_recipe,
-    check_blocks,
-    fake_quantize,
+    dequantize,
+    quantize,
 )
+from commgemm.scaled import check_blocks, fake_quantize
 
 
 def quantized_operands(
