@@ -24,6 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # room for torch
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from gemm_table import events_ms  # noqa: E402  (this directory, as the script runs)
 
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
@@ -80,17 +81,7 @@ def torch_ms(m, k, n, fp8: bool, fast: bool = False) -> float | None:
     else:
         bt = b.t().contiguous()
         call = lambda: torch.matmul(a, bt)  # noqa: E731
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return events_ms(call)
 
 
 def main() -> None:

@@ -43,6 +43,23 @@ def mosaic(tiling):
     return jax.jit(lambda a, b: hm.matmul(a, b, None, config))
 
 
+def events_ms(call) -> float:
+    """Median of 30 calls of a torch `call` by CUDA events, after 5 warm-up calls."""
+    import torch
+
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def torch_ms(m: int, k: int, n: int) -> float | None:
     try:
         import torch
@@ -50,17 +67,7 @@ def torch_ms(m: int, k: int, n: int) -> float | None:
         return None
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        torch.matmul(a, b)
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.matmul(a, b)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return events_ms(lambda: torch.matmul(a, b))
 
 
 def main() -> None:

@@ -124,10 +124,9 @@ def _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype, split: bo
 
     Float8 operands on an NVIDIA GPU: one cuBLASLt FP8 GEMM with the result in `result_dtype`
     and the scale folded into it (XLA's ANY_F8_ANY_F8_ANY algorithm, `split` choosing the
-    promoted or the fast accumulation). Measured on one H200 (benchmarks/fp8_gemm.py) this is
-    as fast as torch._scaled_mm with fast accumulation, 6-25% faster than asking for a float32
-    result and casting it. Elsewhere (other backends, the block modes' emulation): a float32
-    accumulation, scaled, then cast."""
+    promoted or the fast accumulation), so no float32 result is written and cast in a second
+    pass (BENCHMARKS.md "FP8 GEMMs"). Elsewhere (other backends, the block modes' emulation):
+    a float32 accumulation, scaled, then cast."""
     result = jnp.dtype(result_dtype or accumulate_dtype)
     if jnp.dtype(lhs.dtype).itemsize == 1 and jax.default_backend() == "gpu":
         preset = lax.DotAlgorithmPreset
