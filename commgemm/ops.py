@@ -23,7 +23,7 @@ from commgemm.operands import (
     normalize_axis,
 )
 from commgemm.plan import make_plan
-from commgemm.quant import ScaledTensor, Scaling, as_recipe
+from commgemm.quant import ScaledTensor, Scaling, ScalingRecipe, as_recipe
 from commgemm.registry import resolve
 from commgemm.scaled import collective_matmul as scaled_collective_matmul
 from commgemm.scaled import prequantized_matmul
@@ -68,11 +68,8 @@ def _run(
             )
         return _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_transposed)
     recipe = as_recipe(scaling)
-    if recipe is not None and resolve(config)[0].atomic_gemm:
-        raise ValueError(
-            f"{fn_name} with scaling= runs the XLA methods (NONE, PIPELINE, RING_EXCHANGE): the "
-            "fused kernels (atomic_gemm) take no quantized operands yet; use atomic_gemm=False"
-        )
+    if recipe is not None:
+        _check_fused_scaling(fn_name, resolve(config)[0], recipe)
     x2d, restore = _as_rows(x, axis, x_transposed)
     plan = make_plan(
         x2d,
@@ -89,7 +86,7 @@ def _run(
     if 0 in (x2d.shape + (n,)):
         z = _empty_result(collective, x2d, n, plan)
     elif recipe is not None:
-        cfg = _split_config(plan.config)
+        cfg = _quantized_config(plan.config, recipe)
         z = scaled_collective_matmul(collective, x2d, w, axis_name, cfg, w_transposed, recipe)
     else:
         z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
@@ -108,15 +105,35 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
     w_stand_in = jax.ShapeDtypeStruct(w.data.shape, out_dtype)
     plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
                      w_transposed=w_transposed, op=fn_name)  # fmt: skip
-    z = prequantized_matmul(collective, x2d, w, axis_name, _split_config(plan.config),
-                            w_transposed)  # fmt: skip
-    return restore(z)
+    # no recipe: a fused kernel may take them as they are (its fast accumulation)
+    recipe = ScalingRecipe(x.mode, split_accumulator=(False, True, True))
+    _check_fused_scaling(fn_name, resolve(config)[0], recipe)
+    cfg = _quantized_config(plan.config, recipe)
+    return restore(prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed))
 
 
-def _split_config(cfg: OverlapConfig) -> OverlapConfig:
-    """The config a quantized call runs: the fused kernels take no quantized operands yet, so
-    AUTO's fused choice becomes the split algorithm of its method."""
-    return cfg.replace(atomic_gemm=False, kernel=None) if cfg.atomic_gemm else cfg
+def _fused_scaling_reason(cfg: OverlapConfig, recipe: ScalingRecipe) -> str | None:
+    """Why cfg's fused kernel takes no operands quantized by `recipe`, or None."""
+    if uses_tpu_kernels(cfg):
+        return "the TPU kernels take no quantized operands yet"
+    from commgemm.mosaic_gpu import fused
+
+    return fused.scaling_reason(cfg, recipe)
+
+
+def _check_fused_scaling(fn_name: str, cfg: OverlapConfig, recipe: ScalingRecipe) -> None:
+    """A fused config asked for explicitly must take the quantized operands."""
+    if cfg.atomic_gemm and (why := _fused_scaling_reason(cfg, recipe)):
+        raise ValueError(f"{fn_name} with {recipe.mode.name} and atomic_gemm=True: {why}; "
+                         "use atomic_gemm=False")  # fmt: skip
+
+
+def _quantized_config(cfg: OverlapConfig, recipe: ScalingRecipe) -> OverlapConfig:
+    """The config a quantized call runs: AUTO's fused choice where that kernel cannot take the
+    quantized operands becomes the split algorithm of its method."""
+    if cfg.atomic_gemm and _fused_scaling_reason(cfg, recipe):
+        return cfg.replace(atomic_gemm=False, kernel=None)
+    return cfg
 
 
 def _empty_result(collective: Collective, x2d: jax.Array, n: int, plan) -> jax.Array:

@@ -15,9 +15,10 @@ How a shard's scales relate to the tensor's:
 
 The GEMM: tensor-scaled float8 operands go to XLA's dot as float8 with a float32 result, the
 two scales applied to it (XLA's GPU compiler gives that to cuBLASLt's FP8 GEMM on Hopper,
-scales as its alpha). Hopper has no tensor cores for block scales: block modes are emulated,
-dequantized per block in x's dtype, then multiplied (the layout, `quant.swizzle_block_scales`,
-is ready for hardware that has them).
+scales as its alpha); with a fused config (PIPELINE + atomic_gemm on Hopper), to the direct
+kernels' float8 wgmma (commgemm.mosaic_gpu.fused). Hopper has no tensor cores for block
+scales: block modes are emulated, dequantized per block in x's dtype, then multiplied (the
+layout, `quant.swizzle_block_scales`, is ready for hardware that has them).
 
 Backward (straight-through, as the reference system's): dY is quantized by current scaling to
 `grad_dtype` (float8_e5m2 by default; block modes use their own format), with its amax over the
@@ -284,6 +285,8 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
                        return_gathered=True)  # fmt: skip
+        if rows is None:  # a fused kernel keeps the gathered rows to itself: dW gathers again
+            rows = lax.all_gather(payload(qx), axis_name, tiled=True)
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
     like_x = x[:0]  # x's dtype, K and varying axes, as an array residual

@@ -66,3 +66,14 @@ def like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
         pcast = getattr(lax, "pcast", None)
         ct = pcast(ct, missing, to="varying") if pcast else lax.pvary(ct, missing)
     return ct
+
+
+def varying_like(a: jax.Array, *inputs: jax.Array) -> jax.Array:
+    """`a` (a kernel's result) typed as varying over every mesh axis one of `inputs` varies
+    over, as the values it was computed from do; a no-op where it already is or unchecked."""
+    want = frozenset().union(*(varying_axes(i) for i in inputs))
+    missing = tuple(sorted(want - varying_axes(a)))
+    if not missing:
+        return a
+    pcast = getattr(lax, "pcast", None)
+    return pcast(a, missing, to="varying") if pcast else lax.pvary(a, missing)

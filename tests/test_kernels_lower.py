@@ -312,3 +312,36 @@ def test_hopper_grouped_gemm_lowers(groups):
         jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     )
     assert text.count("mosaic_gpu") >= 2  # the forward and dX kernels
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("size", [None, 2])  # None: no mesh axis, the kernel's GEMM core
+def test_direct_kernels_lower_on_float8(op, size):
+    """The ops' quantized path into the direct kernels: float8 x and w ([n, K]) reach the
+    kernel as float8 (and no bf16 copy of either), with the scale as a third operand."""
+    from commgemm import scaled
+    from commgemm.mosaic_gpu import fused
+
+    cfg = parse_method("fused-direct", op)
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    x_shape, w_shape = ((1024, 512), (512, 512)) if op == "ag" else ((1024, 512), (512, 1024))
+
+    def body(x, w):
+        qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
+        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, x.shape[1], "bfloat16", False)
+        return fn(qx.data, rhs, None if size is None else "x", cfg, w_transposed=False)
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (x_shape, w_shape)]
+    if size is None:
+        f = jax.jit(body)
+    else:
+        specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
+        out = P(None, "x") if op == "ag" else P("x")
+        f = jax.jit(jax.shard_map(body, mesh=mesh1d(size), in_specs=specs, out_specs=out,
+                                  check_vma=False))  # fmt: skip
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 1, calls
+    operands, results = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)  # the call's types
+    assert operands.count("f8E4M3FN") == 2 and "tensor<1xf32>" in operands, operands
+    assert "bf16" in results.split(",")[0], results  # the scaled result, in x's dtype

@@ -248,9 +248,18 @@ def test_bad_input(rng):
         cg.ScalingRecipe(dtype="bfloat16")
     with pytest.raises(ValueError, match="not a valid ScalingMode"):
         _fn("ag", cg.OverlapConfig(), "fp3", 2)(x, w)
-    fused = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
-    with pytest.raises(ValueError, match="take no quantized operands"):
-        _fn("ag", fused, CUR, 2)(x, w)
+    # the fused kernels: only the direct ones, tensor modes, fast accumulation, Hopper
+    ring = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+    direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+    fast = cg.ScalingRecipe(split_accumulator=(False, True, True))
+    for op, cfg, scaling, why in [
+        ("ag", ring, fast, "only the direct kernels"),
+        ("rs", direct, MX, "no Hopper tensor-core path"),
+        ("ag", direct, CUR, r"split_accumulator=\(False"),
+        ("rs", direct, fast, "cannot run this call"),  # the plan's own checks (dtype, GPU)
+    ]:
+        with pytest.raises(ValueError, match=why):
+            _fn(op, cfg, scaling, 2)(x, w)
     # NO_SCALING is the unquantized op
     out = _fn("ag", cg.OverlapConfig(), "no_scaling", 2)(x, w)
     np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)

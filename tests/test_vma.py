@@ -168,3 +168,25 @@ def test_weights_replicated_over_a_data_axis(rng, op, method, check_vma, scaling
     for gt, r in zip(got, want, strict=True):
         scale = float(np.abs(np.asarray(r)).max())
         np.testing.assert_allclose(np.asarray(gt), np.asarray(r), atol=0.1 * scale)
+
+
+def test_varying_like_types_a_kernel_result_as_its_inputs():
+    """vma.varying_like marks a value varying over the axes its inputs vary over (a Pallas
+    result's type), and leaves an already varying value and unchecked maps alone."""
+    from commgemm.vma import varying_axes, varying_like
+
+    mesh = mesh2d(2, 4)
+
+    def body(a, b):
+        fresh = jnp.zeros((2, 2), a.dtype)  # invariant, as a kernel result is typed
+        typed = varying_like(fresh, a, b)
+        assert varying_axes(fresh) == frozenset()
+        assert varying_axes(typed) == frozenset({"x", "y"})
+        assert varying_like(typed, a) is typed
+        return typed + a[:2, :2] + b[:2, :2]
+
+    a, b = jnp.ones((8, 8)), jnp.ones((8, 8))
+    out = shard(body, mesh, (P("x"), P(None, "y")), P("x", "y"))(a, b)
+    np.testing.assert_array_equal(np.asarray(out), np.full((4, 8), 2.0))  # [2, 2] a shard
+    unchecked = shard(lambda a: varying_like(jnp.zeros(2), a), mesh, P("x"), P(), check_vma=False)
+    np.testing.assert_array_equal(np.asarray(unchecked(a)), np.zeros(2))

@@ -19,6 +19,15 @@ way the reference's atomic GEMMs do with userbuffers:
   ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
       output, tiles of all blocks interleaved.
 
+Quantized operands (an op's `scaling=` with a tensor mode): the direct kernels (PIPELINE) take
+float8 x and w (w laid out [n, K], K-major, as float8 wgmma wants: quantizing w writes it so)
+and multiply on the float8 tensor cores, accumulating in the tensor cores' accumulator across
+all K-steps (the fast accumulation: ScalingRecipe.split_accumulator[0] False), the rows on the
+wire float8.
+The epilogue multiplies the accumulator by the two tensor scales (one number: shards share
+them) and stores the result in x's dtype, so RS partial sums add already scaled. Block modes
+and the ring kernels take no float8 operands (`scaling_reason`).
+
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
@@ -42,6 +51,8 @@ from commgemm.mosaic_gpu.configs import (
     RingAGConfig,
     RingRSConfig,
 )
+from commgemm.quant import TENSOR_MODES, ScalingRecipe
+from commgemm.vma import varying_like
 
 #: The kernel family of each (collective, method) pairing with atomic_gemm.
 FAMILY = {
@@ -186,8 +197,58 @@ def reason_for_shape(
     )
 
 
+#: K-steps of the float8 kernels by default: 128 bytes a row, the widest smem swizzle, and the
+#: same shared memory as bf16's 64.
+FLOAT8_TILE_K = 128
+
+
+def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
+    """Why the fused kernel of `config` cannot take operands quantized by `recipe`, or None."""
+    if recipe.mode not in TENSOR_MODES:
+        return (
+            f"{recipe.mode.name} has no Hopper tensor-core path (the XLA methods emulate block "
+            "scales)"
+        )
+    if config.method is not Method.PIPELINE:
+        return "only the direct kernels (PIPELINE) take float8 operands, not the rings"
+    if recipe.split_accumulator[0]:
+        return (
+            "the kernels accumulate in the tensor cores' accumulator (no float32 promotion): "
+            "ask for it with ScalingRecipe(split_accumulator=(False, ...))"
+        )
+    return None
+
+
 def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
     return w.T if w_transposed else w
+
+
+def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool):
+    """The direct kernel of `collective` on a float8 payload x [rows, K] and a
+    `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
+    epilogue, the result in x's original dtype. K-steps of FLOAT8_TILE_K unless config.kernel
+    says otherwise."""
+    data = w.w.data if w_transposed else w.w.data.T
+    scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
+    if config.kernel is None and x.shape[1] % FLOAT8_TILE_K == 0:
+        family = FAMILY[(collective, Method.PIPELINE)]
+        config = config.replace(kernel=family(tile_k=FLOAT8_TILE_K))
+    if collective is Collective.ALL_GATHER:
+        kernel = push_gather_gemm.all_gather_matmul
+    else:
+        kernel = scatter_add_gemm.matmul_reduce_scatter
+    return kernel(x, data, axis_name, config, w_nk=True, out_dtype=w.dtype, scale=scale)
+
+
+def _array(w) -> jax.Array:
+    """w's values: w itself, or a QuantizedRhs's float8 data."""
+    return w.w.data if _is_quantized(w) else w
+
+
+def _is_quantized(w) -> bool:
+    from commgemm.scaled import QuantizedRhs
+
+    return isinstance(w, QuantizedRhs)
 
 
 def all_gather_matmul(
@@ -204,19 +265,22 @@ def all_gather_matmul(
     With return_gathered the second result is None: the kernel keeps the gathered rows in its
     own scratch, so the backward pass gathers x again (beside its dX GEMM).
     """
-    if config.method is Method.PIPELINE:
+    if _is_quantized(w):
+        out = _float8_call(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed)
+    elif config.method is Method.PIPELINE:
         out = push_gather_gemm.all_gather_matmul(x, _as_kn(w, w_transposed), axis_name, config)
-        return (out, None) if return_gathered else out
-    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
+    else:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
 
-    with jax.named_scope("fused_ag_gemm"):
-        out = collective_matmul_mgpu.all_gather_lhs_matmul(
-            x,
-            _as_kn(w, w_transposed),
-            axis_name,
-            config=tuning_config(kernel_config(Collective.ALL_GATHER, config)),
-            dtype=x.dtype,
-        )
+        with jax.named_scope("fused_ag_gemm"):
+            out = collective_matmul_mgpu.all_gather_lhs_matmul(
+                x,
+                _as_kn(w, w_transposed),
+                axis_name,
+                config=tuning_config(kernel_config(Collective.ALL_GATHER, config)),
+                dtype=x.dtype,
+            )
+    out = varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
     return (out, None) if return_gathered else out
 
 
@@ -230,14 +294,22 @@ def matmul_reduce_scatter(
 ) -> jax.Array:
     """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel:
     the ring (RING_EXCHANGE) or the direct reduce-adds of `scatter_add_gemm` (PIPELINE)."""
-    if config.method is Method.PIPELINE:
-        return scatter_add_gemm.matmul_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
+    if _is_quantized(w):
+        out = _float8_call(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
+    elif config.method is Method.PIPELINE:
+        out = scatter_add_gemm.matmul_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
+    else:
+        out = _ring_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
+    return varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
+
+
+def _ring_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig):
+    """ATOMIC_GEMM_RS_P2P: x [M, k], w [k, n] -> [M/P, n] (module docstring)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     size = lax.axis_size(axis_name)
-    w = _as_kn(w, w_transposed)
     rows, n = x.shape[0] // size, w.shape[1]
     num_sms = mosaic_tiles.num_sms()
     tiles = kernel_config(Collective.REDUCE_SCATTER, config)

@@ -88,17 +88,23 @@ def all_gather_matmul(
     axis_name: str,
     config: OverlapConfig,
     *,
+    w_nk: bool = False,
+    out_dtype=None,
+    scale: jax.Array | None = None,
     compiler_params: Mapping | None = None,
 ) -> jax.Array:
-    """x [m, K] (rows sharded over axis_name), w [K, n] (local) -> [P*m, n], all_gather(x) @ w
-    in x's dtype, rows in device order."""
+    """x [m, K] (rows sharded over axis_name), w [K, n] (local; [n, K] with w_nk) -> [P*m, n],
+    all_gather(x) @ w (times `scale` [1] float32, if given) in `out_dtype` (default x's dtype),
+    rows in device order. Float8 x and w (w_nk) multiply on float8 tensor cores; the rows
+    travel as float8. axis_name None: one device (the kernel's GEMM core)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    size = lax.axis_size(axis_name)
+    size = mt.axis_position(axis_name)[0]
     tiles = config.kernel or DirectAGConfig()
     dtype = x.dtype
-    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]
     m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     bands = m // tiles.cta_m
     step_tiles = m_iters * n_iters
@@ -114,16 +120,19 @@ def all_gather_matmul(
 
     def get_pipeline(body, compute_context):
         # release 1: a block stays in smem a step longer, while it is being sent
-        return mt.tile_pipeline(tiles, dtype, k_iters, body, compute_context, release=1)
+        return mt.tile_pipeline(tiles, dtype, k_iters, body, compute_context, release=1, w_nk=w_nk)
 
-    def body(x_ref, w_ref, out_ref, inbox_ref):
+    def body(x_ref, w_ref, *refs):
+        scale_ref, out_ref, inbox_ref = refs if scale is not None else (None, *refs)
         arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1), bands)))
-        here = lax.axis_index(axis_name)
+        here = mt.axis_position(axis_name)[1]
         wg = lax.axis_index("wg")
         # the peers, in the order of their inbox slots for this device's rows
         peers = [lax.rem(here + j + 1, jnp.int32(size)) for j in range(size - 1)]
 
-        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=1)
+        @mt.tile_smem(
+            tiles, dtype, k_iters, x_ref, w_ref, release=1, out_dtype=out_dtype, w_nk=w_nk
+        )
         def _scope(pipeline_allocs, out_smem):
             @plgpu.nd_loop((size * step_tiles,), collective_axes="cluster_grid")
             def _tiles(info):
@@ -151,7 +160,7 @@ def all_gather_matmul(
                             for j, peer in enumerate(peers):
                                 mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
 
-                        acc = acc_ref[...].astype(dtype)
+                        acc = mt.scaled_acc(acc_ref, scale_ref, out_dtype)
                         out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
@@ -162,7 +171,8 @@ def all_gather_matmul(
                             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], b_smem.at[:, at.wg_n])
+                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
+                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], rhs)
 
                     (kk,) = idxs
                     now = sender & (lax.rem(kk, jnp.int32(num_senders)) == rank)
@@ -195,7 +205,7 @@ def all_gather_matmul(
                 def run(rows_ref):
                     get_pipeline(mma_body, compute_context)(
                         rows_ref.at[band_rows, :],
-                        w_ref.at[:, at.cta_n],
+                        mt.w_columns(w_ref, at.cta_n, w_nk=w_nk),
                         allocations=pipeline_allocs,
                     )
 
@@ -219,9 +229,9 @@ def all_gather_matmul(
         out, _ = plgpu.kernel(
             body,
             out_type=[
-                jax.ShapeDtypeStruct((size * m, n), dtype),
+                jax.ShapeDtypeStruct((size * m, n), out_dtype),
                 jax.ShapeDtypeStruct((max(size - 1, 1), m, k), dtype),  # the peers' rows
             ],
             **mt.kernel_params(sms, tiles.cluster_size, compiler_params),
-        )(x, w)
+        )(x, w, *([] if scale is None else [scale]))
     return out

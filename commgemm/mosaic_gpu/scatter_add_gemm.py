@@ -129,17 +129,23 @@ def matmul_reduce_scatter(
     axis_name: str,
     config: OverlapConfig,
     *,
+    w_nk: bool = False,
+    out_dtype=None,
+    scale: jax.Array | None = None,
     compiler_params: Mapping | None = None,
 ) -> jax.Array:
-    """x [M, k], w [k, n] (both local; K sharded over axis_name) -> [M/P, n], this device's
-    rows of sum_d x_d @ w_d, in x's dtype."""
+    """x [M, k], w [k, n] ([n, k] with w_nk; both local, K sharded over axis_name) -> [M/P, n],
+    this device's rows of sum_d x_d @ w_d, in `out_dtype` (default x's dtype), the partial sums
+    added in it, each times `scale` [1] float32 if given. Float8 x and w (w_nk) multiply on
+    float8 tensor cores. axis_name None: one device (the kernel's GEMM core)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    size = lax.axis_size(axis_name)
+    size = mt.axis_position(axis_name)[0]
     tiles = config.kernel or DirectRSConfig()
     dtype = x.dtype
-    rows, k, n = x.shape[0] // size, x.shape[1], w.shape[1]
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
     epi = tiles.epi
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()
@@ -174,14 +180,17 @@ def matmul_reduce_scatter(
     late_zero = ahead < waves
 
     def get_pipeline(steps, body, compute_context, state=None):
-        return mt.tile_pipeline(tiles, dtype, steps, body, compute_context, release=0, state=state)
+        return mt.tile_pipeline(
+            tiles, dtype, steps, body, compute_context, release=0, state=state, w_nk=w_nk
+        )
 
-    def body(x_ref, w_ref, out_ref):
+    def body(x_ref, w_ref, *refs):
+        scale_ref, out_ref = refs if scale is not None else (None, *refs)
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         landed = pl.get_global(plgpu.SemaphoreType.REGULAR)
         if late_zero:  # one a wave: every CTA of every device zeroed its share of the wave
             zeroed_waves = pl.get_global(plgpu.SemaphoreType.REGULAR((waves,)))
-        here = lax.axis_index(axis_name)
+        here = mt.axis_position(axis_name)[1]
         in_cluster = lax.axis_index("cluster")
         cta = lax.axis_index("cluster_grid") * cluster + in_cluster
         # peers[0] is here
@@ -216,7 +225,7 @@ def matmul_reduce_scatter(
             @pl.when(wg < 2)
             @jax.named_scope("zero")
             def _zero_output():
-                out_smem[wg, 0] = jnp.zeros((epi, epi), dtype)
+                out_smem[wg, 0] = jnp.zeros((epi, epi), out_dtype)
                 plgpu.commit_smem()
                 iters = -(-first_tiles * zero_bands_per_tile(tiles, epi) // (2 * sms))
                 zero_tiles(out_smem.at[wg, 0], 0, first_tiles, 2 * cta + wg, 2 * sms, iters)
@@ -227,7 +236,7 @@ def matmul_reduce_scatter(
 
                 @pl.when(wg == 2)
                 def _zero_block():
-                    zero_smem[...] = jnp.zeros((ZERO_ROWS, epi), dtype)
+                    zero_smem[...] = jnp.zeros((ZERO_ROWS, epi), out_dtype)
                     plgpu.commit_smem()
 
             def zero_waves_ahead(step):
@@ -269,7 +278,7 @@ def matmul_reduce_scatter(
                     )
 
                 def epilogue_of(acc_ref):
-                    acc = acc_ref[...].astype(dtype)
+                    acc = mt.scaled_acc(acc_ref, scale_ref, out_dtype)
                     if first is not None:
 
                         @pl.when(first)
@@ -304,14 +313,15 @@ def matmul_reduce_scatter(
                             epilogue_of(acc_ref)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], b_smem.at[:, at.wg_n])
+                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
+                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], rhs)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
                 ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
                 get_pipeline(k_steps, mma_body, compute_context, state)(
                     x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m), ks],
-                    w_ref.at[ks, at.cta_n],
+                    mt.w_columns(w_ref, at.cta_n, ks, w_nk=w_nk),
                     allocations=pipeline_allocs,
                 )
 
@@ -353,10 +363,12 @@ def matmul_reduce_scatter(
                     mt.relaxed_signal(landed, device_id=peer)
                 pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
 
-        @mt.tile_smem(tiles, dtype, k_iters, x_ref, w_ref, release=0)
+        @mt.tile_smem(
+            tiles, dtype, k_iters, x_ref, w_ref, release=0, out_dtype=out_dtype, w_nk=w_nk
+        )
         def _scope(pipeline_allocs, out_smem):
             if late_zero:
-                zero_block = plgpu.SMEM((ZERO_ROWS, epi), dtype)
+                zero_block = plgpu.SMEM((ZERO_ROWS, epi), out_dtype)
                 pl.run_scoped(
                     functools.partial(_tiles_scope, pipeline_allocs, out_smem),
                     zero_block,
@@ -368,6 +380,6 @@ def matmul_reduce_scatter(
     with jax.named_scope("fused_gemm_scatter_add"):
         return plgpu.kernel(
             body,
-            out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+            out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
             **mt.kernel_params(sms, cluster, compiler_params),
-        )(x, w)
+        )(x, w, *([] if scale is None else [scale]))

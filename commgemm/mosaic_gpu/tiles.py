@@ -71,6 +71,23 @@ def relaxed_signal(sem, device_id=None) -> None:
     _signal(ref)
 
 
+def axis_position(axis_name: str | None) -> tuple[int, jax.Array]:
+    """(size, this device's index) of the kernels' mesh axis; axis_name None: one device, the
+    kernel on its own (its GEMM core: nothing to send, no NVSHMEM)."""
+    if axis_name is None:
+        return 1, jnp.int32(0)
+    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+
+def scaled_acc(acc_ref, scale_ref, dtype) -> jax.Array:
+    """The accumulator times the scalar in `scale_ref` [1] (float8 operands' scales; None: no
+    scale), in `dtype`."""
+    acc = acc_ref[...]
+    if scale_ref is not None:
+        acc = acc * scale_ref[0]
+    return acc.astype(dtype)
+
+
 def smem_transforms(dtype, minor: int) -> tuple:
     """Tiling and swizzle of an smem block whose minor dimension holds `minor` elements."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -81,16 +98,29 @@ def smem_transforms(dtype, minor: int) -> tuple:
 
 
 def tile_pipeline(
-    tiles: KernelConfig, dtype, k_iters: int, body, compute_context, *, release=0, state=None
+    tiles: KernelConfig,
+    dtype,
+    k_iters: int,
+    body,
+    compute_context,
+    *,
+    release=0,
+    state=None,
+    w_nk: bool = False,
 ):
     """The warp-specialized K loop of one CTA tile: x blocks [cta_m, tile_k] and w blocks
-    [tile_k, cta_n], `tiles.stages` loaded ahead (shared across a 2-CTA cluster by multicast).
+    [tile_k, cta_n] (with `w_nk`, of w laid out [n, K]: [cta_n, tile_k], K-major as float8
+    wgmma needs), `tiles.stages` loaded ahead (shared across a 2-CTA cluster by multicast).
     `release`: a K-step's smem slot is released that many steps late (its wgmma may still run,
     or its block still be read by a transfer). `state`: `chain_state` where a CTA's tiles run
     as one pipeline."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     transforms = smem_transforms(dtype, tiles.tile_k)
+    if w_nk:
+        w_block, w_index = (tiles.cta_n, tiles.tile_k), lambda kk: (0, kk)
+    else:
+        w_block, w_index = (tiles.tile_k, tiles.cta_n), lambda kk: (kk, 0)
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_iters,),
@@ -107,8 +137,8 @@ def tile_pipeline(
                 else (),  # shared x
             ),
             plgpu.BlockSpec(
-                (tiles.tile_k, tiles.cta_n),
-                lambda kk: (kk, 0),
+                w_block,
+                w_index,
                 transforms=transforms,
                 memory_space=plgpu.SMEM,
                 delay_release=release,
@@ -125,6 +155,21 @@ def tile_pipeline(
     )
 
 
+def w_columns(w_ref, columns, ks=slice(None), *, w_nk: bool = False):
+    """w's K-range `ks` of output columns `columns`, from w [K, n] (or [n, K] with w_nk)."""
+    return w_ref.at[columns, ks] if w_nk else w_ref.at[ks, columns]
+
+
+def rhs_operand(b_smem, wg_n, *, w_nk: bool = False):
+    """The wgmma right operand [tile_k, n] of a compute warpgroup's columns `wg_n`, from a
+    pipeline's w block (`tile_pipeline`)."""
+    if not w_nk:
+        return b_smem.at[:, wg_n]
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.transpose_ref(b_smem.at[wg_n, :], (1, 0))
+
+
 def chain_state(info) -> jax.Array:
     """The pipeline state of a CTA's tile in an nd_loop that chains its tiles' pipelines
     (DirectRSConfig.chain_tiles): the loads of the next tile start while this one's last K-steps
@@ -137,17 +182,28 @@ def chain_state(info) -> jax.Array:
     return jnp.where(info.local_index == 0, jnp.int32(states.START), state)
 
 
-def tile_smem(tiles: KernelConfig, dtype, k_iters: int, x_ref, w_ref, *, release=0):
+def tile_smem(
+    tiles: KernelConfig,
+    dtype,
+    k_iters: int,
+    x_ref,
+    w_ref,
+    *,
+    release=0,
+    out_dtype=None,
+    w_nk: bool = False,
+):
     """Decorator running fn(pipeline_allocs, out_smem) in the shared memory of `tile_pipeline`
-    (allocated once, for every tile) and of the epilogue (`out_smem`), for all warpgroups."""
+    (allocated once, for every tile) and of the epilogue (`out_smem`, in `out_dtype`, default
+    `dtype`), for all warpgroups."""
     from jax.experimental import pallas as pl
 
     ignore = lambda *_, **__: None  # noqa: E731
-    pipeline = tile_pipeline(tiles, dtype, k_iters, ignore, ignore, release=release)
+    pipeline = tile_pipeline(tiles, dtype, k_iters, ignore, ignore, release=release, w_nk=w_nk)
     return functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline.get_allocations(x_ref, w_ref),
-        out_smem=out_smem(tiles, dtype),
+        out_smem=out_smem(tiles, out_dtype or dtype),
         collective_axes="wg",
     )
 

@@ -62,3 +62,43 @@ def test_ops_on_one_gpu(op):
     want_dx = jnp.ones((x.shape[0], w.shape[1])) @ w.astype(jnp.float32).T
     assert float(jnp.abs(dx - want_dx).max() / jnp.abs(want_dx).max()) < 0.1  # e5m2 dY, e4m3 W
     assert dw.shape == w.shape and bool(jnp.isfinite(dw).all())
+
+
+def _gemm_core(op, tiles, float8):
+    """The direct kernel of `op` with no mesh axis: its GEMM core on this GPU, nothing to send."""
+    from commgemm.mosaic_gpu import fused, push_gather_gemm, scatter_add_gemm
+
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    if float8:  # the ops' path: a QuantizedRhs, w stored [n, K]
+        if op == "ag":
+            return jax.jit(lambda a, r: fused.all_gather_matmul(a, r, None, cfg, w_transposed=True))
+        return jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, cfg, w_transposed=True))
+    # bf16 w laid out [n, K]: the transposed right operand
+    if op == "ag":
+        return jax.jit(lambda a, b: push_gather_gemm.all_gather_matmul(a, b, None, cfg, w_nk=True))
+    return jax.jit(lambda a, b: scatter_add_gemm.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="the fused kernels need jax >= 0.11")
+@pytest.mark.parametrize("tile_k", [64, 128])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_direct_kernels_float8_core(op, tile_k):
+    """The direct kernels' float8 wgmma (w [n, K], scales after the kernel) and their bf16
+    transposed-w path agree with the float32 product of the same operands."""
+    from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig
+
+    x, w = _operands(m=512, k=1024, n=1024)
+    tiles = (DirectAGConfig if op == "ag" else DirectRSConfig)(tile_k=tile_k)
+    qx = cg.quantize(x, "current_tensor_scaling")
+    qw = cg.quantize(w, "current_tensor_scaling", axis=0)
+    rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, 1024,
+                              "bfloat16", False)  # fmt: skip
+    out = _gemm_core(op, tiles, True)(qx.data, rhs)
+    assert out.dtype == jnp.bfloat16
+    ref = _reference(x, w, "current_tensor_scaling")
+    err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+    assert err < 1e-2, err  # bf16 rounding of the unscaled product, fast accumulation
+    if tile_k == 64:
+        out = _gemm_core(op, tiles, False)(x, w.T).astype(jnp.float32)
+        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+        assert float(jnp.abs(out - ref).max() / jnp.abs(ref).max()) < 1e-2
