@@ -9,6 +9,8 @@
 #   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
 #   bash benchmarks/run.sh fp8     OUT         one GPU: the FP8 GPU tests, then FP8 vs bf16 GEMMs
 #   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx vs plain Flax
+#   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the direct kernels' float8 tests, then
+#                                              their GEMM core (bf16, FP8) vs the best GEMM
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -45,6 +47,12 @@ case $target in
     python3 benchmarks/fp8_gemm.py --out "$out"
     exit $status ;;
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
+  core)  # the benchmark runs even when a test fails; the exit status is the tests'
+    status=0
+    JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_fp8_gpu.py -k direct \
+      --junitxml="$out/core_tests.xml" || status=$?
+    python3 benchmarks/fused_core.py --out "$out" --sizes "${3:-2,4,8}"
+    exit $status ;;
   capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers or capabilities" >&2; exit 2 ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core or capabilities" >&2; exit 2 ;;
 esac

@@ -396,7 +396,8 @@ def test_capabilities_script_runs(tmp_path):
     assert len(result["devices"]) == 8
     fp8 = result["fp8"][0]
     assert set(fp8["ms"]) == {"xla bf16", "bf16 none", "bf16 auto", "fp8 none", "fp8 ring",
-                              "fp8 auto"}  # fmt: skip
+                              "fp8 auto", "timing"}  # fmt: skip
+    assert fp8["ms"]["timing"] == "host medians of 3"
     assert all(0 < e < 0.1 for e in fp8["rel_error_vs_bf16"].values())
     assert [r["method"] for r in result["grouped"]] == [
         "none",
@@ -404,4 +405,4 @@ def test_capabilities_script_runs(tmp_path):
         "ring",
         "expert parallel",
     ]
-    assert all(t > 0 for row in result["backward"] for t in row["ms"].values())
+    assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")

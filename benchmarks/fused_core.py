@@ -1,0 +1,131 @@
+"""The fused kernels' GEMM core on one GPU, bf16 and FP8, against the best GEMM of each shape.
+
+The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
+run on a one-device axis: the same tiles, pipeline, epilogue, zeroing and reduce-add stores,
+with no peer to send to, on the whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG,
+[M, K/P] @ [K/P, N] for RS). Beside it, timed interleaved by device periods in one trace per
+shape (medians of 6 rounds): XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels'
+default tiling, XLA's tensor-scaled FP8 GEMM as the ops run it, the FP8 core (float8 x and w
+laid out [N, K], the scales applied after the kernel, as `fused` runs it); and cuBLAS through
+torch (bf16 and `_scaled_mm`, CUDA events, same process). Writes OUT/fused_core.json.
+
+    PYTHONPATH=. python benchmarks/fused_core.py --out DIR [--sizes 2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # room for torch beside jax
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from fp8_gemm import torch_ms as torch_fp8_ms  # noqa: E402
+from gemm_table import mosaic  # noqa: E402
+from gemm_table import torch_ms as torch_bf16_ms  # noqa: E402
+
+import commgemm as cg  # noqa: E402
+from commgemm import scaled  # noqa: E402
+from commgemm.bench.problems import PRESETS  # noqa: E402
+from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
+from commgemm.mosaic_gpu import fused  # noqa: E402
+from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig  # noqa: E402
+
+#: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
+PEAK_BF16 = 989.0
+
+
+def local_shapes(sizes):
+    for preset, (m, k, n) in PRESETS.items():
+        if preset == "notebook":
+            continue
+        for size in sizes:
+            yield preset, "ag", size, (m, k, n // size)
+            yield preset, "rs", size, (m, k // size, n)
+
+
+def core(op: str, tiles, *, float8: bool):
+    """The direct kernel of `op` with no mesh axis (its GEMM core), as a jitted fn(a, b): b
+    [K, N] bf16, or with float8 the QuantizedRhs of b stored [N, K] (as the ops pass it)."""
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    return jax.jit(lambda a, b: fn(a, b, None, config, w_transposed=float8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--sizes", default="2,4,8")
+    parser.add_argument("--no-fp8", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    for preset, op, size, (m, k, n) in local_shapes(sizes):
+        ka, kb = jax.random.split(jax.random.key(m + k + n))
+        a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+        b = (jax.random.normal(kb, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+        family = DirectAGConfig if op == "ag" else DirectRSConfig
+        ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
+        variants = {
+            "xla bf16": (jax.jit(jnp.dot), (a, b)),
+            "mosaic bf16 128x128x64 s4": (mosaic((128, 128, 64, 4)), (a, b)),
+            "core bf16": (core(op, family(), float8=False), (a, b)),
+            "core bf16 cluster m": (core(op, family(cluster="m"), float8=False), (a, b)),
+        }
+        refs = dict.fromkeys(variants, ref)
+        if not args.no_fp8:
+            qa = cg.quantize(a, "current_tensor_scaling")
+            qb = cg.quantize(b, "current_tensor_scaling", axis=0)
+            ref8 = jnp.dot(cg.dequantize(qa), cg.dequantize(qb), precision="highest")
+            rhs = scaled.QuantizedRhs(cg.ScaledTensor(qb.data.T, qb.scale_inv), qa.scale_inv,
+                                      k, "bfloat16", False)  # fmt: skip
+            xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
+            variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
+            for tk, stages, cluster in ((128, 4, None), (128, 4, "m"), (64, 6, None)):
+                tiles = family(tile_k=tk, stages=stages, cluster=cluster)
+                name = f"core fp8 k{tk} s{stages}" + (" cluster m" if cluster else "")
+                variants[name] = (core(op, tiles, float8=True), (qa.data, rhs))
+            refs.update({name: ref8 for name in variants if "fp8" in name})
+        errors, failed = {}, {}
+        for name in list(variants):
+            fn, operands = variants[name]
+            try:
+                out = fn(*operands).astype(jnp.float32)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape: recorded
+                failed[name] = str(e)[:300]
+                del variants[name]
+                continue
+            errors[name] = float(jnp.abs(out - refs[name]).max() / jnp.abs(refs[name]).max())
+        found = device_periods_interleaved(variants, rounds=6)
+        ms = {name: f["median"] for name, f in found.items() if "median" in f}
+        ms["torch bf16 (events)"] = torch_bf16_ms(m, k, n)
+        if not args.no_fp8:
+            ms["torch _scaled_mm fast (events)"] = torch_fp8_ms(m, k, n, fp8=True, fast=True)
+        flops = 2.0 * m * k * n
+        bf16 = {n: t for n, t in ms.items() if t and "fp8" not in n and "_scaled" not in n}
+        best_bf16 = min(bf16.values())
+        cores = [t for n, t in bf16.items() if n.startswith("core")]
+        row = {
+            "preset": preset, "op": op, "P": size, "shape": [m, k, n], "ms": ms,
+            "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items() if t},
+            "best_core_bf16_vs_best_bf16": min(cores) / best_bf16 if cores else None,
+            "speedup_vs_best_bf16": {name: best_bf16 / t for name, t in ms.items() if t},
+            "rel_error": errors, "failed": failed,
+        }  # fmt: skip
+        row["fraction_of_peak"] = {
+            name: tf / (PEAK_BF16 * (2 if "fp8" in name or "_scaled" in name else 1))
+            for name, tf in row["tflops"].items()
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "fused_core.json").write_text(json.dumps(
+            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
+            indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
