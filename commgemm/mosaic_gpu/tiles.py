@@ -165,9 +165,7 @@ def rhs_operand(b_smem, wg_n, *, w_nk: bool = False):
     pipeline's w block (`tile_pipeline`)."""
     if not w_nk:
         return b_smem.at[:, wg_n]
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.transpose_ref(b_smem.at[wg_n, :], (1, 0))
+    return b_smem.at[wg_n, :].transpose((1, 0))
 
 
 def chain_state(info) -> jax.Array:
