@@ -105,8 +105,7 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
     w_stand_in = jax.ShapeDtypeStruct(w.data.shape, out_dtype)
     plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
                      w_transposed=w_transposed, op=fn_name)  # fmt: skip
-    # no recipe: a fused kernel may take them as they are (its fast accumulation)
-    recipe = ScalingRecipe(x.mode, split_accumulator=(False, True, True))
+    recipe = ScalingRecipe(x.mode)  # the defaults, which scaled.prequantized_matmul runs
     _check_fused_scaling(fn_name, resolve(config)[0], recipe)
     cfg = _quantized_config(plan.config, recipe)
     return restore(prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed))

@@ -240,10 +240,13 @@ class ScalingRecipe:
     `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
     GPU promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
     Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower
-    accumulator (False: ..._FAST_ACCUM). Default: promoted for all three. On one H200 with jax
-    0.11.2 the two ran at the same speed with the same error in the GEMM the ops use (a bf16
-    result, BENCHMARKS.md "FP8 GEMMs"): XLA kept promoting. Elsewhere the GEMMs accumulate in
-    float32 and the flag does nothing.
+    accumulator (False: ..._FAST_ACCUM; the direct fused kernels accumulate only this way).
+    Default (False, True, True), the reference system's: fast for the forward, promoted for the
+    two gradients. On H200 with jax 0.11.2 XLA's GEMM ran at the same speed with the same error
+    either way (BENCHMARKS.md "FP8 GEMMs": XLA kept promoting), and the fused FP8 ops' error
+    matched the promoted XLA methods' ("FP8 overlapped"), so the forward's default lets AUTO give
+    quantized operands to the fused kernels. Elsewhere the GEMMs accumulate in float32 and the
+    flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
@@ -255,7 +258,7 @@ class ScalingRecipe:
     dtype: str = dataclasses.field(default="float8_e4m3fn", metadata=dict(static=True))
     grad_dtype: str = dataclasses.field(default="float8_e5m2", metadata=dict(static=True))
     split_accumulator: tuple[bool, bool, bool] = dataclasses.field(
-        default=(True, True, True), metadata=dict(static=True)
+        default=(False, True, True), metadata=dict(static=True)
     )
     x_state: ScalingState | None = None
     w_state: ScalingState | None = None

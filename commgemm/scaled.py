@@ -249,7 +249,7 @@ def prequantized_matmul(
             f"w's blocks run along its dimension {qw.axis % 2}, but its K dimension is {k_dim}: "
             f"quantize w with axis={k_dim}"
         )
-    fmt = (qx.mode, "float8_e5m2", (True, True, True))
+    fmt = (qx.mode, "float8_e5m2", ScalingRecipe().split_accumulator)
     like_x = qx.data[:0].astype(cfg.out_dtype)  # the dtype, K and varying axes _forward reads
     out, _ = _forward(collective, axis_name, cfg, w_transposed, fmt, like_x, None, qx, qw)
     return out

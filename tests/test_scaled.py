@@ -251,12 +251,12 @@ def test_bad_input(rng):
     # the fused kernels: only the direct ones, tensor modes, fast accumulation, Hopper
     ring = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
     direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
-    fast = cg.ScalingRecipe(split_accumulator=(False, True, True))
+    promoted = cg.ScalingRecipe(split_accumulator=(True, True, True))
     for op, cfg, scaling, why in [
-        ("ag", ring, fast, "only the direct kernels"),
+        ("ag", ring, CUR, "only the direct kernels"),
         ("rs", direct, MX, "no Hopper tensor-core path"),
-        ("ag", direct, CUR, r"split_accumulator=\(False"),
-        ("rs", direct, fast, "cannot run this call"),  # the plan's own checks (dtype, GPU)
+        ("ag", direct, promoted, r"split_accumulator=\(False"),
+        ("rs", direct, CUR, "cannot run this call"),  # the plan's own checks (dtype, GPU)
     ]:
         with pytest.raises(ValueError, match=why):
             _fn(op, cfg, scaling, 2)(x, w)
