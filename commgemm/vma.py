@@ -61,19 +61,19 @@ def like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     if extra:
         ct = lax.psum(ct, extra)
-    missing = tuple(sorted(varying_axes(primal) - varying_axes(ct)))
-    if missing:
-        pcast = getattr(lax, "pcast", None)
-        ct = pcast(ct, missing, to="varying") if pcast else lax.pvary(ct, missing)
-    return ct
+    return _mark_varying(ct, varying_axes(primal))
 
 
 def varying_like(a: jax.Array, *inputs: jax.Array) -> jax.Array:
     """`a` (a kernel's result) typed as varying over every mesh axis one of `inputs` varies
     over, as the values it was computed from do; a no-op where it already is or unchecked."""
-    want = frozenset().union(*(varying_axes(i) for i in inputs))
-    missing = tuple(sorted(want - varying_axes(a)))
+    return _mark_varying(a, frozenset().union(*(varying_axes(i) for i in inputs)))
+
+
+def _mark_varying(a: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """`a` marked varying over those of `axes` it is not typed as varying over yet."""
+    missing = tuple(sorted(axes - varying_axes(a)))
     if not missing:
         return a
-    pcast = getattr(lax, "pcast", None)
+    pcast = getattr(lax, "pcast", None)  # jax 0.10 has no lax.pvary
     return pcast(a, missing, to="varying") if pcast else lax.pvary(a, missing)

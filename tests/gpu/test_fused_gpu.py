@@ -159,8 +159,9 @@ def test_grouped_matmul_hopper_path(groups):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_float8_against_the_split_method(two_gpus, op):
+def test_fused_float8_against_the_split_method(two_gpus, op, check_vma):
     """scaling= with the direct fused kernels (float8 wgmma, float8 rows on the wire) gives the
     split PIPELINE method's values and gradients under the same recipe, to bf16 rounding."""
     x, w, g = _operands((2048, 2048, 2048), 7)
@@ -172,7 +173,7 @@ def test_fused_float8_against_the_split_method(two_gpus, op):
         specs = (P("x", None), P(None, "x")) if op == "ag" else (P(None, "x"), P("x", None))
         out_spec = P(None, "x") if op == "ag" else P("x", None)
         body = lambda a, b, c=cfg, fn=fn: fn(a, b, "x", config=c, scaling=recipe)  # noqa: E731
-        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=check_vma)
         loss = lambda a, b, f=f: jnp.sum(f(a, b).astype(jnp.float32) * g.astype(jnp.float32))  # noqa: E501, E731
         results.append((jax.jit(f)(x, w), *jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)))
     for a, b in zip(*results, strict=True):
