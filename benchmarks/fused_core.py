@@ -1,13 +1,16 @@
 """The fused kernels' GEMM core on one GPU, bf16 and FP8, against the best GEMM of each shape.
 
 The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
-run on a one-device axis: the same tiles, pipeline, epilogue, zeroing and reduce-add stores,
-with no peer to send to, on the whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG,
-[M, K/P] @ [K/P, N] for RS). Beside it, timed interleaved by device periods in one trace per
-shape (medians of 6 rounds): XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels'
-default tiling, XLA's tensor-scaled FP8 GEMM as the ops run it, the FP8 core (float8 x and w
-laid out [N, K], the scales applied after the kernel, as `fused` runs it); and cuBLAS through
-torch (bf16 and `_scaled_mm`, CUDA events, same process). Writes OUT/fused_core.json.
+run with no mesh axis: the same tiles, pipeline and epilogue, with no peer to send to (the RS
+kernel then stores its tiles: with one device there is nothing to zero or reduce-add), on the
+whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
+Beside it, timed interleaved by device periods in one trace per shape (medians of 6 rounds):
+XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels' default tiling, the op itself on a
+one-device mesh with either local GEMM (`local_gemm` "xla" and "mosaic": the serial path's two
+choices), XLA's tensor-scaled FP8 GEMM as the ops run it, the FP8 core (float8 x and w laid out
+[N, K], the scales applied in the epilogue, as `fused` runs it); and cuBLAS through torch (bf16
+and `_scaled_mm`, CUDA events, same process). A kernel that cannot run a shape (not whole
+tiles) is listed under "failed". Writes OUT/fused_core.json.
 
     PYTHONPATH=. python benchmarks/fused_core.py --out DIR [--sizes 2,4,8]
 """
@@ -15,6 +18,7 @@ torch (bf16 and `_scaled_mm`, CUDA events, same process). Writes OUT/fused_core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,12 +30,14 @@ import jax.numpy as jnp  # noqa: E402
 from fp8_gemm import torch_ms as torch_fp8_ms  # noqa: E402
 from gemm_table import mosaic  # noqa: E402
 from gemm_table import torch_ms as torch_bf16_ms  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
-from commgemm.mosaic_gpu import fused  # noqa: E402
+from commgemm.cli.specs import fused_spec  # noqa: E402
+from commgemm.mosaic_gpu import fused, heuristics  # noqa: E402
 from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig  # noqa: E402
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
@@ -47,12 +53,46 @@ def local_shapes(sizes):
             yield preset, "rs", size, (m, k // size, n)
 
 
+def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
+    """{spec: tiling} of the direct kernel of `op`: what the fused op plans for the P-device
+    problem ("plan") and the tuner's extra tilings (`heuristics.TUNING_CANDIDATES`)."""
+    m, k, n = local
+    if op == "ag":
+        plan = heuristics.direct_ag_config(m // size)
+    else:
+        plan = heuristics.direct_rs_config(m, size, (m, k * size, n))
+    found = {"plan": alone(plan)}
+    for tiles in map(alone, heuristics.TUNING_CANDIDATES[op]):
+        if type(tiles) is type(plan) and tiles not in found.values():
+            spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
+            found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
+    return found
+
+
+def alone(tiles):
+    """`tiles` without the fields that do nothing on one device (spread, split_tail,
+    zero_ahead), so tilings that run alike are timed once."""
+    fields = {"spread": 0, "split_tail": 1, "zero_ahead": 0}
+    return dataclasses.replace(tiles, **{f: v for f, v in fields.items() if hasattr(tiles, f)})
+
+
 def core(op: str, tiles, *, float8: bool):
     """The direct kernel of `op` with no mesh axis (its GEMM core), as a jitted fn(a, b): b
     [K, N] bf16, or with float8 the QuantizedRhs of b stored [N, K] (as the ops pass it)."""
     config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
     return jax.jit(lambda a, b: fn(a, b, None, config, w_transposed=float8))
+
+
+def serial_op(op: str, local_gemm: str):
+    """The op itself on a one-device mesh (its plan: the local GEMM, NONE) with `local_gemm`."""
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    config = cg.OverlapConfig(method="none", local_gemm=local_gemm)
+    fn = cg.all_gather_matmul if op == "ag" else cg.matmul_reduce_scatter
+    specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
+    out = P(None, "x") if op == "ag" else P("x")
+    body = lambda a, b: fn(a, b, "x", config=config)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))
 
 
 def main() -> None:
@@ -73,9 +113,11 @@ def main() -> None:
         variants = {
             "xla bf16": (jax.jit(jnp.dot), (a, b)),
             "mosaic bf16 128x128x64 s4": (mosaic((128, 128, 64, 4)), (a, b)),
-            "core bf16": (core(op, family(), float8=False), (a, b)),
-            "core bf16 cluster m": (core(op, family(cluster="m"), float8=False), (a, b)),
+            "serial op xla": (serial_op(op, "xla"), (a, b)),
+            "serial op mosaic": (serial_op(op, "mosaic"), (a, b)),
         }
+        for label, tiles in core_tilings(op, size, (m, k, n)).items():
+            variants[f"core bf16 {label}"] = (core(op, tiles, float8=False), (a, b))
         refs = dict.fromkeys(variants, ref)
         if not args.no_fp8:
             qa = cg.quantize(a, "current_tensor_scaling")
@@ -85,9 +127,9 @@ def main() -> None:
                                       k, "bfloat16", False)  # fmt: skip
             xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
             variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
-            for tk, stages, cluster in ((128, 4, None), (128, 4, "m"), (64, 6, None)):
-                tiles = family(tile_k=tk, stages=stages, cluster=cluster)
-                name = f"core fp8 k{tk} s{stages}" + (" cluster m" if cluster else "")
+            for cluster in (None, "m"):
+                tiles = family(tile_k=fused.FLOAT8_TILE_K, cluster=cluster)
+                name = "core fp8 k128" + (" cluster m" if cluster else "")
                 variants[name] = (core(op, tiles, float8=True), (qa.data, rhs))
             refs.update({name: ref8 for name in variants if "fp8" in name})
         errors, failed = {}, {}
@@ -107,12 +149,16 @@ def main() -> None:
             ms["torch _scaled_mm fast (events)"] = torch_fp8_ms(m, k, n, fp8=True, fast=True)
         flops = 2.0 * m * k * n
         bf16 = {n: t for n, t in ms.items() if t and "fp8" not in n and "_scaled" not in n}
-        best_bf16 = min(bf16.values())
+        best_bf16 = min(t for n, t in bf16.items() if not n.startswith("serial"))
         cores = [t for n, t in bf16.items() if n.startswith("core")]
+        serial = {n: t for n, t in bf16.items() if n.startswith("serial")}
         row = {
             "preset": preset, "op": op, "P": size, "shape": [m, k, n], "ms": ms,
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items() if t},
             "best_core_bf16_vs_best_bf16": min(cores) / best_bf16 if cores else None,
+            "plan_core_bf16_vs_best_bf16": ms.get("core bf16 plan", 0) / best_bf16 or None,
+            # the serial path as the tuner leaves it: the faster of its two local GEMMs
+            "serial_vs_xla": min(serial.values()) / ms["xla bf16"] if serial else None,
             "speedup_vs_best_bf16": {name: best_bf16 / t for name, t in ms.items() if t},
             "rel_error": errors, "failed": failed,
         }  # fmt: skip

@@ -9,8 +9,9 @@
 #   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
 #   bash benchmarks/run.sh fp8     OUT         one GPU: the FP8 GPU tests, then FP8 vs bf16 GEMMs
 #   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx vs plain Flax
-#   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the direct kernels' float8 tests, then
-#                                              their GEMM core (bf16, FP8) vs the best GEMM
+#   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the GEMM core's and FP8 tests, then the
+#                                              direct kernels' GEMM core (bf16, FP8) and the
+#                                              serial path vs the best GEMM
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -49,7 +50,7 @@ case $target in
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
   core)  # the benchmark runs even when a test fails; the exit status is the tests'
     status=0
-    JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_fp8_gpu.py -k direct \
+    JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_gemm_core_gpu.py tests/gpu/test_fp8_gpu.py \
       --junitxml="$out/core_tests.xml" || status=$?
     python3 benchmarks/fused_core.py --out "$out" --sizes "${3:-2,4,8}"
     exit $status ;;

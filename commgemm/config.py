@@ -201,6 +201,9 @@ def check_bool(value: object, field: str) -> None:
         raise ValueError(f"{field}={value!r} must be True or False")
 
 
+#: OverlapConfig.local_gemm's values.
+LOCAL_GEMMS = ("xla", "mosaic")
+
 _FLAGS = (
     "interpret",
     "bidirectional",
@@ -247,6 +250,11 @@ class OverlapConfig:
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
+      local_gemm: the GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE):
+        "xla" (XLA's dot, every backend) or "mosaic" (the direct fused kernels' GEMM core, run
+        with no peers: Hopper GPUs, jax >= 0.11, 16-bit or tensor-scaled float8 operands, every
+        GEMM whole tiles of `commgemm.mosaic_gpu.DirectAGConfig()`; checked at plan time and
+        trace time). AUTO takes it from the tune cache, where the tuner measured it faster.
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a
         tile gets more than two of them: on more than 2 devices, and with DirectRSConfig.split_tail
@@ -268,6 +276,7 @@ class OverlapConfig:
     kernel: KernelConfig | None = None
     interpret: bool = False
     deterministic: bool = False
+    local_gemm: str = "xla"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -334,6 +343,13 @@ class OverlapConfig:
                 )
             if not self.atomic_gemm:
                 raise ValueError("kernel needs atomic_gemm=True (the fused kernels)")
+        if self.local_gemm not in LOCAL_GEMMS:
+            raise ValueError(f"local_gemm={self.local_gemm!r} must be one of {LOCAL_GEMMS}")
+        if self.local_gemm != "xla" and (self.atomic_gemm or self.method is Method.AUTO):
+            raise ValueError(
+                f"local_gemm={self.local_gemm!r} is for the methods that are not fused (atomic_gemm"
+                "=True runs the kernel's own GEMM; with method=AUTO the tune cache chooses it)"
+            )
         if self.collective is not None and self.method is not Method.AUTO:
             select_algorithm(self.collective, self.method, atomic_gemm=self.atomic_gemm)
 

@@ -116,6 +116,11 @@ def make_plan(
             chain_gemms=False,
         )
         algorithm = Algorithm.NO_OVERLAP
+    if cfg.local_gemm == "mosaic":
+        from commgemm.mosaic_gpu.tiles import hopper_reason
+
+        if (reason := hopper_reason()) is not None:
+            raise ValueError(f"local_gemm='mosaic' (the Hopper GEMM kernel) cannot run: {reason}")
     if algorithm in ATOMIC_ALGORITHMS:
         _check_fused(algorithm, collective, x, w, size, cfg, w_transposed)
     need = split_requirement(collective, cfg.method, size, cfg.num_splits)

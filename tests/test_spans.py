@@ -181,6 +181,11 @@ def test_batches_split_on_idle_gaps(cycles, calls):
     )
     with pytest.raises(RuntimeError, match=f"found {len(cycles)} runs of activity for 9 batches"):
         batches_from_trace(_trace({0: {"Stream #1": events}}), 9, calls, 50_000)
+    # a host stall inside the first batch (an idle gap over the threshold, shorter than the
+    # gaps between batches): the longest gaps still separate the batches
+    stalled = [(s + 60_000 * (i >= 2), n, k) for i, (s, n, k) in enumerate(events)]
+    found = batches_from_trace(_trace({0: {"Stream #1": stalled}}), len(cycles), calls, 50_000)
+    assert [f["main"] for f in found] == [f"k{c}" for c in cycles]
 
 
 def test_interleaved_periods_say_why():

@@ -105,7 +105,8 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_spec_round_trip(op):
-    specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain")
+    specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain",
+             "none-mosaic", "ring:2-chain-mosaic")  # fmt: skip
     fused = {
         "ag": ("fused", "fused-w1", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-gm-w4",
                "fused-direct", "fused-direct-cm", "fused-direct-cm-w16", "fused-direct-cm-r85"),

@@ -42,6 +42,7 @@ def resolve_auto(
     among the plans whose result is the same on every call). The dtype fields,
     save_gathered_input and deterministic stay cfg's."""
     from commgemm.mosaic_gpu.fused import varies_between_calls
+    from commgemm.mosaic_gpu.tiles import hopper_reason
 
     shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
     kind = jax.devices()[0].device_kind
@@ -53,6 +54,8 @@ def resolve_auto(
         varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
         if not fused_ok or varies:
             chosen = None
+    if chosen is not None and chosen.local_gemm != "xla" and hopper_reason() is not None:
+        chosen = chosen.replace(local_gemm="xla")  # measured on a machine with the kernel
     if chosen is None:
         fig = found.machines.get(cache.machine_key(kind, size)) or default_figures(
             jax.default_backend(), kind

@@ -44,6 +44,7 @@ CHOSEN_FIELDS = (
     "atomic_gemm",
     "chain_gemms",
     "kernel",
+    "local_gemm",
 )
 
 

@@ -50,6 +50,20 @@ def _tuning_configs(op: str) -> list[OverlapConfig]:
     ]
 
 
+def _core_runs(collective: Collective, shape: tuple[int, int, int], size: int, dtype: str) -> bool:
+    """Whether the Hopper GEMM kernel (local_gemm "mosaic") runs the serial plan's local GEMM:
+    AG gathered x [M, K] @ w [K, N/P]; RS and AR x [M, K/P] @ w [K/P, N]."""
+    from commgemm.mosaic_gpu.gemm_core import gemm_reason
+
+    m, k, n = shape
+    if collective is Collective.ALL_GATHER:
+        x, w = (m, k), (k, n // size)
+    else:
+        x, w = (m, k // size), (k // size, n)
+    x, w = jax.ShapeDtypeStruct(x, dtype), jax.ShapeDtypeStruct(w, dtype)
+    return gemm_reason(x, w, False, dtype) is None
+
+
 def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: str):
     """The cost model's candidates for this problem, and the extra fused tilings that can run."""
     from commgemm.mosaic_gpu.fused import reason_for_shape
@@ -60,6 +74,8 @@ def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: s
         reason_for_shape(collective, shape, size, dtype) is None
     )
     found = candidates(collective, rows, size, fused=fused, shape=shape)
+    if _core_runs(collective, shape, size, dtype):  # each split plan on the Hopper kernel too
+        found += [c.replace(local_gemm="mosaic") for c in found if not c.atomic_gemm]
     if fused:
         found += [
             c

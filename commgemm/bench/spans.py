@@ -164,21 +164,23 @@ def periods_from_trace(data, calls: int) -> dict:
 def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> list[dict]:
     """`periods_from_trace` for a trace of `batches` runs of `calls` back-to-back calls each,
     the runs separated by idle gaps of min_gap_ns or more: one result per run, in order, or
-    {"error": why} for a run whose calls cannot be told apart."""
+    {"error": why} for a run whose calls cannot be told apart. Where more such gaps are found
+    than batches - 1 (a host stall within a batch), the batches - 1 longest separate them."""
     per_batch: list[list[dict]] = [[] for _ in range(batches)]
     for d, events in enumerate(_gpu_events(data)):
-        runs: list[list[tuple[float, float, str]]] = []
-        last_end = None
-        for event in events:
-            if last_end is None or event[0] - last_end >= min_gap_ns:
-                runs.append([])
-            runs[-1].append(event)
-            last_end = event[1] if last_end is None else max(last_end, event[1])
-        if len(runs) != batches:
+        gaps = []  # (idle ns, index of the event after the gap)
+        last_end = events[0][1] if events else 0.0
+        for i in range(1, len(events)):
+            if events[i][0] - last_end >= min_gap_ns:
+                gaps.append((events[i][0] - last_end, i))
+            last_end = max(last_end, events[i][1])
+        if not events or len(gaps) < batches - 1:
             raise RuntimeError(
-                f"GPU {d}: found {len(runs)} runs of activity for {batches} batches "
-                f"(idle gap threshold {min_gap_ns / 1e3:.0f} us)"
+                f"GPU {d}: found {len(gaps) + bool(events)} runs of activity for {batches} "
+                f"batches (idle gap threshold {min_gap_ns / 1e3:.0f} us)"
             )
+        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: batches - 1])
+        runs = [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True)]
         for i, run in enumerate(runs):
             try:
                 per_batch[i].append(_batch_periods(run, calls))

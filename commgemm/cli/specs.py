@@ -83,11 +83,15 @@ def fused_spec(config: OverlapConfig) -> str:
 def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
     """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto',
     'fused' (RING_EXCHANGE with atomic_gemm: one kernel, Hopper GPUs; tilings as in
-    `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on."""
+    `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on, a '-mosaic' suffix
+    last ('none-mosaic', 'ring:2-chain-mosaic') multiplies with the Hopper GEMM kernel
+    (local_gemm "mosaic")."""
     if spec == "fused" or spec.startswith("fused-"):
         if op is None:
             raise ValueError(f"{spec!r}: a fused kernel spec needs the op (ag or rs)")
         return parse_fused(spec, op)
+    full = spec
+    spec, mosaic = (spec[: -len("-mosaic")], True) if spec.endswith("-mosaic") else (spec, False)
     spec, chain = (spec[: -len("-chain")], True) if spec.endswith("-chain") else (spec, False)
     name, colon, splits = spec.partition(":")
     if colon and not splits.isdigit():
@@ -104,9 +108,10 @@ def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
     if name not in table:
         raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")
     try:
-        return OverlapConfig(num_splits=num_splits, chain_gemms=chain, **table[name])
+        return OverlapConfig(num_splits=num_splits, chain_gemms=chain,
+                             local_gemm="mosaic" if mosaic else "xla", **table[name])  # fmt: skip
     except ValueError as err:
-        raise ValueError(f"method {spec!r}: {err}") from None
+        raise ValueError(f"method {full!r}: {err}") from None
 
 
 def spec_of(cfg: OverlapConfig) -> str:
@@ -118,4 +123,5 @@ def spec_of(cfg: OverlapConfig) -> str:
         name = "ring-agg" if cfg.aggregate else "ring-bidi" if cfg.bidirectional else "ring"
     if cfg.num_splits > 1 and cfg.method is not Method.NONE:
         name = f"{name}:{cfg.num_splits}"
-    return f"{name}-chain" if cfg.chain_gemms else name
+    name = f"{name}-chain" if cfg.chain_gemms else name
+    return f"{name}-mosaic" if cfg.local_gemm == "mosaic" else name

@@ -88,14 +88,8 @@ def tuning_config(tiles: KernelConfig):
 
 
 def _gpu_reason() -> str | None:
-    devices = jax.devices()
-    if devices[0].platform != "gpu":
-        return f"it runs on GPUs; this backend is {devices[0].platform}"
-    capability = str(getattr(devices[0], "compute_capability", ""))
-    if not capability.startswith("9"):
-        return f"it needs a Hopper GPU (compute capability 9.x), got {capability or 'unknown'}"
-    if jax.__version_info__ < (0, 11):
-        return f"it needs jax >= 0.11 (tested on 0.11.2), this is {jax.__version__}"
+    if (reason := mosaic_tiles.hopper_reason()) is not None:
+        return reason
     if jax.process_count() != 1:
         return "it needs one process driving all GPUs (got several processes)"
     try:

@@ -105,6 +105,7 @@ def all_gather_matmul(
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]
+    mt.check_shape(tiles, m, k, n)
     m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     bands = m // tiles.cta_m
     step_tiles = m_iters * n_iters

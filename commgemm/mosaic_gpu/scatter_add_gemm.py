@@ -12,7 +12,8 @@ load warpgroups zero wave j + D's tiles while loading wave j, one semaphore a wa
 (`tiles.relaxed_signal`). `split_tail` splits the last, partly filled wave's tiles (this
 device's own) along K (`tail_plan`). Partial sums are added in the output dtype, in arrival
 order where a tile gets more than two (P > 2, split tails): `OverlapConfig.deterministic`
-refuses those. What was tried and measured: docs/performance.md.
+refuses those. On one device (axis_name None: the kernel's GEMM core) nothing is added:
+tiles are stored, nothing is zeroed. What was tried and measured: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main_unit(lin, size: int, per_block: int, tail_tiles: int):
     last `tail_tiles` tiles come last (their own copies are the tail's). Python ints in, ints
     out; traced in, traced out."""
     tile, offset = lin // size, _rem(lin, size)
-    if not tail_tiles:
+    if not tail_tiles or size == 1:  # one device: the main loop's tiles come in order
         return tile, offset
     late = lin - size * (per_block - tail_tiles)
     in_late = late >= 0
@@ -146,6 +147,9 @@ def matmul_reduce_scatter(
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
+    if x.shape[0] % size:
+        raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
+    mt.check_shape(tiles, rows, k, n)
     epi = tiles.epi
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()
@@ -153,7 +157,10 @@ def matmul_reduce_scatter(
     per_block = m_iters * n_iters
     num_tiles = size * per_block
     ctas = sms // cluster
-    tail_tiles, splits = tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
+    # a split tail's K-ranges are reduce-added: none on one device, which stores its tiles
+    tail_tiles, splits = (
+        tail_plan(num_tiles, per_block, ctas, k_iters, tiles) if size > 1 else (0, 1)
+    )
     main_units = num_tiles - tail_tiles
     if tiles.chain_tiles and main_units < 2 * ctas:
         raise ValueError(
@@ -177,11 +184,16 @@ def matmul_reduce_scatter(
     )
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
-    late_zero = ahead < waves
+    # one device adds nothing: its tiles are stored, not reduce-added into zeroed outputs
+    reduce = size > 1
+    late_zero = reduce and ahead < waves
+    # one wgmma in flight, its smem slot released a K-step late (a pipeline of pipelines,
+    # chain_tiles, takes no late release: there each wgmma is awaited)
+    release = 0 if tiles.chain_tiles else 1
 
     def get_pipeline(steps, body, compute_context, state=None):
         return mt.tile_pipeline(
-            tiles, dtype, steps, body, compute_context, release=0, state=state, w_nk=w_nk
+            tiles, dtype, steps, body, compute_context, release=release, state=state, w_nk=w_nk
         )
 
     def body(x_ref, w_ref, *refs):
@@ -222,7 +234,6 @@ def matmul_reduce_scatter(
         def _tiles_scope(pipeline_allocs, out_smem, zero_smem):
             wg = lax.axis_index("wg")
 
-            @pl.when(wg < 2)
             @jax.named_scope("zero")
             def _zero_output():
                 out_smem[wg, 0] = jnp.zeros((epi, epi), out_dtype)
@@ -231,6 +242,9 @@ def matmul_reduce_scatter(
                 zero_tiles(out_smem.at[wg, 0], 0, first_tiles, 2 * cta + wg, 2 * sms, iters)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 signal_every_device(zeroed)
+
+            if reduce:
+                pl.when(wg < 2)(_zero_output)
 
             if late_zero:
 
@@ -274,12 +288,16 @@ def matmul_reduce_scatter(
 
                 def store(src, dest, predicate=None, commit=True):
                     plgpu.copy_smem_to_gmem(
-                        src, dest, predicate=predicate, commit_group=commit, reduction_op="add"
+                        src,
+                        dest,
+                        predicate=predicate,
+                        commit_group=commit,
+                        reduction_op="add" if reduce else None,
                     )
 
                 def epilogue_of(acc_ref):
                     acc = mt.scaled_acc(acc_ref, scale_ref, out_dtype)
-                    if first is not None:
+                    if first is not None and reduce:
 
                         @pl.when(first)
                         def _outputs_zeroed():
@@ -315,7 +333,7 @@ def matmul_reduce_scatter(
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
                     plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], rhs)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(release)
                     return acc_ref
 
                 ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
@@ -359,12 +377,13 @@ def matmul_reduce_scatter(
             @jax.named_scope("landed")
             def _adds_landed():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                for peer in peers[1:]:
-                    mt.relaxed_signal(landed, device_id=peer)
-                pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
+                if reduce:
+                    for peer in peers[1:]:
+                        mt.relaxed_signal(landed, device_id=peer)
+                    pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
 
         @mt.tile_smem(
-            tiles, dtype, k_iters, x_ref, w_ref, release=0, out_dtype=out_dtype, w_nk=w_nk
+            tiles, dtype, k_iters, x_ref, w_ref, release=release, out_dtype=out_dtype, w_nk=w_nk
         )
         def _scope(pipeline_allocs, out_smem):
             if late_zero:

@@ -25,6 +25,20 @@ def num_sms() -> int:
     return jax.devices()[0].core_count
 
 
+def hopper_reason() -> str | None:
+    """Why this process's devices cannot run the Mosaic GPU kernels here, or None: they need a
+    Hopper GPU (compute capability 9.x) and jax >= 0.11."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return f"it runs on GPUs; this backend is {device.platform}"
+    capability = str(getattr(device, "compute_capability", ""))
+    if not capability.startswith("9"):
+        return f"it needs a Hopper GPU (compute capability 9.x), got {capability or 'unknown'}"
+    if jax.__version_info__ < (0, 11):
+        return f"it needs jax >= 0.11 (tested on 0.11.2), this is {jax.__version__}"
+    return None
+
+
 def kernel_params(sms: int, cluster: int, compiler_params: Mapping | None = None) -> dict:
     """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
     clusters of `cluster`), two compute warpgroups and one that issues the loads.
@@ -77,6 +91,17 @@ def axis_position(axis_name: str | None) -> tuple[int, jax.Array]:
     if axis_name is None:
         return 1, jnp.int32(0)
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+
+def check_shape(tiles: KernelConfig, m: int, k: int, n: int) -> None:
+    """Raise ValueError unless rows `m`, K `k` and columns `n` (per device) are whole tiles:
+    a kernel walks whole tiles only, so a remainder would be left unwritten."""
+    for what, value, by in (("rows", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
+                            ("K", k, tiles.tile_k)):  # fmt: skip
+        if value % by:
+            raise ValueError(
+                f"{type(tiles).__name__}: {what}={value} must be divisible by the tile {by}"
+            )
 
 
 def scaled_acc(acc_ref, scale_ref, dtype) -> jax.Array:

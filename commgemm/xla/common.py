@@ -23,8 +23,15 @@ def matmul(
     `scaling=`, a is a quantized payload and w a `commgemm.scaled.QuantizedRhs`, which
     multiplies it.
 
-    The result is asked of XLA in a 16-bit result dtype directly (see operands.dot).
+    The result is asked of XLA in a 16-bit result dtype directly (see operands.dot). With
+    config.local_gemm "mosaic" the GEMMs the Hopper kernel can run go to it
+    (commgemm.mosaic_gpu.gemm_core), the others to XLA.
     """
+    if config.local_gemm == "mosaic":
+        from commgemm.mosaic_gpu import gemm_core
+
+        if gemm_core.gemm_reason(a, w, w_transposed, result_dtype) is None:
+            return gemm_core.matmul(a, w, w_transposed)
     if isinstance(w, QuantizedRhs):  # the op's scaling=
         with jax.named_scope("gemm"):
             return w.matmul(a, w_transposed, config.accumulate_dtype, result_dtype)

@@ -1,0 +1,68 @@
+"""`OverlapConfig.local_gemm="mosaic"`: the direct AG kernel (`push_gather_gemm`) run with no
+peers as the local GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
+
+It is the kernel the fused AG op runs, with nothing to send: one persistent CTA per SM, 128 x
+256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA stores of
+the result in 64 x 64 blocks. Float8 operands (an op's tensor-scaled `scaling=`) multiply on the
+float8 tensor cores with w laid out [n, K] and the two scales applied in the epilogue, as in the
+fused ops. Which of it and XLA's dot is faster depends on the shape (BENCHMARKS.md, "GEMM
+core"): the tuner measures both, and AUTO reads its choice from the tune cache.
+
+A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, float8 asking
+for split accumulation, block-scaled modes) multiplies with XLA's dot instead, so a chunk of a
+split method or a backward GEMM never fails for the choice; on a backend without the kernel the
+plan refuses the config (`commgemm.plan`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from commgemm.config import Method, OverlapConfig
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.configs import DirectAGConfig
+from commgemm.quant import TENSOR_MODES
+
+#: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`).
+TILES = DirectAGConfig()
+FLOAT8_TILES = DirectAGConfig(tile_k=128)
+
+
+def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None:
+    """Why the kernel cannot compute x [r, K] @ w ([K, n], [n, K] with w_transposed, or a
+    `scaled.QuantizedRhs`) in `result_dtype` on this backend, or None."""
+    from commgemm.scaled import QuantizedRhs
+
+    if (reason := mosaic_tiles.hopper_reason()) is not None:
+        return reason
+    if isinstance(w, QuantizedRhs):
+        if w.w.mode not in TENSOR_MODES:
+            return f"{w.w.mode.name} has no Hopper tensor-core path"
+        if w.split_accumulator:
+            return "it accumulates fast (no split accumulator)"
+        out, tiles, data = w.dtype, FLOAT8_TILES, w.w.data
+    else:
+        if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+            return f"it multiplies bf16 or fp16 operands, got {x.dtype} and {w.dtype}"
+        out, tiles, data = x.dtype, TILES, w
+    if jnp.dtype(result_dtype or "float32") != jnp.dtype(out):
+        return f"its result is {jnp.dtype(out).name}, not {jnp.dtype(result_dtype).name}"
+    (rows, k), n = x.shape, data.shape[0 if w_transposed else 1]
+    for what, value, by in (("rows", rows, tiles.cluster_m), ("N", n, tiles.cluster_n),
+                            ("K", k, tiles.tile_k)):  # fmt: skip
+        if value % by:
+            return f"{what}={value} is not whole tiles of {by}"
+    return None
+
+
+def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:
+    """x [r, K] @ w by the kernel (`gemm_reason` must be None): [r, n] in x's dtype (a
+    QuantizedRhs: in its dtype, scaled back)."""
+    from commgemm.mosaic_gpu import fused
+    from commgemm.scaled import QuantizedRhs
+
+    tiles = FLOAT8_TILES if isinstance(w, QuantizedRhs) else TILES
+    config = OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles)
+    with jax.named_scope("gemm_core"):
+        return fused.all_gather_matmul(x, w, None, config, w_transposed=w_transposed)

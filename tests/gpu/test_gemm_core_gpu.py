@@ -1,0 +1,94 @@
+"""One Hopper GPU: the direct kernels' GEMM core (no mesh axis) in the tilings the tuner and
+the fused ops use, and the ops' serial path on it (`local_gemm="mosaic"`), against the float32
+product of the same operands."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, fused
+
+pytestmark = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11), reason="the Mosaic GPU kernels need jax >= 0.11"
+)
+
+
+def _operands(m, k, n, seed=0):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(ka, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kb, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    return x, w
+
+
+def _rel_err(out, ref):
+    out = out.astype(jnp.float32)
+    return float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
+
+
+def _ref(x, w):
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+
+
+@pytest.mark.parametrize(
+    ("op", "tiles", "shape"),
+    [
+        ("ag", DirectAGConfig(), (1024, 512, 1024)),
+        ("ag", DirectAGConfig(cluster="m"), (1024, 512, 1024)),
+        ("ag", DirectAGConfig(grid_minor_m=True, grid_tile_width=4), (1024, 512, 1024)),
+        ("rs", DirectRSConfig(), (1024, 512, 1024)),
+        ("rs", DirectRSConfig(cluster="m"), (1024, 512, 1024)),
+        ("rs", DirectRSConfig(cluster="n"), (1024, 512, 1024)),
+        (
+            "rs",
+            DirectRSConfig(split_tail=0),
+            (2048, 1024, 2304),
+        ),  # 144 tiles on 132 CTAs (one device: no split)
+        ("rs", DirectRSConfig(chain_tiles=True), (4096, 512, 2304)),  # 288 tiles, 2+ a CTA
+    ],
+)
+def test_gemm_core(op, tiles, shape):
+    """Every output element written once, with the right value (a tile left out or stored
+    twice shows as a large error: the output is not zeroed first)."""
+    x, w = _operands(*shape, seed=sum(shape))
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    out = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))(x, w)
+    assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
+    for _ in range(2):  # again, over the last call's buffer
+        out = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))(x, w)
+    assert _rel_err(out, _ref(x, w)) < 1e-2  # bf16 rounding of the result
+
+
+def _serial(op, spec, scaling=None):
+    from commgemm.cli.specs import parse_method
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    fn = cg.all_gather_matmul if op == "ag" else cg.matmul_reduce_scatter
+    specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
+    out = P(None, "x") if op == "ag" else P("x")
+    body = lambda a, b: fn(a, b, "x", config=parse_method(spec), scaling=scaling)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
+def test_serial_path_on_the_kernel(op, scaling):
+    """The op on a one-device mesh with local_gemm "mosaic" runs the kernel (checked in the
+    compiled program) and agrees with XLA's dot path, values and gradients."""
+    x, w = _operands(1024, 512, 1024, seed=7)
+    mosaic, xla = _serial(op, "none-mosaic", scaling), _serial(op, "none", scaling)
+    assert "mosaic_gpu" in mosaic.lower(x, w).as_text()
+    assert "mosaic_gpu" not in xla.lower(x, w).as_text()
+    got, want = mosaic(x, w), xla(x, w)
+    assert _rel_err(got, want.astype(jnp.float32)) < (2e-2 if scaling else 1e-2)
+    assert _rel_err(got, _ref(x, w)) < (6e-2 if scaling else 1e-2)  # e4m3: 3 mantissa bits
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda a, b: (f(a, b).astype(jnp.float32) ** 2).sum(), (0, 1)))
+
+    for g, h in zip(grads(mosaic)(x, w), grads(xla)(x, w), strict=True):
+        assert _rel_err(g, h.astype(jnp.float32)) < (5e-2 if scaling else 1e-2)

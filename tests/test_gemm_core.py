@@ -1,0 +1,155 @@
+"""OverlapConfig.local_gemm="mosaic": the split and serial methods multiply with the Hopper
+GEMM kernel (`commgemm.mosaic_gpu.gemm_core`) where it can run. On the CPU: the config and
+the plan refuse what cannot work, every GEMM of a method that is whole tiles lowers (for CUDA)
+to the kernel and the others to XLA's dot, and AUTO takes the choice from the tune cache.
+Values on a Hopper GPU: tests/gpu/test_fp8_gpu.py."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d
+
+import commgemm as cg
+from commgemm.autotune import auto, cache, tuner
+from commgemm.cli.specs import parse_method
+from commgemm.mosaic_gpu import gemm_core
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+AG, RS = cg.Collective.ALL_GATHER, cg.Collective.REDUCE_SCATTER
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """As if this process drove Hopper GPUs (for planning and lowering only)."""
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+
+
+def test_config_values():
+    assert cg.OverlapConfig(method="ring_exchange", local_gemm="mosaic").local_gemm == "mosaic"
+    with pytest.raises(ValueError, match="must be one of"):
+        cg.OverlapConfig(local_gemm="cublas")
+    with pytest.raises(ValueError, match="not fused"):
+        cg.OverlapConfig(method="pipeline", atomic_gemm=True, local_gemm="mosaic")
+    with pytest.raises(ValueError, match="tune cache chooses"):
+        cg.OverlapConfig(method="auto", local_gemm="mosaic")
+
+
+def test_plan_refuses_it_without_hopper(rng):
+    x, w = rng.normal(size=(256, 128)).astype(np.float32), rng.normal(size=(128, 256))
+    f = jax.shard_map(
+        lambda a, b: cg.all_gather_matmul(a, b, "x", config=parse_method("none-mosaic")),
+        mesh=mesh1d(2), in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="local_gemm='mosaic'.*cannot run: it runs on GPUs"):
+        f(x, w.astype(np.float32))
+
+
+def _lowered(op, spec, shape, size=2, scaling=None, grad=False):
+    m, k, n = shape
+    fn = {"ag": cg.all_gather_matmul, "rs": cg.matmul_reduce_scatter}[op]
+    cfg = parse_method(spec)
+    specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
+    out = P(None, "x") if op == "ag" else P("x")
+
+    def body(a, b):
+        return fn(a, b, "x", config=cfg, scaling=scaling)
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=specs, out_specs=out)
+    if grad:
+        forward = f
+        f = jax.grad(lambda a, b: (forward(a, b).astype(jnp.float32) ** 2).sum(), (0, 1))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n))]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = sum("custom_call" in line and "mosaic_gpu" in line for line in text.splitlines())
+    return kernels, text
+
+
+@pytest.mark.parametrize(
+    ("op", "spec", "kernels"),
+    [
+        ("ag", "none-mosaic", 1),
+        ("ag", "pipeline:2-mosaic", 2),  # two chunks of 256 gathered rows
+        ("ag", "ring-mosaic", 2),  # one GEMM a ring step
+        ("rs", "none-mosaic", 1),
+        ("rs", "ring:2-mosaic", 4),
+        ("ag", "ring:4-mosaic", 0),  # chunks of 64 rows: not whole tiles, XLA's dot
+    ],
+)
+def test_methods_lower_to_the_kernel(hopper, op, spec, kernels):
+    found, text = _lowered(op, spec, (512, 256, 1024))
+    assert found == kernels
+    assert ("dot_general" in text) == (kernels == 0)
+    assert _lowered(op, spec.removesuffix("-mosaic"), (512, 256, 1024))[0] == 0
+
+
+def test_float8_and_gradients_lower_to_the_kernel(hopper):
+    """Tensor-scaled FP8 (fast-accumulating forward): the forward GEMM is the float8 kernel;
+    the backward's dX asks for split accumulation (the default recipe), so it stays on XLA."""
+    found, text = _lowered("ag", "none-mosaic", (512, 256, 1024), scaling="current_tensor_scaling")
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert found == 1 and calls[0].count("f8E4M3FN") >= 2
+    found, _ = _lowered("ag", "none-mosaic", (512, 256, 1024), grad=True)
+    assert found == 2  # forward and dX (the RS of dY @ w^T); dW stays XLA's
+    scaled = _lowered(
+        "ag", "none-mosaic", (512, 256, 1024), scaling="current_tensor_scaling", grad=True
+    )
+    assert scaled[0] == 1  # the float8 forward only
+
+
+def test_gemm_reason(hopper):
+    x, w = (
+        jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, 512), jnp.bfloat16),
+    )
+    assert gemm_core.gemm_reason(x, w, False, "bfloat16") is None
+    assert "not whole tiles" in gemm_core.gemm_reason(x, w, True, "bfloat16")  # N=128
+    assert "its result is bfloat16" in gemm_core.gemm_reason(x, w, False, "float32")
+    f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    assert "bf16 or fp16" in gemm_core.gemm_reason(f32, w, False, "float32")
+
+
+def _cache_with(path, kind, spec, shape):
+    key = cache.plan_key(kind, 2, "ag", shape, "bfloat16")
+    entry = cache.PlanEntry(parse_method(spec, "ag"), 1.0, 1.0, "device periods", "")
+    path.write_text(json.dumps({"version": cache.VERSION, "plans": {key: entry.as_json()},
+                                "machines": {}}))  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["none-mosaic", "ring:2-mosaic", "ring:2"])
+def test_auto_takes_the_local_gemm_from_the_tune_cache(tmp_path, monkeypatch, spec):
+    """The tuner's measured winner decides; on a machine without the kernel the same plan runs
+    on XLA's dot."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
+    cache._read_cached.cache_clear()
+    x, w = (
+        jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, 512), jnp.bfloat16),
+    )
+    _cache_with(path, jax.devices()[0].device_kind, spec, (512, 128, 1024))
+    resolve = lambda: auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2,  # noqa: E731
+                                        w_transposed=False)  # fmt: skip
+    here = resolve()
+    assert here.local_gemm == "xla"
+    assert here.replace(collective=None) == parse_method(spec).replace(local_gemm="xla")
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    assert resolve().replace(collective=None) == parse_method(spec)
+
+
+def test_tuner_measures_both_gemms_where_the_kernel_runs(monkeypatch):
+    plain = tuner.default_candidates("rs", (2048, 1024, 1024), 2, "bfloat16")
+    assert all(c.local_gemm == "xla" for c in plain)
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    both = tuner.default_candidates("rs", (2048, 1024, 1024), 2, "bfloat16")
+    split = [c for c in both if not c.atomic_gemm]
+    assert {c.replace(local_gemm="xla") for c in split if c.local_gemm == "mosaic"} == {
+        c for c in split if c.local_gemm == "xla"
+    }
+    assert any(c.local_gemm == "mosaic" for c in split)
+    odd = tuner.default_candidates("rs", (2000, 1024, 1000), 2, "bfloat16")  # not whole tiles
+    assert all(c.local_gemm == "xla" for c in odd)
