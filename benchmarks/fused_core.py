@@ -38,7 +38,6 @@ from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 from commgemm.cli.specs import fused_spec  # noqa: E402
 from commgemm.mosaic_gpu import fused, heuristics  # noqa: E402
-from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig  # noqa: E402
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
 PEAK_BF16 = 989.0
@@ -108,7 +107,6 @@ def main() -> None:
         ka, kb = jax.random.split(jax.random.key(m + k + n))
         a = jax.random.normal(ka, (m, k), jnp.bfloat16)
         b = (jax.random.normal(kb, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-        family = DirectAGConfig if op == "ag" else DirectRSConfig
         ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
         variants = {
             "xla bf16": (jax.jit(jnp.dot), (a, b)),
@@ -127,10 +125,9 @@ def main() -> None:
                                       k, "bfloat16", False)  # fmt: skip
             xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
             variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
-            for cluster in (None, "m"):
-                tiles = family(tile_k=fused.FLOAT8_TILE_K, cluster=cluster)
-                name = "core fp8 k128" + (" cluster m" if cluster else "")
-                variants[name] = (core(op, tiles, float8=True), (qa.data, rhs))
+            for label, tiles in core_tilings(op, size, (m, k, n)).items():
+                tiles = dataclasses.replace(tiles, tile_k=max(tiles.tile_k, fused.FLOAT8_TILE_K))
+                variants[f"core fp8 {label}"] = (core(op, tiles, float8=True), (qa.data, rhs))
             refs.update({name: ref8 for name in variants if "fp8" in name})
         errors, failed = {}, {}
         for name in list(variants):
