@@ -368,3 +368,19 @@ def test_direct_kernels_refuse_partial_tiles(op, shape, match):
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda x, w: kernel(x, w, None, cfg)).trace(*args)
+
+
+def test_float8_tiling():
+    """Float8 calls take 128-element K-steps where K allows, keeping chained tiles only where
+    K is whole rounds of stages; a tiling with K-steps of 128 or more, or a K that is not
+    whole 128-element steps, is left as it is."""
+    from commgemm.mosaic_gpu.fused import float8_tiling
+
+    chained = mosaic_gpu.DirectRSConfig(chain_tiles=True, cluster="m")
+    assert float8_tiling(chained, 1024) == mosaic_gpu.DirectRSConfig(
+        chain_tiles=True, cluster="m", tile_k=128
+    )
+    assert float8_tiling(chained, 768) == mosaic_gpu.DirectRSConfig(cluster="m", tile_k=128)
+    assert float8_tiling(chained, 1088) == chained
+    wide = mosaic_gpu.DirectAGConfig(tile_k=256, stages=2)
+    assert float8_tiling(wide, 1024) == wide

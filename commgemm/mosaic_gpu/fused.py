@@ -37,6 +37,8 @@ divide into the kernel's tiles. Mosaic GPU itself also wants the mesh's devices 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -217,16 +219,27 @@ def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
     return w.T if w_transposed else w
 
 
+def float8_tiling(tiles: KernelConfig, k: int) -> KernelConfig:
+    """`tiles` for float8 operands with K = k: K-steps of at least FLOAT8_TILE_K where k is
+    whole steps of it (64-element float8 steps were slower on 21 of 22 local shapes on one
+    H200, by up to 15%: docs/performance.md), chained tiles only where K is still whole rounds
+    of stages."""
+    if tiles.tile_k >= FLOAT8_TILE_K or k % FLOAT8_TILE_K:
+        return tiles
+    tiles = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K)
+    if getattr(tiles, "chain_tiles", False) and (k // FLOAT8_TILE_K) % tiles.stages:
+        tiles = dataclasses.replace(tiles, chain_tiles=False)
+    return tiles
+
+
 def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool):
     """The direct kernel of `collective` on a float8 payload x [rows, K] and a
     `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
-    epilogue, the result in x's original dtype. K-steps of FLOAT8_TILE_K unless config.kernel
-    says otherwise."""
+    epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`)."""
     data = w.w.data if w_transposed else w.w.data.T
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
-    if config.kernel is None and x.shape[1] % FLOAT8_TILE_K == 0:
-        family = FAMILY[(collective, Method.PIPELINE)]
-        config = config.replace(kernel=family(tile_k=FLOAT8_TILE_K))
+    tiles = config.kernel or FAMILY[(collective, Method.PIPELINE)]()
+    config = config.replace(kernel=float8_tiling(tiles, x.shape[1]))
     if collective is Collective.ALL_GATHER:
         kernel = push_gather_gemm.all_gather_matmul
     else:
