@@ -251,10 +251,12 @@ class OverlapConfig:
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
       local_gemm: the GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE):
-        "xla" (XLA's dot, every backend) or "mosaic" (the direct fused kernels' GEMM core, run
-        with no peers: Hopper GPUs, jax >= 0.11, 16-bit or tensor-scaled float8 operands, every
-        GEMM whole tiles of `commgemm.mosaic_gpu.DirectAGConfig()`; checked at plan time and
-        trace time). AUTO takes it from the tune cache, where the tuner measured it faster.
+        "xla" (XLA's dot, every backend) or "mosaic" (the direct AG kernel's GEMM core, run
+        with no peers: Hopper GPUs with jax >= 0.11, else refused at plan time). A GEMM the
+        kernel cannot run (not whole tiles of `commgemm.mosaic_gpu.DirectAGConfig()`, a float32
+        result, split accumulation, block scales) multiplies on XLA's dot
+        (`commgemm.mosaic_gpu.gemm_core`). AUTO takes it from the tune cache, where the tuner
+        measured it faster.
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a
         tile gets more than two of them: on more than 2 devices, and with DirectRSConfig.split_tail
