@@ -221,9 +221,8 @@ def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
 
 def float8_tiling(tiles: KernelConfig, k: int) -> KernelConfig:
     """`tiles` for float8 operands with K = k: K-steps of at least FLOAT8_TILE_K where k is
-    whole steps of it (64-element float8 steps were slower on 21 of 22 local shapes on one
-    H200, by up to 15%: docs/performance.md), chained tiles only where K is still whole rounds
-    of stages."""
+    whole steps of it (the faster K-step for float8 on Hopper: docs/performance.md), chained
+    tiles only where K is still whole rounds of stages."""
     if tiles.tile_k >= FLOAT8_TILE_K or k % FLOAT8_TILE_K:
         return tiles
     tiles = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K)

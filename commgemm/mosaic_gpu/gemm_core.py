@@ -49,11 +49,7 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
     if jnp.dtype(result_dtype or "float32") != jnp.dtype(out):
         return f"its result is {jnp.dtype(out).name}, not {jnp.dtype(result_dtype).name}"
     (rows, k), n = x.shape, data.shape[0 if w_transposed else 1]
-    for what, value, by in (("rows", rows, tiles.cluster_m), ("N", n, tiles.cluster_n),
-                            ("K", k, tiles.tile_k)):  # fmt: skip
-        if value % by:
-            return f"{what}={value} is not whole tiles of {by}"
-    return None
+    return mosaic_tiles.shape_reason(tiles, rows, k, n)
 
 
 def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:

@@ -93,15 +93,20 @@ def axis_position(axis_name: str | None) -> tuple[int, jax.Array]:
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
 
 
-def check_shape(tiles: KernelConfig, m: int, k: int, n: int) -> None:
-    """Raise ValueError unless rows `m`, K `k` and columns `n` (per device) are whole tiles:
+def shape_reason(tiles: KernelConfig, m: int, k: int, n: int) -> str | None:
+    """Why rows `m`, K `k` and columns `n` (per device) are not whole tiles of `tiles`, or None:
     a kernel walks whole tiles only, so a remainder would be left unwritten."""
     for what, value, by in (("rows", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
                             ("K", k, tiles.tile_k)):  # fmt: skip
         if value % by:
-            raise ValueError(
-                f"{type(tiles).__name__}: {what}={value} must be divisible by the tile {by}"
-            )
+            return f"{what}={value} must be divisible by the tile {by}"
+    return None
+
+
+def check_shape(tiles: KernelConfig, m: int, k: int, n: int) -> None:
+    """Raise ValueError where `shape_reason` finds the shape is not whole tiles."""
+    if (reason := shape_reason(tiles, m, k, n)) is not None:
+        raise ValueError(f"{type(tiles).__name__}: {reason}")
 
 
 def scaled_acc(acc_ref, scale_ref, dtype) -> jax.Array:

@@ -63,7 +63,7 @@ def test_gemm_core(op, tiles, shape):
     assert _rel_err(out, _ref(x, w)) < 1e-2  # bf16 rounding of the result
 
 
-def _serial(op, spec, scaling=None):
+def _serial(op, spec, scaling=None, check_vma=True):
     from commgemm.cli.specs import parse_method
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
@@ -71,16 +71,20 @@ def _serial(op, spec, scaling=None):
     specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
     out = P(None, "x") if op == "ag" else P("x")
     body = lambda a, b: fn(a, b, "x", config=parse_method(spec), scaling=scaling)  # noqa: E731
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma)
+    )
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
-def test_serial_path_on_the_kernel(op, scaling):
+def test_serial_path_on_the_kernel(op, scaling, check_vma):
     """The op on a one-device mesh with local_gemm "mosaic" runs the kernel (checked in the
     compiled program) and agrees with XLA's dot path, values and gradients."""
     x, w = _operands(1024, 512, 1024, seed=7)
-    mosaic, xla = _serial(op, "none-mosaic", scaling), _serial(op, "none", scaling)
+    mosaic = _serial(op, "none-mosaic", scaling, check_vma)
+    xla = _serial(op, "none", scaling, check_vma)
     assert "mosaic_gpu" in mosaic.lower(x, w).as_text()
     assert "mosaic_gpu" not in xla.lower(x, w).as_text()
     got, want = mosaic(x, w), xla(x, w)
