@@ -316,8 +316,9 @@ def matmul_2d(
     the ring reduce-scatter + all-gather over k_axis); atomic_gemm with the TPU kernels (the
     fused GEMM + reduce-scatter kernel along k_axis, its ring or direct form by the method,
     then the all-gather; the gather of W over row_axis stays outside the kernel).
-    `scaling` quantizes x and this device's K block of the gathered W in the GEMM + all-reduce
-    (scales shared over k_axis; W's gather over row_axis moves W as it is).
+    `scaling` quantizes x and W (one tensor scale each, or blocks along K) and W's rows travel
+    quantized (commgemm.scaled_2d); with the TPU kernels W is gathered as it is and its K block
+    quantized in the fused GEMM.
     """
     cfg, _ = resolve(config)
     check_dtypes(x, w)
@@ -353,17 +354,26 @@ def matmul_2d(
         part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
         z = all_gather_invariant(part, k_axis)
         return apply_epilogue(z, bias, activation, return_pre_activation)
-    if cfg.method is Method.RING_EXCHANGE:
-        z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
-        return apply_epilogue(z, bias, activation, return_pre_activation)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
     check_divisible(w.shape[1], splits, "matmul_2d: N", "num_splits")
     width = w.shape[1] // splits
     base = cfg.replace(method=Method.NONE, num_splits=1, bidirectional=False)
+    if (recipe := as_recipe(scaling)) is not None:  # W's rows travel quantized
+        from commgemm import scaled_2d
+
+        chunk = cfg if cfg.method is Method.RING_EXCHANGE else base
+        block = jax.ShapeDtypeStruct((x.shape[1], width), x.dtype)  # a chunk's K block of W
+        plan = make_plan(x, block, k_axis, chunk, Collective.ALL_REDUCE, rows=x.shape[0],
+                         w_transposed=False, op="matmul_2d")  # fmt: skip
+        chunk = _quantized_config(plan.config, recipe)
+        z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, chunk, splits, recipe)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
+    if cfg.method is Method.RING_EXCHANGE:
+        z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
+        return apply_epilogue(z, bias, activation, return_pre_activation)
     outs = [
         matmul_all_reduce(
-            x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base,
-            scaling=scaling,
+            x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base
         )
         for c in range(splits)
     ]  # fmt: skip

@@ -204,25 +204,108 @@ def test_local_matmul_and_dense(rng, mode):
     assert dx.shape == x.shape and np.isfinite(np.asarray(dx)).all()
 
 
-@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange"])
-def test_matmul_2d_and_gemm(rng, method):
-    """The 2-D case scales x and W's K blocks over k_axis; gemm passes scaling to the op it
-    picks (here the all-gather) and to XLA's fall-back."""
-    mode = CUR
-    x = rng.standard_normal((16, 256)).astype(np.float32)
-    w = rng.standard_normal((256, 64)).astype(np.float32)
+#: (mode, rows x k mesh, method, check_vma): the tensor mode with every method on both 2 x 4
+#: and 4 x 2 meshes and both settings; the block modes serial and ring on 2 x 2.
+CASES_2D = [
+    (CUR, mesh, method, vma)
+    for mesh in ((2, 4), (4, 2))
+    for method in ("none", "pipeline", "ring_exchange")
+    for vma in (True, False)
+] + [(mode, (2, 2), method, True) for mode in (MX, NV) for method in ("none", "ring_exchange")]
+
+
+def _fn_2d(mode, mesh, method, check_vma=True):
     cfg = cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
     body = lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y", config=cfg, scaling=mode)  # noqa: E731
-    f = shard(body, mesh2d(2, 2), (P("x", "y"), P("x", None)), P("x", None))
+    return shard(body, mesh2d(*mesh), (P("x", "y"), P("x", None)), P("x", None), check_vma)
+
+
+@pytest.mark.parametrize(
+    "mode,mesh,method,check_vma",
+    CASES_2D,
+    ids=[f"{m.name}-{r}x{c}-{me}-vma{v}" for m, (r, c), me, v in CASES_2D],
+)
+def test_matmul_2d_quantized(rng, mode, mesh, method, check_vma):
+    """The 2-D case against the float64 product of x and W quantized whole (one tensor scale
+    each, or blocks along K), and its gradients against the straight-through reference (block
+    modes: W's values requantized with blocks along N for dX)."""
+    rows, cols = mesh
+    x = rng.standard_normal((8 * rows, 64 * rows * cols)).astype(np.float32)
+    w = rng.standard_normal((x.shape[1], 128)).astype(np.float32)
+    f = _fn_2d(mode, mesh, method, check_vma)
+    y, vjp = jax.vjp(f, x, w)
+    k = x.shape[1]
+    want = _dq(x, mode, -1) @ _dq(w, mode, 0)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=RTOL, atol=ATOL * np.sqrt(k))
     exact = x.astype(np.float64) @ w.astype(np.float64)
-    assert np.abs(np.asarray(f(x, w)) - exact).max() <= TRUE_TOL[mode] * np.sqrt(256)
+    assert np.abs(np.asarray(y) - exact).max() <= TRUE_TOL[mode] * np.sqrt(k)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw = jax.jit(vjp)(g)
+    g_mode, g_dtype = (CUR, jnp.float8_e5m2) if mode is CUR else (mode, jnp.float8_e4m3fn)
+    qg = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(g), g_mode, dtype=g_dtype), jnp.float64))
+    w_dgrad = _dq(w, mode, 0) if mode is CUR else _dq(_dq(w, mode, 0).astype(np.float32), mode, 1)
+    for got, want, depth in (
+        (dx, qg @ w_dgrad.T, w.shape[1]),
+        (dw, _dq(x, mode, -1).T @ qg, x.shape[0]),
+    ):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=RTOL,
+                                   atol=ATOL * np.sqrt(depth))  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange"])
+@pytest.mark.parametrize(
+    "mode,moved", [(CUR, {"f8E4M3FN"}), (MX, {"f8E4M3FN", "ui8"}), (NV, {"f8E4M3FN", "ui8"})]
+)
+def test_matmul_2d_gathers_quantized_w(rng, method, mode, moved):
+    """W's rows move over the row axis as float8 values (and block scales as bytes), never in
+    W's dtype; over k_axis only float32 partial sums and scalar amaxes are reduced."""
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 128)).astype(np.float32)
+    text = _fn_2d(mode, (2, 2), method).lower(x, w).as_text()
+    gathers = [t.split("x") for t in _operand_types(text, "all_gather")]
+    # rows of this device's output (8; the ring all-reduce gathers them) or W's payload
+    assert {t[-1] for t in gathers if int(t[0]) > 8} == moved
+    assert {t[-1] for t in gathers if int(t[0]) <= 8} <= {"f32"}
+    reduced = [
+        t
+        for name in ("all_reduce", "reduce_scatter", "collective_permute")
+        for t in _operand_types(text, name)
+    ]
+    assert reduced and {t.rsplit("x", 1)[-1] for t in reduced} == {"f32"}
+
+
+def test_matmul_2d_delayed_scaling(rng):
+    """DELAYED takes both tensors' scales from the states, the same on every device."""
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 64)).astype(np.float32)
+    xs = cg.ScalingState.create(history=4).update(jnp.float32(3.0))
+    ws = cg.ScalingState.create(history=4).update(jnp.float32(5.0))
+
+    def body(a, b, sx, sw):
+        recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=sx, w_state=sw)
+        return cg.matmul_2d(a, b, row_axis="x", k_axis="y", scaling=recipe)
+
+    specs = (P("x", "y"), P("x", None), P(), P())
+    y = shard(body, mesh2d(2, 4), specs, P("x", None))(x, w, xs, ws)
+    qx = cg.dequantize(cg.quantize(jnp.asarray(x), "delayed_tensor_scaling", state=xs)[0])
+    qw = cg.dequantize(cg.quantize(jnp.asarray(w), "delayed_tensor_scaling", state=ws)[0])
+    want = np.asarray(qx, np.float64) @ np.asarray(qw, np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=RTOL, atol=ATOL * np.sqrt(256))
+
+
+def test_gemm_passes_scaling(rng):
+    """gemm passes scaling to the op it picks (here the all-gather) and to XLA's fall-back."""
+    mode = CUR
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
     mesh = mesh1d(4)
-    xs = jax.device_put(x[:, :64], jax.NamedSharding(mesh, P("x", None)))
-    ws = jax.device_put(w[:64], jax.NamedSharding(mesh, P(None, "x")))
-    out = cg.gemm(xs, ws, out_sharding=P(None, "x"), config=cfg, scaling=mode)
-    want = _dq(x[:, :64], mode, -1) @ _dq(w[:64], mode, 0)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * 8)
-    replicated = jax.device_put(x[:, :64], jax.NamedSharding(mesh, P()))
+    xs = jax.device_put(x, jax.NamedSharding(mesh, P("x", None)))
+    ws = jax.device_put(w, jax.NamedSharding(mesh, P(None, "x")))
+    want = _dq(x, mode, -1) @ _dq(w, mode, 0)
+    for cfg in (cg.OverlapConfig(), cg.OverlapConfig(method="ring_exchange")):
+        out = cg.gemm(xs, ws, out_sharding=P(None, "x"), config=cfg, scaling=mode)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * 8)
+    replicated = jax.device_put(x, jax.NamedSharding(mesh, P()))
     out = cg.gemm(replicated, ws, out_sharding=P(None, "x"), scaling=mode)  # XLA's fall-back
     np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL * 8)
 
