@@ -46,11 +46,12 @@ class Shape:
     layers: int = 2
     batch: int = 8
     seq: int = 64
+    dtype: str | None = None  # compute dtype (e.g. "bfloat16"); None: the float32 parameters'
 
 
 class Block(nnx.Module):
     def __init__(self, shape: Shape, *, rngs: nnx.Rngs, **kw):
-        self.norm = nnx.LayerNorm(shape.hidden, rngs=rngs)
+        self.norm = nnx.LayerNorm(shape.hidden, rngs=rngs, dtype=shape.dtype)
         self.attention = cgnnx.ParallelAttentionProjections(
             shape.hidden, shape.heads, rngs=rngs, **kw
         )
@@ -65,10 +66,10 @@ class Decoder(nnx.Module):
     """tokens [B, S] -> logits [B, S, vocab] (vocabulary sharded over the tensor axis)."""
 
     def __init__(self, shape: Shape, *, mesh, config, rngs: nnx.Rngs):
-        kw = dict(mesh=mesh, axis_name="tp", data_axis="data", config=config)
-        self.embed = nnx.Embed(shape.vocab, shape.hidden, rngs=rngs)
+        kw = dict(mesh=mesh, axis_name="tp", data_axis="data", config=config, dtype=shape.dtype)
+        self.embed = nnx.Embed(shape.vocab, shape.hidden, rngs=rngs, dtype=shape.dtype)
         self.blocks = nnx.List([Block(shape, rngs=rngs, **kw) for _ in range(shape.layers)])
-        self.norm = nnx.LayerNorm(shape.hidden, rngs=rngs)
+        self.norm = nnx.LayerNorm(shape.hidden, rngs=rngs, dtype=shape.dtype)
         self.head = cgnnx.ColumnParallelLinear(shape.hidden, shape.vocab, rngs=rngs,
                                                use_bias=False, **kw)  # fmt: skip
         self.sequence_parallel = NamedSharding(mesh, P("data", "tp", None))

@@ -25,10 +25,11 @@ def _h100_sms(monkeypatch):
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)  # CPU devices have no SM count
 
 
-def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape) -> str:
+def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) -> str:
     f = jax.shard_map(
-        fn, mesh=mesh1d(size), in_specs=(x_spec, w_spec), out_specs=out_spec, check_vma=False
-    )
+        fn, mesh=mesh or mesh1d(size), in_specs=(x_spec, w_spec), out_specs=out_spec,
+        check_vma=False,
+    )  # fmt: skip
     args = (
         jax.ShapeDtypeStruct(x_shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(w_shape, jnp.bfloat16),
@@ -284,6 +285,62 @@ def test_ring_reduce_scatter_lowers(size):
         (256 * size, 1024),
     )
     assert "mosaic_gpu" in text and "custom_call" in text
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("kernel", ["ag", "rs", "ring rs"])
+def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
+    """On a ("data", "x") mesh the kernels address a peer by its coordinate on "x" (Mosaic GPU
+    refuses a bare index there: "got 1 ids for a 2D mesh")."""
+    from commgemm.mosaic_gpu import fused
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: 2 * rows]).reshape(rows, 2), ("data", "x"))
+    size = 2
+    if kernel == "ag":
+        cfg = parse_method("fused-direct", "ag")
+        fn = lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg)  # noqa: E731
+        specs, shapes = (P("x", None), P(None, "x"), P(None, "x")), ((4096, 256), (256, 4096))
+    else:
+        spec = "fused-direct-cm" if kernel == "rs" else "fused"
+        cfg = parse_method(spec, "rs")
+        if kernel == "rs":
+            fn = lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg)  # noqa: E731
+        else:
+            fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
+        specs, shapes = (P(None, "x"), P("x", None), P("x", None)), ((2048, 1024), (1024, 4096))
+    text = lower(fn, *specs, size, *shapes, mesh=mesh)
+    assert "mosaic_gpu" in text and "custom_call" in text
+
+
+def test_ring_all_gather_needs_a_1d_mesh(monkeypatch):
+    """jax's ring AG kernel takes a bare peer index: refused at plan time on a mesh of more
+    axes, where the direct kernel runs."""
+    from commgemm.config import Collective
+    from commgemm.mosaic_gpu import fused
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    reasons = {}
+
+    def body(x, w):
+        for spec in ("fused", "fused-direct"):
+            cfg = parse_method(spec, "ag")
+            reasons[spec] = fused.unsupported_reason(Collective.ALL_GATHER, x, w, 2, cfg,
+                                                     w_transposed=False)  # fmt: skip
+        return x
+
+    two_axes = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "x"))
+    for mesh in (mesh1d(2), two_axes):
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("x", None), P(None, "x")), out_specs=P("x", None)
+        )(  # fmt: skip
+            jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 1024), jnp.bfloat16)
+        )
+        assert reasons["fused-direct"] is None
+        if mesh is two_axes:
+            assert "1-D mesh only" in reasons["fused"]
+        else:
+            assert reasons["fused"] is None
 
 
 def test_compiler_params_reach_the_kernels():

@@ -31,8 +31,10 @@ and the ring kernels take no float8 operands (`scaling_reason`).
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
-divide into the kernel's tiles. Mosaic GPU itself also wants the mesh's devices in id order
-(it raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
+divide into the kernel's tiles; the ring AG (jax's kernel) also a 1-D mesh. Our kernels
+address a peer by its coordinate on the axis, the others of the mesh (size 1 where the axis
+spans every device) kept. Mosaic GPU itself also wants the mesh's devices in id order (it
+raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
 """
 
 from __future__ import annotations
@@ -160,6 +162,12 @@ def unsupported_reason(
         return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
+    axes = jax.sharding.get_abstract_mesh().axis_names
+    if family is RingAGConfig and len(axes) > 1:
+        return (
+            f"jax's ring all-gather kernel addresses peers on a 1-D mesh only; this mesh has axes "
+            f"{axes} (the direct kernel, method PIPELINE, takes any mesh)"
+        )
     if chain_tiles:
         ctas = mosaic_tiles.num_sms() // tiles.cluster_size
         count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
@@ -328,7 +336,7 @@ def _ring_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, config: Ove
         received = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1),)))
         wg = lax.axis_index("wg")
         here = lax.axis_index(axis_name)
-        succ = lax.rem(here + 1, jnp.int32(size))
+        succ = mosaic_tiles.peer_id(axis_name, lax.rem(here + 1, jnp.int32(size)))
         for step in range(size):
             block = lax.rem(here + 2 * size - step - 1, jnp.int32(size))
             last = step == size - 1

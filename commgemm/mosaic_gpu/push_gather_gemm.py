@@ -129,7 +129,8 @@ def all_gather_matmul(
         here = mt.axis_position(axis_name)[1]
         wg = lax.axis_index("wg")
         # the peers, in the order of their inbox slots for this device's rows
-        peers = [lax.rem(here + j + 1, jnp.int32(size)) for j in range(size - 1)]
+        peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
+                 for j in range(size - 1)]  # fmt: skip
 
         @mt.tile_smem(
             tiles, dtype, k_iters, x_ref, w_ref, release=1, out_dtype=out_dtype, w_nk=w_nk

@@ -206,7 +206,8 @@ def matmul_reduce_scatter(
         in_cluster = lax.axis_index("cluster")
         cta = lax.axis_index("cluster_grid") * cluster + in_cluster
         # peers[0] is here
-        peers = [lax.rem(here + offset, jnp.int32(size)) for offset in range(size)]
+        peers = [mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size)))
+                 for offset in range(size)]  # fmt: skip
 
         def signal_every_device(sem):
             # relaxed: each signal follows awaited TMA stores (`tiles.relaxed_signal`)

@@ -93,6 +93,12 @@ def axis_position(axis_name: str | None) -> tuple[int, jax.Array]:
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
 
 
+def peer_id(axis_name: str, index: jax.Array) -> dict:
+    """The device id of the device at `index` along `axis_name`, the others of this device's
+    mesh coordinates kept: Mosaic GPU reads a bare index as a position in a 1-D mesh only."""
+    return {axis_name: index}
+
+
 def shape_reason(tiles: KernelConfig, m: int, k: int, n: int) -> str | None:
     """Why rows `m`, K `k` and columns `n` (per device) are not whole tiles of `tiles`, or None:
     a kernel walks whole tiles only, so a remainder would be left unwritten."""

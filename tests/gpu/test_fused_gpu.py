@@ -98,6 +98,20 @@ def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
         assert np.array_equal(np.asarray(out, np.float32), alone[c % 2]), c
 
 
+@pytest.mark.parametrize(
+    ("op", "spec"), [("ag", "fused-direct"), ("rs", "fused-direct-cm"), ("rs", "fused")]
+)
+def test_fused_kernels_on_a_mesh_with_another_axis(two_gpus, op, spec):
+    """A ("data", "x") mesh of 1 x P (the layers' and the example's): the kernels address
+    peers by their coordinate on "x"; jax's ring AG kernel is refused at plan time."""
+    mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "x"))
+    x, w, _ = _operands(SHAPES[0], 5)
+    f = _sharded(op, mesh, parse_method(spec, op))
+    assert _relative_error(f(x, w), _reference(x, w)) <= REL
+    with pytest.raises(ValueError, match="1-D mesh only"):
+        _sharded("ag", mesh, parse_method("fused", "ag"))(x, w)
+
+
 def test_fused_plan_errors(two_gpus):
     """Shapes and dtypes the fused kernels cannot take raise at plan time, never hang."""
     mesh = _mesh()

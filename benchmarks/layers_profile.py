@@ -1,0 +1,114 @@
+"""Where the layers' training step spends its device time, on all GPUs of the host: one AdamW
+step of examples/train_transformer.py's decoder, commgemm.nnx with each method against
+`--method xla` (XLA's own partitioning of the same model), in float32 and bf16 compute.
+For each variant: the step's device period (medians of interleaved rounds), and from one traced
+batch of steps on GPU 0 the kernel time by kind (GEMM, collective, attention, other), how
+much of the collectives' time no other kernel ran beside (exposed), and the longest kernels.
+
+    PYTHONPATH=. python benchmarks/layers_profile.py --out DIR [--quick]
+
+Writes DIR/layers_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+
+from commgemm.devices import setup_devices
+
+setup_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import commgemm as cg  # noqa: E402
+from commgemm.bench import spans  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+import train_transformer as example  # noqa: E402
+
+STEPS = 4  # steps in the traced batch
+FULL = dict(hidden=2048, heads=16, ffn=8192, layers=4, batch=4, seq=2048, vocab=8192)
+QUICK = dict(hidden=64, heads=8, ffn=128, layers=1, batch=2, seq=64, vocab=128)
+KINDS = {  # substrings of kernel names, first match wins
+    "collective": ("nccl", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "permute"),
+    "gemm": ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot"),
+    "attention": ("softmax", "attention", "flash"),
+}
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, subs in KINDS.items() if any(s in low for s in subs)), "other")
+
+
+def breakdown(events: list[tuple[float, float, str]], steps: int) -> dict:
+    """GPU 0's kernels of `steps` steps -> ms per step by kind, exposed collective time and the
+    ten longest kernels (ms per step)."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for start, end, name in events:
+        by_kind[kind(name)] += end - start
+        by_name[name[:90]] += end - start
+    compute = [(s, e) for s, e, n in events if kind(n) != "collective"]
+    exposed = 0.0
+    for s, e, n in events:
+        if kind(n) != "collective":
+            continue
+        covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in compute if ce > s and cs < e)
+        exposed += max(0.0, (e - s) - covered)
+    per = lambda ns: round(ns / steps / 1e6, 3)  # noqa: E731
+    return {
+        "ms_by_kind": {k: per(v) for k, v in by_kind.items()},
+        "collective_exposed_ms": per(exposed),
+        "top_kernels_ms": {n: per(v) for n, v in by_name.most_common(10)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    parser.add_argument("--methods", default="xla,none,auto")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "tp"))
+    size = QUICK if args.quick else FULL
+    result = {"devices": len(devices), "backend": jax.default_backend(), "jax": jax.__version__,
+              "decoder": size, "rows": []}  # fmt: skip
+    gpu = jax.default_backend() == "gpu"
+    for dtype in args.dtypes.split(","):
+        shape = example.Shape(**size, dtype=None if dtype == "float32" else dtype)
+        tokens = jnp.asarray(
+            np.random.default_rng(0).integers(0, shape.vocab, (shape.batch, shape.seq + 1)),
+            jnp.int32,
+        )
+        variants = {}
+        for name in args.methods.split(","):
+            config = None if name == "xla" else cg.OverlapConfig(method=name)
+            model, optimizer = example.build(shape, mesh, config)
+            variants[name] = (example.train_step, (model, optimizer, tokens))
+        row = {"dtype": dtype, "ms": {}, "profile": {}}
+        if gpu:
+            found = spans.device_periods_interleaved(variants, rounds=4)
+            row["ms"] = {n: f.get("median") for n, f in found.items()}
+            for name, (fn, fn_args) in variants.items():
+                run = lambda f=fn, a=fn_args: jax.block_until_ready([f(*a) for _ in range(STEPS)])  # noqa: E731
+                row["profile"][name] = breakdown(spans._gpu_events(spans._trace(run))[0], STEPS)
+        else:
+            for name, (fn, fn_args) in variants.items():
+                row["ms"][name] = float(fn(*fn_args))  # a smoke run: the loss
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "layers_profile.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
