@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from commgemm.config import Method, OverlapConfig
-from commgemm.epilogue import Activation
+from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
 
 AUTO = OverlapConfig(method=Method.AUTO)
@@ -66,11 +66,11 @@ class _Parallel(nnx.Module):
         if self.config is not None:
             return gemm(x, kernel, out_sharding=sharding, config=self.config, bias=bias,
                         activation=activation, scaling=self.scaling)  # fmt: skip
-        out = jnp.dot(x, kernel, preferred_element_type=jnp.float32)
-        out = out if bias is None else out + bias.astype(out.dtype)
-        if activation is not None:
-            out = jax.nn.gelu(out, approximate=activation == "gelu_tanh")
-        return jax.lax.with_sharding_constraint(out.astype(dtype), sharding)
+        # the result in x's dtype straight from the GEMM (float32 accumulation inside), so
+        # that the backward's GEMMs also take 16-bit operands, and cg.gemm's epilogue
+        out = apply_epilogue(jnp.dot(x, kernel, preferred_element_type=dtype), bias, activation,
+                             return_pre_activation=False)  # fmt: skip
+        return jax.lax.with_sharding_constraint(out, sharding)
 
     def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:
         """[B, S, features]: the batch on the data axis; S on the tensor axis (sequence
