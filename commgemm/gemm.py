@@ -40,23 +40,39 @@ class Layout:
     out_spec: Spec
 
 
+def unit_axes(mesh) -> frozenset[str]:
+    """The mesh's axes of size 1: they shard nothing, so a spec means the same with or without
+    them (XLA's propagation drops them, a user's spec may keep them)."""
+    return frozenset(n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s == 1)
+
+
 def spec_entries(
-    spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]
+    spec: PartitionSpec | None,
+    ndim: int,
+    what: str,
+    mesh_axes: tuple[str, ...],
+    unit: frozenset[str] = frozenset(),
 ) -> Spec:
-    """A PartitionSpec as one entry per dimension: None or a single mesh-axis name."""
+    """A PartitionSpec as one entry per dimension: None, a mesh-axis name or a tuple of them,
+    with the axes in `unit` (of size 1: `unit_axes`) left out."""
     entries = tuple(spec) if spec is not None else ()
     if len(entries) > ndim:
         raise ValueError(f"{what} spec {spec} has {len(entries)} entries for {ndim} dimensions")
     out: list[str | None] = []
     for e in entries + (None,) * (ndim - len(entries)):
+        for a in e if isinstance(e, tuple | list) else () if e is None else (e,):
+            if a not in mesh_axes:
+                raise ValueError(
+                    f"{what} spec {spec} names axis {a!r}, not in the mesh {mesh_axes}"
+                )
         if isinstance(e, tuple | list):
-            e = tuple(e)
+            e = tuple(a for a in e if a not in unit)
             if len(e) == 0:
                 e = None
             elif len(e) == 1:
                 e = e[0]
-        if e is not None and not isinstance(e, tuple) and e not in mesh_axes:
-            raise ValueError(f"{what} spec {spec} names axis {e!r}, not in the mesh {mesh_axes}")
+        elif e in unit:
+            e = None
         out.append(e)
     named = [a for a in out if a is not None]
     if len(set(map(str, named))) != len(named):
@@ -201,7 +217,9 @@ def gemm(
         raise TypeError(
             f"out_sharding must be a NamedSharding or PartitionSpec, got {type(out_sharding)}"
         )
-    out = spec_entries(out_spec_raw, x.ndim, "out_sharding", names)
+    unit = unit_axes(mesh)
+    out = spec_entries(out_spec_raw, x.ndim, "out_sharding", names, unit)
+    out_as_asked = spec_entries(out_spec_raw, x.ndim, "out_sharding", names)
     xs, ws = _spec_of(x, x_spec, mesh), _spec_of(w, w_spec, mesh)
     if xs is None or ws is None:
         if cfg.collective is None:  # decided when XLA partitions the program
@@ -210,13 +228,15 @@ def gemm(
                     "gemm under jit on Auto mesh axes takes stateless scaling (a ScalingMode): "
                     "for delayed scaling pass x_spec= and w_spec="
                 )
-            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out, config=config, scaling=recipe,
-                                 out_dtype=cfg.out_dtype or x.dtype.name)  # fmt: skip
+            out_dtype = cfg.out_dtype or x.dtype.name
+            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out_as_asked, config=config,
+                                 scaling=recipe, out_dtype=out_dtype)  # fmt: skip
             return apply_epilogue(z, bias, activation, return_pre_activation)
         implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)
-    layout = classify(spec_entries(xs, x.ndim, "x", names), spec_entries(ws, 2, "w", names), out)
+    layout = classify(spec_entries(xs, x.ndim, "x", names, unit),
+                      spec_entries(ws, 2, "w", names, unit), out)  # fmt: skip
     if layout.collective is None:
         if cfg.collective not in (None, Collective.NONE):
             raise ValueError(

@@ -24,6 +24,8 @@ def _mesh(kind: str) -> Mesh:
         return mesh2d(2, 2)
     if kind == "data_tp":
         return Mesh(mesh2d(2, 2).devices, ("data", "x"))
+    if kind == "unit_data":  # a data axis of size 1, which XLA's propagation leaves out
+        return Mesh(mesh1d(4).devices.reshape(1, 4), ("data", "x"))
     return mesh1d(4)
 
 
@@ -34,6 +36,20 @@ LAYOUTS = {
     "ar": ("1d", (32, 24), P(None, "x"), P("x", None), P(None, None)),
     "seq_ag": ("data_tp", (4, 16, 24), P("data", "x", None), P(None, "x"), P("data", None, "x")),
     "seq_rs": ("data_tp", (4, 16, 24), P("data", None, "x"), P("x", None), P("data", "x", None)),
+    "unit_seq_ag": (
+        "unit_data",
+        (4, 16, 24),
+        P("data", "x", None),
+        P(None, "x"),
+        P("data", None, "x"),
+    ),
+    "unit_seq_rs": (
+        "unit_data",
+        (4, 16, 24),
+        P("data", None, "x"),
+        P("x", None),
+        P("data", "x", None),
+    ),
     "2d": ("2d", (32, 24), P("x", "y"), P("x", None), P("x", None)),
     "xla": ("1d", (32, 24), P(None, None), P("x", None), P(None, "x")),
 }
@@ -66,10 +82,12 @@ def test_values_and_gradients(rng, layout, cfg):
     assert_close(dw, x64.T @ g64, np.float32, x64.shape[0])
 
 
-def test_ring_overlaps_forward_and_backward(rng):
+@pytest.mark.parametrize("layout", ["ag", "unit_seq_ag"])
+def test_ring_overlaps_forward_and_backward(rng, layout):
     """The (bidirectional, P = 4: three transfers) ring AG moves x by collective-permutes, no
-    all-gather; its gradient's dX is the ring RS: permutes again, no reduce-scatter."""
-    f, x, w, xd, wd, _ = _run(rng, "ag", CONFIGS["ring"])
+    all-gather; its gradient's dX is the ring RS: permutes again, no reduce-scatter. Also with
+    a mesh axis of size 1 in the specs (it used to fall back to a local GEMM on W gathered)."""
+    f, x, w, xd, wd, _ = _run(rng, layout, CONFIGS["ring"])
     forward = f.lower(xd, wd).compile().as_text()
     assert forward.count("collective-permute(") + forward.count("collective-permute-start(") >= 3
     assert "all-gather(" not in forward and "all-gather-start(" not in forward
