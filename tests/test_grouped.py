@@ -17,6 +17,7 @@ METHODS = {
     "none": cg.OverlapConfig(),
     "pipeline2": cg.OverlapConfig(method="pipeline", num_splits=2),
     "ring": cg.OverlapConfig(method="ring_exchange"),
+    "auto": cg.OverlapConfig(method="auto"),  # AUTO_METHOD's choice per op
 }
 
 
@@ -124,6 +125,19 @@ def test_grouped_matmul_reduce_scatter(check_vma, size, method, groups, r, seed)
     _close(_grads(f, x, w), _grads(lambda a, b: reference(a, b, sizes), x, w))
 
 
+def test_auto_resolves_per_op():
+    """AUTO runs each grouped op's measured method (one device: the serial one), one-way and
+    unsplit whatever else the config says; an explicit method stays as it is."""
+    from commgemm.grouped.collective import AUTO_METHOD, resolve_grouped
+
+    auto = cg.OverlapConfig(method="auto", num_splits=4, bidirectional=True)
+    for op, method in AUTO_METHOD.items():
+        cfg = resolve_grouped(auto, op, 4)
+        assert (cfg.method, cfg.num_splits, cfg.bidirectional) == (method, 1, False)
+        assert resolve_grouped(auto, op, 1).method is cg.Method.NONE
+        assert resolve_grouped(METHODS["pipeline2"], op, 4) == METHODS["pipeline2"]
+
+
 @pytest.mark.parametrize(
     "args,error,match",
     [
@@ -167,7 +181,7 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
-    method=st.sampled_from(["none", "ring"]),
+    method=st.sampled_from(["none", "ring", "auto"]),
     per_shard=st.integers(1, 3),
     m=st.sampled_from([3, 8]),
     seed=st.integers(0, 2**31 - 1),

@@ -1,7 +1,8 @@
 """Grouped GEMMs with their collective overlapped, per shard inside `jax.shard_map`, for
 tensor-parallel experts: all-gather + grouped GEMM (experts' columns sharded) and grouped GEMM
 + reduce-scatter (experts' rows, K, sharded). Methods NONE, PIPELINE (num_splits chunks of rows)
-and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops'; differentiable through
+and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO (`AUTO_METHOD`);
+differentiable through
 JAX's own transposes of the collectives and of `ragged_dot`."""
 
 from __future__ import annotations
@@ -19,6 +20,27 @@ from commgemm.registry import resolve
 from commgemm.xla.common import after, send_one
 
 ConfigLike = OverlapConfig | int | None
+
+
+#: What AUTO runs for each grouped op: the faster method of a 2 x H200 run (BENCHMARKS.md,
+#: "Grouped GEMMs, the backward alone and the layers' training step": the ring gained 3% and
+#: 2% on the AG and the all-to-all, and lost 1% on the RS; column chunks lost about 50%).
+AUTO_METHOD = {
+    "all_gather_grouped_matmul": Method.RING_EXCHANGE,
+    "grouped_matmul_reduce_scatter": Method.NONE,
+    "all_to_all_grouped_matmul": Method.RING_EXCHANGE,
+    "grouped_matmul_all_to_all": Method.RING_EXCHANGE,
+}
+
+
+def resolve_grouped(config: ConfigLike, op: str, size: int) -> OverlapConfig:
+    """config as a grouped op runs it: AUTO becomes `AUTO_METHOD[op]` (NONE on one device),
+    one-way and unsplit."""
+    cfg, _ = resolve(config)
+    if cfg.method is not Method.AUTO:
+        return cfg
+    method = AUTO_METHOD[op] if size > 1 else Method.NONE
+    return cfg.replace(method=method, num_splits=1, bidirectional=False, aggregate=False)
 
 
 def _config(config: ConfigLike, rows: int, need: int, op: str) -> OverlapConfig:
@@ -59,9 +81,9 @@ def all_gather_grouped_matmul(
         out = all_gather_grouped_matmul(x, w, group_sizes, axis_name, config=config)
         return with_quantized_cotangent(out, recipe, axis_name)
     size, m = axis_size(axis_name), x.shape[0]
-    cfg, _ = resolve(config)
+    cfg = resolve_grouped(config, "all_gather_grouped_matmul", size)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
-    cfg = _config(config, m, splits, "all_gather_grouped_matmul")
+    cfg = _config(cfg, m, splits, "all_gather_grouped_matmul")
     dtype = cfg.out_dtype or x.dtype.name
     if cfg.method is Method.RING_EXCHANGE:
         me = lax.axis_index(axis_name)
@@ -116,9 +138,9 @@ def grouped_matmul_reduce_scatter(
         out = grouped_matmul_reduce_scatter(x, w, group_sizes, axis_name, config=config)
         return with_quantized_cotangent(out, recipe, axis_name)
     size, rows_total = axis_size(axis_name), x.shape[0]
-    cfg, _ = resolve(config)
+    cfg = resolve_grouped(config, "grouped_matmul_reduce_scatter", size)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
-    cfg = _config(config, rows_total, size * splits, "grouped_matmul_reduce_scatter")
+    cfg = _config(cfg, rows_total, size * splits, "grouped_matmul_reduce_scatter")
     dtype = cfg.out_dtype or x.dtype.name
     travel = cfg.reduce_dtype or dtype
     r = rows_total // size

@@ -6,7 +6,7 @@ expert; group_sizes [E] are its counts. Shapes stay static: what shard s sends s
 block of m rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
 RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at step t - 1, so
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
-block first (one all-to-all), then multiplies.
+block first (one all-to-all), then multiplies. AUTO runs `collective.AUTO_METHOD`'s choice.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
+from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped, grouped_matmul
 from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling
-from commgemm.registry import resolve
 from commgemm.xla.common import after
 
 
@@ -41,8 +41,8 @@ def _exchange(values, axis_name: str, size: int, shift: int):
     return jax.tree.map(lambda v: lax.ppermute(v, axis_name, perm), values)
 
 
-def _method(config, op: str) -> Method:
-    cfg, _ = resolve(config)
+def _method(config, op: str, size: int) -> Method:
+    cfg = resolve_grouped(config, op, size)
     if cfg.method not in (Method.NONE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
         raise ValueError(f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}")
     return cfg.method
@@ -80,7 +80,7 @@ def all_to_all_grouped_matmul(
             f"group_sizes has {group_sizes.shape[0]} experts, w {e} per shard x {size} shards"
         )
     check_grouped(x, w, group_sizes[:e])
-    method = _method(config, "all_to_all_grouped_matmul")
+    method = _method(config, "all_to_all_grouped_matmul", size)
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size)
     sizes = group_sizes.astype(jnp.int32).reshape(size, e)
@@ -137,7 +137,7 @@ def grouped_matmul_all_to_all(
         out = grouped_matmul_all_to_all(y, w, recv_sizes, group_sizes, axis_name, config=config)
         return with_quantized_cotangent(out, recipe, axis_name)
     size, m = axis_size(axis_name), y.shape[1]
-    method = _method(config, "grouped_matmul_all_to_all")
+    method = _method(config, "grouped_matmul_all_to_all", size)
     check_grouped(y[0], w, recv_sizes[0])
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size)
