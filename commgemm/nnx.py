@@ -181,7 +181,7 @@ class ParallelAttentionProjections(nnx.Module):
             )
         kw = _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype)
         self.num_heads, self.attention_fn = num_heads, attention_fn
-        # columns grouped [3, heads, d] so each device's shard holds whole heads of q, k and v
+        # columns grouped [heads, 3, d] so each device's shard holds whole heads of q, k and v
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, rngs=rngs, **kw)
         self.out = RowParallelLinear(hidden, hidden, rngs=rngs, **kw)
 
@@ -190,8 +190,11 @@ class ParallelAttentionProjections(nnx.Module):
         heads, d = self.num_heads, h // self.num_heads
         # [B, S, heads, 3, d]: device i's columns are heads i*heads/P.. of q, k and v alike
         qkv = self.qkv(x).reshape(b, s, heads, 3, d)
-        q, k, v = (qkv[:, :, :, i] for i in range(3))
-        out = self.attention_fn(q, k, v)  # [B, S, heads, d]
+        # heads stay sharded, forward and backward (the constraints' transposes hold the
+        # cotangents too; left to itself XLA gathered dq, dk and dv over every head)
+        by_head = NamedSharding(self.qkv.mesh, P(self.qkv.data_axis, None, self.qkv.axis_name))
+        q, k, v = (jax.lax.with_sharding_constraint(qkv[:, :, :, i], by_head) for i in range(3))
+        out = jax.lax.with_sharding_constraint(self.attention_fn(q, k, v), by_head)
         return self.out(out.reshape(b, s, h))
 
 

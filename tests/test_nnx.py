@@ -4,6 +4,7 @@ shards; the training example's losses against its unsharded twin and its checkpo
 
 import importlib.util
 import pathlib
+import re
 import sys
 
 import jax
@@ -103,6 +104,25 @@ def test_attention_projections(rng, method):
     heads = np.asarray(cgnnx.causal_attention(q, k, v), np.float64).reshape(2, 16, 32)
     want = heads @ _value(att.out.kernel) + _value(att.out.bias)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["none", "xla"])
+def test_attention_keeps_heads_sharded(rng, method):
+    """The backward of attention moves no [B, S, heads, d] tensor (XLA gathered dq, dk and dv
+    over every head before the layer constrained them), ours and XLA's baseline alike."""
+    mesh = _mesh()
+    config = None if method == "xla" else METHODS[method]
+    att = cgnnx.create_sharded(
+        lambda: cgnnx.ParallelAttentionProjections(32, 8, mesh=mesh, rngs=nnx.Rngs(1),
+                                                   data_axis="data", config=config),
+        mesh,
+    )  # fmt: skip
+    xd = jax.device_put(rng.standard_normal((2, 16, 32)).astype(np.float32),
+                        NamedSharding(mesh, P("data", "tp", None)))  # fmt: skip
+    grad = nnx.jit(lambda m, a: nnx.grad(lambda mm: jnp.sum(mm(a) ** 2))(m))
+    text = grad.lower(att, xd).compile().as_text()
+    moved = re.findall(r"= \S+\[([\d,]+)\]\S* (?:all-gather|all-to-all)(?:-start)?\(", text)
+    assert moved and all(len(dims.split(",")) < 4 for dims in moved), moved
 
 
 def test_bad_input():
