@@ -12,6 +12,8 @@
 #   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the GEMM core's and FP8 tests, then the
 #                                              direct kernels' GEMM core (bf16, FP8) and the
 #                                              serial path vs the best GEMM
+#   bash benchmarks/run.sh layers-profile OUT  all GPUs: the layers' training step by method
+#                                              against XLA's partitioning, kernel time by kind
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -55,5 +57,6 @@ case $target in
     python3 benchmarks/fused_core.py --out "$out" --sizes "${3:-2,4,8}"
     exit $status ;;
   capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core or capabilities" >&2; exit 2 ;;
+  layers-profile) python3 benchmarks/layers_profile.py --out "$out" ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile or capabilities" >&2; exit 2 ;;
 esac

@@ -406,3 +406,42 @@ def test_capabilities_script_runs(tmp_path):
         "expert parallel",
     ]
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
+
+
+def test_layers_profile_breakdown_and_smoke_run(tmp_path):
+    """benchmarks/layers_profile.py: the kernel-kind breakdown of a synthetic trace (exposed
+    collective time is what no other kernel covers), and a smoke run on 8 CPU devices where
+    every variant's first loss is the same model's."""
+    import importlib.util
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location(
+        "layers_profile", root / "benchmarks" / "layers_profile.py"
+    )
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ms = 1e6  # ns
+    events = [  # one step: a GEMM 0-4 ms, an all-gather 3-6 ms (1 ms under the GEMM), other 6-7
+        (0.0, 4 * ms, "nvjet_sm90_gemm"),
+        (3 * ms, 6 * ms, "ncclDevKernel_AllGather_RING_LL"),
+        (6 * ms, 7 * ms, "loop_fusion"),
+    ]
+    found = module.breakdown(events, steps=1)
+    assert found["ms_by_kind"] == {"gemm": 4.0, "collective": 3.0, "other": 1.0}
+    assert found["collective_exposed_ms"] == 2.0
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "layers_profile.py"), "--out", str(tmp_path),
+         "--quick", "--dtypes", "float32", "--methods", "xla,none,auto"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads((tmp_path / "layers_profile.json").read_text())["rows"][0]
+    losses = row["ms"]  # on CPU: each variant's loss after its first step
+    assert set(losses) == {"xla", "none", "auto"}
+    np.testing.assert_allclose(list(losses.values()), losses["xla"], rtol=1e-5)
