@@ -237,6 +237,10 @@ def gemm(
         ws = ws if ws is not None else PartitionSpec(*implied_w)
     layout = classify(spec_entries(xs, x.ndim, "x", names, unit),
                       spec_entries(ws, 2, "w", names, unit), out)  # fmt: skip
+    # the shard_map takes the specs as given (Explicit axes of size 1 are in the types too)
+    as_given = dict(x_spec=spec_entries(xs, x.ndim, "x", names),
+                    w_spec=spec_entries(ws, 2, "w", names), out_spec=out_as_asked)  # fmt: skip
+    layout = dataclasses.replace(layout, **as_given)
     if layout.collective is None:
         if cfg.collective not in (None, Collective.NONE):
             raise ValueError(

@@ -38,9 +38,16 @@ class _Call:
 
 
 def _plain(x: jax.Array, w: jax.Array, call: _Call) -> jax.Array:
-    """The op's meaning: x @ w (w [N, K] when transposed), float32 accumulation."""
-    wide = jnp.promote_types(x.dtype, jnp.float32).name
+    """The op's meaning: x @ w (w [N, K] when transposed), float32 accumulation; under
+    call.scaling the quantized GEMM (as the fall-back's local GEMM: each row shard of x then
+    takes its own scale, the operands being whole only along K)."""
     x2d = x.reshape(-1, x.shape[-1])
+    if call.scaling is not None:
+        from commgemm.scaled import matmul as quantized_matmul
+
+        out = quantized_matmul(x2d, w, call.scaling, w_transposed=call.w_transposed)
+        return out.astype(call.out_dtype).reshape(*x.shape[:-1], -1)
+    wide = jnp.promote_types(x.dtype, jnp.float32).name
     dims = ((1,), (1 if call.w_transposed else 0,))
     out = dot(x2d, w, dims, accumulate_dtype=wide, result_dtype=call.out_dtype)
     return out.reshape(*x.shape[:-1], -1)
