@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig
+from commgemm.distributed import check_launched_initialized
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
 from commgemm.operands import check_dtypes, check_matmul_shapes, dot
 from commgemm.ops import (
@@ -200,6 +201,7 @@ def gemm(
     Returns:
       [..., N] with `out_sharding`.
     """
+    check_launched_initialized()  # whatever the layout: a local GEMM would hide it too
     cfg, _ = resolve(config)
     recipe = as_recipe(scaling)
     check_dtypes(x, w)
