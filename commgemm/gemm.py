@@ -41,39 +41,23 @@ class Layout:
     out_spec: Spec
 
 
-def unit_axes(mesh) -> frozenset[str]:
-    """The mesh's axes of size 1: they shard nothing, so a spec means the same with or without
-    them (XLA's propagation drops them, a user's spec may keep them)."""
-    return frozenset(n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s == 1)
-
-
 def spec_entries(
-    spec: PartitionSpec | None,
-    ndim: int,
-    what: str,
-    mesh_axes: tuple[str, ...],
-    unit: frozenset[str] = frozenset(),
+    spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]
 ) -> Spec:
-    """A PartitionSpec as one entry per dimension: None, a mesh-axis name or a tuple of them,
-    with the axes in `unit` (of size 1: `unit_axes`) left out."""
+    """A PartitionSpec as one entry per dimension: None or a single mesh-axis name."""
     entries = tuple(spec) if spec is not None else ()
     if len(entries) > ndim:
         raise ValueError(f"{what} spec {spec} has {len(entries)} entries for {ndim} dimensions")
     out: list[str | None] = []
     for e in entries + (None,) * (ndim - len(entries)):
-        for a in e if isinstance(e, tuple | list) else () if e is None else (e,):
-            if a not in mesh_axes:
-                raise ValueError(
-                    f"{what} spec {spec} names axis {a!r}, not in the mesh {mesh_axes}"
-                )
         if isinstance(e, tuple | list):
-            e = tuple(a for a in e if a not in unit)
+            e = tuple(e)
             if len(e) == 0:
                 e = None
             elif len(e) == 1:
                 e = e[0]
-        elif e in unit:
-            e = None
+        if e is not None and not isinstance(e, tuple) and e not in mesh_axes:
+            raise ValueError(f"{what} spec {spec} names axis {e!r}, not in the mesh {mesh_axes}")
         out.append(e)
     named = [a for a in out if a is not None]
     if len(set(map(str, named))) != len(named):
@@ -163,6 +147,28 @@ def classify(x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
     return layout(None, None, 0)
 
 
+def classify_on(mesh, x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
+    """`classify`, and where that finds no collective, again with the mesh's axes of size 1
+    left out: they shard nothing, and XLA's propagation drops them where a caller's spec may
+    keep them (x P(None, "tp", None) meeting out P("data", None, "tp") with "data" of size 1).
+    The layout keeps the specs as given (Explicit axes of size 1 are in the types too)."""
+    layout = classify(x_spec, w_spec, out_spec)
+    unit = {n for n, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if size == 1}
+    if layout.collective is not None or not unit:
+        return layout
+
+    def without(spec: Spec) -> Spec:
+        kept = [tuple(a for a in e if a not in unit) if isinstance(e, tuple) else e
+                for e in spec]  # fmt: skip
+        kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e or None for e in kept]
+        return tuple(None if e in unit else e for e in kept)
+
+    found = classify(without(x_spec), without(w_spec), without(out_spec))
+    if found.collective is None:
+        return layout
+    return dataclasses.replace(found, x_spec=x_spec, w_spec=w_spec, out_spec=out_spec)
+
+
 def gemm(
     x: jax.Array,
     w: jax.Array,
@@ -219,9 +225,7 @@ def gemm(
         raise TypeError(
             f"out_sharding must be a NamedSharding or PartitionSpec, got {type(out_sharding)}"
         )
-    unit = unit_axes(mesh)
-    out = spec_entries(out_spec_raw, x.ndim, "out_sharding", names, unit)
-    out_as_asked = spec_entries(out_spec_raw, x.ndim, "out_sharding", names)
+    out = spec_entries(out_spec_raw, x.ndim, "out_sharding", names)
     xs, ws = _spec_of(x, x_spec, mesh), _spec_of(w, w_spec, mesh)
     if xs is None or ws is None:
         if cfg.collective is None:  # decided when XLA partitions the program
@@ -231,18 +235,14 @@ def gemm(
                     "for delayed scaling pass x_spec= and w_spec="
                 )
             out_dtype = cfg.out_dtype or x.dtype.name
-            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out_as_asked, config=config,
+            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out, config=config,
                                  scaling=recipe, out_dtype=out_dtype)  # fmt: skip
             return apply_epilogue(z, bias, activation, return_pre_activation)
         implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)
-    layout = classify(spec_entries(xs, x.ndim, "x", names, unit),
-                      spec_entries(ws, 2, "w", names, unit), out)  # fmt: skip
-    # the shard_map takes the specs as given (Explicit axes of size 1 are in the types too)
-    as_given = dict(x_spec=spec_entries(xs, x.ndim, "x", names),
-                    w_spec=spec_entries(ws, 2, "w", names), out_spec=out_as_asked)  # fmt: skip
-    layout = dataclasses.replace(layout, **as_given)
+    layout = classify_on(mesh, spec_entries(xs, x.ndim, "x", names),
+                         spec_entries(ws, 2, "w", names), out)  # fmt: skip
     if layout.collective is None:
         if cfg.collective not in (None, Collective.NONE):
             raise ValueError(

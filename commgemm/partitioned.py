@@ -77,25 +77,25 @@ def _body(layout, call: _Call):
 
 
 def _specs(mesh, arg_shapes, call: _Call):
-    from commgemm.gemm import spec_entries, unit_axes
+    from commgemm.gemm import spec_entries
 
-    names, unit = tuple(mesh.axis_names), unit_axes(mesh)
-    x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names, unit)
-    w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names, unit)
+    names = tuple(mesh.axis_names)
+    x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
+    w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names)
     if call.w_transposed:
         w_spec = w_spec[::-1]  # as [K, N]
-    if call.out_spec is not None:  # as spec_entries made it, size-1 axes already left out
+    if call.out_spec is not None:
         out_spec = call.out_spec
     else:
-        out_spec = spec_entries(arg_shapes[2].sharding.spec, call.ndim, "like", names, unit)
+        out_spec = spec_entries(arg_shapes[2].sharding.spec, call.ndim, "like", names)
     return x_spec, w_spec, out_spec
 
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
-    from commgemm.gemm import classify
+    from commgemm.gemm import classify_on
 
     x_spec, w_spec, out_spec = _specs(mesh, arg_shapes, call)
-    layout = classify(x_spec, w_spec, out_spec)
+    layout = classify_on(mesh, x_spec, w_spec, out_spec)
     shard = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     w_as_stored = (lambda s: s[::-1]) if call.w_transposed else (lambda s: s)
     if layout.collective is None:  # XLA reshards the operands; the GEMM is local
@@ -182,11 +182,7 @@ def partitioned_gemm(
 ) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] with sharding `out_spec` on `mesh`, overlapped where
     the shardings XLA's propagation chose imply a collective `gemm` knows."""
-    from commgemm.gemm import spec_entries, unit_axes
-
-    classified = spec_entries(PartitionSpec(*out_spec), x.ndim, "out_sharding",
-                              tuple(mesh.axis_names), unit_axes(mesh))  # fmt: skip
-    call = _Call(x.ndim, False, classified, config, scaling, out_dtype)
+    call = _Call(x.ndim, False, tuple(out_spec), config, scaling, out_dtype)
     out = _gemm(x, w, call)
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if t == AxisType.Explicit}  # fmt: skip
