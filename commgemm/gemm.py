@@ -158,10 +158,11 @@ def classify_on(mesh, x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
         return layout
 
     def without(spec: Spec) -> Spec:
-        kept = [tuple(a for a in e if a not in unit) if isinstance(e, tuple) else e
-                for e in spec]  # fmt: skip
-        kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e or None for e in kept]
-        return tuple(None if e in unit else e for e in kept)
+        entries = []
+        for e in spec:
+            axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a not in (None, *unit))
+            entries.append(axes[0] if len(axes) == 1 else axes or None)
+        return tuple(entries)
 
     found = classify(without(x_spec), without(w_spec), without(out_spec))
     if found.collective is None:
