@@ -28,7 +28,7 @@ from jax import lax
 
 from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 from commgemm.operands import dot
-from commgemm.vma import checks_vma, like_primal
+from commgemm.vma import all_reduce_transpose, like_primal
 from commgemm.xla import module_for
 
 
@@ -100,9 +100,7 @@ def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
             dy, w, axis_name, back, w_transposed=not w_transposed, return_gathered=True
         )
         return _typed(dx, x, _weight_grad(x, dy_gathered, w, w_transposed, cfg), w)
-    # The transpose of the all-reduce, as lax.psum's: the identity on the invariant cotangent
-    # under check_vma=True, another all-reduce without the check.
-    dp = dy if checks_vma(axis_name) else lax.psum(dy, axis_name)
+    dp = all_reduce_transpose(dy, axis_name)
     dx = dot(dp, w, ((1,), (0 if w_transposed else 1,)), accumulate_dtype=cfg.accumulate_dtype,
              result_dtype=x.dtype)  # fmt: skip
     return _typed(dx, x, _weight_grad(x, dp, w, w_transposed, cfg), w)

@@ -5,15 +5,19 @@ the per-shard op; layouts it cannot overlap become a local GEMM on operands XLA 
 (correct, without overlap). A Shardy sharding rule (and the GSPMD callbacks) let sharding
 propagation flow through it both ways.
 
-Differentiable by a custom VJP: dX is partitioned the same way, with dX's sharding taken from
-x's (the same op with w transposed, so the AG forward gets an RS backward and the reverse);
-dW = X^T dY is left to XLA's partitioner.
+Differentiable by a custom VJP whose backward is a second custom-partitioned op: (x, w, dY) ->
+(dX, dW) sharded like x and w, partitioned by the same layout as the forward and computed by the
+per-shard op's own VJP, so dX and dW come from one op that gathers each tensor once (the AG
+forward's backward is GEMM + RS, the RS forward's is AG + GEMM sharing the gathered dY with dW)
+and a quantized forward gets the quantized backward (dY in the recipe's grad_dtype, dW on
+float8 operands) that the shard_map ops have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +25,10 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from commgemm.config import Collective, OverlapConfig
+from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
 from commgemm.operands import dot
+from commgemm.registry import resolve
+from commgemm.vma import whole_cotangents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,26 +36,24 @@ class _Call:
     """What one partitioned GEMM needs besides its operands (hashable: one op per value)."""
 
     ndim: int  # x's
-    w_transposed: bool
-    out_spec: tuple | None  # the result's spec, or None: like the third operand's
+    out_spec: tuple  # the result's spec
     config: OverlapConfig | int | None
     scaling: object
     out_dtype: str
 
 
 def _plain(x: jax.Array, w: jax.Array, call: _Call) -> jax.Array:
-    """The op's meaning: x @ w (w [N, K] when transposed), float32 accumulation; under
-    call.scaling the quantized GEMM (as the fall-back's local GEMM: each row shard of x then
-    takes its own scale, the operands being whole only along K)."""
+    """The op's meaning: x @ w, float32 accumulation; under call.scaling the quantized GEMM (as
+    the fall-back's local GEMM: each row shard of x then takes its own scale, the operands being
+    whole only along K)."""
     x2d = x.reshape(-1, x.shape[-1])
     if call.scaling is not None:
         from commgemm.scaled import matmul as quantized_matmul
 
-        out = quantized_matmul(x2d, w, call.scaling, w_transposed=call.w_transposed)
+        out = quantized_matmul(x2d, w, call.scaling)
         return out.astype(call.out_dtype).reshape(*x.shape[:-1], -1)
     wide = jnp.promote_types(x.dtype, jnp.float32).name
-    dims = ((1,), (1 if call.w_transposed else 0,))
-    out = dot(x2d, w, dims, accumulate_dtype=wide, result_dtype=call.out_dtype)
+    out = dot(x2d, w, ((1,), (0,)), accumulate_dtype=wide, result_dtype=call.out_dtype)
     return out.reshape(*x.shape[:-1], -1)
 
 
@@ -71,73 +75,108 @@ def _body(layout, call: _Call):
         Collective.REDUCE_SCATTER: matmul_reduce_scatter,
         Collective.ALL_REDUCE: matmul_all_reduce,
     }[layout.collective]
-    return lambda a, b: op(
-        a, b, layout.axis, axis=layout.row_dim, w_transposed=call.w_transposed, **kwargs
-    )
+    return lambda a, b: op(a, b, layout.axis, axis=layout.row_dim, **kwargs)
 
 
-def _specs(mesh, arg_shapes, call: _Call):
-    from commgemm.gemm import spec_entries
+def _layout(call: _Call, mesh, arg_shapes):
+    """(per-shard body, x spec, w spec, out spec, the axes the body all-reduces its result over)
+    of the layout the operands' shardings imply; a layout gemm cannot overlap becomes a local
+    GEMM on x's row shards and a whole w, which XLA reshards the operands to."""
+    from commgemm.gemm import classify_on, spec_entries
 
     names = tuple(mesh.axis_names)
     x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
     w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names)
-    if call.w_transposed:
-        w_spec = w_spec[::-1]  # as [K, N]
-    if call.out_spec is not None:
-        out_spec = call.out_spec
-    else:
-        out_spec = spec_entries(arg_shapes[2].sharding.spec, call.ndim, "like", names)
-    return x_spec, w_spec, out_spec
+    layout = classify_on(mesh, x_spec, w_spec, call.out_spec)
+    if layout.collective is None:
+        rows = x_spec[:-1]
+        body = functools.partial(_plain, call=call)
+        return body, rows + (None,), (None, None), rows + (None,), ()
+    reduced = ()
+    if layout.collective is Collective.ALL_REDUCE:
+        reduced = (layout.axis,)
+    elif layout.collective is Collective.NONE and not uses_tpu_kernels(resolve(call.config)[0]):
+        reduced = (layout.axis[1],)  # matmul_2d all-reduces over its k axis
+    return _body(layout, call), x_spec, w_spec, call.out_spec, reduced
+
+
+def _shard(mesh, spec) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
-    from commgemm.gemm import classify_on
-
-    x_spec, w_spec, out_spec = _specs(mesh, arg_shapes, call)
-    layout = classify_on(mesh, x_spec, w_spec, out_spec)
-    shard = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
-    w_as_stored = (lambda s: s[::-1]) if call.w_transposed else (lambda s: s)
-    if layout.collective is None:  # XLA reshards the operands; the GEMM is local
-        rows = x_spec[:-1]
-        x_spec, w_spec, out_spec = rows + (None,), (None, None), rows + (None,)
-        body = functools.partial(_plain, call=call)
-    else:
-        body = _body(layout, call)
-    args = (shard(x_spec), shard(w_as_stored(w_spec)))
-    if call.out_spec is None:
-        args += (arg_shapes[2].sharding,)
-    lower = (lambda a, b, _like: body(a, b)) if call.out_spec is None else body
-    return mesh, lower, shard(out_spec), args
+    body, x_spec, w_spec, out_spec, _ = _layout(call, mesh, arg_shapes)
+    args = (_shard(mesh, x_spec), _shard(mesh, w_spec))
+    return mesh, body, _shard(mesh, out_spec), args
 
 
-def _infer(call: _Call, mesh, arg_shapes, result_shape):
-    if call.out_spec is None:
-        return arg_shapes[2].sharding
-    return NamedSharding(mesh, PartitionSpec(*call.out_spec))
+def _unmentioned(mesh, spec) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) that `spec` does not shard over."""
+    named = set()
+    for entry in spec:
+        named.update(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in named)
 
 
-def _rule(call: _Call) -> str:
-    rows = " ".join(f"r{i}" for i in range(call.ndim - 1))
-    w = "n k" if call.w_transposed else "k n"
-    rule = f"{rows} k, {w}"
-    if call.out_spec is None:
-        rule += f", {rows} n"
-    return f"{rule} -> {rows} n"
+def _grad_partition(call: _Call, mesh, arg_shapes, result_shape):
+    """The backward op's partition: the per-shard VJP of the forward's body. A custom partition
+    tracks no varying axes, so the body is transposed as unchecked shard_map transposes it
+    (dY divided by the size of the axes the result is replicated over, dX and dW summed over
+    the axes x and w are replicated over), except over the axes the body all-reduces over:
+    there every device holds the whole dY, and the all-reduce's transpose is the identity
+    (`vma.whole_cotangents`), as under check_vma=True, with no collective."""
+    body, x_spec, w_spec, out_spec, reduced = _layout(call, mesh, arg_shapes)
+    replicas = math.prod(mesh.shape[a] for a in _unmentioned(mesh, out_spec) if a not in reduced)
+    x_sum, w_sum = _unmentioned(mesh, x_spec), _unmentioned(mesh, w_spec)
+
+    def lower(x, w, dy):
+        if replicas > 1:
+            dy = dy / jnp.asarray(replicas, dy.dtype)
+        with whole_cotangents():
+            dx, dw = jax.vjp(body, x, w)[1](dy)
+        return (lax.psum(dx, x_sum) if x_sum else dx), (lax.psum(dw, w_sum) if w_sum else dw)
+
+    x_sharding, w_sharding = _shard(mesh, x_spec), _shard(mesh, w_spec)
+    args = (x_sharding, w_sharding, _shard(mesh, out_spec))
+    return mesh, lower, (x_sharding, w_sharding), args
+
+
+def _rows_rule(call: _Call) -> str:
+    return " ".join(f"r{i}" for i in range(call.ndim - 1))
 
 
 @functools.lru_cache(maxsize=256)
 def _op(call: _Call):
     """The custom-partitioned GEMM of `call` (one per distinct call, as jit caches by it)."""
-    if call.out_spec is None:
-        fn = custom_partitioning(lambda x, w, like: _plain(x, w, call))
-    else:
-        fn = custom_partitioning(lambda x, w: _plain(x, w, call))
+    fn = custom_partitioning(lambda x, w: _plain(x, w, call))
     fn.def_partition(
         partition=functools.partial(_partition, call),
-        infer_sharding_from_operands=functools.partial(_infer, call),
-        sharding_rule=_rule(call),
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _shard(
+            mesh, call.out_spec
+        ),
+        sharding_rule=f"{_rows_rule(call)} k, k n -> {_rows_rule(call)} n",
         reduction_factors=("k",),
+    )
+    return fn
+
+
+def _plain_grad(x, w, dy, call: _Call):
+    """The backward op's meaning: the VJP of `_plain`."""
+    return jax.vjp(lambda a, b: _plain(a, b, call), x, w)[1](dy)
+
+
+@functools.lru_cache(maxsize=256)
+def _grad_op(call: _Call):
+    """The custom-partitioned backward of `_op(call)`: (x, w, dY) -> (dX, dW)."""
+    fn = custom_partitioning(lambda x, w, dy: _plain_grad(x, w, dy, call))
+    rows = _rows_rule(call)
+    fn.def_partition(
+        partition=functools.partial(_grad_partition, call),
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: (
+            arg_shapes[0].sharding,
+            arg_shapes[1].sharding,
+        ),
+        sharding_rule=f"{rows} k, k n, {rows} n -> {rows} k, k n",
     )
     return fn
 
@@ -153,18 +192,7 @@ def _gemm_fwd(x, w, call):
 
 def _gemm_bwd(call, residuals, dy):
     x, w = residuals
-    back = dataclasses.replace(
-        call, w_transposed=not call.w_transposed, out_spec=None, out_dtype=x.dtype.name
-    )
-    dx = _op(back)(dy, w, x)  # dY @ W^T, sharded like x
-    rows = tuple(range(x.ndim - 1))
-    lhs, rhs = (dy, x) if call.w_transposed else (x, dy)
-    wide = jnp.promote_types(w.dtype, jnp.float32).name
-    typed = jax.typeof(w).sharding  # on a mixed mesh: w's Explicit axes (the rows' are summed)
-    explicit = typed.mesh.axis_names and any(t == AxisType.Explicit for t in typed.mesh.axis_types)
-    dw = dot(lhs, rhs, (rows, rows), accumulate_dtype=wide, result_dtype=w.dtype,
-             out_sharding=typed if explicit else None)  # fmt: skip
-    return dx, dw
+    return _grad_op(call)(x, w, dy)
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -182,7 +210,7 @@ def partitioned_gemm(
 ) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] with sharding `out_spec` on `mesh`, overlapped where
     the shardings XLA's propagation chose imply a collective `gemm` knows."""
-    call = _Call(x.ndim, False, tuple(out_spec), config, scaling, out_dtype)
+    call = _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype)
     out = _gemm(x, w, call)
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if t == AxisType.Explicit}  # fmt: skip

@@ -55,7 +55,7 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.vma import checks_vma, like_primal
+from commgemm.vma import all_reduce_transpose, like_primal
 
 
 def fake_quantize(
@@ -301,8 +301,8 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     x_dtype, k = like_x.dtype, like_x.shape[1]
     mode, grad_dtype, split = fmt
     back = backward_config(cfg, like_x)
-    if collective is Collective.ALL_REDUCE and not checks_vma(axis_name):
-        dy = lax.psum(dy, axis_name)  # the transpose of the all-reduce (identity if checked)
+    if collective is Collective.ALL_REDUCE:
+        dy = all_reduce_transpose(dy, axis_name)
     dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
     n = dy.shape[1]
     names = () if axis_name is None else axis_name

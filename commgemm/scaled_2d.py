@@ -46,7 +46,7 @@ from commgemm.scaled import (
     payload,
     quantize_operand,
 )
-from commgemm.vma import checks_vma, like_primal, varying_like
+from commgemm.vma import all_reduce_transpose, like_primal, varying_like
 
 
 def matmul_2d(
@@ -131,8 +131,7 @@ def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
     rows, x_scale, qw, like_x, like_w = residuals
     mode, grad_dtype, split = fmt
     k_block, n = like_x.shape[1], dy.shape[1]
-    if not checks_vma(k_axis):
-        dy = lax.psum(dy, k_axis)  # the transpose of the all-reduce (identity if checked)
+    dy = all_reduce_transpose(dy, k_axis)
     axes = (row_axis, k_axis)
     dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
     qdy = quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, axes))

@@ -9,8 +9,13 @@ transpose of a psum is another psum. The ops here follow `lax` in both settings.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax import lax
+
+_WHOLE_COTANGENTS = contextvars.ContextVar("commgemm_whole_cotangents", default=False)
 
 
 def varying_axes(x: jax.Array) -> frozenset[str]:
@@ -26,6 +31,28 @@ def checks_vma(axis_name: str) -> bool:
     """Whether the enclosing shard_map tracks varying axes: only then is an axis index typed as
     varying over its own axis."""
     return axis_name in varying_axes(lax.axis_index(axis_name))
+
+
+@contextlib.contextmanager
+def whole_cotangents():
+    """Within it, the cotangent of an all-reduced result holds the whole cotangent on every
+    device (as under check_vma=True), though nothing is tracked: a custom partition's backward
+    (commgemm.partitioned), where each device is handed the replicated result's cotangent as
+    is, where unchecked shard_map hands it 1/P of it."""
+    token = _WHOLE_COTANGENTS.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_COTANGENTS.reset(token)
+
+
+def all_reduce_transpose(dy: jax.Array, axis_name: str) -> jax.Array:
+    """The transpose of a `lax.psum` over `axis_name` applied to its result's cotangent: the
+    identity where dy is the whole cotangent on every device (check_vma=True, where dy is
+    typed invariant, or `whole_cotangents`), else another psum (unchecked shard_map)."""
+    if checks_vma(axis_name) or _WHOLE_COTANGENTS.get():
+        return dy
+    return lax.psum(dy, axis_name)
 
 
 def all_gather_invariant(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:

@@ -3,6 +3,8 @@ shardings: values and gradients against the float64 reference for every layout (
 sequence-parallel, 2-D mesh, and layouts it cannot overlap), the ring's collective-permutes in
 the forward and backward programs, shardings propagated from jit's in_shardings, scaling."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,8 @@ def _mesh(kind: str) -> Mesh:
         return Mesh(mesh2d(2, 2).devices, ("data", "x"))
     if kind == "unit_data":  # a data axis of size 1, which XLA's propagation leaves out
         return Mesh(mesh1d(4).devices.reshape(1, 4), ("data", "x"))
+    if kind == "three":  # an axis of a size that is not a power of two
+        return mesh1d(3)
     return mesh1d(4)
 
 
@@ -50,6 +54,15 @@ LAYOUTS = {
         P("x", None),
         P("data", "x", None),
     ),
+    "ar_over_data": (  # replicated over a data axis as well: dY divided, dX and dW summed
+        "data_tp",
+        (4, 16, 24),
+        P(None, None, "x"),
+        P("x", None),
+        P(None, None, None),
+    ),
+    "ar3": ("three", (30, 24), P(None, "x"), P("x", None), P(None, None)),
+    "xla3": ("three", (30, 24), P(None, None), P("x", None), P("x", None)),
     "2d": ("2d", (32, 24), P("x", "y"), P("x", None), P("x", None)),
     "xla": ("1d", (32, 24), P(None, None), P("x", None), P(None, "x")),
 }
@@ -94,6 +107,58 @@ def test_ring_overlaps_forward_and_backward(rng, layout):
     grad = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), 0)).lower(xd, wd).compile().as_text()
     assert grad.count("collective-permute(") + grad.count("collective-permute-start(") >= 3
     assert "reduce-scatter" not in grad
+
+
+def _collectives(text: str) -> dict[str, int]:
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+    return {k: len(re.findall(rf"= \S+ {k}(-start)?\(", text)) for k in kinds}
+
+
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        ("ag", {"all-gather": 1, "reduce-scatter": 1}),  # x gathered for dW; dX reduce-scattered
+        ("rs", {"all-gather": 1}),  # dY gathered once, for dX and dW alike
+        ("ar", {}),  # dX and dW are local
+        ("seq_rs", {"all-gather": 1, "all-reduce": 1}),  # and dW summed over the data axis
+    ],
+)
+def test_backward_collectives(rng, layout, want):
+    """The gradient program's collectives (config NONE, a cotangent from outside): dX and dW come
+    from one partitioned op, which gathers each tensor once (XLA's partitioner, which had dW,
+    gathered dY a second time for the RS layout and all-gathered for the AR one)."""
+    f, x, w, xd, wd, out_sharding = _run(rng, layout, CONFIGS["none"])
+    g = jax.device_put(random(rng, x.shape[:-1] + (w.shape[1],)), out_sharding)
+    grad = jax.jit(jax.grad(lambda a, b, c: jnp.sum(f(a, b) * c), (0, 1)))
+    found = _collectives(grad.lower(xd, wd, g).compile().as_text())
+    assert {k: v for k, v in found.items() if v} == want
+
+
+@pytest.mark.parametrize("layout", ["ag", "rs", "ar", "2d", "seq_ag"])
+@pytest.mark.parametrize("cfg", ["none", "ring"])
+def test_scaled_gradients_match_the_ops(rng, layout, cfg):
+    """Under scaling, the partitioned gemm's gradients are the shard_map op's (dY quantized to
+    the recipe's grad_dtype, float8_e5m2, dW from float8 operands): it used to quantize dY as a
+    forward operand (e4m3) and multiply dW unquantized."""
+    kind, shape, xs, ws, os_ = LAYOUTS[layout]
+    mesh = _mesh(kind)
+    x, w = random(rng, shape), random(rng, (shape[-1], 16))
+    xd = jax.device_put(x, NamedSharding(mesh, xs))
+    wd = jax.device_put(w, NamedSharding(mesh, ws))
+    g = jax.device_put(random(rng, shape[:-1] + (16,)), NamedSharding(mesh, os_))
+    kwargs = dict(out_sharding=NamedSharding(mesh, os_), config=CONFIGS[cfg],
+                  scaling="current_tensor_scaling")  # fmt: skip
+
+    def grads(**specs):
+        f = lambda a, b, c: jnp.sum(cg.gemm(a, b, **kwargs, **specs) * c)  # noqa: E731
+        return jax.jit(jax.grad(f, (0, 1)))
+
+    partitioned = grads()
+    dx, dw = partitioned(xd, wd, g)
+    want_dx, want_dw = grads(x_spec=xs, w_spec=ws)(xd, wd, g)  # the shard_map op
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-5, atol=1e-5)
+    assert "f8e5m2" in partitioned.lower(xd, wd, g).compile().as_text()
 
 
 def test_shardings_from_jit_in_shardings(rng):
