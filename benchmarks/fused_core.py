@@ -128,6 +128,11 @@ def main() -> None:
             for label, tiles in core_tilings(op, size, (m, k, n)).items():
                 tiles = dataclasses.replace(tiles, tile_k=max(tiles.tile_k, fused.FLOAT8_TILE_K))
                 variants[f"core fp8 {label}"] = (core(op, tiles, float8=True), (qa.data, rhs))
+            # split accumulation: the plan's tiling as the fused ops run it (`float8_tiling`)
+            split = dataclasses.replace(rhs, split_accumulator=True)
+            plan = fused.float8_tiling(core_tilings(op, size, (m, k, n))["plan"], k, split=True)
+            variants["core fp8 split plan"] = (core(op, plan, float8=True), (qa.data, split))
+            variants["xla fp8 (split)"] = (xla8, (qa.data, split))
             refs.update({name: ref8 for name in variants if "fp8" in name})
         errors, failed = {}, {}
         for name in list(variants):

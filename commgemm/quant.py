@@ -240,13 +240,15 @@ class ScalingRecipe:
     `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
     GPU promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
     Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower
-    accumulator (False: ..._FAST_ACCUM; the direct fused kernels accumulate only this way).
+    accumulator (False: ..._FAST_ACCUM). The direct fused kernels do either: split adds each
+    K-step's product into a float32 total, in smaller tiles (`mosaic_gpu.tiles.accumulated`).
     Default (False, True, True), the reference system's: fast for the forward, promoted for the
-    two gradients. On H200 with jax 0.11.2 XLA's GEMM ran at the same speed with the same error
-    either way (BENCHMARKS.md "FP8 GEMMs": XLA kept promoting), and the fused FP8 ops' error
-    matched the promoted XLA methods' ("FP8 overlapped"), so the forward's default lets AUTO give
-    quantized operands to the fused kernels. Elsewhere the GEMMs accumulate in float32 and the
-    flag does nothing.
+    two gradients. XLA's GEMM ran at the same speed with the same error either way on H200 with
+    jax 0.11.2 (BENCHMARKS.md "FP8 GEMMs": XLA kept promoting). The fused kernels' fast form,
+    which the forward's default lets AUTO pick, had 1.9 to 3x the error of the promoted GEMM on
+    the presets' P = 2 shapes (at most 8.8e-3 of max |ref|); their split form has XLA's error
+    but ran 7 to 51% slower than XLA's FP8 GEMM (one H100, BENCHMARKS.md "Split accumulation
+    in the fused kernels"). Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and

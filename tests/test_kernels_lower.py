@@ -372,11 +372,13 @@ def test_hopper_grouped_gemm_lowers(groups):
     assert text.count("mosaic_gpu") >= 2  # the forward and dX kernels
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("size", [None, 2])  # None: no mesh axis, the kernel's GEMM core
-def test_direct_kernels_lower_on_float8(op, size):
+def test_direct_kernels_lower_on_float8(op, size, split):
     """The ops' quantized path into the direct kernels: float8 x and w ([n, K]) reach the
-    kernel as float8 (and no bf16 copy of either), with the scale as a third operand."""
+    kernel as float8 (and no bf16 copy of either), with the scale as a third operand; with
+    fast and split accumulation."""
     from commgemm import scaled
     from commgemm.mosaic_gpu import fused
 
@@ -386,7 +388,7 @@ def test_direct_kernels_lower_on_float8(op, size):
 
     def body(x, w):
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
-        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, x.shape[1], "bfloat16", False)
+        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, x.shape[1], "bfloat16", split)
         return fn(qx.data, rhs, None if size is None else "x", cfg, w_transposed=False)
 
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (x_shape, w_shape)]
@@ -441,3 +443,25 @@ def test_float8_tiling():
     assert float8_tiling(chained, 1088) == chained
     wide = mosaic_gpu.DirectAGConfig(tile_k=256, stages=2)
     assert float8_tiling(wide, 1024) == wide
+    # split accumulation: warpgroup tiles of at most 64 x 128 (two accumulators in registers)
+    assert float8_tiling(
+        mosaic_gpu.DirectAGConfig(), 1024, split=True
+    ) == mosaic_gpu.DirectAGConfig(tile_m=64, tile_n=128, wg_along_m=True, tile_k=128)
+    small = mosaic_gpu.DirectRSConfig(tile_m=64, tile_n=128, tile_k=128)
+    assert float8_tiling(small, 1024, split=True) == small
+
+
+def test_split_accumulation_needs_small_warpgroup_tiles():
+    """Called directly with split accumulation, a kernel refuses warpgroup tiles that leave no
+    registers for the second accumulator."""
+    args = (
+        jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((512, 512), jnp.float8_e4m3fn),
+    )
+    for kernel, cfg in (
+        (push_gather_gemm.all_gather_matmul, parse_method("fused-direct", "ag")),
+        (scatter_add_gemm.matmul_reduce_scatter, parse_method("fused-direct", "rs")),
+    ):
+        call = lambda x, w: kernel(x, w, None, cfg, w_nk=True, split_accumulator=True)  # noqa: B023, E731
+        with pytest.raises(ValueError, match="at most 8192 elements"):
+            jax.jit(call).trace(*args)

@@ -21,9 +21,10 @@ way the reference's atomic GEMMs do with userbuffers:
 
 Quantized operands (an op's `scaling=` with a tensor mode): the direct kernels (PIPELINE) take
 float8 x and w (w laid out [n, K], K-major, as float8 wgmma wants: quantizing w writes it so)
-and multiply on the float8 tensor cores, accumulating in the tensor cores' accumulator across
-all K-steps (the fast accumulation: ScalingRecipe.split_accumulator[0] False), the rows on the
-wire float8.
+and multiply on the float8 tensor cores, the rows on the wire float8. They accumulate as the
+recipe's forward flag asks (ScalingRecipe.split_accumulator[0]): in the tensor cores'
+accumulator across all K-steps (fast), or with each K-step's product added into a float32
+total (split, in 64 x 128 warpgroup tiles: `tiles.accumulated`).
 The epilogue multiplies the accumulator by the two tensor scales (one number: shards share
 them) and stores the result in x's dtype, so RS partial sums add already scaled. Block modes
 and the ring kernels take no float8 operands (`scaling_reason`).
@@ -215,11 +216,6 @@ def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
         )
     if config.method is not Method.PIPELINE:
         return "only the direct kernels (PIPELINE) take float8 operands, not the rings"
-    if recipe.split_accumulator[0]:
-        return (
-            "the kernels accumulate in the tensor cores' accumulator (no float32 promotion): "
-            "ask for it with ScalingRecipe(split_accumulator=(False, ...))"
-        )
     return None
 
 
@@ -227,10 +223,14 @@ def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
     return w.T if w_transposed else w
 
 
-def float8_tiling(tiles: KernelConfig, k: int) -> KernelConfig:
+def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> KernelConfig:
     """`tiles` for float8 operands with K = k: K-steps of at least FLOAT8_TILE_K where k is
     whole steps of it (the faster K-step for float8 on Hopper: docs/performance.md), chained
-    tiles only where K is still whole rounds of stages."""
+    tiles only where K is still whole rounds of stages; with `split` accumulation, warpgroup
+    tiles of 64 x 128 where larger ones leave no registers for the second accumulator
+    (`tiles.split_reason`)."""
+    if split and mosaic_tiles.split_reason(tiles) is not None:
+        tiles = dataclasses.replace(tiles, tile_m=64, tile_n=128, wg_along_m=True)
     if tiles.tile_k >= FLOAT8_TILE_K or k % FLOAT8_TILE_K:
         return tiles
     tiles = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K)
@@ -246,12 +246,14 @@ def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: 
     data = w.w.data if w_transposed else w.w.data.T
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
     tiles = config.kernel or FAMILY[(collective, Method.PIPELINE)]()
-    config = config.replace(kernel=float8_tiling(tiles, x.shape[1]))
+    split = w.split_accumulator
+    config = config.replace(kernel=float8_tiling(tiles, x.shape[1], split=split))
     if collective is Collective.ALL_GATHER:
         kernel = push_gather_gemm.all_gather_matmul
     else:
         kernel = scatter_add_gemm.matmul_reduce_scatter
-    return kernel(x, data, axis_name, config, w_nk=True, out_dtype=w.dtype, scale=scale)
+    return kernel(x, data, axis_name, config, w_nk=True, out_dtype=w.dtype, scale=scale,
+                  split_accumulator=split)  # fmt: skip
 
 
 def _array(w) -> jax.Array:

@@ -15,7 +15,6 @@ relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import jax
@@ -91,12 +90,14 @@ def all_gather_matmul(
     w_nk: bool = False,
     out_dtype=None,
     scale: jax.Array | None = None,
+    split_accumulator: bool = False,
     compiler_params: Mapping | None = None,
 ) -> jax.Array:
     """x [m, K] (rows sharded over axis_name), w [K, n] (local; [n, K] with w_nk) -> [P*m, n],
     all_gather(x) @ w (times `scale` [1] float32, if given) in `out_dtype` (default x's dtype),
     rows in device order. Float8 x and w (w_nk) multiply on float8 tensor cores; the rows
-    travel as float8. axis_name None: one device (the kernel's GEMM core)."""
+    travel as float8; `split_accumulator` promotes the partial sums to float32 every K-step
+    (`tiles.accumulated`). axis_name None: one device (the kernel's GEMM core)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -106,6 +107,8 @@ def all_gather_matmul(
     out_dtype = jnp.dtype(out_dtype or dtype)
     m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]
     mt.check_shape(tiles, m, k, n)
+    if split_accumulator and (reason := mt.split_reason(tiles)) is not None:
+        raise ValueError(f"{type(tiles).__name__}: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     bands = m // tiles.cta_m
     step_tiles = m_iters * n_iters
@@ -149,32 +152,30 @@ def all_gather_matmul(
                 rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
                 sender = (step == 0) & (rank < num_senders) & (wg == 0)
 
+                def finish(acc):
+                    @pl.when(sender)
+                    def _band_sent():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
+                        for j, peer in enumerate(peers):
+                            mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
+
+                    acc = mt.scaled(acc, scale_ref, out_dtype)
+                    out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = acc[epi_m, epi_n]
+                        plgpu.commit_smem()
+                        dest = out_ref.at[out_rows, at.cta_n].at[at.wg_m, at.wg_n]
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
+
                 def compute_context(eval_pipeline):
-                    @functools.partial(
-                        pl.run_scoped, acc_ref=plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32)
-                    )
-                    def _acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
+                    mt.accumulated(tiles, eval_pipeline, finish, split=split_accumulator)
 
-                        @pl.when(sender)
-                        def _band_sent():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
-                            for j, peer in enumerate(peers):
-                                mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
-
-                        acc = mt.scaled_acc(acc_ref, scale_ref, out_dtype)
-                        out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = acc[epi_m, epi_n]
-                            plgpu.commit_smem()
-                            dest = out_ref.at[out_rows, at.cta_n].at[at.wg_m, at.wg_n]
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
-
-                def mma_body(idxs, a_smem, b_smem, acc_ref):
+                def mma_body(idxs, a_smem, b_smem, acc):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], rhs)
+                    acc = mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
+                                        split=split_accumulator, in_flight=None)  # fmt: skip
 
                     (kk,) = idxs
                     now = sender & (lax.rem(kk, jnp.int32(num_senders)) == rank)
@@ -201,8 +202,9 @@ def all_gather_matmul(
                     def _all_read():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                    plgpu.wgmma_wait(1)
-                    return acc_ref
+                    if not split_accumulator:
+                        plgpu.wgmma_wait(1)
+                    return acc
 
                 def run(rows_ref):
                     get_pipeline(mma_body, compute_context)(

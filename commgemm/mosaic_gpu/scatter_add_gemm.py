@@ -133,12 +133,14 @@ def matmul_reduce_scatter(
     w_nk: bool = False,
     out_dtype=None,
     scale: jax.Array | None = None,
+    split_accumulator: bool = False,
     compiler_params: Mapping | None = None,
 ) -> jax.Array:
     """x [M, k], w [k, n] ([n, k] with w_nk; both local, K sharded over axis_name) -> [M/P, n],
     this device's rows of sum_d x_d @ w_d, in `out_dtype` (default x's dtype), the partial sums
     added in it, each times `scale` [1] float32 if given. Float8 x and w (w_nk) multiply on
-    float8 tensor cores. axis_name None: one device (the kernel's GEMM core)."""
+    float8 tensor cores; `split_accumulator` promotes their partial sums to float32 every K-step
+    (`tiles.accumulated`). axis_name None: one device (the kernel's GEMM core)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -150,6 +152,8 @@ def matmul_reduce_scatter(
     if x.shape[0] % size:
         raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
     mt.check_shape(tiles, rows, k, n)
+    if split_accumulator and (reason := mt.split_reason(tiles)) is not None:
+        raise ValueError(f"{type(tiles).__name__}: {reason}")
     epi = tiles.epi
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()
@@ -296,8 +300,8 @@ def matmul_reduce_scatter(
                         reduction_op="add" if reduce else None,
                     )
 
-                def epilogue_of(acc_ref):
-                    acc = mt.scaled_acc(acc_ref, scale_ref, out_dtype)
+                def epilogue_of(acc):
+                    acc = mt.scaled(acc, scale_ref, out_dtype)
                     if first is not None and reduce:
 
                         @pl.when(first)
@@ -322,20 +326,17 @@ def matmul_reduce_scatter(
                                 commit=i == size - 1,  # one group per block
                             )
 
-                def compute_context(eval_pipeline):
-                    @functools.partial(
-                        pl.run_scoped, acc_ref=plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32)
-                    )
-                    def _acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
-                        with jax.named_scope("epilogue"):
-                            epilogue_of(acc_ref)
+                def finish(acc):
+                    with jax.named_scope("epilogue"):
+                        epilogue_of(acc)
 
-                def mma_body(_, a_smem, b_smem, acc_ref):
+                def compute_context(eval_pipeline):
+                    mt.accumulated(tiles, eval_pipeline, finish, split=split_accumulator)
+
+                def mma_body(_, a_smem, b_smem, acc):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    plgpu.wgmma(acc_ref, a_smem.at[at.wg_m], rhs)
-                    plgpu.wgmma_wait(release)
-                    return acc_ref
+                    return mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
+                                         split=split_accumulator, in_flight=release)  # fmt: skip
 
                 ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
                 get_pipeline(k_steps, mma_body, compute_context, state)(

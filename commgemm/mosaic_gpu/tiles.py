@@ -115,13 +115,72 @@ def check_shape(tiles: KernelConfig, m: int, k: int, n: int) -> None:
         raise ValueError(f"{type(tiles).__name__}: {reason}")
 
 
-def scaled_acc(acc_ref, scale_ref, dtype) -> jax.Array:
-    """The accumulator times the scalar in `scale_ref` [1] (float8 operands' scales; None: no
-    scale), in `dtype`."""
-    acc = acc_ref[...]
+def scaled(acc: jax.Array, scale_ref, dtype) -> jax.Array:
+    """A tile's float32 accumulator value times the scalar in `scale_ref` [1] (float8 operands'
+    scales; None: no scale), in `dtype`."""
     if scale_ref is not None:
         acc = acc * scale_ref[0]
     return acc.astype(dtype)
+
+
+#: Most accumulator elements a compute warpgroup's tile may hold with split accumulation (a
+#: float32 total beside each K-step's wgmma accumulator: 64 registers a thread for each).
+SPLIT_TILE_ELEMENTS = 64 * 128
+
+
+def split_reason(tiles: KernelConfig) -> str | None:
+    """Why `tiles` cannot run with split accumulation, or None."""
+    if tiles.tile_m * tiles.tile_n > SPLIT_TILE_ELEMENTS:
+        return (
+            f"split accumulation keeps two accumulators a warpgroup: its tile "
+            f"{tiles.tile_m} x {tiles.tile_n} must hold at most {SPLIT_TILE_ELEMENTS} elements"
+        )
+    return None
+
+
+def accumulated(tiles: KernelConfig, eval_pipeline, finish, *, split: bool) -> None:
+    """Run one tile's K loop (`eval_pipeline`, whose body folds each K-step in with
+    `accumulate`), then `finish(acc)` on the accumulator's float32 value.
+
+    Fast (split False): one wgmma accumulator across all K-steps, which float8 wgmma keeps in
+    the tensor cores' narrower accumulator. Split: each K-step multiplies into a fresh
+    accumulator that is awaited and added into a float32 total in registers (the partial sums
+    promoted every K-step, as Transformer Engine's split accumulator and DeepSeek-V3's FP8
+    GEMMs do), at the cost of the wgmma in flight across K-steps (`split_reason`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    shape = (tiles.tile_m, tiles.tile_n)
+    if split:
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+        finish(eval_pipeline(zeros))
+        return
+
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(shape, jnp.float32))
+    def _scope(acc_ref):
+        eval_pipeline(acc_ref)
+        finish(acc_ref[...])
+
+
+def accumulate(tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: int | None = 1):
+    """Fold one K-step, lhs @ rhs (smem refs), into the pipeline carry `acc` of `accumulated`
+    and return the next carry: fast, a wgmma into the accumulator ref, awaited down to
+    `in_flight` running (None: the caller waits); split, the K-step's awaited product added into
+    the float32 total."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not split:
+        plgpu.wgmma(acc, lhs, rhs)
+        if in_flight is not None:
+            plgpu.wgmma_wait(in_flight)
+        return acc
+
+    def step(part_ref):
+        plgpu.wgmma(part_ref, lhs, rhs)
+        return part_ref[...]
+
+    return acc + pl.run_scoped(step, plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32))
 
 
 def smem_transforms(dtype, minor: int) -> tuple:

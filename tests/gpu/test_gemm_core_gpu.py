@@ -96,3 +96,29 @@ def test_serial_path_on_the_kernel(op, scaling, check_vma):
 
     for g, h in zip(grads(mosaic)(x, w), grads(xla)(x, w), strict=True):
         assert _rel_err(g, h.astype(jnp.float32)) < (5e-2 if scaling else 1e-2)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_float8_split_accumulation(op):
+    """The float8 core with split accumulation (each K-step's product added into a float32
+    total) against the float32 product of the same quantized operands: at least as close as
+    the fast accumulation, and within the bf16 rounding of the result; K long enough (8192)
+    for the tensor cores' narrower accumulator to show."""
+    from commgemm import scaled
+
+    m, k, n = 1024, 8192, 1024
+    x, w = _operands(m, k, n, seed=3)
+    qx = cg.quantize(x, "current_tensor_scaling")
+    qw = cg.quantize(w, "current_tensor_scaling", axis=0)
+    ref = jnp.dot(cg.dequantize(qx), cg.dequantize(qw), precision="highest")
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+    errors = {}
+    for split in (False, True):
+        rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+                                  "bfloat16", split)  # fmt: skip
+        out = jax.jit(lambda a, r: fn(a, r, None, config, w_transposed=True))(qx.data, rhs)  # noqa: B023
+        assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+        errors[split] = _rel_err(out, ref)
+    assert errors[True] < 1e-2, errors  # bf16 rounding of the result
+    assert errors[True] <= errors[False] * 1.05, errors
