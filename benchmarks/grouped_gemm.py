@@ -1,7 +1,9 @@
 """The local grouped GEMM on one GPU: `cg.grouped_matmul` against `jax.lax.ragged_dot` and a
 dense GEMM of the same FLOPs, for G experts with uneven groups (M tokens, K, N per expert
 shard), timed interleaved in one run (device periods where the GPU's timestamps can be read,
-else host medians). Writes OUT/grouped_gemm.json.
+else host medians); then its weight gradient dW = x_g^T dy_g alone, against XLA's (the
+transpose of `lax.ragged_dot`) and a dense GEMM of the same FLOPs. Writes
+OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR
 """
@@ -19,6 +21,7 @@ import numpy as np
 import commgemm as cg
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
+from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.grouped import GroupedTiles
 
 #: Tilings of the Hopper kernel measured beside the default.
@@ -66,6 +69,54 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
     return variants, err / float(jnp.abs(ref).max()), sizes
 
 
+#: Tilings of dW's kernel measured beside its default (`grouped.default_tiles`).
+DW_TILINGS = [
+    GroupedTiles(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=1),
+    GroupedTiles(block_m=64, block_n=128, block_k=64, stages=4),
+    GroupedTiles(block_m=128, block_n=128, block_k=128, stages=3),
+]
+
+
+def weight_grad_problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
+    """dW's variants: ours (each tiling), XLA's, a dense x^T dy of the same FLOPs; and our
+    default's largest error against the float32 ragged dot, relative to its largest value."""
+    keys = jax.random.split(jax.random.key(groups + 1), 2)
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    dy = jax.random.normal(keys[1], (m, n), dtype)
+    sizes = jnp.asarray(uneven_sizes(groups, m, groups))
+
+    def xla(a, d, s):
+        zeros = jnp.zeros((groups, k, n), a.dtype)
+        _, pullback = jax.vjp(lambda b: jax.lax.ragged_dot(a, b, s), zeros)
+        return pullback(d)[0]
+
+    ours = jax.jit(hopper.weight_grad)
+    variants = {"dW commgemm (transposed ragged dot)": (ours, (x, dy, sizes))}
+    for t in DW_TILINGS:
+        name = f"dW {t.block_m}x{t.block_n}x{t.block_k} s{t.stages} w{t.grid_block_n}"
+        fn = jax.jit(lambda a, d, s, t=t: hopper.weight_grad(a, d, s, t))
+        variants[name] = (fn, (x, dy, sizes))
+    variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
+    variants["dense x^T dy, same FLOPs"] = (jax.jit(lambda a, d: a.T @ d), (x, dy))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref = jax.jit(xla)(f32(x), f32(dy), sizes)
+    got = f32(ours(x, dy, sizes))
+    return variants, float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
+
+
+def timed(variants) -> tuple[dict, str]:
+    """{name: ms} by device periods (host medians where they cannot be read), and which."""
+    host = benchmark_interleaved(variants, iters=30)
+    try:
+        periods = device_periods_interleaved(variants, rounds=6)
+        times = {name: f["median"] for name, f in periods.items() if "median" in f}
+        if len(times) >= 3:
+            return times, "device periods"
+    except RuntimeError:
+        pass
+    return {name: r.median for name, r in host.items()}, "host"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -77,15 +128,10 @@ def main() -> None:
     rows = []
     for groups in (8, 64):
         variants, rel_err, sizes = problem(groups, args.m, args.k, args.n)
-        host = benchmark_interleaved(variants, iters=30)
-        try:
-            periods = device_periods_interleaved(variants, rounds=6)
-            times = {name: f["median"] for name, f in periods.items() if "median" in f}
-            timing = "device periods"
-        except RuntimeError:
-            times, timing = {name: r.median for name, r in host.items()}, "host"
-        if len(times) < 3:
-            times, timing = {name: r.median for name, r in host.items()}, "host"
+        times, timing = timed(variants)
+        dw_variants, dw_err = weight_grad_problem(groups, args.m, args.k, args.n)
+        dw_times, dw_timing = timed(dw_variants)
+        dense_dw = dw_times["dense x^T dy, same FLOPs"]
         flops = 2.0 * args.m * args.k * args.n
         row = {
             "groups": groups,
@@ -96,6 +142,13 @@ def main() -> None:
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
             "vs_ragged_dot": times["commgemm.grouped_matmul"] / times["lax.ragged_dot"],
             "max_rel_error_vs_float32": rel_err,
+            "dw": {
+                "timing": dw_timing,
+                "ms": dw_times,
+                "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in dw_times.items()},
+                "vs_dense": {name: t / dense_dw for name, t in dw_times.items()},
+                "max_rel_error_vs_float32": dw_err,
+            },
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -115,6 +115,15 @@ def test_gemm_reason(hopper):
     assert "its result is bfloat16" in gemm_core.gemm_reason(x, w, False, "float32")
     f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
     assert "bf16 or fp16" in gemm_core.gemm_reason(f32, w, False, "float32")
+    # float8: one format on both sides (dX's e5m2 dY against e4m3 W stays on XLA's dot)
+    from commgemm.scaled import QuantizedRhs
+
+    w8 = cg.ScaledTensor(jax.ShapeDtypeStruct((512, 128), jnp.float8_e4m3fn), jnp.ones(()))
+    rhs = QuantizedRhs(w8, jnp.ones(()), 128, "bfloat16", True)
+    e4m3 = jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
+    e5m2 = jax.ShapeDtypeStruct((256, 128), jnp.float8_e5m2)
+    assert gemm_core.gemm_reason(e4m3, rhs, True, "bfloat16") is None  # split accumulation too
+    assert "one float8 format" in gemm_core.gemm_reason(e5m2, rhs, True, "bfloat16")
 
 
 def _cache_with(path, kind, spec, shape):

@@ -353,10 +353,22 @@ def test_compiler_params_reach_the_kernels():
 
 
 @pytest.mark.parametrize("groups", [8, 64])
-def test_hopper_grouped_gemm_lowers(groups):
-    """The grouped GEMM's Hopper path (jax's Mosaic GPU ragged dot, forward and dX) lowers for
-    a CUDA target, its backward included."""
+def test_hopper_grouped_gemm_lowers(groups, monkeypatch):
+    """The grouped GEMM's Hopper path (jax's Mosaic GPU ragged dot for the forward and dX, its
+    transposed ragged dot for dW) lowers for a CUDA target, its backward included."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
     from commgemm.mosaic_gpu import grouped
+
+    class JaxOnAnH100:  # jax's dW kernel reads the grid off jax.devices()[0].core_count
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def devices():
+            return [type("Device", (), {"core_count": 132})()]
+
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
 
     tiles = grouped.GroupedTiles()
     sds = jax.ShapeDtypeStruct
@@ -369,7 +381,10 @@ def test_hopper_grouped_gemm_lowers(groups):
     text = (
         jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     )
-    assert text.count("mosaic_gpu") >= 2  # the forward and dX kernels
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    # dX and dW (the forward's result is unused by the gradient): dW's is the [G, K, N] one
+    assert len(calls) == 2, calls
+    assert sum(f"-> tensor<{groups}x256x512xbf16>" in call for call in calls) == 1, calls
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])

@@ -5,11 +5,13 @@ the forward and backward programs, shardings propagated from jit's in_shardings,
 
 import re
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import P, assert_close, mesh1d, mesh2d, random
+from hypothesis import given, settings
 from jax.sharding import Mesh, NamedSharding
 
 import commgemm as cg
@@ -107,6 +109,42 @@ def test_ring_overlaps_forward_and_backward(rng, layout):
     grad = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), 0)).lower(xd, wd).compile().as_text()
     assert grad.count("collective-permute(") + grad.count("collective-permute-start(") >= 3
     assert "reduce-scatter" not in grad
+
+
+#: x spec, w spec, out spec of the 1-D layouts, on an axis "x"
+SPECS_1D = {
+    "ag": (P("x", None), P(None, "x"), P(None, "x")),
+    "rs": (P(None, "x"), P("x", None), P("x", None)),
+    "ar": (P(None, "x"), P("x", None), P(None, None)),
+    "xla": (P(None, None), P("x", None), P("x", None)),  # x replicated: XLA's fall-back
+}
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    size=st.sampled_from([2, 3, 4]),
+    layout=st.sampled_from(sorted(SPECS_1D)),
+    method=st.sampled_from(["none", "ring_exchange"]),
+    dims=st.tuples(*[st.integers(1, 5)] * 3),
+    seed=st.integers(0, 2**16),
+)
+def test_layouts_shapes_and_sizes(size, layout, method, dims, seed):
+    """Any 1-D layout, axis size (3 too: dY divided and summed back where it is replicated) and
+    shape: values and gradients against the float64 reference."""
+    rng = np.random.default_rng(seed)
+    m, k, n = (size * d for d in dims)
+    mesh, (xs, ws, os_) = mesh1d(size), SPECS_1D[layout]
+    x, w, g = random(rng, (m, k)), random(rng, (k, n)), random(rng, (m, n))
+    xd = jax.device_put(x, NamedSharding(mesh, xs))
+    wd = jax.device_put(w, NamedSharding(mesh, ws))
+    cfg = cg.OverlapConfig(method=method)
+    f = lambda a, b: cg.gemm(a, b, out_sharding=NamedSharding(mesh, os_), config=cfg)  # noqa: E731
+    out, vjp = jax.vjp(jax.jit(f), xd, wd)
+    dx, dw = vjp(jnp.asarray(g))
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+    assert_close(out, x64 @ w64, np.float32, k)
+    assert_close(dx, g64 @ w64.T, np.float32, n)
+    assert_close(dw, x64.T @ g64, np.float32, m)
 
 
 def _collectives(text: str) -> dict[str, int]:

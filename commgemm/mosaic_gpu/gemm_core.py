@@ -9,9 +9,9 @@ fused ops. Which of it and XLA's dot is faster depends on the shape (BENCHMARKS.
 core"): the tuner measures both, and AUTO reads its choice from the tune cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
-modes, two float8 formats) multiplies with XLA's dot instead, so a chunk of a split method or a backward GEMM never
-fails for the choice; on a backend without the kernel the plan refuses the config
-(`commgemm.plan`). Float8 asking for split accumulation runs the kernel's split form.
+modes, two float8 formats) multiplies with XLA's dot instead, so a chunk of a split method or a
+backward GEMM never fails for the choice; on a backend without the kernel the plan refuses the
+config (`commgemm.plan`). Float8 asking for split accumulation runs the kernel's split form.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The grouped GEMM on Hopper: jax's Mosaic GPU ragged-dot kernel (`ragged_dot_mgpu`) for the
-forward and dX (w transposed), XLA's ragged dot for dW. XLA's own ragged dot runs far below
-the tensor cores' rate on H200 (docs/performance.md), which is why this path exists."""
+forward and dX (w transposed), and its transposed ragged dot (`transposed_ragged_dot_mgpu`,
+the tokens contracted group by group) for dW. XLA's own ragged dot runs far below the tensor
+cores' rate on H200 (docs/performance.md), which is why this path exists."""
 
 from __future__ import annotations
 
@@ -53,6 +54,35 @@ def unsupported_reason(x, w, tiles: GroupedTiles) -> str | None:
     return None
 
 
+def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
+    """dW [G, K, N] = x_g^T @ dy_g per group (rows past the groups' sum contribute nothing), in
+    x's dtype, float32 accumulation: jax's transposed ragged-dot kernel (block_m x block_n tiles
+    of each group's gradient, K-steps of block_k tokens; `default_tiles`, which was also dW's
+    fastest of four tilings: BENCHMARKS.md) where K and N are whole tiles, else XLA's ragged
+    dot."""
+    tiles = tiles or default_tiles(dy.shape[1])
+    (_, k), n = x.shape, dy.shape[1]
+    if k % tiles.block_m or n % (tiles.block_n * tiles.grid_block_n):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        _, pullback = jax.vjp(
+            lambda b: lax.ragged_dot(x, b, sizes, preferred_element_type=wide),
+            jnp.zeros((sizes.shape[0], k, n), x.dtype),
+        )
+        return pullback(dy.astype(wide))[0].astype(x.dtype)
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x,
+        dy.astype(x.dtype),
+        group_sizes=sizes,
+        block_m=tiles.block_m,
+        block_n=tiles.block_n,
+        block_k=tiles.block_k,
+        max_concurrent_steps=tiles.stages,
+        grid_block_n=tiles.grid_block_n,
+    )
+
+
 def _kernel(x, w, sizes, tiles: GroupedTiles, transpose_rhs: bool):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -86,11 +116,7 @@ def _fwd(x, w, sizes, tiles):
 def _bwd(tiles, residuals, dy):
     x, w, sizes = residuals
     dx = _kernel(dy.astype(x.dtype), w, sizes, tiles, transpose_rhs=True)
-    _, pullback = jax.vjp(
-        lambda b: lax.ragged_dot(x, b, sizes, preferred_element_type=jnp.float32), w
-    )
-    (dw,) = pullback(dy.astype(jnp.float32))
-    return dx, dw.astype(w.dtype), None
+    return dx, weight_grad(x, dy, sizes).astype(w.dtype), None
 
 
 ragged_dot.defvjp(_fwd, _bwd)

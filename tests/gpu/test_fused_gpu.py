@@ -143,17 +143,23 @@ def test_fused_config_on_one_gpu_runs_the_local_gemm(op, spec):
     assert _relative_error(f(x, w), _reference(x, w)) <= REL
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["all", "empty"])
 @pytest.mark.parametrize("groups", [8, 64])
-def test_grouped_matmul_hopper_path(groups):
-    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernel: values and gradients against
-    the float32 XLA ragged dot, uneven groups summing short of the rows."""
+def test_grouped_matmul_hopper_path(groups, empty):
+    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (dW: the transposed ragged dot):
+    values and gradients against the float32 XLA ragged dot, uneven groups summing short of
+    the rows, and with every other group empty."""
     from commgemm.mosaic_gpu import grouped
 
     m, k, n = 2048, 512, 768
     kx, kw, kg = jax.random.split(jax.random.key(groups), 3)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    sizes = jnp.asarray(np.random.default_rng(groups).multinomial(m - 100, [1 / groups] * groups))
+    probs = np.ones(groups)
+    if empty:
+        probs[::2] = 0
+    sizes = np.random.default_rng(groups).multinomial(m - 100, probs / probs.sum())
+    sizes = jnp.asarray(sizes, jnp.int32)
     assert grouped.unsupported_reason(x, w, grouped.GroupedTiles()) is None
     g = jax.random.normal(kg, (m, n), jnp.float32)
 
