@@ -73,8 +73,9 @@ def grouped_matmul(
         commgemm.grouped.scaling.
       hopper_tiles: the Hopper kernel's `GroupedTiles` (None: its default). On a Hopper GPU
         with 16-bit operands whose K and N divide into the tiles, the GEMM runs jax's Mosaic GPU
-        ragged-dot kernel (and its dX); elsewhere XLA's ragged dot (on H200 4 to 23 times
-        slower for 8 to 64 groups: BENCHMARKS.md).
+        ragged-dot kernel (and its dX), and dW its transposed ragged dot; elsewhere XLA's
+        ragged dot (on H200 4 to 23 times slower for 8 to 64 groups, its dW 6.6 to 18 times
+        slower on H100: BENCHMARKS.md).
     Returns:
       [M, N]. Differentiable in x, w and bias.
     """
