@@ -12,7 +12,10 @@ choices), XLA's tensor-scaled FP8 GEMM as the ops run it, the FP8 core (float8 x
 and `_scaled_mm`, CUDA events, same process). A kernel that cannot run a shape (not whole
 tiles) is listed under "failed". Writes OUT/fused_core.json.
 
-    PYTHONPATH=. python benchmarks/fused_core.py --out DIR [--sizes 2,4,8]
+    PYTHONPATH=. python benchmarks/fused_core.py --out DIR [--sizes 2,4,8] [--fp8-sweep]
+
+--fp8-sweep also times the FP8 core in `FP8_SWEEP`'s tilings (two warpgroups along M: 256 x 128
+CTA tiles, the shape cuBLAS's FP8 kernels favour), a question for the FP8 plan.
 """
 
 from __future__ import annotations
@@ -37,10 +40,28 @@ from commgemm import scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 from commgemm.cli.specs import fused_spec  # noqa: E402
-from commgemm.mosaic_gpu import fused, heuristics  # noqa: E402
+from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, fused, heuristics  # noqa: E402
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
 PEAK_BF16 = 989.0
+
+
+#: Extra FP8 tilings of `--fp8-sweep`, per op (128-element K-steps).
+FP8_SWEEP = {
+    "ag": [
+        DirectAGConfig(wg_along_m=True, grid_minor_m=True, tile_k=128),
+        DirectAGConfig(wg_along_m=True, grid_minor_m=True, cluster="m", tile_k=128),
+        DirectAGConfig(wg_along_m=True, grid_tile_width=16, tile_k=128),
+        DirectAGConfig(cluster="m", grid_tile_width=16, tile_k=128),
+    ],
+    "rs": [
+        DirectRSConfig(wg_along_m=True, tile_m=128, tile_n=128, tile_k=128),
+        DirectRSConfig(wg_along_m=True, tile_m=128, tile_n=128, cluster="m", tile_k=128),
+        DirectRSConfig(
+            wg_along_m=True, tile_m=64, tile_n=256, cluster="m", tile_k=128, grid_tile_width=16
+        ),  # fmt: skip
+    ],
+}
 
 
 def local_shapes(sizes):
@@ -99,6 +120,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--sizes", default="2,4,8")
     parser.add_argument("--no-fp8", action="store_true")
+    parser.add_argument("--fp8-sweep", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -128,6 +150,11 @@ def main() -> None:
             for label, tiles in core_tilings(op, size, (m, k, n)).items():
                 tiles = dataclasses.replace(tiles, tile_k=max(tiles.tile_k, fused.FLOAT8_TILE_K))
                 variants[f"core fp8 {label}"] = (core(op, tiles, float8=True), (qa.data, rhs))
+            for tiles in FP8_SWEEP[op] if args.fp8_sweep else ():
+                spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True,
+                                                   kernel=tiles))  # fmt: skip
+                variants[f"core fp8 sweep {spec.removeprefix('fused-direct-')}"] = (
+                    core(op, tiles, float8=True), (qa.data, rhs))  # fmt: skip
             # split accumulation: the plan's tiling as the fused ops run it (`float8_tiling`)
             split = dataclasses.replace(rhs, split_accumulator=True)
             plan = fused.float8_tiling(core_tilings(op, size, (m, k, n))["plan"], k, split=True)
