@@ -86,7 +86,7 @@ def _run(
     if 0 in (x2d.shape + (n,)):
         z = _empty_result(collective, x2d, n, plan)
     elif recipe is not None:
-        cfg = _quantized_config(plan.config, recipe)
+        cfg = _quantized_config(plan.config, recipe, resolve(config)[0])
         z = scaled_collective_matmul(collective, x2d, w, axis_name, cfg, w_transposed, recipe)
     else:
         z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
@@ -107,7 +107,7 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
                      w_transposed=w_transposed, op=fn_name)  # fmt: skip
     recipe = ScalingRecipe(x.mode)  # the defaults, which scaled.prequantized_matmul runs
     _check_fused_scaling(fn_name, resolve(config)[0], recipe)
-    cfg = _quantized_config(plan.config, recipe)
+    cfg = _quantized_config(plan.config, recipe, resolve(config)[0])
     return restore(prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed))
 
 
@@ -127,10 +127,17 @@ def _check_fused_scaling(fn_name: str, cfg: OverlapConfig, recipe: ScalingRecipe
                          "use atomic_gemm=False")  # fmt: skip
 
 
-def _quantized_config(cfg: OverlapConfig, recipe: ScalingRecipe) -> OverlapConfig:
-    """The config a quantized call runs: AUTO's fused choice where that kernel cannot take the
-    quantized operands becomes the split algorithm of its method."""
-    if cfg.atomic_gemm and _fused_scaling_reason(cfg, recipe):
+def _quantized_config(
+    cfg: OverlapConfig, recipe: ScalingRecipe, requested: OverlapConfig
+) -> OverlapConfig:
+    """The config a quantized call runs: AUTO's fused choice (`requested` not fused itself)
+    where that kernel cannot take the quantized operands, or where the recipe promotes the
+    forward's partial sums (the kernels' split form ran slower than XLA's promoted GEMM:
+    BENCHMARKS.md), becomes the split algorithm of its method."""
+    auto_pick = not requested.atomic_gemm
+    if cfg.atomic_gemm and (
+        _fused_scaling_reason(cfg, recipe) or (auto_pick and recipe.split_accumulator[0])
+    ):
         return cfg.replace(atomic_gemm=False, kernel=None)
     return cfg
 
@@ -365,7 +372,7 @@ def matmul_2d(
         block = jax.ShapeDtypeStruct((x.shape[1], width), x.dtype)  # a chunk's K block of W
         plan = make_plan(x, block, k_axis, chunk, Collective.ALL_REDUCE, rows=x.shape[0],
                          w_transposed=False, op="matmul_2d")  # fmt: skip
-        chunk = _quantized_config(plan.config, recipe)
+        chunk = _quantized_config(plan.config, recipe, cfg)
         z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, chunk, splits, recipe)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.method is Method.RING_EXCHANGE:

@@ -52,7 +52,7 @@ def test_plan_refuses_it_without_hopper(rng):
 def _lowered(op, spec, shape, size=2, scaling=None, grad=False, check_vma=True):
     m, k, n = shape
     fn = {"ag": cg.all_gather_matmul, "rs": cg.matmul_reduce_scatter}[op]
-    cfg = parse_method(spec)
+    cfg = parse_method(spec, op)
     specs = (P("x"), P(None, "x")) if op == "ag" else (P(None, "x"), P("x"))
     out = P(None, "x") if op == "ag" else P("x")
 
@@ -89,8 +89,9 @@ def test_methods_lower_to_the_kernel(hopper, op, spec, kernels, check_vma):
 
 
 def test_float8_and_gradients_lower_to_the_kernel(hopper):
-    """Tensor-scaled FP8: the forward GEMM is the float8 kernel; the backward's dX multiplies
-    e5m2 dY by e4m3 W, two formats Mosaic GPU's wgmma does not mix, so it stays on XLA."""
+    """Tensor-scaled FP8: the forward GEMM (fast accumulation) is the float8 kernel; the
+    backward's dX multiplies e5m2 dY by e4m3 W (two formats Mosaic GPU's wgmma does not mix)
+    with split accumulation, so it stays on XLA."""
     found, text = _lowered("ag", "none-mosaic", (512, 256, 1024), scaling="current_tensor_scaling")
     calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
     assert found == 1 and calls[0].count("f8E4M3FN") >= 2
@@ -119,15 +120,17 @@ def test_gemm_reason(hopper):
     from commgemm.scaled import QuantizedRhs
 
     w8 = cg.ScaledTensor(jax.ShapeDtypeStruct((512, 128), jnp.float8_e4m3fn), jnp.ones(()))
-    rhs = QuantizedRhs(w8, jnp.ones(()), 128, "bfloat16", True)
+    fast = QuantizedRhs(w8, jnp.ones(()), 128, "bfloat16", False)
+    split = QuantizedRhs(w8, jnp.ones(()), 128, "bfloat16", True)
     e4m3 = jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
     e5m2 = jax.ShapeDtypeStruct((256, 128), jnp.float8_e5m2)
-    assert gemm_core.gemm_reason(e4m3, rhs, True, "bfloat16") is None  # split accumulation too
-    assert "one float8 format" in gemm_core.gemm_reason(e5m2, rhs, True, "bfloat16")
+    assert gemm_core.gemm_reason(e4m3, fast, True, "bfloat16") is None
+    assert "promoted FP8 GEMM is faster" in gemm_core.gemm_reason(e4m3, split, True, "bfloat16")
+    assert "one float8 format" in gemm_core.gemm_reason(e5m2, fast, True, "bfloat16")
 
 
-def _cache_with(path, kind, spec, shape):
-    key = cache.plan_key(kind, 2, "ag", shape, "bfloat16")
+def _cache_with(path, kind, spec, shape, size=2):
+    key = cache.plan_key(kind, size, "ag", shape, "bfloat16")
     entry = cache.PlanEntry(parse_method(spec, "ag"), 1.0, 1.0, "device periods", "")
     path.write_text(json.dumps({"version": cache.VERSION, "plans": {key: entry.as_json()},
                                 "machines": {}}))  # fmt: skip
@@ -166,3 +169,23 @@ def test_tuner_measures_both_gemms_where_the_kernel_runs(monkeypatch):
     assert any(c.local_gemm == "mosaic" for c in split)
     odd = tuner.default_candidates("rs", (2000, 1024, 1000), 2, "bfloat16")  # not whole tiles
     assert all(c.local_gemm == "xla" for c in odd)
+
+
+def test_auto_keeps_a_promoting_forward_off_the_fused_kernels(hopper, tmp_path, monkeypatch):
+    """AUTO's fused pick takes quantized operands when the recipe's forward accumulates fast
+    (the default); a recipe that promotes the forward runs the split algorithm on XLA's
+    promoted GEMM instead (the kernels' split form is slower). Asked for explicitly, the fused
+    kernel runs its split form."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
+    cache._read_cached.cache_clear()
+    shape, size = (1024, 128, 2048), 8  # the fused kernels span every device
+    _cache_with(path, jax.devices()[0].device_kind, "fused-direct", shape, size)
+    promoted = cg.ScalingRecipe(split_accumulator=(True, True, True))
+    for spec, scaling, kernels in [
+        ("auto", None, 1),
+        ("auto", "current_tensor_scaling", 1),
+        ("auto", promoted, 0),
+        ("fused-direct", promoted, 1),
+    ]:
+        assert _lowered("ag", spec, shape, size, scaling=scaling)[0] == kernels, (spec, scaling)

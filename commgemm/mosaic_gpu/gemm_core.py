@@ -9,9 +9,11 @@ fused ops. Which of it and XLA's dot is faster depends on the shape (BENCHMARKS.
 core"): the tuner measures both, and AUTO reads its choice from the tune cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
-modes, two float8 formats) multiplies with XLA's dot instead, so a chunk of a split method or a
-backward GEMM never fails for the choice; on a backend without the kernel the plan refuses the
-config (`commgemm.plan`). Float8 asking for split accumulation runs the kernel's split form.
+modes, two float8 formats, split accumulation) multiplies with XLA's dot instead, so a chunk of
+a split method or a backward GEMM never fails for the choice; on a backend without the kernel
+the plan refuses the config (`commgemm.plan`). Float8 asking for split accumulation stays on
+XLA's promoted GEMM, faster than the kernel's split form (BENCHMARKS.md, "Split accumulation
+in the fused kernels").
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
     if isinstance(w, QuantizedRhs):
         if w.w.mode not in TENSOR_MODES:
             return f"{w.w.mode.name} has no Hopper tensor-core path"
+        if w.split_accumulator:  # the kernel's split form ran 7 to 51% slower than XLA's
+            return "XLA's promoted FP8 GEMM is faster than its split accumulation"
         if x.dtype != w.w.data.dtype:  # e.g. dX's e5m2 dY against e4m3 W
             return f"its wgmma takes one float8 format, got {x.dtype} and {w.w.data.dtype}"
         out, tiles, data = w.dtype, FLOAT8_TILES, w.w.data
