@@ -152,14 +152,14 @@ def all_gather_matmul(
                 rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
                 sender = (step == 0) & (rank < num_senders) & (wg == 0)
 
-                def finish(acc):
+                def finish(read):
                     @pl.when(sender)
                     def _band_sent():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
                         for j, peer in enumerate(peers):
                             mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
 
-                    acc = mt.scaled(acc, scale_ref, out_dtype)
+                    acc = mt.scaled(read(), scale_ref, out_dtype)
                     out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):

@@ -326,9 +326,9 @@ def matmul_reduce_scatter(
                                 commit=i == size - 1,  # one group per block
                             )
 
-                def finish(acc):
+                def finish(read):
                     with jax.named_scope("epilogue"):
-                        epilogue_of(acc)
+                        epilogue_of(read())
 
                 def compute_context(eval_pipeline):
                     mt.accumulated(tiles, eval_pipeline, finish, split=split_accumulator)

@@ -140,7 +140,8 @@ def split_reason(tiles: KernelConfig) -> str | None:
 
 def accumulated(tiles: KernelConfig, eval_pipeline, finish, *, split: bool) -> None:
     """Run one tile's K loop (`eval_pipeline`, whose body folds each K-step in with
-    `accumulate`), then `finish(acc)` on the accumulator's float32 value.
+    `accumulate`), then `finish(read)`, where `read()` gives the accumulator's float32 value
+    (reading a wgmma accumulator awaits its last wgmma, so work before it overlaps that).
 
     Fast (split False): one wgmma accumulator across all K-steps, which float8 wgmma keeps in
     the tensor cores' narrower accumulator. Split: each K-step multiplies into a fresh
@@ -153,13 +154,14 @@ def accumulated(tiles: KernelConfig, eval_pipeline, finish, *, split: bool) -> N
     shape = (tiles.tile_m, tiles.tile_n)
     if split:
         zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-        finish(eval_pipeline(zeros))
+        total = eval_pipeline(zeros)
+        finish(lambda: total)
         return
 
     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(shape, jnp.float32))
     def _scope(acc_ref):
         eval_pipeline(acc_ref)
-        finish(acc_ref[...])
+        finish(lambda: acc_ref[...])
 
 
 def accumulate(tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: int | None = 1):
