@@ -147,6 +147,33 @@ def test_layouts_shapes_and_sizes(size, layout, method, dims, seed):
     assert_close(dw, x64.T @ g64, np.float32, m)
 
 
+@pytest.mark.parametrize("layout", ["ag", "rs", "ar"])
+def test_under_remat_and_scan(rng, layout):
+    """The two partitioned ops inside jax.checkpoint and a lax.scan over stacked weights (a
+    model's layers): gradients against the float64 reference."""
+    kind, shape, xs, ws, os_ = LAYOUTS[layout]
+    mesh = _mesh(kind)
+    x, stack = random(rng, (32, 24)), random(rng, (3, 24, 24)) / 5
+    xd = jax.device_put(x, NamedSharding(mesh, xs))
+    sd = jax.device_put(stack, NamedSharding(mesh, P(None, *ws)))
+    ring = CONFIGS["ring"]
+
+    def model(a, weights, gemm):
+        def layer(c, b):
+            c = jax.lax.with_sharding_constraint(c, NamedSharding(mesh, xs)) if gemm else c
+            y = gemm(c, b) if gemm else c @ b
+            return jnp.tanh(y), None
+
+        return jnp.sum(jax.lax.scan(jax.checkpoint(layer), a, weights)[0] ** 2)
+
+    ours = lambda c, b: cg.gemm(c, b, out_sharding=NamedSharding(mesh, os_), config=ring)  # noqa: E731
+    got = jax.jit(jax.grad(lambda a, s: model(a, s, ours), (0, 1)))(xd, sd)
+    want = jax.grad(lambda a, s: model(a, s, None), (0, 1))(x.astype(np.float64),
+                                                             stack.astype(np.float64))  # fmt: skip
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 def _collectives(text: str) -> dict[str, int]:
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
     return {k: len(re.findall(rf"= \S+ {k}(-start)?\(", text)) for k in kinds}

@@ -24,6 +24,11 @@ class GroupedTiles:
     stages: int = 4
     grid_block_n: int = 1
 
+    def kernel_kwargs(self) -> dict:
+        """The tiling as jax's ragged-dot kernels take it."""
+        return dict(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                    max_concurrent_steps=self.stages, grid_block_n=self.grid_block_n)  # fmt: skip
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -72,14 +77,7 @@ def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x,
-        dy.astype(x.dtype),
-        group_sizes=sizes,
-        block_m=tiles.block_m,
-        block_n=tiles.block_n,
-        block_k=tiles.block_k,
-        max_concurrent_steps=tiles.stages,
-        grid_block_n=tiles.grid_block_n,
+        x, dy.astype(x.dtype), group_sizes=sizes, **tiles.kernel_kwargs()
     )
 
 
@@ -87,15 +85,7 @@ def _kernel(x, w, sizes, tiles: GroupedTiles, transpose_rhs: bool):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     out = ragged_dot_mgpu.ragged_dot(
-        x,
-        w,
-        group_sizes=sizes,
-        block_m=tiles.block_m,
-        block_n=tiles.block_n,
-        block_k=tiles.block_k,
-        max_concurrent_steps=tiles.stages,
-        grid_block_n=tiles.grid_block_n,
-        transpose_rhs=transpose_rhs,
+        x, w, group_sizes=sizes, transpose_rhs=transpose_rhs, **tiles.kernel_kwargs()
     )
     # rows past the groups' sum are never stored by the kernel: zero them (ragged_dot's meaning)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
