@@ -1,9 +1,11 @@
-"""The local grouped GEMM on one GPU: `cg.grouped_matmul` against `jax.lax.ragged_dot` and a
-dense GEMM of the same FLOPs, for G experts with uneven groups (M tokens, K, N per expert
-shard), timed interleaved in one run (device periods where the GPU's timestamps can be read,
-else host medians); then its weight gradient dW = x_g^T dy_g alone, against XLA's (the
-transpose of `lax.ragged_dot`) and a dense GEMM of the same FLOPs. Writes
-OUT/grouped_gemm.json.
+"""The local grouped GEMM on one GPU: `cg.grouped_matmul` (the kernel `pick_tiles` picks), each
+of its two Hopper kernels (commgemm's `grouped_kernel`, jax's `ragged_dot_mgpu`) in the forward
+and in dX's form (w transposed), against `jax.lax.ragged_dot`, XLA's dense GEMM of the same
+FLOPs and the dense kernels' GEMM core, for G experts with uneven groups (M tokens, K, N per
+expert shard), timed interleaved in one run (device periods where the GPU's timestamps can be
+read, else host medians); reading w once, the memory bound of many experts; then the weight
+gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
+GEMM of the same FLOPs. Writes OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR
 """
@@ -21,16 +23,13 @@ import numpy as np
 import commgemm as cg
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
+from commgemm.mosaic_gpu import gemm_core, grouped_kernel
 from commgemm.mosaic_gpu import grouped as hopper
+from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-#: Tilings of the Hopper kernel measured beside the default.
-TILINGS = [
-    GroupedTiles(block_m=128, block_n=256, block_k=64, stages=4),
-    GroupedTiles(block_m=64, block_n=128, block_k=64, stages=6),
-    GroupedTiles(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=2),
-    GroupedTiles(block_m=192, block_n=128, block_k=64, stages=4),
-]
+#: The two Hopper kernels of the forward and dX, in their default tilings.
+KERNELS = {"commgemm kernel": GroupedConfig(), "jax kernel": hopper.default_tiles(2 * 128)}
 
 
 def uneven_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
@@ -48,15 +47,29 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
     w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) / k**0.5).astype(dtype)
     dense_w = w[0]
     sizes = jnp.asarray(uneven_sizes(groups, m, groups))
+    dy = x[:, :n]  # dX's form: [M, N] @ w[g]^T -> [M, K], w read as [G, K (out), N]
     variants = {
         "commgemm.grouped_matmul": (jax.jit(cg.grouped_matmul), (x, w, sizes)),
         **{
-            f"grouped_matmul {t.block_m}x{t.block_n}x{t.block_k} s{t.stages} w{t.grid_block_n}": (
+            name: (
                 jax.jit(lambda a, b, s, t=t: cg.grouped_matmul(a, b, s, hopper_tiles=t)),
                 (x, w, sizes),
-            )
-            for t in TILINGS
+            )  # fmt: skip
+            for name, t in KERNELS.items()
         },
+        "dX commgemm kernel": (
+            jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=True)),
+            (dy, w, sizes),
+        ),
+        "dX jax kernel": (
+            jax.jit(lambda a, b, s: hopper._kernel(a, b, s, KERNELS["jax kernel"], True)),
+            (dy, w, sizes),
+        ),
+        "read w once": (jax.jit(lambda b: jnp.sum(b, axis=(0, 1))), (w,)),
+        "dense GEMM core (commgemm)": (
+            jax.jit(lambda a, b: gemm_core.matmul(a, b, False)),
+            (x, dense_w),
+        ),
         "lax.ragged_dot": (
             jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=dtype)),
             (x, w, sizes),
@@ -65,8 +78,12 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
     }
     ref = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
         a.astype(jnp.float32), b.astype(jnp.float32), s))(x, w, sizes)  # fmt: skip
-    err = float(jnp.abs(cg.grouped_matmul(x, w, sizes).astype(jnp.float32) - ref).max())
-    return variants, err / float(jnp.abs(ref).max()), sizes
+    errors = {}
+    for name in ("commgemm.grouped_matmul", *KERNELS):
+        fn, args = variants[name]
+        err = float(jnp.abs(fn(*args).astype(jnp.float32) - ref).max())
+        errors[name] = err / float(jnp.abs(ref).max())
+    return variants, errors, sizes
 
 
 #: Tilings of dW's kernel measured beside its default (`grouped.default_tiles`).
@@ -127,7 +144,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for groups in (8, 64):
-        variants, rel_err, sizes = problem(groups, args.m, args.k, args.n)
+        variants, rel_errs, sizes = problem(groups, args.m, args.k, args.n)
         times, timing = timed(variants)
         dw_variants, dw_err = weight_grad_problem(groups, args.m, args.k, args.n)
         dw_times, dw_timing = timed(dw_variants)
@@ -141,7 +158,7 @@ def main() -> None:
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in times.items()},
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
             "vs_ragged_dot": times["commgemm.grouped_matmul"] / times["lax.ragged_dot"],
-            "max_rel_error_vs_float32": rel_err,
+            "max_rel_error_vs_float32": rel_errs,
             "dw": {
                 "timing": dw_timing,
                 "ms": dw_times,

@@ -352,10 +352,12 @@ def test_compiler_params_reach_the_kernels():
     assert params.lowering_semantics == plain.lowering_semantics
 
 
+@pytest.mark.parametrize("kernel", ["commgemm", "jax"])
 @pytest.mark.parametrize("groups", [8, 64])
-def test_hopper_grouped_gemm_lowers(groups, monkeypatch):
-    """The grouped GEMM's Hopper path (jax's Mosaic GPU ragged dot for the forward and dX, its
-    transposed ragged dot for dW) lowers for a CUDA target, its backward included."""
+def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
+    """The grouped GEMM's Hopper path (the forward on commgemm's kernel or jax's Mosaic GPU
+    ragged dot, dX on the one `pick_tiles` picks, dW on jax's transposed ragged dot) lowers for
+    a CUDA target, its backward included."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     from commgemm.mosaic_gpu import grouped
@@ -370,10 +372,11 @@ def test_hopper_grouped_gemm_lowers(groups, monkeypatch):
 
     monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
 
-    tiles = grouped.GroupedTiles()
     sds = jax.ShapeDtypeStruct
     args = (sds((1024, 256), jnp.bfloat16), sds((groups, 256, 512), jnp.bfloat16))
     sizes = jnp.full((groups,), 1024 // groups, jnp.int32)
+
+    tiles = grouped.GroupedConfig() if kernel == "commgemm" else grouped.GroupedTiles()
 
     def loss(x, w):
         return jnp.sum(grouped.ragged_dot(x, w, sizes, tiles).astype(jnp.float32))
@@ -385,6 +388,29 @@ def test_hopper_grouped_gemm_lowers(groups, monkeypatch):
     # dX and dW (the forward's result is unused by the gradient): dW's is the [G, K, N] one
     assert len(calls) == 2, calls
     assert sum(f"-> tensor<{groups}x256x512xbf16>" in call for call in calls) == 1, calls
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+def test_grouped_kernel_lowers(w_nk):
+    """commgemm's grouped kernel (the forward, and dX's form with w read [G, N, K]) lowers for
+    a CUDA target, under jax_enable_x64 as well: one Mosaic GPU call taking x, w and the
+    schedule's six int32 arrays."""
+    from commgemm.mosaic_gpu import grouped_kernel
+
+    sds = jax.ShapeDtypeStruct
+    x = sds((1024, 256), jnp.bfloat16)
+    w = sds((8, 512, 256) if w_nk else (8, 256, 512), jnp.bfloat16)
+    text = (
+        jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=w_nk))
+        .trace(x, w, sds((8,), jnp.int32))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 1, calls
+    # 8 row tiles, 8 + 7 (row tile, group) pairs, 8 x 2 output tiles
+    schedule = ", ".join(f"tensor<{n}xi32>" for n in (15, 15, 15, 8, 8, 16))
+    assert f"{schedule}) -> tensor<1024x512xbf16>" in calls[0], calls
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])

@@ -71,11 +71,12 @@ def grouped_matmul(
         float64 operands).
       scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`), emulated: see
         commgemm.grouped.scaling.
-      hopper_tiles: the Hopper kernel's `GroupedTiles` (None: its default). On a Hopper GPU
-        with 16-bit operands whose K and N divide into the tiles, the GEMM runs jax's Mosaic GPU
-        ragged-dot kernel (and its dX), and dW its transposed ragged dot; elsewhere XLA's
-        ragged dot (on H200 4 to 23 times slower for 8 to 64 groups, its dW 6.6 to 18 times
-        slower on H100: BENCHMARKS.md).
+      hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
+        `GroupedTiles` (jax's ragged dot); None picks one by the shape
+        (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
+        divides into the tiles, the forward and dX run a Mosaic GPU kernel and dW jax's
+        transposed ragged dot; elsewhere XLA's ragged dot (on H200 4 to 23 times slower for 8
+        to 64 groups, its dW 6.6 to 18 times slower on H100: BENCHMARKS.md).
     Returns:
       [M, N]. Differentiable in x, w and bias.
     """
@@ -92,9 +93,8 @@ def grouped_matmul(
     sizes = group_sizes.astype(jnp.int32)
     from commgemm.mosaic_gpu import grouped as hopper
 
-    tiles = hopper_tiles or hopper.default_tiles(w.shape[2])
-    if hopper.unsupported_reason(x, w, tiles) is None:
-        out = hopper.ragged_dot(x, w, sizes, tiles)
+    if hopper.unsupported_reason(x, w, hopper_tiles) is None:
+        out = hopper.ragged_dot(x, w, sizes, hopper_tiles)
     elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:
         # a 16-bit result asked of XLA directly: float32 accumulation inside, no extra pass
         out = lax.ragged_dot(x, w, sizes, preferred_element_type=out_dtype)

@@ -139,6 +139,23 @@ class DirectRSConfig(_Tiling):
                 raise ValueError(f"DirectRSConfig.{field}={value!r} must be an int >= 0 ({what})")
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig(_Tiling):
+    """The grouped GEMM's kernel (`grouped_kernel`): 64 x 256 tiles a compute warpgroup,
+    stacked along M (each warpgroup zeroes its own rows of a shared x block where a tile
+    straddles a group boundary, so wg_along_m must stay True)."""
+
+    tile_m: int = 64
+    tile_n: int = 256
+    wg_along_m: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.wg_along_m:
+            raise ValueError("GroupedConfig.wg_along_m must be True: each compute warpgroup "
+                             "masks the rows of x it multiplies")  # fmt: skip
+
+
 KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig
 #: The family of each config type, by name (the tune cache's tag).
 FAMILIES: dict[str, type] = {

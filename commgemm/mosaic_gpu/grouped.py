@@ -1,7 +1,15 @@
-"""The grouped GEMM on Hopper: jax's Mosaic GPU ragged-dot kernel (`ragged_dot_mgpu`) for the
-forward and dX (w transposed), and its transposed ragged dot (`transposed_ragged_dot_mgpu`,
-the tokens contracted group by group) for dW. XLA's own ragged dot runs far below the tensor
-cores' rate on H200 (docs/performance.md), which is why this path exists."""
+"""The grouped GEMM on Hopper.
+
+The forward and dX (w transposed) run one of two kernels (`pick_tiles`): commgemm's
+(`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that
+straddles group boundaries running one K loop per group) or jax's Mosaic GPU ragged dot
+(`ragged_dot_mgpu`: one unit per (row block, group), 128 x 128 tiles, stores that follow the
+groups). On H200 (M = 8192, K = 4096, N = 1792) ours ran the forward 11% faster with 8 groups
+and jax's 8% faster with 64, where a 128-row tile holds two to four groups; ours ran dX 6 to
+14% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
+(`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
+runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
+exists; it stays the fall-back for shapes neither kernel takes."""
 
 from __future__ import annotations
 
@@ -11,6 +19,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from commgemm.mosaic_gpu import grouped_kernel
+from commgemm.mosaic_gpu.configs import GroupedConfig
+
+#: Rows a group needs on average (M / G) for commgemm's kernel to run the forward (dX runs it
+#: at any group size: it was the faster dX with 8 and with 64 groups, BENCHMARKS.md).
+TILES_KERNEL_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +57,9 @@ def default_tiles(n: int) -> GroupedTiles:
     return GroupedTiles(grid_block_n=2 if n % 256 == 0 else 1)
 
 
-def unsupported_reason(x, w, tiles: GroupedTiles) -> str | None:
-    """Why the Hopper kernel cannot run x [M, K] @ w [G, K, N], or None."""
+def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) -> str | None:
+    """Why the Hopper kernel `tiles` (None: either kernel) cannot run x [M, K] @ w [G, K, N],
+    or None."""
     device = jax.devices()[0]
     if device.platform != "gpu":
         return f"it runs on GPUs; this backend is {device.platform}"
@@ -53,10 +69,32 @@ def unsupported_reason(x, w, tiles: GroupedTiles) -> str | None:
         return f"it needs jax >= 0.11, this is {jax.__version__}"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
-    k, n = w.shape[1], w.shape[2]
+    return _shape_reason(x.shape[0], w.shape[1], w.shape[2], x.dtype, tiles)
+
+
+def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
+    if tiles is None:
+        reasons = [_shape_reason(m, k, n, dtype, t) for t in (GroupedConfig(), default_tiles(n))]
+        return None if None in reasons else " and ".join(reasons)
+    if isinstance(tiles, GroupedConfig):
+        return grouped_kernel.shape_reason(tiles, m, k, n, dtype)
     if k % tiles.block_k or n % (tiles.block_n * tiles.grid_block_n):
         return f"K={k} and N={n} must divide into the tiles {tiles}"
     return None
+
+
+def pick_tiles(
+    m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False
+) -> GroupedTiles | GroupedConfig | None:
+    """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; `dx`: dX's product, w
+    transposed): commgemm's where its tiles fit and, for the forward, the groups average
+    TILES_KERNEL_ROWS rows or more; else jax's where its tiles fit; else None (XLA's ragged
+    dot)."""
+    rows = 0 if dx else TILES_KERNEL_ROWS
+    if m >= rows * groups and _shape_reason(m, k, n, dtype, GroupedConfig()) is None:
+        return GroupedConfig()
+    tiles = default_tiles(n)
+    return tiles if _shape_reason(m, k, n, dtype, tiles) is None else None
 
 
 def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
@@ -81,7 +119,19 @@ def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
     )
 
 
-def _kernel(x, w, sizes, tiles: GroupedTiles, transpose_rhs: bool):
+def _kernel(x, w, sizes, tiles, transpose_rhs: bool):
+    """x @ w[g] per group (w[g]^T with transpose_rhs) by the kernel `tiles` names (None:
+    `pick_tiles`; XLA's ragged dot where no kernel takes the shape)."""
+    m, k = x.shape
+    n = w.shape[1 if transpose_rhs else 2]
+    tiles = tiles or pick_tiles(m, k, n, w.shape[0], x.dtype, dx=transpose_rhs)
+    if (reason := _shape_reason(m, k, n, x.dtype, tiles) if tiles else None) is not None:
+        raise ValueError(f"grouped GEMM {(m, k)} x {w.shape}: {reason}")
+    if isinstance(tiles, GroupedConfig):
+        return grouped_kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
+    if tiles is None:
+        rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+        return lax.ragged_dot(x, rhs, sizes, preferred_element_type=x.dtype)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     out = ragged_dot_mgpu.ragged_dot(
@@ -93,9 +143,12 @@ def _kernel(x, w, sizes, tiles: GroupedTiles, transpose_rhs: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, tiles: GroupedTiles) -> jax.Array:
+def ragged_dot(
+    x: jax.Array, w: jax.Array, sizes: jax.Array, tiles: GroupedTiles | GroupedConfig | None
+) -> jax.Array:
     """x [M, K] rows sorted by group, w [G, K, N], sizes [G] int32 -> [M, N] in x's dtype
-    (float32 accumulation)."""
+    (float32 accumulation). `tiles`: the forward's kernel (None: `pick_tiles`); dX picks its
+    own for its shape."""
     return _kernel(x, w, sizes, tiles, transpose_rhs=False)
 
 
@@ -105,7 +158,7 @@ def _fwd(x, w, sizes, tiles):
 
 def _bwd(tiles, residuals, dy):
     x, w, sizes = residuals
-    dx = _kernel(dy.astype(x.dtype), w, sizes, tiles, transpose_rhs=True)
+    dx = _kernel(dy.astype(x.dtype), w, sizes, None, transpose_rhs=True)
     return dx, weight_grad(x, dy, sizes).astype(w.dtype), None
 
 

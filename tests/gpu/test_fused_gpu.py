@@ -143,13 +143,17 @@ def test_fused_config_on_one_gpu_runs_the_local_gemm(op, spec):
     assert _relative_error(f(x, w), _reference(x, w)) <= REL
 
 
+@pytest.mark.parametrize("kernel", ["commgemm", "jax", "picked"])
 @pytest.mark.parametrize("empty", [False, True], ids=["all", "empty"])
 @pytest.mark.parametrize("groups", [8, 64])
-def test_grouped_matmul_hopper_path(groups, empty):
-    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (dW: the transposed ragged dot):
+def test_grouped_matmul_hopper_path(groups, empty, kernel):
+    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (the forward on commgemm's, on
+    jax's or on the one `pick_tiles` picks; dX on its pick; dW the transposed ragged dot):
     values and gradients against the float32 XLA ragged dot, uneven groups summing short of
     the rows, and with every other group empty."""
     from commgemm.mosaic_gpu import grouped
+
+    tiles = {"commgemm": grouped.GroupedConfig(), "jax": grouped.GroupedTiles()}.get(kernel)
 
     m, k, n = 2048, 512, 768
     kx, kw, kg = jax.random.split(jax.random.key(groups), 3)
@@ -160,7 +164,7 @@ def test_grouped_matmul_hopper_path(groups, empty):
         probs[::2] = 0
     sizes = np.random.default_rng(groups).multinomial(m - 100, probs / probs.sum())
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert grouped.unsupported_reason(x, w, grouped.GroupedTiles()) is None
+    assert grouped.unsupported_reason(x, w, tiles) is None
     g = jax.random.normal(kg, (m, n), jnp.float32)
 
     def loss(fn):
@@ -170,13 +174,39 @@ def test_grouped_matmul_hopper_path(groups, empty):
         a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
         return jax.lax.ragged_dot(a32, b32, sizes, precision="highest")
 
-    ours = lambda a, b: cg.grouped_matmul(a, b, sizes)  # noqa: E731
+    ours = lambda a, b: cg.grouped_matmul(a, b, sizes, hopper_tiles=tiles)  # noqa: E731
     assert _relative_error(ours(x, w), ref(x, w)) <= REL
     assert not np.asarray(ours(x, w)[m - 100 :], np.float32).any()  # rows past the sum
     got = jax.grad(loss(ours), (0, 1))(x, w)
     want = jax.grad(loss(ref), (0, 1))(x, w)
     for a, b in zip(got, want, strict=True):
         assert _relative_error(a, b) <= REL
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [60, 70, 80, 90]],
+    ids=["one", "uneven", "none", "tiny", "short"],
+)
+def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
+    """commgemm's grouped kernel alone, in the forward and dX's form (w read [G, N, K]): one
+    group, empty groups, no rows at all, 40 tiles' worth of 7-row groups in one row tile, and
+    sums short of the rows by whole tiles (zero there); against the float32 ragged dot."""
+    from commgemm.mosaic_gpu import grouped_kernel
+
+    m, k, n = 1024, 320, 512
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(sizes.shape[0]), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
+    w = (jax.random.normal(kw, shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    got = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=w_nk))(x, w, sizes)
+    rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
+                              precision="highest")  # fmt: skip
+    scale = max(float(jnp.abs(want).max()), 1.0)
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

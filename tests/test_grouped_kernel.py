@@ -1,0 +1,127 @@
+"""commgemm's grouped Hopper kernel, off the GPU: its schedule (which groups each row tile
+multiplies, which rows of the tile each one owns, the tiles' order over the CTAs), its tiling's
+checks and which kernel the Hopper path picks. tests/test_kernels_lower.py lowers it for CUDA;
+tests/gpu/test_fused_gpu.py checks its values on Hopper."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commgemm.mosaic_gpu import grouped, grouped_kernel
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.configs import GroupedConfig
+
+
+def _walk_rows(tiles: GroupedConfig, tiles_m: int, tiles_n: int) -> np.ndarray:
+    """The row tile of each output tile, in the kernel's walk order (`planar_snake`)."""
+    return np.array([
+        int(mosaic_tiles.cluster_tile(tiles, jnp.int32(t), tiles_m, tiles_n)[0])
+        for t in range(tiles_m * tiles_n)
+    ])  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=st.integers(1, 12),
+    tiles_m=st.integers(1, 6),
+    tiles_n=st.integers(1, 4),
+    tile_m=st.sampled_from([64, 128]),
+    ctas=st.integers(1, 9),
+    data=st.data(),
+)
+def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, data):
+    """Each row tile's pairs are the non-empty groups with rows in it, in group order, their
+    [lo, hi) ranges giving every row of the tile its group (rows past the groups' sum none,
+    a sum beyond M cut at M); the tiles' order is a permutation, costliest first within the
+    kernel's rounds as `balanced_slots` deals them."""
+    tiles = GroupedConfig(tile_m=tile_m)
+    m, n = tiles_m * tiles.cta_m, tiles_n * tiles.cta_n
+    sizes = np.array(data.draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
+    if sizes.sum() > m and data.draw(st.booleans()):
+        sizes = np.diff(np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]))
+    plan = grouped_kernel.schedule(jnp.asarray(sizes, jnp.int32), tiles, m, n, ctas)
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    owner = np.full(m, -1)
+    for g in range(groups):
+        owner[starts[g] : ends[g]] = g
+    cm = tiles.cta_m
+    for t in range(tiles_m):
+        first, count = int(plan.first[t]), int(plan.count[t])
+        rows = owner[t * cm : (t + 1) * cm]
+        assert [int(plan.group[p]) for p in range(first, first + count)] == sorted(
+            {int(g) for g in rows if g >= 0}
+        )
+        got = np.full(cm, -1)
+        for p in range(first, first + count):
+            assert 0 <= int(plan.lo[p]) < int(plan.hi[p]) <= cm
+            got[int(plan.lo[p]) : int(plan.hi[p])] = int(plan.group[p])
+        np.testing.assert_array_equal(got, rows)
+    order = np.asarray(plan.order)
+    assert sorted(order.tolist()) == list(range(tiles_m * tiles_n))
+    cost = np.minimum(np.asarray(plan.count)[_walk_rows(tiles, tiles_m, tiles_n)], 8)
+    slots = grouped_kernel.balanced_slots(order.size, ctas)
+    ranked = order[slots]  # the tiles from the costliest, ties in walk order
+    np.testing.assert_array_equal(ranked, np.argsort(-cost, kind="stable"))
+
+
+@pytest.mark.parametrize("units,ctas", [(448, 132), (896, 132), (7, 3), (12, 4), (5, 8)])
+def test_balanced_slots_keeps_costly_tiles_apart(units, ctas):
+    """Every unit gets one tile; the costliest go to different CTAs, those running one tile
+    fewer first, so tiles of cost 2 (a straddling tile's two K loops), as many as those CTAs,
+    leave no CTA more work than the rounds of a dense GEMM (the 8-group case: BENCHMARKS.md)."""
+    slots = grouped_kernel.balanced_slots(units, ctas)
+    assert sorted(slots.tolist()) == list(range(units))
+    rounds = -(-units // ctas)
+    short = rounds * ctas - units if rounds > 1 else 0  # CTAs that run one tile fewer
+    first_round = slots[: min(units, ctas)] % ctas
+    assert len(set(first_round.tolist())) == first_round.size
+    for costly in range(short + 1):
+        cost = np.ones(units)
+        cost[slots[:costly]] = 2  # the costliest tiles, where the dealing puts them
+        load = np.bincount(np.arange(units) % ctas, weights=cost, minlength=ctas)
+        assert load.max() <= rounds
+
+
+def test_grouped_config_and_shapes():
+    """Only warpgroups stacked along M (each masks its own rows); whole tiles of 16-bit
+    operands, else a reason."""
+    with pytest.raises(ValueError, match="wg_along_m"):
+        GroupedConfig(wg_along_m=False)
+    tiles = GroupedConfig()
+    assert (tiles.cta_m, tiles.cta_n) == (128, 256)
+    assert grouped_kernel.shape_reason(tiles, 1024, 512, 768, jnp.bfloat16) is None
+    assert "rows=1000" in grouped_kernel.shape_reason(tiles, 1000, 512, 768, jnp.bfloat16)
+    assert "N=640" in grouped_kernel.shape_reason(tiles, 1024, 512, 640, jnp.bfloat16)
+    assert "float32" in grouped_kernel.shape_reason(tiles, 1024, 512, 768, jnp.float32)
+    x, sizes = jnp.zeros((128, 64), jnp.bfloat16), jnp.array([64, 64], jnp.int32)
+    for w, w_nk in ((jnp.zeros((2, 128, 256), jnp.bfloat16), False),
+                    (jnp.zeros((2, 64, 256), jnp.bfloat16), True),
+                    (jnp.zeros((2, 64, 256), jnp.float16), False)):  # fmt: skip
+        with pytest.raises(ValueError, match="must be \\[G"):
+            grouped_kernel.grouped_matmul(x, w, sizes, w_nk=w_nk)
+    with pytest.raises(ValueError, match="one count per group"):
+        grouped_kernel.grouped_matmul(x, jnp.zeros((3, 64, 256), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="K=100"):
+        grouped_kernel.grouped_matmul(
+            jnp.zeros((128, 100), jnp.bfloat16), jnp.zeros((2, 100, 256), jnp.bfloat16),
+            jnp.array([64, 64], jnp.int32),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "m,k,n,groups,want",
+    [
+        (8192, 4096, 1792, 8, GroupedConfig),  # 1024 rows a group
+        (8192, 4096, 1792, 64, grouped.GroupedTiles),  # 128: jax's kernel
+        (8192, 4096, 1664, 8, grouped.GroupedTiles),  # N not whole 256-column tiles
+        (8000, 4096, 1792, 8, grouped.GroupedTiles),  # M not whole 128-row tiles
+        (8192, 100, 1792, 8, type(None)),  # K fits neither: XLA's ragged dot
+    ],
+)
+def test_pick_tiles(m, k, n, groups, want):
+    assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16), want)
+    if want is grouped.GroupedTiles and m % 128 == 0 and n % 256 == 0:  # dX: ours at any G
+        assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16, dx=True), GroupedConfig)
