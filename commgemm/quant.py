@@ -252,7 +252,14 @@ class ScalingRecipe:
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
-    advances with `state.update(amax(x, axis_name))`, like optimizer state)."""
+    advances with `state.update(amax(x, axis_name))`, like optimizer state). dY's amax is known
+    only in the backward, so its state comes back the way Flax's FP8 ops return theirs
+    ("overwrite with gradient"): with `dy_state`, the backward quantizes dY with its scale and
+    the gradient of the recipe's `dy_state` is the advanced state (dY's amax over every device
+    that holds a part of it, pushed into the history), which the caller keeps in place of the
+    old one: `jax.grad(loss, argnums=(..., recipe_arg))`. A dy_state belongs to one op call
+    (two calls sharing one would add their states); a scan over layers takes stacked states.
+    Without dy_state, dY is scaled by its current amax."""
 
     mode: ScalingMode = dataclasses.field(
         default=ScalingMode.CURRENT_TENSOR_SCALING, metadata=dict(static=True)
@@ -264,6 +271,7 @@ class ScalingRecipe:
     )
     x_state: ScalingState | None = None
     w_state: ScalingState | None = None
+    dy_state: ScalingState | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ScalingMode(self.mode))
@@ -285,6 +293,8 @@ class ScalingRecipe:
                 "DELAYED_TENSOR_SCALING needs x_state= and w_state= (ScalingState.create()), "
                 "and only it takes them"
             )
+        if self.dy_state is not None and not delayed:
+            raise ValueError("dy_state= is DELAYED_TENSOR_SCALING's (dY's amax history)")
 
 
 Scaling = ScalingRecipe | ScalingMode | str | None

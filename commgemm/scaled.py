@@ -26,13 +26,15 @@ axis; dX runs the forward's complementary collective with the forward's method, 
 quantized dY and W (block modes quantize W again with blocks along N, dX's contracting
 dimension); dW multiplies the quantized X (the gathered payload, for AG) by the quantized dY.
 Block modes' dW is emulated on the row-wise blocks (the hardware would want blocks along the
-rows, dW's contracting dimension). Delayed scaling keeps no state for dY.
+rows, dW's contracting dimension). Delayed scaling with a `dy_state` scales dY by that state's
+scale instead and returns the advanced state as the state's cotangent (`dy_quantized`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.vma import all_reduce_transpose, like_primal
+from commgemm.vma import all_reduce_transpose, checks_vma, like_primal, varying_axes
 
 
 def fake_quantize(
@@ -86,6 +88,31 @@ def quantize_operand(
         return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
     shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
     return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
+
+
+def dy_quantized(
+    dy: jax.Array, mode: ScalingMode, grad_dtype: str, axis_names, state: ScalingState | None
+) -> tuple[ScaledTensor, ScalingState | None]:
+    """dY quantized for the backward, and the cotangent of the recipe's dy_state (None without
+    one). Without a state: tensor modes scale dY by its current amax over `axis_names`, block
+    modes by blocks. With a state: its scale, and the state advanced by dY's amax over every
+    mesh axis dY may vary over (the whole tensor's, so every device holds the same new state,
+    as the replicated state needs). Unchecked shard_map sums a replicated input's cotangent
+    over its devices: there the state is handed back divided by their number, which that sum
+    restores."""
+    if state is None:
+        dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
+        return quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, axis_names)), None
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(mesh.manual_axes) if not mesh.empty else ()
+    checked = bool(manual) and checks_vma(manual[0])
+    over = tuple(a for a in manual if a in varying_axes(dy)) if checked else manual
+    whole = lax.pmax(amax(dy), over) if over else amax(dy)
+    qdy, new = quantize(dy, mode, dtype=grad_dtype, state=state, amax=whole)
+    if manual and not checked:
+        devices = math.prod(lax.axis_size(a) for a in manual)
+        new = jax.tree.map(lambda v: v / devices, new)
+    return qdy, new
 
 
 def payload(t: ScaledTensor) -> jax.Array:
@@ -207,7 +234,7 @@ def collective_matmul(
     k_dim = 1 if w_transposed else 0
     qw = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_name, recipe.w_state)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
-    return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)
+    return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, recipe.dy_state)
 
 
 def _check_scales(name: str, t: ScaledTensor) -> None:
@@ -266,13 +293,15 @@ def _scaled(
     w: jax.Array,
     qx: ScaledTensor,
     qw: ScaledTensor,
+    dy_state: ScalingState | None,
 ) -> jax.Array:
     """The 2-D collective GEMM on quantized operands qx (x's rows, blocks along K) and qw (w,
-    blocks along K); x and w are what gradients flow to (straight-through)."""
-    return _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw)[0]
+    blocks along K); x and w are what gradients flow to (straight-through); dy_state's
+    cotangent is its advanced state (`dy_quantized`)."""
+    return _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state)[0]
 
 
-def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
+def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state=None):
     from commgemm.autodiff import FN_NAMES
     from commgemm.xla import module_for
 
@@ -280,7 +309,7 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
     rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name, fmt[2][0])
     if collective is Collective.NONE:  # a local GEMM
         out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
-        return out, (payload(qx), _scalar(qx), w, qw, x[:0])
+        return out, (payload(qx), _scalar(qx), w, qw, x[:0], dy_state)
     fn = getattr(module_for(cfg), FN_NAMES[collective])
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
@@ -290,23 +319,22 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw):
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
     like_x = x[:0]  # x's dtype, K and varying axes, as an array residual
-    return out, (rows, _scalar(qx), w, qw, like_x)
+    return out, (rows, _scalar(qx), w, qw, like_x, dy_state)
 
 
 def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     from commgemm.autodiff import backward_config
     from commgemm.xla import module_for
 
-    rows, x_scale, w, qw, like_x = residuals
+    rows, x_scale, w, qw, like_x, dy_state = residuals
     x_dtype, k = like_x.dtype, like_x.shape[1]
     mode, grad_dtype, split = fmt
     back = backward_config(cfg, like_x)
     if collective is Collective.ALL_REDUCE:
         dy = all_reduce_transpose(dy, axis_name)
-    dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
     n = dy.shape[1]
     names = () if axis_name is None else axis_name
-    qdy = quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, names))
+    qdy, new_state = dy_quantized(dy, mode, grad_dtype, names, dy_state)
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         n_dim = 0 if w_transposed else 1
         qw = quantize(w, mode, axis=n_dim, amax=amax(w, names))
@@ -325,7 +353,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
         d_rows = payload(qdy)
         dx = rhs.matmul(d_rows, not w_transposed, cfg.accumulate_dtype, x_dtype)
     dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), fmt, k, n, w_transposed, cfg, w.dtype)
-    return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None
+    return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None, new_state
 
 
 _scaled.defvjp(_forward, _backward)

@@ -43,6 +43,7 @@ from commgemm.scaled import (
     _scalar,
     _weight_grad,
     check_blocks,
+    dy_quantized,
     payload,
     quantize_operand,
 )
@@ -67,7 +68,7 @@ def matmul_2d(
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axes, recipe.x_state)
     qw = quantize_operand(lax.stop_gradient(w), recipe, 0, axes, recipe.w_state)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
-    return _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw)
+    return _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, recipe.dy_state)
 
 
 def _columns(t: ScaledTensor, start: int, width: int) -> ScaledTensor:
@@ -109,13 +110,14 @@ def _concat(blocks: list[ScaledTensor]) -> ScaledTensor:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw) -> jax.Array:
+def _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state) -> jax.Array:
     """The 2-D GEMM on quantized operands qx (x's rows, blocks along K) and qw (W's local rows,
-    blocks along K); x and w are what gradients flow to (straight-through)."""
-    return _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw)[0]
+    blocks along K); x and w are what gradients flow to (straight-through); dy_state's
+    cotangent is its advanced state (`scaled.dy_quantized`)."""
+    return _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state)[0]
 
 
-def _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw):
+def _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state):
     width = w.shape[1] // splits
     outs, blocks = [], []
     for c in range(splits):
@@ -124,17 +126,16 @@ def _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw):
         outs.append(out)
         blocks.append(block)
     out = outs[0] if splits == 1 else jnp.concatenate(outs, axis=1)
-    return out, (payload(qx), _scalar(qx), _concat(blocks), x[:0], w[:, :0])
+    return out, (payload(qx), _scalar(qx), _concat(blocks), x[:0], w[:, :0], dy_state)
 
 
 def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
-    rows, x_scale, qw, like_x, like_w = residuals
+    rows, x_scale, qw, like_x, like_w, dy_state = residuals
     mode, grad_dtype, split = fmt
     k_block, n = like_x.shape[1], dy.shape[1]
     dy = all_reduce_transpose(dy, k_axis)
     axes = (row_axis, k_axis)
-    dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
-    qdy = quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, axes))
+    qdy, new_state = dy_quantized(dy, mode, grad_dtype, axes, dy_state)
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         values = dequantize(qw, like_x.dtype)
         qw = quantize(values, mode, axis=1, amax=amax(values, axes))
@@ -146,7 +147,8 @@ def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
     whole = varying_like(jnp.zeros((like_w.shape[0] * lax.axis_size(row_axis), n), dw.dtype), dw)
     whole = lax.dynamic_update_slice_in_dim(whole, dw, lax.axis_index(k_axis) * k_block, axis=0)
     dw = lax.psum_scatter(whole, row_axis, scatter_dimension=0, tiled=True)
-    return like_primal(dx.astype(like_x.dtype), like_x), like_primal(dw, like_w), None, None
+    return (like_primal(dx.astype(like_x.dtype), like_x), like_primal(dw, like_w), None, None,
+            new_state)  # fmt: skip
 
 
 _scaled_2d.defvjp(_forward_2d, _backward_2d)

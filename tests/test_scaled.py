@@ -191,6 +191,76 @@ def test_delayed_scaling_through_the_op(rng):
     np.testing.assert_allclose(float(new_x.scale), 448 / max(3.0, np.abs(x).max()), rtol=1e-6)
 
 
+#: The ops' layouts with a second, data axis "d" over x's (and dY's) rows: dY differs between
+#: the data replicas, so dy_state's amax must cover them too.
+DATA_OPS = {
+    "ag": (cg.all_gather_matmul, (P(("d", "x"), None), P(None, "x")), P("d", "x")),
+    "rs": (cg.matmul_reduce_scatter, (P("d", "x"), P("x", None)), P(("d", "x"), None)),
+    "ar": (cg.matmul_all_reduce, (P("d", "x"), P("x", None)), P("d", None)),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar", "local", "2d"])
+def test_delayed_scaling_of_dy(rng, op, check_vma):
+    """With dy_state, the backward quantizes dY (e5m2) by the state's scale, and the gradient of
+    dy_state is the state advanced by the whole dY's amax, over the op's axis and a data axis,
+    identical on every device, under both shard_map settings; three steps, each taking the
+    previous step's state. dX and dW against float64 products of the quantized operands."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("d", "x"))
+    m, k, n = 32, 64, 64
+    x, w = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    xs = cg.ScalingState.create(history=4).update(jnp.float32(3.0))
+    ws = cg.ScalingState.create(history=4).update(jnp.float32(5.0))
+
+    def recipe(sd):
+        return cg.ScalingRecipe("delayed_tensor_scaling", x_state=xs, w_state=ws, dy_state=sd)
+
+    if op in DATA_OPS:
+        fn, (x_spec, w_spec), out_spec = DATA_OPS[op]
+        body = lambda a, b, sd: fn(a, b, "x", scaling=recipe(sd))  # noqa: E731
+    elif op == "2d":
+        x_spec, w_spec, out_spec = P("x", "d"), P("x", None), P("x", None)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "d"))
+        body = lambda a, b, sd: cg.matmul_2d(a, b, row_axis="x", k_axis="d",  # noqa: E731
+                                             scaling=recipe(sd))  # fmt: skip
+    else:  # one device's GEMM (scaled.matmul), rows over both axes
+        x_spec, w_spec, out_spec = P(("d", "x")), P(), P(("d", "x"))
+        body = lambda a, b, sd: scaled.matmul(a, b, recipe(sd))  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, P()), out_specs=out_spec,
+                      check_vma=check_vma)  # fmt: skip
+    state = cg.ScalingState.create(history=4).update(jnp.float32(2.0))
+    amaxes = [2.0]
+    qx = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(x), "delayed_tensor_scaling",
+                                              state=xs)[0], jnp.float64))  # fmt: skip
+    qw = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(w), "delayed_tensor_scaling",
+                                              state=ws)[0], jnp.float64))  # fmt: skip
+    for step in range(3):
+        g = rng.standard_normal((m, n)) * 10.0 ** (step - 2)  # dY's scale moves each step
+        loss = lambda a, b, sd, g=g: jnp.sum(f(a, b, sd) * g)  # noqa: E731
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(x, w, state)
+        e5m2 = cg.quantize(jnp.asarray(g), "delayed_tensor_scaling", dtype=jnp.float8_e5m2,
+                           state=state)[0]  # fmt: skip
+        qdy = np.asarray(cg.dequantize(e5m2, jnp.float64))
+        np.testing.assert_allclose(np.asarray(grads[0]), qdy @ qw.T, rtol=1e-5, atol=1e-5 * m)
+        np.testing.assert_allclose(np.asarray(grads[1]), qx.T @ qdy, rtol=1e-5, atol=1e-5 * m)
+        state, amaxes = grads[2], [float(np.abs(g).max()), *amaxes]
+        want = np.array((amaxes + [0.0] * 4)[:4], np.float32)
+        np.testing.assert_allclose(np.asarray(state.amax_history), want, rtol=1e-6)
+        np.testing.assert_allclose(float(state.scale), 57344.0 / max(amaxes), rtol=1e-6)
+
+
+def test_dy_state_needs_delayed_scaling_and_the_ops():
+    state = cg.ScalingState.create()
+    with pytest.raises(ValueError, match="dy_state"):
+        cg.ScalingRecipe("current_tensor_scaling", dy_state=state)
+    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state,
+                              dy_state=state)  # fmt: skip
+    with pytest.raises(ValueError, match="without dy_state"):
+        cg.grouped_matmul(jnp.ones((4, 32)), jnp.ones((2, 32, 32)), jnp.array([2, 2]),
+                          scaling=recipe)  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_local_matmul_and_dense(rng, mode):
     x, w = _problem(rng, 1)

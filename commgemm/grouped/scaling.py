@@ -34,6 +34,11 @@ def quantized_operands(
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None
+    if recipe.dy_state is not None:
+        raise ValueError(
+            "the grouped ops' emulated scaling quantizes dY by its current amax: pass the "
+            "recipe without dy_state"
+        )
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
     x = fake_quantize(x, recipe, -1, names, recipe.x_state)
