@@ -53,6 +53,12 @@ class _Parallel(nnx.Module):
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh}")
         if data_axis is not None and data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {mesh}")
+        if getattr(scaling, "x_state", None) is not None:
+            raise ValueError(
+                "the NNX layers take a stateless scaling (a ScalingMode or a recipe without "
+                "states): a layer would never advance delayed scaling's states; use the ops or "
+                "commgemm.layers, which take the recipe each call"
+            )
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.sequence_parallel, self.config, self.scaling = sequence_parallel, config, scaling
 

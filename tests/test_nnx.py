@@ -131,6 +131,10 @@ def test_bad_input():
         cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, axis_name="model", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads of the tensor axis"):
         cgnnx.ParallelAttentionProjections(24, 6, mesh=mesh, rngs=nnx.Rngs(0))
+    state = cg.ScalingState.create()
+    delayed = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
+    with pytest.raises(ValueError, match="stateless scaling"):
+        cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, scaling=delayed, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
