@@ -3,6 +3,9 @@ multiplies, which rows of the tile each one owns, the tiles' order over the CTAs
 checks and which kernel the Hopper path picks. tests/test_kernels_lower.py lowers it for CUDA;
 tests/gpu/test_fused_gpu.py checks its values on Hopper."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,21 +19,22 @@ from commgemm.mosaic_gpu.configs import GroupedConfig
 
 def _walk_rows(tiles: GroupedConfig, tiles_m: int, tiles_n: int) -> np.ndarray:
     """The row tile of each output tile, in the kernel's walk order (`planar_snake`)."""
-    return np.array([
-        int(mosaic_tiles.cluster_tile(tiles, jnp.int32(t), tiles_m, tiles_n)[0])
-        for t in range(tiles_m * tiles_n)
-    ])  # fmt: skip
+    walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
+    return np.asarray(jax.vmap(lambda t: mosaic_tiles.cluster_tile(tiles, t, tiles_m, tiles_n))(
+        walk)[0])  # fmt: skip
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    groups=st.integers(1, 12),
-    tiles_m=st.integers(1, 6),
-    tiles_n=st.integers(1, 4),
-    tile_m=st.sampled_from([64, 128]),
-    ctas=st.integers(1, 9),
-    data=st.data(),
+@functools.cache
+def _schedule(tiles: GroupedConfig, m: int, n: int, ctas: int):
+    return jax.jit(lambda sizes: grouped_kernel.schedule(sizes, tiles, m, n, ctas))
+
+
+@pytest.mark.parametrize(
+    "groups,tiles_m,tiles_n,tile_m,ctas",
+    [(1, 1, 1, 64, 1), (5, 4, 3, 128, 4), (12, 6, 2, 64, 9), (8, 3, 4, 128, 132)],
 )
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
 def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, data):
     """Each row tile's pairs are the non-empty groups with rows in it, in group order, their
     [lo, hi) ranges giving every row of the tile its group (rows past the groups' sum none,
@@ -41,7 +45,7 @@ def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, 
     sizes = np.array(data.draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
     if sizes.sum() > m and data.draw(st.booleans()):
         sizes = np.diff(np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]))
-    plan = grouped_kernel.schedule(jnp.asarray(sizes, jnp.int32), tiles, m, n, ctas)
+    plan = _schedule(tiles, m, n, ctas)(jnp.asarray(sizes, jnp.int32))
     ends = np.minimum(np.cumsum(sizes), m)
     starts = np.concatenate([[0], ends[:-1]])
     owner = np.full(m, -1)

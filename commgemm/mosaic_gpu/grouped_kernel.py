@@ -29,6 +29,7 @@ from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import GroupedConfig
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The kernel's work, int32: its (row tile, group) pairs for cta_m-row tiles of M rows,
