@@ -67,17 +67,12 @@ def balanced_slots(units: int, ctas: int) -> np.ndarray:
     return np.asarray(slots, np.int32)
 
 
-#: Costs (K loops a tile) told apart when the tiles are ordered: a tile with more groups than
-#: this is ordered with the ones of this many.
-COST_CLASSES = 8
-
-
 def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) -> Schedule:
     """The pairs of row tiles and groups for group `sizes` [G] (summing to at most m; a sum
     beyond m is cut at m) over m rows (whole tiles), and the output tiles' order over `ctas`
     CTAs, balanced by their pairs (a tile's K loops: `balanced_slots`). Everything is
-    counted by comparisons and prefix sums, not searched or sorted: a few fused elementwise
-    ops on a GPU, where a search is a loop of small kernels and a sort one more kernel."""
+    counted by comparisons and prefix sums over the groups, not searched or sorted: a few
+    fused elementwise ops on a GPU, where a search is a loop of small kernels."""
     cta_m = tiles.cta_m
     num_groups, tiles_m, tiles_n = sizes.shape[0], m // cta_m, n // tiles.cta_n
     ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), m)
@@ -98,12 +93,14 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     count = jnp.sum(row_tile[None, :] == tile[:, None], axis=1, dtype=jnp.int32)
     walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
     m_idx, _ = jax.vmap(lambda t: mt.cluster_tile(tiles, t, tiles_m, tiles_n))(walk)
-    # each tile's rank by cost, costliest first, ties in walk order
-    cost = jnp.minimum(count[m_idx], COST_CLASSES)
-    classes = cost[:, None] == jnp.arange(COST_CLASSES, -1, -1, dtype=jnp.int32)[None, :]
-    before = jnp.cumsum(classes, axis=0, dtype=jnp.int32) - classes  # same cost, earlier
-    costlier = jnp.cumsum(jnp.sum(classes, axis=0, dtype=jnp.int32)) - jnp.sum(classes, axis=0)
-    rank = jnp.sum(jnp.where(classes, before + costlier[None, :], 0), axis=1)
+    # each tile's rank by cost (its K loops), costliest first, ties in walk order: counted over
+    # all pairs of tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on
+    # H100; tiles**2 stays small beside the GEMM: BENCHMARKS.md)
+    cost = count[m_idx]
+    ahead = (cost[None, :] > cost[:, None]) | (
+        (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
+    )
+    rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
     slots = jnp.asarray(balanced_slots(walk.shape[0], ctas))
     order = jnp.zeros_like(walk).at[slots[rank]].set(walk, unique_indices=True)
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
