@@ -4,9 +4,9 @@ The forward and dX (w transposed) run one of two kernels (`pick_tiles`): commgem
 (`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that
 straddles group boundaries running one K loop per group) or jax's Mosaic GPU ragged dot
 (`ragged_dot_mgpu`: one unit per (row block, group), 128 x 128 tiles, stores that follow the
-groups). On H200 (M = 8192, K = 4096, N = 1792) ours ran the forward 11% faster with 8 groups
-and jax's 8% faster with 64, where a 128-row tile holds two to four groups; ours ran dX 6 to
-14% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
+groups). On H200 (M = 8192, K = 4096, N = 1792) ours ran the forward 17% faster with 8 groups
+and jax's 7% faster with 64, where a 128-row tile holds two to four groups; ours ran dX 9 to
+19% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
 runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
 exists; it stays the fall-back for shapes neither kernel takes."""
