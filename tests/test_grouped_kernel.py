@@ -108,6 +108,10 @@ def test_grouped_config_and_shapes():
             grouped_kernel.grouped_matmul(x, w, sizes, w_nk=w_nk)
     with pytest.raises(ValueError, match="one count per group"):
         grouped_kernel.grouped_matmul(x, jnp.zeros((3, 64, 256), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="at least one"):
+        grouped_kernel.grouped_matmul(
+            x, jnp.zeros((0, 64, 256), jnp.bfloat16), jnp.zeros((0,), jnp.int32)
+        )
     with pytest.raises(ValueError, match="K=100"):
         grouped_kernel.grouped_matmul(
             jnp.zeros((128, 100), jnp.bfloat16), jnp.zeros((2, 100, 256), jnp.bfloat16),
@@ -123,9 +127,10 @@ def test_grouped_config_and_shapes():
         (8192, 4096, 1664, 8, grouped.GroupedTiles),  # N not whole 256-column tiles
         (8000, 4096, 1792, 8, grouped.GroupedTiles),  # M not whole 128-row tiles
         (8192, 100, 1792, 8, type(None)),  # K fits neither: XLA's ragged dot
+        (8192, 4096, 1792, 0, type(None)),  # no groups: XLA's ragged dot (zeros)
     ],
 )
 def test_pick_tiles(m, k, n, groups, want):
     assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16), want)
-    if want is grouped.GroupedTiles and m % 128 == 0 and n % 256 == 0:  # dX: ours at any G
+    if want is grouped.GroupedTiles and m % 128 == 0 and n % 256 == 0:  # dX: ours at any G > 0
         assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16, dx=True), GroupedConfig)

@@ -88,8 +88,10 @@ def pick_tiles(
 ) -> GroupedTiles | GroupedConfig | None:
     """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; `dx`: dX's product, w
     transposed): commgemm's where its tiles fit and, for the forward, the groups average
-    TILES_KERNEL_ROWS rows or more; else jax's where its tiles fit; else None (XLA's ragged
-    dot)."""
+    TILES_KERNEL_ROWS rows or more; else jax's where its tiles fit; else (or with no groups)
+    None (XLA's ragged dot)."""
+    if groups < 1:  # no weights: every row is past the groups' sum
+        return None
     rows = 0 if dx else TILES_KERNEL_ROWS
     if m >= rows * groups and _shape_reason(m, k, n, dtype, GroupedConfig()) is None:
         return GroupedConfig()

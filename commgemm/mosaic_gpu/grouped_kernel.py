@@ -136,8 +136,11 @@ def grouped_matmul(
         layout = "[G, N, K]" if w_nk else "[G, K, N]"
         raise ValueError(f"grouped kernel: w {w.dtype}{list(w.shape)} must be {layout} with "
                          f"x's K={k} and dtype {dtype}")  # fmt: skip
-    if sizes.shape != (w.shape[0],):
-        raise ValueError(f"grouped kernel: sizes {sizes.shape} must hold one count per group")
+    if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
+        raise ValueError(
+            f"grouped kernel: sizes {sizes.shape} must hold one count per group of w "
+            f"{list(w.shape)}, at least one"
+        )
     if (reason := shape_reason(tiles, m, k, n, dtype)) is not None:
         raise ValueError(f"grouped kernel: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
