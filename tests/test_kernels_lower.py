@@ -142,7 +142,7 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
         assert where[count - 1] - where[0] <= lead
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(2, 8),
     own=st.integers(1, 400),
@@ -172,7 +172,7 @@ def test_spread_schedule(size, own, ctas, lead, spread):
         assert (step == lin // own).all()
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(1, 8),  # 1: the kernel's GEMM core
     per_block=st.integers(1, 300),
@@ -216,7 +216,7 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
     assert (steps == k_iters).all()
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(2, 8),
     per_block=st.integers(1, 300),
