@@ -62,7 +62,7 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             (dy, w, sizes),
         ),
         "dX jax kernel": (
-            jax.jit(lambda a, b, s: hopper._kernel(a, b, s, KERNELS["jax kernel"], True)),
+            jax.jit(lambda a, b, s: hopper.product(a, b, s, KERNELS["jax kernel"], True)),
             (dy, w, sizes),
         ),
         "read w once": (jax.jit(lambda b: jnp.sum(b, axis=(0, 1))), (w,)),

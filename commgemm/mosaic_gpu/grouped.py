@@ -30,8 +30,8 @@ TILES_KERNEL_ROWS = 512
 
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
-    """The kernel's tiling: block_m x block_n output tiles, K-steps of block_k, `stages` loaded
-    ahead, tiles walked in bands grid_block_n wide."""
+    """The tiling of jax's ragged-dot kernels: block_m x block_n output tiles, K-steps of
+    block_k, `stages` loaded ahead, tiles walked in bands grid_block_n wide."""
 
     block_m: int = 128
     block_n: int = 128
@@ -121,9 +121,10 @@ def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
     )
 
 
-def _kernel(x, w, sizes, tiles, transpose_rhs: bool):
-    """x @ w[g] per group (w[g]^T with transpose_rhs) by the kernel `tiles` names (None:
-    `pick_tiles`; XLA's ragged dot where no kernel takes the shape)."""
+def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
+    """x [M, K] @ w[g] per group (w [G, K, N]; with transpose_rhs, dX's dy [M, N] @ w[g]^T),
+    forward only, by the kernel `tiles` names (None: `pick_tiles`; XLA's ragged dot where no
+    kernel takes the shape)."""
     m, k = x.shape
     n = w.shape[1 if transpose_rhs else 2]
     tiles = tiles or pick_tiles(m, k, n, w.shape[0], x.dtype, dx=transpose_rhs)
@@ -151,16 +152,16 @@ def ragged_dot(
     """x [M, K] rows sorted by group, w [G, K, N], sizes [G] int32 -> [M, N] in x's dtype
     (float32 accumulation). `tiles`: the forward's kernel (None: `pick_tiles`); dX picks its
     own for its shape."""
-    return _kernel(x, w, sizes, tiles, transpose_rhs=False)
+    return product(x, w, sizes, tiles, transpose_rhs=False)
 
 
 def _fwd(x, w, sizes, tiles):
-    return _kernel(x, w, sizes, tiles, transpose_rhs=False), (x, w, sizes)
+    return product(x, w, sizes, tiles, transpose_rhs=False), (x, w, sizes)
 
 
 def _bwd(tiles, residuals, dy):
     x, w, sizes = residuals
-    dx = _kernel(dy.astype(x.dtype), w, sizes, None, transpose_rhs=True)
+    dx = product(dy.astype(x.dtype), w, sizes, None, transpose_rhs=True)
     return dx, weight_grad(x, dy, sizes).astype(w.dtype), None
 
 
