@@ -22,6 +22,7 @@ from jax import lax
 
 from commgemm.mosaic_gpu import grouped_kernel
 from commgemm.mosaic_gpu.configs import GroupedConfig
+from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for commgemm's kernel to run the forward (dX runs it
 #: at any group size: it was the faster dX with 8 and with 64 groups, BENCHMARKS.md).
@@ -131,7 +132,8 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
     if (reason := _shape_reason(m, k, n, x.dtype, tiles) if tiles else None) is not None:
         raise ValueError(f"grouped GEMM {(m, k)} x {w.shape}: {reason}")
     if isinstance(tiles, GroupedConfig):
-        return grouped_kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
+        out = grouped_kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
+        return varying_like(out, x, w)  # a Pallas result carries no varying axes of its own
     if tiles is None:
         rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
         return lax.ragged_dot(x, rhs, sizes, preferred_element_type=x.dtype)
@@ -142,7 +144,7 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
     )
     # rows past the groups' sum are never stored by the kernel: zero them (ragged_dot's meaning)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.where(rows < jnp.sum(sizes), out, jnp.zeros((), out.dtype))
+    return varying_like(jnp.where(rows < jnp.sum(sizes), out, jnp.zeros((), out.dtype)), x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -162,7 +164,9 @@ def _fwd(x, w, sizes, tiles):
 def _bwd(tiles, residuals, dy):
     x, w, sizes = residuals
     dx = product(dy.astype(x.dtype), w, sizes, None, transpose_rhs=True)
-    return dx, weight_grad(x, dy, sizes).astype(w.dtype), None
+    dw = varying_like(weight_grad(x, dy, sizes).astype(w.dtype), x, dy)
+    # inside shard_map: dW summed over the axes the tokens vary over and w does not
+    return like_primal(dx, x), like_primal(dw, w), None
 
 
 ragged_dot.defvjp(_fwd, _bwd)

@@ -183,6 +183,38 @@ def test_grouped_matmul_hopper_path(groups, empty, kernel):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kernel", ["commgemm", "jax"])
+def test_grouped_matmul_hopper_path_in_shard_map(kernel, check_vma):
+    """Inside shard_map (x's rows over a mesh axis of this GPU, w replicated), as the grouped
+    collective ops call it: the kernels' results, which Pallas types as varying over nothing,
+    are typed as the values they come from, and dW summed over the axis w is replicated over;
+    values and gradients as the float32 ragged dot's."""
+    from commgemm.mosaic_gpu import grouped
+
+    tiles = {"commgemm": grouped.GroupedConfig(), "jax": grouped.GroupedTiles()}[kernel]
+    m, k, n, groups = 1024, 256, 512, 4
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray([300, 0, 500, 100], jnp.int32)
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+    body = lambda a, b: cg.grouped_matmul(a, b, sizes, hopper_tiles=tiles)  # noqa: E731
+    ours = jax.shard_map(body, mesh=_mesh(1), in_specs=(P("x"), P()), out_specs=P("x"),
+                         check_vma=check_vma)  # fmt: skip
+
+    def ref(a, b):
+        a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+        return jax.lax.ragged_dot(a32, b32, sizes, precision="highest")
+
+    assert _relative_error(jax.jit(ours)(x, w), ref(x, w)) <= REL
+    loss = lambda fn: lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * g)  # noqa: E731
+    got = jax.jit(jax.grad(loss(ours), (0, 1)))(x, w)
+    want = jax.grad(loss(ref), (0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        assert _relative_error(a, b) <= REL
+
+
 @pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
 @pytest.mark.parametrize(
     "sizes",
