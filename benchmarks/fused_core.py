@@ -13,6 +13,7 @@ and `_scaled_mm`, CUDA events, same process). A kernel that cannot run a shape (
 tiles) is listed under "failed". Writes OUT/fused_core.json.
 
     PYTHONPATH=. python benchmarks/fused_core.py --out DIR [--sizes 2,4,8] [--fp8-sweep]
+        [--presets llama8b_mlp,...] [--ops ag,rs]
 
 --fp8-sweep also times the FP8 core in `FP8_SWEEP`'s tilings (two warpgroups along M: 256 x 128
 CTA tiles, the shape cuBLAS's FP8 kernels favour), a question for the FP8 plan.
@@ -86,6 +87,10 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
         if type(tiles) is type(plan) and tiles not in found.values():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
             found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
+    if op == "ag":  # the last wave narrowed (DirectAGConfig.narrow_tail), as gemm_core runs it
+        for label in ("plan", "default", "cm"):
+            if label in found:
+                found[f"{label}-nt"] = dataclasses.replace(found[label], narrow_tail=True)
     return found
 
 
@@ -121,11 +126,16 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4,8")
     parser.add_argument("--no-fp8", action="store_true")
     parser.add_argument("--fp8-sweep", action="store_true")
+    parser.add_argument("--presets", default=None, help="comma-separated; default: all")
+    parser.add_argument("--ops", default="ag,rs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for preset, op, size, (m, k, n) in local_shapes(sizes):
+        presets = args.presets.split(",") if args.presets else [preset]
+        if op not in args.ops.split(",") or preset not in presets:
+            continue
         ka, kb = jax.random.split(jax.random.key(m + k + n))
         a = jax.random.normal(ka, (m, k), jnp.bfloat16)
         b = (jax.random.normal(kb, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)

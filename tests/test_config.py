@@ -147,3 +147,24 @@ def test_direct_rs_config_fields():
         mosaic_gpu.DirectRSConfig(chain_tiles="no")
     tiles = mosaic_gpu.DirectRSConfig(cluster="m")
     assert (tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (2, 256, 256)
+
+
+def test_direct_ag_config_narrow_tail():
+    """narrow_tail halves a CTA tile's columns into two warpgroups' tiles along M, so it needs
+    cta_m and cta_n of whole 128s; the halves' tiling (`tiles.narrowed`) covers the CTA tile's
+    rows and half its columns."""
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    with pytest.raises(ValueError, match="narrow_tail=1 must be a bool"):
+        mosaic_gpu.DirectAGConfig(narrow_tail=1)
+    with pytest.raises(ValueError, match="cta_m and cta_n must be multiples of 128"):
+        mosaic_gpu.DirectAGConfig(wg_along_m=True, tile_n=64, narrow_tail=True)
+    for tiles in (
+        mosaic_gpu.DirectAGConfig(narrow_tail=True),
+        mosaic_gpu.DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=256, narrow_tail=True),
+        mosaic_gpu.DirectAGConfig(cluster="m", tile_k=128, narrow_tail=True),
+    ):
+        half = mosaic_tiles.narrowed(tiles)
+        assert (half.cta_m, half.cta_n) == (tiles.cta_m, tiles.cta_n // 2)
+        assert half.wg_along_m and not half.narrow_tail
+        assert (half.cluster, half.tile_k, half.stages) == (tiles.cluster, tiles.tile_k, 4)

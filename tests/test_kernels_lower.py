@@ -46,6 +46,8 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) 
         "fused-direct-cm",
         "fused-direct-cm-r100",
         "fused-direct-gm-r50",
+        "fused-direct-nt",  # 4 x 256 = 1024 units: a tail of 100 of 132 CTAs, not narrowed
+        "fused-direct-cm-nt",  # 512 units over 66 clusters: a tail of 50, not narrowed
     ],
 )
 def test_push_gather_gemm_lowers(size, spec):
@@ -506,3 +508,86 @@ def test_split_accumulation_needs_small_warpgroup_tiles():
         call = lambda x, w: kernel(x, w, None, cfg, w_nk=True, split_accumulator=True)  # noqa: B023, E731
         with pytest.raises(ValueError, match="at most 8192 elements"):
             jax.jit(call).trace(*args)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(1, 8),  # 1: the kernel's GEMM core
+    own=st.integers(1, 400),
+    ctas=st.sampled_from([66, 132, 7, 1]),
+    spread=st.sampled_from([0, 50, 100]),
+    narrow=st.booleans(),
+)
+def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow):
+    """ATOMIC_GEMM_AG with narrow_tail: the main loop's whole tiles and the tail's two halves
+    of each of its tiles cover every unit exactly once; the tail fits in one wave of CTAs,
+    sends no rows (its units are peers' tiles, or one device's), and finishes the GEMM at
+    least half a tile's time sooner than whole tiles would."""
+    tiles = mosaic_gpu.DirectAGConfig(spread=spread, narrow_tail=narrow)
+    units = size * own
+    head, region = push_gather_gemm.spread_plan(tiles, own, ctas, 0)
+    if size == 1:
+        head = region = own
+    tail = push_gather_gemm.narrow_tail(tiles, units, ctas, region if size > 1 else 0)
+    main = units - tail
+    covered = np.zeros((units, 2), np.int32)
+    covered[:main] += 1
+    for i in range(2 * tail):
+        covered[main + i // 2, i % 2] += 1
+    assert (covered[:main] == 1).all() and (covered[main:] == 1).all()
+    if not narrow:
+        assert tail == 0
+    if tail:
+        assert main % ctas == 0 and 2 * tail <= ctas
+        steps, _ = push_gather_gemm.schedule_unit(np.arange(main, units), own, head, region)
+        assert size == 1 or (np.asarray(steps) > 0).all()
+        assert main // ctas + 0.5 <= -(-units // ctas) - 0.5
+    elif narrow and units % ctas and 2 * (units % ctas) <= ctas and size == 1:
+        pytest.fail("one device's partly filled last wave was left whole")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "float8"])
+@pytest.mark.parametrize(
+    ("size", "spec", "m", "expected"),
+    [
+        (None, "fused-direct-nt", 8192, 52),  # 448 tiles: 3 waves and 52 narrowed
+        (None, "fused-direct-gm-nt", 1024, 56),  # 56 tiles: all narrowed, no main loop
+        (None, "fused-direct-cm-nt", 8192, 26),  # 224 cluster tiles over 66 clusters
+        (2, "fused-direct-nt", 4096, 52),  # 2 x 224 tiles, the tail the peer's rows
+        (2, "fused-direct-cm-nt", 4096, 26),
+    ],
+)
+def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
+    """The direct AG kernel with a narrowed tail lowers, on one device (its GEMM core) and on a
+    mesh, in bf16 and float8 (N = 1792: 7 column tiles)."""
+    from commgemm import scaled
+    from commgemm.mosaic_gpu import fused
+
+    planned = []
+    plan = push_gather_gemm.narrow_tail
+
+    def recorded(*args):
+        planned.append(plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(push_gather_gemm, "narrow_tail", recorded)
+    cfg = parse_method(spec, "ag")
+    k, n = 256, 1792
+
+    def body(x, w):
+        if not fp8:
+            return push_gather_gemm.all_gather_matmul(x, w, None if size is None else "x", cfg)
+        qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
+        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, k, "bfloat16", False)
+        return fused.all_gather_matmul(qx.data, rhs, None if size is None else "x", cfg,
+                                       w_transposed=False)  # fmt: skip
+
+    if size is None:
+        f, args = jax.jit(body), ((m, k), (k, n))
+    else:
+        f = jax.jit(jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), P(None, "x")),
+                                  out_specs=P(None, "x"), check_vma=False))  # fmt: skip
+        args = ((size * m, k), (k, size * n))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in args]
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and planned == [expected]

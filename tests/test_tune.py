@@ -109,7 +109,8 @@ def test_spec_round_trip(op):
              "none-mosaic", "ring:2-chain-mosaic")  # fmt: skip
     fused = {
         "ag": ("fused", "fused-w1", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-gm-w4",
-               "fused-direct", "fused-direct-cm", "fused-direct-cm-w16", "fused-direct-cm-r85"),
+               "fused-direct", "fused-direct-cm", "fused-direct-cm-w16", "fused-direct-cm-r85",
+               "fused-direct-cm-nt", "fused-direct-gm-nt"),
         "rs": ("fused", "fused-cn-w16", "fused-direct", "fused-direct-ct-w16",
                "fused-direct-cm-ct-t2", "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2"),
     }[op]  # fmt: skip

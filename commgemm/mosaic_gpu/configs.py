@@ -98,14 +98,25 @@ class DirectAGConfig(_Tiling):
     spread: percent (0 to 100) of the schedule after the first wave over which this device's own
     tiles (the ones that send x's rows) are interleaved with the peers'; 0 runs them first.
     cluster: "m" only (the pair shares w's blocks).
+    narrow_tail: the tiles of the last, partly filled wave of CTAs run as two tiles of half
+      their columns each, where those fit in one wave (`push_gather_gemm.narrow_tail`); needs
+      cta_m and cta_n multiples of 128.
     """
 
     cluster: str | None = None
     spread: int = 0
+    narrow_tail: bool = False
     _clusters = (None, "m")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.narrow_tail, bool):
+            raise ValueError(f"DirectAGConfig.narrow_tail={self.narrow_tail!r} must be a bool")
+        if self.narrow_tail and (self.cta_m % (2 * EPI) or self.cta_n % (2 * EPI)):
+            raise ValueError(
+                f"DirectAGConfig.narrow_tail halves a {self.cta_m} x {self.cta_n} CTA tile into "
+                f"two warpgroups' {EPI}-multiples: cta_m and cta_n must be multiples of {2 * EPI}"
+            )
         if isinstance(self.spread, bool) or not isinstance(self.spread, int):
             raise ValueError(f"DirectAGConfig.spread={self.spread!r} must be an int")
         if not 0 <= self.spread <= 100:

@@ -3,10 +3,12 @@ peers as the local GEMM of the methods that are not fused (NONE, PIPELINE, RING_
 
 It is the kernel the fused AG op runs, with nothing to send: one persistent CTA per SM, 128 x
 256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA stores of
-the result in 64 x 64 blocks. Float8 operands (an op's tensor-scaled `scaling=`) multiply on the
-float8 tensor cores with w laid out [n, K] and the two scales applied in the epilogue, as in the
-fused ops. Which of it and XLA's dot is faster depends on the shape (BENCHMARKS.md, "GEMM
-core"): the tuner measures both, and AUTO reads its choice from the tune cache.
+the result in 64 x 64 blocks; where the last wave of tiles fills at most half the CTAs, those
+tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`). Float8 operands (an
+op's tensor-scaled `scaling=`) multiply on the float8 tensor cores with w laid out [n, K] and
+the two scales applied in the epilogue, as in the fused ops. Which of it and XLA's dot is
+faster depends on the shape (BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO
+reads its choice from the tune cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
 modes, two float8 formats, split accumulation) multiplies with XLA's dot instead, so a chunk of
@@ -26,9 +28,10 @@ from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import DirectAGConfig
 from commgemm.quant import TENSOR_MODES
 
-#: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`).
-TILES = DirectAGConfig()
-FLOAT8_TILES = DirectAGConfig(tile_k=128)
+#: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`);
+#: a last wave at most half full runs its tiles as half-width ones (`narrow_tail`).
+TILES = DirectAGConfig(narrow_tail=True)
+FLOAT8_TILES = DirectAGConfig(tile_k=128, narrow_tail=True)
 
 
 def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None:

@@ -11,6 +11,8 @@ interleaves the own tiles with the peers' after the first wave (`spread_plan`,
 `schedule_unit`). Slot j of a device's inbox holds the rows of device (d - j - 1) mod P.
 Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
 relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair shares w).
+With `narrow_tail`, a last wave of tiles that fills at most half the CTAs runs each of its
+tiles as two of half the columns (`narrow_tail`), in a shared-memory scope of their own.
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ def schedule_unit(lin, own: int, head: int, region: int):
     return step, tile
 
 
+def narrow_tail(tiles: DirectAGConfig, units: int, ctas: int, senders_end: int) -> int:
+    """How many of the kernel's last units run as two half-width tiles each
+    (DirectAGConfig.narrow_tail; `tiles.narrowed`): the last, partly filled wave's (unit u runs
+    on CTA u mod ctas), where their halves fit in one wave and none of them sends rows (the
+    units from `senders_end` on send nothing). A wave a fraction f full then takes about half
+    a tile's time instead of a whole one's. 0: no narrowed tail."""
+    tail = units % ctas
+    if not tiles.narrow_tail or 2 * tail > ctas or units - tail < senders_end:
+        return 0
+    return tail
+
+
 def _visit_rank(tiles: DirectAGConfig, m_idx: jax.Array, n_idx: jax.Array, n_iters: int):
     """Which visit of band `m_idx` by `plgpu.planar_snake` column `n_idx` is (0 the first):
     along N a strip walks its columns in order; along M the strips of `grid_tile_width`
@@ -120,11 +134,10 @@ def all_gather_matmul(
         head = region = step_tiles
     if region > step_tiles and step_tiles * step_tiles >= 2**31:
         raise ValueError(f"DirectAGConfig.spread needs fewer tiles a block, got {step_tiles}")
-    num_slots = mt.epilogue_slots(tiles)
-
-    def get_pipeline(body, compute_context):
-        # release 1: a block stays in smem a step longer, while it is being sent
-        return mt.tile_pipeline(tiles, dtype, k_iters, body, compute_context, release=1, w_nk=w_nk)
+    num_units = size * step_tiles
+    # the own tiles (units below region) send x's rows; on one device nothing is sent
+    tail = narrow_tail(tiles, num_units, sms // tiles.cluster_size, region if size > 1 else 0)
+    main_units = num_units - tail
 
     def body(x_ref, w_ref, *refs):
         scale_ref, out_ref, inbox_ref = refs if scale is not None else (None, *refs)
@@ -135,99 +148,123 @@ def all_gather_matmul(
         peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
                  for j in range(size - 1)]  # fmt: skip
 
-        @mt.tile_smem(
-            tiles, dtype, k_iters, x_ref, w_ref, release=1, out_dtype=out_dtype, w_nk=w_nk
-        )
-        def _scope(pipeline_allocs, out_smem):
-            @plgpu.nd_loop((size * step_tiles,), collective_axes="cluster_grid")
-            def _tiles(info):
-                (lin,) = info.index
-                step, tile = schedule_unit(lin, step_tiles, head, region)
-                # whose rows this step multiplies
-                source = lax.rem(here + size - step, jnp.int32(size))
-                at = mt.tile_slices(tiles, tile, m_iters, n_iters)
-                band_rows = pl.ds(at.m_idx * tiles.cta_m, tiles.cta_m)
-                # the band's first num_senders visits push its rows: K block kk from visit
-                # kk mod num_senders
-                rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
-                sender = (step == 0) & (rank < num_senders) & (wg == 0)
+        def walk(tiling, units: int, unit_of):
+            """Run `units` units in `tiling`: unit_of(i) is (lin, part), the kernel's lin-th unit
+            (`schedule_unit`) whole (part None) or its part-th half (`tiles.narrowed`)."""
+            num_slots = mt.epilogue_slots(tiling)
 
-                def finish(read):
+            @mt.tile_smem(
+                tiling, dtype, k_iters, x_ref, w_ref, release=1, out_dtype=out_dtype, w_nk=w_nk
+            )
+            def _scope(pipeline_allocs, out_smem):
+                @plgpu.nd_loop((units,), collective_axes="cluster_grid")
+                def _tiles(info):
+                    (i,) = info.index
+                    lin, part = unit_of(i)
+                    run_unit(tiling, num_slots, pipeline_allocs, out_smem, lin, part)
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def run_unit(tiling, num_slots, pipeline_allocs, out_smem, lin, part):
+            step, tile = schedule_unit(lin, step_tiles, head, region)
+            # whose rows this step multiplies
+            source = lax.rem(here + size - step, jnp.int32(size))
+            at = mt.tile_slices(tiles, tile, m_iters, n_iters)
+            band_rows = pl.ds(at.m_idx * tiles.cta_m, tiles.cta_m)
+            # the band's first num_senders visits push its rows: K block kk from visit
+            # kk mod num_senders (a narrowed tail sends nothing: `narrow_tail`)
+            rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
+            sender = None if part is not None else (step == 0) & (rank < num_senders) & (wg == 0)
+            if part is not None:
+                at = mt.narrowed_slices(tiles, at, part)
+
+            def finish(read):
+                if sender is not None:
+
                     @pl.when(sender)
                     def _band_sent():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
                         for j, peer in enumerate(peers):
                             mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
 
-                    acc = mt.scaled(read(), scale_ref, out_dtype)
-                    out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = acc[epi_m, epi_n]
-                        plgpu.commit_smem()
-                        dest = out_ref.at[out_rows, at.cta_n].at[at.wg_m, at.wg_n]
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
+                acc = mt.scaled(read(), scale_ref, out_dtype)
+                out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for epi_m, epi_n, slot in mt.epilogue_blocks(tiling, num_slots):
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, slot] = acc[epi_m, epi_n]
+                    plgpu.commit_smem()
+                    dest = out_ref.at[out_rows, at.cta_n].at[at.wg_m, at.wg_n]
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
 
-                def compute_context(eval_pipeline):
-                    mt.accumulated(tiles, eval_pipeline, finish, split=split_accumulator)
+            def compute_context(eval_pipeline):
+                mt.accumulated(tiling, eval_pipeline, finish, split=split_accumulator)
 
-                def mma_body(idxs, a_smem, b_smem, acc):
-                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    acc = mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
-                                        split=split_accumulator, in_flight=None)  # fmt: skip
+            def mma_body(idxs, a_smem, b_smem, acc):
+                rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
+                acc = mt.accumulate(tiling, acc, a_smem.at[at.wg_m], rhs,
+                                    split=split_accumulator, in_flight=None)  # fmt: skip
+                if sender is not None:
+                    send_block(idxs, a_smem)
+                if not split_accumulator:
+                    plgpu.wgmma_wait(1)
+                return acc
 
-                    (kk,) = idxs
-                    now = sender & (lax.rem(kk, jnp.int32(num_senders)) == rank)
-                    before = sender & (kk > 0) & (lax.rem(kk - 1, jnp.int32(num_senders)) == rank)
+            def send_block(idxs, a_smem):
+                (kk,) = idxs
+                now = sender & (lax.rem(kk, jnp.int32(num_senders)) == rank)
+                before = sender & (kk > 0) & (lax.rem(kk - 1, jnp.int32(num_senders)) == rank)
 
-                    @pl.when(now)
-                    def _send():
-                        block = pl.ds(kk * tiles.tile_k, tiles.tile_k)
-                        for j, peer in enumerate(peers):
-                            plgpu.copy_smem_to_gmem(
-                                a_smem,
-                                plgpu.remote_ref(inbox_ref, peer).at[j, band_rows, block],
-                                commit_group=j == size - 2,  # one group per K-step
-                            )
-
-                    # a block's slot is released at the end of the next K-step (release 1), or
-                    # reused by the next tile's first loads after the last: its send must have
-                    # read it by then
-                    @pl.when(before & now)
-                    def _previous_read():
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-
-                    @pl.when((before & ~now) | (now & (kk == k_iters - 1)))
-                    def _all_read():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-                    if not split_accumulator:
-                        plgpu.wgmma_wait(1)
-                    return acc
-
-                def run(rows_ref):
-                    get_pipeline(mma_body, compute_context)(
-                        rows_ref.at[band_rows, :],
-                        mt.w_columns(w_ref, at.cta_n, w_nk=w_nk),
-                        allocations=pipeline_allocs,
-                    )
-
-                @pl.when(step == 0)
-                def _own_rows():
-                    run(x_ref)
-
-                if size > 1:
-
-                    @pl.when(step > 0)
-                    def _peer_rows():
-                        slot = step - 1
-                        pl.semaphore_wait(
-                            arrived.at[slot, at.m_idx], value=num_senders, decrement=False
+                @pl.when(now)
+                def _send():
+                    block = pl.ds(kk * tiles.tile_k, tiles.tile_k)
+                    for j, peer in enumerate(peers):
+                        plgpu.copy_smem_to_gmem(
+                            a_smem,
+                            plgpu.remote_ref(inbox_ref, peer).at[j, band_rows, block],
+                            commit_group=j == size - 2,  # one group per K-step
                         )
-                        run(inbox_ref.at[slot])
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                # a block's slot is released at the end of the next K-step (release 1), or
+                # reused by the next tile's first loads after the last: its send must have
+                # read it by then
+                @pl.when(before & now)
+                def _previous_read():
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                @pl.when((before & ~now) | (now & (kk == k_iters - 1)))
+                def _all_read():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            def run(rows_ref):
+                # release 1: a block stays in smem a step longer, while it is being sent
+                mt.tile_pipeline(
+                    tiling, dtype, k_iters, mma_body, compute_context, release=1, w_nk=w_nk
+                )(
+                    rows_ref.at[band_rows, :],
+                    mt.w_columns(w_ref, at.cta_n, w_nk=w_nk),
+                    allocations=pipeline_allocs,
+                )
+
+            @pl.when(step == 0)
+            def _own_rows():
+                run(x_ref)
+
+            if size > 1:
+
+                @pl.when(step > 0)
+                def _peer_rows():
+                    slot = step - 1
+                    pl.semaphore_wait(
+                        arrived.at[slot, at.m_idx], value=num_senders, decrement=False
+                    )
+                    run(inbox_ref.at[slot])
+
+        if main_units:
+            walk(tiles, main_units, lambda i: (i, None))
+        if tail:  # a new scope: every warpgroup has left the main loop's shared memory
+            walk(mt.narrowed(tiles), 2 * tail,
+                 lambda i: (main_units + i // 2, lax.rem(i, jnp.int32(2))))  # fmt: skip
 
     with jax.named_scope("fused_ag_gemm_push"):
         out, _ = plgpu.kernel(

@@ -352,6 +352,32 @@ def tile_slices(tiles: KernelConfig, tile: jax.Array, m_iters: int, n_iters: int
     )
 
 
+def narrowed(tiles: KernelConfig) -> KernelConfig:
+    """The tiling of half a CTA tile's columns, cta_m x cta_n / 2, its two compute warpgroups
+    stacked along M (the better of the two halvings on Hopper: docs/performance.md)."""
+    half = dict(tile_m=tiles.cta_m // 2, tile_n=tiles.cta_n // 2, wg_along_m=True)
+    if hasattr(tiles, "narrow_tail"):
+        half["narrow_tail"] = False
+    return dataclasses.replace(tiles, **half)
+
+
+def narrowed_slices(tiles: KernelConfig, at: TileSlices, part) -> TileSlices:
+    """Half `part` (0 or 1) of the columns of the CTA tile `at` of `tiles`, in the `narrowed`
+    tiling (n_idx counts half tiles)."""
+    from jax.experimental import pallas as pl
+
+    half = narrowed(tiles)
+    n_idx = at.n_idx * 2 + part
+    wg = lax.axis_index("wg")
+    return dataclasses.replace(
+        at,
+        n_idx=n_idx,
+        cta_n=pl.ds(n_idx * half.cta_n, half.cta_n),
+        wg_m=pl.ds(wg * half.tile_m, half.tile_m),
+        wg_n=slice(None),
+    )
+
+
 def epilogue_slots(tiles: KernelConfig) -> int:
     """How many epi x epi smem blocks each compute warpgroup's epilogue cycles through."""
     return min(2, (tiles.tile_m * tiles.tile_n) // (tiles.epi * tiles.epi))

@@ -48,19 +48,45 @@ def _ref(x, w):
             (2048, 1024, 2304),
         ),  # 144 tiles on 132 CTAs (one device: no split)
         ("rs", DirectRSConfig(chain_tiles=True), (4096, 512, 2304)),  # 288 tiles, 2+ a CTA
+        # 448 tiles on 132 CTAs: 3 waves, then the last 52 tiles as 104 half-width ones
+        ("ag", DirectAGConfig(narrow_tail=True), (8192, 512, 1792)),
+        ("ag", DirectAGConfig(grid_minor_m=True, narrow_tail=True), (8192, 512, 1792)),
+        ("ag", DirectAGConfig(cluster="m", narrow_tail=True), (8192, 512, 1792)),  # 26 of 66
+        ("ag", DirectAGConfig(narrow_tail=True), (1024, 512, 1792)),  # 56 tiles: all narrowed
     ],
 )
 def test_gemm_core(op, tiles, shape):
-    """Every output element written once, with the right value (a tile left out or stored
-    twice shows as a large error: the output is not zeroed first)."""
+    """Every output element written once, with the right value. The output is not zeroed
+    first: a call on -x runs before the checked one, so a tile left out (holding the last
+    call's -x @ w where the buffer is reused, or anything) or stored twice shows."""
     x, w = _operands(*shape, seed=sum(shape))
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
-    out = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))(x, w)
-    assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
-    for _ in range(2):  # again, over the last call's buffer
-        out = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))(x, w)
-    assert _rel_err(out, _ref(x, w)) < 1e-2  # bf16 rounding of the result
+    f = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))
+    for sign in (-1, 1):
+        out = f(sign * x, w)
+        assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
+        assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
+
+
+@pytest.mark.parametrize("cluster", [None, "m"])
+def test_float8_core_narrow_tail(cluster):
+    """The float8 AG core with its last wave narrowed (448 tiles on 132 CTAs) against the
+    float32 product of the same quantized operands, after a call on -x (`test_gemm_core`)."""
+    from commgemm import scaled
+
+    m, k, n = 8192, 1024, 1792
+    x, w = _operands(m, k, n, seed=5)
+    qw = cg.quantize(w, "current_tensor_scaling", axis=0)
+    tiles = DirectAGConfig(cluster=cluster, narrow_tail=True, tile_k=128)
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    f = jax.jit(lambda a, r: fused.all_gather_matmul(a, r, None, config, w_transposed=True))
+    for sign in (-1, 1):
+        qx = cg.quantize(sign * x, "current_tensor_scaling")
+        ref = jnp.dot(cg.dequantize(qx), cg.dequantize(qw), precision="highest")
+        rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+                                  "bfloat16", False)  # fmt: skip
+        assert _rel_err(f(qx.data, rhs), ref) < 1.5e-2  # bf16 result, fast accumulation
 
 
 def _serial(op, spec, scaling=None, check_vma=True):
