@@ -41,7 +41,13 @@ from commgemm import scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 from commgemm.cli.specs import fused_spec  # noqa: E402
-from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, fused, heuristics  # noqa: E402
+from commgemm.mosaic_gpu import (  # noqa: E402
+    DirectAGConfig,
+    DirectRSConfig,
+    fused,
+    gemm_core,
+    heuristics,
+)
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
 PEAK_BF16 = 989.0
@@ -91,6 +97,11 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
         for label in ("plan", "default", "cm"):
             if label in found:
                 found[f"{label}-nt"] = dataclasses.replace(found[label], narrow_tail=True)
+    if op == "ag" and n % 256 and n % gemm_core.COLUMNS_192 == 0:  # 128 x 192 tiles
+        for label, cluster in (("n192", None), ("n192-cm", "m")):
+            found[label] = dataclasses.replace(
+                gemm_core.tiling(n, float8=False), cluster=cluster, grid_minor_m=True
+            )
     return found
 
 

@@ -114,6 +114,13 @@ def test_gemm_reason(hopper):
         x, w, True, "bfloat16"
     )
     assert "its result is bfloat16" in gemm_core.gemm_reason(x, w, False, "float32")
+    # N whole 192s but not 256s (llama13b's 1728 and 3456) takes 128 x 192 tiles; 1088 neither
+    for n, reason in ((1728, None), (3456, None), (1088, "N=1088 must be divisible by the tile")):
+        w_n = jax.ShapeDtypeStruct((128, n), jnp.bfloat16)
+        found = gemm_core.gemm_reason(x, w_n, False, "bfloat16")
+        assert found is None if reason is None else reason in found
+    assert gemm_core.tiling(1728, float8=True).cta_n == 192
+    assert gemm_core.tiling(1792, float8=False) == gemm_core.TILES
     f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
     assert "bf16 or fp16" in gemm_core.gemm_reason(f32, w, False, "float32")
     # float8: one format on both sides (dX's e5m2 dY against e4m3 W stays on XLA's dot)
@@ -189,3 +196,11 @@ def test_auto_keeps_a_promoting_forward_off_the_fused_kernels(hopper, tmp_path, 
         ("fused-direct", promoted, 1),
     ]:
         assert _lowered("ag", spec, shape, size, scaling=scaling)[0] == kernels, (spec, scaling)
+
+
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
+def test_192_column_tiles_lower_to_the_kernel(hopper, scaling):
+    """N / P = 1728 (whole 192s, not 256s): the serial path's GEMM runs the kernel in 128 x 192
+    tiles, bf16 and float8, instead of falling back to XLA's dot."""
+    found, text = _lowered("ag", "none-mosaic", (512, 256, 2 * 1728), scaling=scaling)
+    assert found == 1 and "dot_general" not in text

@@ -4,11 +4,12 @@ peers as the local GEMM of the methods that are not fused (NONE, PIPELINE, RING_
 It is the kernel the fused AG op runs, with nothing to send: one persistent CTA per SM, 128 x
 256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA stores of
 the result in 64 x 64 blocks; where the last wave of tiles fills at most half the CTAs, those
-tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`). Float8 operands (an
-op's tensor-scaled `scaling=`) multiply on the float8 tensor cores with w laid out [n, K] and
-the two scales applied in the epilogue, as in the fused ops. Which of it and XLA's dot is
-faster depends on the shape (BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO
-reads its choice from the tune cache.
+tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`); N that is whole 192s but
+not 256s takes 128 x 192 tiles (`tiling`). Float8 operands (an op's tensor-scaled `scaling=`)
+multiply on the float8 tensor cores with w laid out [n, K] and the two scales applied in the
+epilogue, as in the fused ops. Which of it and XLA's dot is faster depends on the shape
+(BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO reads its choice from the tune
+cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
 modes, two float8 formats, split accumulation) multiplies with XLA's dot instead, so a chunk of
@@ -19,6 +20,8 @@ in the fused kernels").
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,19 @@ from commgemm.quant import TENSOR_MODES
 #: a last wave at most half full runs its tiles as half-width ones (`narrow_tail`).
 TILES = DirectAGConfig(narrow_tail=True)
 FLOAT8_TILES = DirectAGConfig(tile_k=128, narrow_tail=True)
+#: Columns of the CTA tile where N is not whole 256-column tiles but whole 192s (llama13b's
+#: N / P = 3456 and 1728): two 64 x 192 warpgroup tiles along M.
+COLUMNS_192 = 192
+
+
+def tiling(n: int, *, float8: bool) -> DirectAGConfig:
+    """The kernel's tiling for N = n columns (`TILES`, `FLOAT8_TILES`; 128 x 192 CTA tiles where
+    n is whole 192s but not 256s)."""
+    tiles = FLOAT8_TILES if float8 else TILES
+    if n % tiles.cta_n and n % COLUMNS_192 == 0:
+        tiles = dataclasses.replace(tiles, wg_along_m=True, tile_m=64, tile_n=COLUMNS_192,
+                                    narrow_tail=False)  # fmt: skip
+    return tiles
 
 
 def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None:
@@ -48,14 +64,15 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
             return "XLA's promoted FP8 GEMM is faster than its split accumulation"
         if x.dtype != w.w.data.dtype:  # e.g. dX's e5m2 dY against e4m3 W
             return f"its wgmma takes one float8 format, got {x.dtype} and {w.w.data.dtype}"
-        out, tiles, data = w.dtype, FLOAT8_TILES, w.w.data
+        out, data = w.dtype, w.w.data
     else:
         if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
             return f"it multiplies bf16 or fp16 operands, got {x.dtype} and {w.dtype}"
-        out, tiles, data = x.dtype, TILES, w
+        out, data = x.dtype, w
     if jnp.dtype(result_dtype or "float32") != jnp.dtype(out):
         return f"its result is {jnp.dtype(out).name}, not {jnp.dtype(result_dtype).name}"
     (rows, k), n = x.shape, data.shape[0 if w_transposed else 1]
+    tiles = tiling(n, float8=isinstance(w, QuantizedRhs))
     return mosaic_tiles.shape_reason(tiles, rows, k, n)
 
 
@@ -65,7 +82,9 @@ def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:
     from commgemm.mosaic_gpu import fused
     from commgemm.scaled import QuantizedRhs
 
-    tiles = FLOAT8_TILES if isinstance(w, QuantizedRhs) else TILES
+    quantized = isinstance(w, QuantizedRhs)
+    n = (w.w.data if quantized else w).shape[0 if w_transposed else 1]
+    tiles = tiling(n, float8=quantized)
     config = OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles)
     with jax.named_scope("gemm_core"):
         return fused.all_gather_matmul(x, w, None, config, w_transposed=w_transposed)

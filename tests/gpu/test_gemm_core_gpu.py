@@ -53,6 +53,13 @@ def _ref(x, w):
         ("ag", DirectAGConfig(grid_minor_m=True, narrow_tail=True), (8192, 512, 1792)),
         ("ag", DirectAGConfig(cluster="m", narrow_tail=True), (8192, 512, 1792)),  # 26 of 66
         ("ag", DirectAGConfig(narrow_tail=True), (1024, 512, 1792)),  # 56 tiles: all narrowed
+        # 128 x 192 tiles (gemm_core.tiling) for N whole 192s, not 256s
+        ("ag", DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=192), (1024, 512, 1728)),
+        (
+            "ag",
+            DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=192, cluster="m", grid_minor_m=True),
+            (2048, 512, 3456),
+        ),  # fmt: skip
     ],
 )
 def test_gemm_core(op, tiles, shape):
@@ -69,16 +76,23 @@ def test_gemm_core(op, tiles, shape):
         assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
 
 
-@pytest.mark.parametrize("cluster", [None, "m"])
-def test_float8_core_narrow_tail(cluster):
-    """The float8 AG core with its last wave narrowed (448 tiles on 132 CTAs) against the
-    float32 product of the same quantized operands, after a call on -x (`test_gemm_core`)."""
+@pytest.mark.parametrize(
+    ("n", "tiles"),
+    [
+        (1792, DirectAGConfig(narrow_tail=True, tile_k=128)),
+        (1792, DirectAGConfig(cluster="m", narrow_tail=True, tile_k=128)),
+        (1728, DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=192, tile_k=128)),
+    ],
+)
+def test_float8_core_tilings(n, tiles):
+    """The float8 AG core with its last wave narrowed (448 tiles on 132 CTAs) and in 128 x 192
+    tiles, against the float32 product of the same quantized operands, after a call on -x
+    (`test_gemm_core`)."""
     from commgemm import scaled
 
-    m, k, n = 8192, 1024, 1792
+    m, k = 8192, 1024
     x, w = _operands(m, k, n, seed=5)
     qw = cg.quantize(w, "current_tensor_scaling", axis=0)
-    tiles = DirectAGConfig(cluster=cluster, narrow_tail=True, tile_k=128)
     config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     f = jax.jit(lambda a, r: fused.all_gather_matmul(a, r, None, config, w_transposed=True))
     for sign in (-1, 1):
@@ -105,10 +119,12 @@ def _serial(op, spec, scaling=None, check_vma=True):
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
-def test_serial_path_on_the_kernel(op, scaling, check_vma):
+@pytest.mark.parametrize("n", [1024, 1728])  # 1728: 128 x 192 tiles
+def test_serial_path_on_the_kernel(op, scaling, check_vma, n):
     """The op on a one-device mesh with local_gemm "mosaic" runs the kernel (checked in the
-    compiled program) and agrees with XLA's dot path, values and gradients."""
-    x, w = _operands(1024, 512, 1024, seed=7)
+    compiled program) and agrees with XLA's dot path, values and gradients; the forward GEMM
+    with N = 1728 runs in 128 x 192 tiles."""
+    x, w = _operands(1024, 512, n, seed=7)
     mosaic = _serial(op, "none-mosaic", scaling, check_vma)
     xla = _serial(op, "none", scaling, check_vma)
     assert "mosaic_gpu" in mosaic.lower(x, w).as_text()
