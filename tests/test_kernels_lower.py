@@ -555,11 +555,12 @@ def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow):
         (None, "fused-direct-cm-nt", 8192, 26),  # 224 cluster tiles over 66 clusters
         (2, "fused-direct-nt", 4096, 52),  # 2 x 224 tiles, the tail the peer's rows
         (2, "fused-direct-cm-nt", 4096, 26),
+        (2, "fused-direct-wgm-m64-n192", 4096, 0),  # 128 x 192 tiles, N = 1728
     ],
 )
 def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     """The direct AG kernel with a narrowed tail lowers, on one device (its GEMM core) and on a
-    mesh, in bf16 and float8 (N = 1792: 7 column tiles)."""
+    mesh, in bf16 and float8 (N = 1792: 7 column tiles); so do 128 x 192 tiles (N = 1728)."""
     from commgemm import scaled
     from commgemm.mosaic_gpu import fused
 
@@ -572,7 +573,7 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
 
     monkeypatch.setattr(push_gather_gemm, "narrow_tail", recorded)
     cfg = parse_method(spec, "ag")
-    k, n = 256, 1792
+    k, n = 256, 1728 if "n192" in spec else 1792
 
     def body(x, w):
         if not fp8:
