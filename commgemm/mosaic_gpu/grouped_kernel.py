@@ -226,7 +226,9 @@ def grouped_matmul(
                         plgpu.commit_smem()
 
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    return mt.accumulate(tiles, acc, rows, rhs, split=False, in_flight=1)
+                    last = (j == count - 1) & (idxs[1] == k_iters - 1)
+                    return mt.accumulate(tiles, acc, rows, rhs, split=False, in_flight=1,
+                                         last=last)  # fmt: skip
 
                 @pl.when(count > 0)
                 def _groups():

@@ -208,6 +208,7 @@ def all_gather_matmul(
                     send_block(idxs, a_smem)
                 if not split_accumulator:
                     plgpu.wgmma_wait(1)
+                    mt.await_last_step(idxs[0] == k_iters - 1)
                 return acc
 
             def send_block(idxs, a_smem):

@@ -333,10 +333,11 @@ def matmul_reduce_scatter(
                 def compute_context(eval_pipeline):
                     mt.accumulated(tiles, eval_pipeline, finish, split=split_accumulator)
 
-                def mma_body(_, a_smem, b_smem, acc):
+                def mma_body(idxs, a_smem, b_smem, acc):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
                     return mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
-                                         split=split_accumulator, in_flight=release)  # fmt: skip
+                                         split=split_accumulator, in_flight=release,
+                                         last=idxs[0] == k_steps - 1)  # fmt: skip
 
                 ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
                 get_pipeline(k_steps, mma_body, compute_context, state)(

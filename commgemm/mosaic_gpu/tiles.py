@@ -164,11 +164,14 @@ def accumulated(tiles: KernelConfig, eval_pipeline, finish, *, split: bool) -> N
         finish(lambda: acc_ref[...])
 
 
-def accumulate(tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: int | None = 1):
+def accumulate(
+    tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: int | None = 1, last=None
+):
     """Fold one K-step, lhs @ rhs (smem refs), into the pipeline carry `acc` of `accumulated`
     and return the next carry: fast, a wgmma into the accumulator ref, awaited down to
-    `in_flight` running (None: the caller waits); split, the K-step's awaited product added into
-    the float32 total."""
+    `in_flight` running (None: the caller waits), all of it on the tile's `last` step
+    (`await_last_step`; needed where in_flight > 0); split, the K-step's awaited product added
+    into the float32 total."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -176,6 +179,8 @@ def accumulate(tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: in
         plgpu.wgmma(acc, lhs, rhs)
         if in_flight is not None:
             plgpu.wgmma_wait(in_flight)
+        if in_flight and last is not None:
+            await_last_step(last)
         return acc
 
     def step(part_ref):
@@ -183,6 +188,19 @@ def accumulate(tiles: KernelConfig, acc, lhs, rhs, *, split: bool, in_flight: in
         return part_ref[...]
 
     return acc + pl.run_scoped(step, plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32))
+
+
+def await_last_step(last) -> None:
+    """On a tile's last K-step (`last`, traced bool), await every wgmma. With delay_release=1
+    the next tile's pipeline reloads the last step's smem slot once the step before it is
+    released (right after this body): a wgmma still in flight would read the next tile's block
+    (wrong tiles on H200 with 3 stages, where that slot is the first one reloaded)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @pl.when(last)
+    def _all_done():
+        plgpu.wgmma_wait(0)
 
 
 def smem_transforms(dtype, minor: int) -> tuple:
@@ -366,16 +384,9 @@ def narrowed_slices(tiles: KernelConfig, at: TileSlices, part) -> TileSlices:
     tiling (n_idx counts half tiles)."""
     from jax.experimental import pallas as pl
 
-    half = narrowed(tiles)
-    n_idx = at.n_idx * 2 + part
-    wg = lax.axis_index("wg")
-    return dataclasses.replace(
-        at,
-        n_idx=n_idx,
-        cta_n=pl.ds(n_idx * half.cta_n, half.cta_n),
-        wg_m=pl.ds(wg * half.tile_m, half.tile_m),
-        wg_n=slice(None),
-    )
+    half, n_idx, wg = narrowed(tiles), at.n_idx * 2 + part, lax.axis_index("wg")
+    cta_n, wg_m = pl.ds(n_idx * half.cta_n, half.cta_n), pl.ds(wg * half.tile_m, half.tile_m)
+    return dataclasses.replace(at, n_idx=n_idx, cta_n=cta_n, wg_m=wg_m, wg_n=slice(None))
 
 
 def epilogue_slots(tiles: KernelConfig) -> int:

@@ -266,6 +266,28 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+def test_grouped_kernel_tiles_in_sequence(stages):
+    """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps): each tile's last wgmma
+    is done before the next tile reloads its smem slot (`tiles.await_last_step`; with 3 stages
+    that slot is the first one reloaded), on calls that alternate x and -x."""
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
+
+    m, k, n = 8192, 1024, 1792
+    sizes = jnp.asarray([900, 1500, 300, 1100, 2000, 700, 1000, 692], jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(stages), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (8, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    tiles = GroupedConfig(stages=stages)
+    f = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles))
+    for sign in (-1, 1, -1, 1):
+        want = jax.lax.ragged_dot((sign * x).astype(jnp.float32), w.astype(jnp.float32), sizes,
+                                  precision="highest")  # fmt: skip
+        got = f(sign * x, w, sizes).astype(jnp.float32)
+        assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_fused_float8_against_the_split_method(two_gpus, op, check_vma):

@@ -53,6 +53,14 @@ def _ref(x, w):
         ("ag", DirectAGConfig(grid_minor_m=True, narrow_tail=True), (8192, 512, 1792)),
         ("ag", DirectAGConfig(cluster="m", narrow_tail=True), (8192, 512, 1792)),  # 26 of 66
         ("ag", DirectAGConfig(narrow_tail=True), (1024, 512, 1792)),  # 56 tiles: all narrowed
+        # 3 stages, 16 K-steps: the last step's slot is the next tile's first load
+        # (`tiles.await_last_step`; these tiles came out wrong without it)
+        (
+            "rs",
+            DirectRSConfig(wg_along_m=True, tile_m=64, tile_n=256, cluster="m", stages=3),
+            (8192, 1024, 14336),
+        ),  # fmt: skip
+        ("ag", DirectAGConfig(stages=3), (8192, 1024, 7168)),
         # 128 x 192 tiles (gemm_core.tiling) for N whole 192s, not 256s
         ("ag", DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=192), (1024, 512, 1728)),
         (
@@ -70,7 +78,7 @@ def test_gemm_core(op, tiles, shape):
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
     f = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=False))
-    for sign in (-1, 1):
+    for sign in (-1, 1, -1, 1):
         out = f(sign * x, w)
         assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
         assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
