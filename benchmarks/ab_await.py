@@ -49,7 +49,9 @@ for name, (m, k, n) in {
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=DirectAGConfig(cluster="m"))
     for off in (False, True):
         f = compiled(
-            lambda p, q: fused.all_gather_matmul(p, q, None, cfg, w_transposed=False), (a, b), off
+            lambda p, q, c=cfg: fused.all_gather_matmul(p, q, None, c, w_transposed=False),
+            (a, b),
+            off,
         )
         variants[f"ag core {name} {'no wait' if off else 'wait'}"] = (f, (a, b))
 found = device_periods_interleaved(variants, rounds=8)
