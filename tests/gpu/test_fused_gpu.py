@@ -109,6 +109,24 @@ def test_direct_ag_tilings_checked_on_one_gpu(two_gpus, spec):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize(
+    ("op", "spec"),
+    [("ag", "fused-s3"), ("ag", "fused-direct-s3"), ("rs", "fused-s3"),
+     ("rs", "fused-direct-wgm-cm-m64-n256-s3")],
+)  # fmt: skip
+def test_three_stages_alternating_inputs(two_gpus, op, spec):
+    """3 stages and 16 K-steps a device, many tiles a CTA, calls alternating x and -x: with
+    one wgmma in flight the last K-step's smem slot is the next tile's first load; our direct
+    kernels await it (`tiles.await_last_step`, wrong tiles on one H200 before); jax's ring AG
+    kernel (`fused-s3` for ag) keeps one wgmma in flight too. Not yet run when written."""
+    size = jax.device_count()
+    shape = (8192, 1024, 7168) if op == "ag" else (8192, 1024 * size, 7168)
+    x, w, _ = _operands(shape, 13)
+    f = _sharded(op, _mesh(), parse_method(spec, op))
+    for sign in (-1, 1, -1, 1):
+        assert _relative_error(f(sign * x, w), _reference(sign * x, w)) <= REL
+
+
 @pytest.mark.parametrize(("op", "spec"), [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm")])
 def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
     """24 calls enqueued back to back, two inputs alternating: each equals that input's call
