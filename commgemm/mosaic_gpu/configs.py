@@ -114,8 +114,9 @@ class DirectAGConfig(_Tiling):
             raise ValueError(f"DirectAGConfig.narrow_tail={self.narrow_tail!r} must be a bool")
         if self.narrow_tail and (self.cta_m % (2 * EPI) or self.cta_n % (2 * EPI)):
             raise ValueError(
-                f"DirectAGConfig.narrow_tail halves a {self.cta_m} x {self.cta_n} CTA tile into "
-                f"two warpgroups' {EPI}-multiples: cta_m and cta_n must be multiples of {2 * EPI}"
+                f"DirectAGConfig.narrow_tail splits a {self.cta_m} x {self.cta_n} CTA tile into "
+                f"warpgroup tiles of half its rows and columns, whole {EPI}s: cta_m and cta_n "
+                f"must be multiples of {2 * EPI}"
             )
         if isinstance(self.spread, bool) or not isinstance(self.spread, int):
             raise ValueError(f"DirectAGConfig.spread={self.spread!r} must be an int")

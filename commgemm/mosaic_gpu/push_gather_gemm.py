@@ -11,8 +11,9 @@ interleaves the own tiles with the peers' after the first wave (`spread_plan`,
 `schedule_unit`). Slot j of a device's inbox holds the rows of device (d - j - 1) mod P.
 Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
 relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair shares w).
-With `narrow_tail`, a last wave of tiles that fills at most half the CTAs runs each of its
-tiles as two of half the columns (`narrow_tail`), in a shared-memory scope of their own.
+With DirectAGConfig.narrow_tail, a last wave of tiles that fills at most half the CTAs runs
+each of its tiles as two of half the columns (`narrow_tail`), in a shared-memory scope of its
+own.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def narrow_tail(tiles: DirectAGConfig, units: int, ctas: int, senders_end: int) 
     """How many of the kernel's last units run as two half-width tiles each
     (DirectAGConfig.narrow_tail; `tiles.narrowed`): the last, partly filled wave's (unit u runs
     on CTA u mod ctas), where their halves fit in one wave and none of them sends rows (the
-    units from `senders_end` on send nothing). A wave a fraction f full then takes about half
-    a tile's time instead of a whole one's. 0: no narrowed tail."""
+    units from `senders_end` on send nothing). That wave then takes about half a tile's time
+    instead of a whole one's. 0: no narrowed tail."""
     tail = units % ctas
     if not tiles.narrow_tail or 2 * tail > ctas or units - tail < senders_end:
         return 0
