@@ -5,7 +5,9 @@ FLOPs and the dense kernels' GEMM core, for G experts with uneven groups (M toke
 expert shard), timed interleaved in one run (device periods where the GPU's timestamps can be
 read, else host medians); reading w once, the memory bound of many experts; then the weight
 gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
-GEMM of the same FLOPs. Writes OUT/grouped_gemm.json.
+GEMM of the same FLOPs; and the float8 forward (`cg.grouped_matmul` with current tensor
+scaling, quantizing in each call, and commgemm's kernel alone on float8 operands). Writes
+OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR
 """
@@ -65,6 +67,25 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             jax.jit(lambda a, b, s: hopper.product(a, b, s, KERNELS["jax kernel"], True)),
             (dy, w, sizes),
         ),
+        # float8: the op with current scaling (quantizing x and w in each call), and the
+        # kernel alone on operands quantized before
+        "fp8 grouped_matmul (quantizing)": (
+            jax.jit(lambda a, b, s: cg.grouped_matmul(a, b, s, scaling="current_tensor_scaling")),
+            (x, w, sizes),
+        ),
+        "fp8 commgemm kernel": (
+            jax.jit(
+                lambda a, b, s, c: grouped_kernel.grouped_matmul(
+                    a, b, s, w_nk=True, scale=c, out_dtype=dtype
+                )
+            ),
+            (
+                x.astype(jnp.float8_e4m3fn),
+                jnp.swapaxes(w, 1, 2).astype(jnp.float8_e4m3fn),
+                sizes,
+                jnp.ones((1,), jnp.float32),
+            ),
+        ),  # fmt: skip
         "read w once": (jax.jit(lambda b: jnp.sum(b, axis=(0, 1))), (w,)),
         "dense GEMM core (commgemm)": (
             jax.jit(lambda a, b: gemm_core.matmul(a, b, False)),
@@ -83,6 +104,16 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
         fn, args = variants[name]
         err = float(jnp.abs(fn(*args).astype(jnp.float32) - ref).max())
         errors[name] = err / float(jnp.abs(ref).max())
+    # the float8 op against the float32 ragged dot of the operands it quantized
+    qx = cg.quantize(x, "current_tensor_scaling")
+    qw = cg.quantize(w, "current_tensor_scaling", axis=1)
+    ref8 = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32), cg.dequantize(qw, jnp.float32),
+                              sizes, precision="highest")  # fmt: skip
+    fn, args = variants["fp8 grouped_matmul (quantizing)"]
+    err = float(jnp.abs(fn(*args).astype(jnp.float32) - ref8).max())
+    errors["fp8 grouped_matmul (quantizing), vs its quantized operands"] = err / float(
+        jnp.abs(ref8).max()
+    )
     return variants, errors, sizes
 
 

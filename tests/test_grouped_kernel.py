@@ -119,6 +119,31 @@ def test_grouped_config_and_shapes():
         )  # fmt: skip
 
 
+def test_float8_shapes_and_path_reasons(monkeypatch):
+    """Float8 operands need w laid out [G, N, K] and take K-steps of 128 where K allows; the
+    grouped op's float8 kernel takes current tensor scaling with a fast forward only (the rest
+    emulates), on the kernel's shapes."""
+    import commgemm as cg
+
+    tiles = GroupedConfig()
+    for dtype in grouped_kernel.FLOAT8:
+        assert grouped_kernel.shape_reason(tiles, 1024, 512, 768, dtype, w_nk=True) is None
+        assert "[G, N, K]" in grouped_kernel.shape_reason(tiles, 1024, 512, 768, dtype)
+    assert grouped_kernel.float8_tiling(tiles, 512).tile_k == 128
+    assert grouped_kernel.float8_tiling(tiles, 576).tile_k == 64  # 4.5 steps of 128
+    monkeypatch.setattr(grouped, "unsupported_reason", lambda *_: None)  # as on a Hopper GPU
+    x, w = jnp.zeros((1024, 512), jnp.bfloat16), jnp.zeros((8, 512, 768), jnp.bfloat16)
+    current = cg.ScalingRecipe("current_tensor_scaling")
+    assert grouped.float8_reason(x, w, current) is None
+    state = cg.ScalingState.create()
+    delayed = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
+    assert "DELAYED" in grouped.float8_reason(x, w, delayed)
+    assert "MXFP8" in grouped.float8_reason(x, w, cg.ScalingRecipe("mxfp8_1d_scaling"))
+    split = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
+    assert "fast" in grouped.float8_reason(x, w, split)
+    assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current)
+
+
 @pytest.mark.parametrize(
     "m,k,n,groups,want",
     [

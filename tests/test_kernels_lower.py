@@ -592,3 +592,25 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in args]
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and planned == [expected]
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_grouped_kernel_lowers_on_float8(dtype):
+    """The grouped kernel on float8 x and w [G, N, K] with the scale as an operand (its masking
+    of straddling rows selects in fp16: Mosaic GPU computes on no 8-bit type)."""
+    from commgemm.mosaic_gpu import grouped_kernel
+
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((1024, 256), dtype), sds((8, 512, 256), dtype)
+    text = (
+        jax.jit(lambda a, b, s, c: grouped_kernel.grouped_matmul(
+            a, b, s, w_nk=True, scale=c, out_dtype=jnp.bfloat16))
+        .trace(x, w, sds((8,), jnp.int32), sds((1,), jnp.float32))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )  # fmt: skip
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 1, calls
+    operands, result = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)
+    assert operands.count("f8E") == 2 and "tensor<1xf32>" in operands, operands
+    assert result.startswith("tensor<1024x512xbf16>"), result

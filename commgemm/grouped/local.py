@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import floating_dtype_name
+from commgemm.quant import as_recipe
 
 
 def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
@@ -69,8 +70,10 @@ def grouped_matmul(
       bias: optional [G, N], added to each row of its group (not to rows past the sum).
       out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
         float64 operands).
-      scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`), emulated: see
-        commgemm.grouped.scaling.
+      scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`). On a Hopper GPU, current
+        tensor scaling with a fast-accumulating forward multiplies float8 operands on the
+        tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes
+        the shape); otherwise emulated: see commgemm.grouped.scaling.
       hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
         `GroupedTiles` (jax's ragged dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
@@ -81,7 +84,15 @@ def grouped_matmul(
       [M, N]. Differentiable in x, w and bias.
     """
     check_grouped(x, w, group_sizes)
-    if scaling is not None:
+    from commgemm.mosaic_gpu import grouped as hopper
+
+    recipe = as_recipe(scaling)
+    float8 = (
+        recipe is not None
+        and isinstance(hopper_tiles, hopper.GroupedConfig | None)
+        and hopper.float8_reason(x, w, recipe, hopper_tiles) is None
+    )
+    if recipe is not None and not float8:
         from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 
         x, w, recipe = quantized_operands(x, w, scaling)
@@ -91,9 +102,13 @@ def grouped_matmul(
     out_dtype = floating_dtype_name(out_dtype or x.dtype.name, "out_dtype")
     acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 for float64 operands
     sizes = group_sizes.astype(jnp.int32)
-    from commgemm.mosaic_gpu import grouped as hopper
 
-    if hopper.unsupported_reason(x, w, hopper_tiles) is None:
+    if float8:  # Hopper's float8 tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`)
+        from commgemm.grouped.scaling import with_quantized_cotangent
+
+        out = hopper.float8_ragged_dot(x, w, sizes, recipe.dtype, hopper_tiles)
+        out = with_quantized_cotangent(out, recipe)
+    elif hopper.unsupported_reason(x, w, hopper_tiles) is None:
         out = hopper.ragged_dot(x, w, sizes, hopper_tiles)
     elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:
         # a 16-bit result asked of XLA directly: float32 accumulation inside, no extra pass

@@ -4,7 +4,9 @@ in commgemm.scaled, and the grouped GEMMs run on the quantized values in x's dty
 backward is straight-through, with dY quantized as in commgemm.scaled (current scaling to
 float8_e5m2, or the block mode along N). What is emulated: the GEMMs are not FP8 tensor-core
 GEMMs, and the payloads move in x's dtype, not as float8 (XLA's ragged dot takes no float8
-operands here; a quantized grouped kernel is future work)."""
+operands here). The one exception: the local op on a Hopper GPU with current tensor scaling
+multiplies float8 operands on the tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`), with
+the same quantized values and the same backward."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ and jax's 7% faster with 64, where a 128-row tile holds two to four groups; ours
 19% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
 runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
-exists; it stays the fall-back for shapes neither kernel takes."""
+exists; it stays the fall-back for shapes neither kernel takes. Current tensor scaling runs
+the forward on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,57 @@ def _bwd(tiles, residuals, dy):
 
 
 ragged_dot.defvjp(_fwd, _bwd)
+
+
+def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | None:
+    """Why `float8_ragged_dot` cannot run x [M, K] @ w [G, K, N] under `recipe` in `tiles` here
+    (the grouped op then emulates the quantized GEMM), or None: it takes current tensor scaling
+    without states, a float8 forward with fast accumulation, on the shapes commgemm's kernel
+    takes."""
+    from commgemm.quant import ScalingMode
+
+    tiles = tiles or GroupedConfig()
+    if (reason := unsupported_reason(x, w, tiles)) is not None:
+        return reason
+    if recipe.mode is not ScalingMode.CURRENT_TENSOR_SCALING:
+        return f"its float8 kernel takes current tensor scaling, not {recipe.mode.name}"
+    if recipe.split_accumulator[0]:
+        return "its float8 kernel accumulates fast (the recipe asks a split forward)"
+    m, k, n = x.shape[0], w.shape[1], w.shape[2]
+    return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def float8_ragged_dot(
+    x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: str, tiles: GroupedConfig | None = None
+) -> jax.Array:
+    """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] and w [G, K, N]
+    quantized to `dtype` with one current scale each (w written [G, N, K], K-major, in the same
+    pass), multiplied on the float8 tensor cores by commgemm's kernel, the scales applied in
+    its epilogue -> [M, N] in x's dtype. The backward is straight-through: dX and dW are the
+    16-bit products of the cotangent with the dequantized operands, as the emulated path's."""
+    return _float8_forward(x, w, sizes, dtype, tiles)[0]
+
+
+def _float8_forward(x, w, sizes, dtype, tiles):
+    from commgemm.quant import ScalingMode, dequantize, quantize
+
+    mode = ScalingMode.CURRENT_TENSOR_SCALING
+    qx, qw = quantize(x, mode, dtype=dtype), quantize(w, mode, dtype=dtype, axis=1)
+    scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
+    w_nk = jnp.swapaxes(qw.data, 1, 2)
+    out = grouped_kernel.grouped_matmul(qx.data, w_nk, sizes, tiles, w_nk=True, scale=scale,
+                                        out_dtype=x.dtype)  # fmt: skip
+    residuals = (dequantize(qx, x.dtype), dequantize(qw, w.dtype), sizes)
+    return varying_like(out, x, w), residuals
+
+
+def _float8_fwd(x, w, sizes, dtype, tiles):
+    return _float8_forward(x, w, sizes, dtype, tiles)
+
+
+def _float8_bwd(dtype, tiles, residuals, dy):
+    return _bwd(None, residuals, dy)
+
+
+float8_ragged_dot.defvjp(_float8_fwd, _float8_bwd)

@@ -106,10 +106,31 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
 
 
-def shape_reason(tiles: GroupedConfig, m: int, k: int, n: int, dtype) -> str | None:
-    """Why the kernel cannot multiply x [m, K] by w [G, K, n] of `dtype`, or None."""
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"it multiplies bf16 or fp16 operands, got {jnp.dtype(dtype).name}"
+#: The float8 formats the kernel multiplies (both operands one format: Mosaic GPU's wgmma
+#: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs).
+FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
+    """`tiles` for float8 operands: K-steps of 128 elements (128 bytes, the widest swizzle, as
+    the dense kernels' `fused.float8_tiling`) where K is whole steps of it."""
+    if tiles.tile_k >= 128 or k % 128:
+        return tiles
+    return dataclasses.replace(tiles, tile_k=128)
+
+
+def shape_reason(
+    tiles: GroupedConfig, m: int, k: int, n: int, dtype, *, w_nk: bool = False
+) -> str | None:
+    """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`,
+    or None."""
+    dtype = jnp.dtype(dtype)
+    if dtype in FLOAT8:
+        if not w_nk:
+            return f"{dtype.name} operands need w laid out [G, N, K] (K-major)"
+        tiles = float8_tiling(tiles, k)
+    elif dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
     return mt.shape_reason(tiles, m, k, n)
 
 
@@ -120,16 +141,24 @@ def grouped_matmul(
     tiles: GroupedConfig | None = None,
     *,
     w_nk: bool = False,
+    scale: jax.Array | None = None,
+    out_dtype=None,
 ) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
-    [M, N] in x's dtype (float32 accumulation); rows past the sum are zero. M, K and N whole
-    tiles (`shape_reason`)."""
+    [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
+    given; rows past the sum are zero. M, K and N whole tiles (`shape_reason`). Float8 x and w
+    (one format, w_nk) multiply on the float8 tensor cores, the wgmma accumulating across
+    K-steps (as the dense kernels' fast accumulation), in `float8_tiling`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tiles = tiles or GroupedConfig()
     dtype = x.dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    wide = jnp.float16 if jnp.dtype(dtype) in FLOAT8 else dtype  # the masking's dtype
+    if jnp.dtype(dtype) in FLOAT8:
+        tiles = float8_tiling(tiles, x.shape[1])
     m, k = x.shape
     n = w.shape[1 if w_nk else 2]
     if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != dtype:
@@ -141,13 +170,14 @@ def grouped_matmul(
             f"grouped kernel: sizes {sizes.shape} must hold one count per group of w "
             f"{list(w.shape)}, at least one"
         )
-    if (reason := shape_reason(tiles, m, k, n, dtype)) is not None:
+    if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk)) is not None:
         raise ValueError(f"grouped kernel: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
     num_slots = mt.epilogue_slots(tiles)
 
-    def body(x_ref, w_ref, group_ref, lo_ref, hi_ref, first_ref, count_ref, order_ref, out_ref):
+    def body(x_ref, w_ref, group_ref, lo_ref, hi_ref, first_ref, count_ref, order_ref, *refs):
+        scale_ref, out_ref = refs if scale is not None else (None, *refs)
         wg = lax.axis_index("wg")
 
         def pipeline(m_idx, n_idx, mma_body, compute_context):
@@ -186,7 +216,7 @@ def grouped_matmul(
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=allocations,
-            out_smem=mt.out_smem(tiles, dtype),
+            out_smem=mt.out_smem(tiles, out_dtype),
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
@@ -198,7 +228,7 @@ def grouped_matmul(
                 wg_row0 = wg * tiles.tile_m  # this warpgroup's rows within the row tile
 
                 def finish(read):
-                    acc = read().astype(dtype)
+                    acc = mt.scaled(read(), scale_ref, out_dtype)
                     dest = out_ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
@@ -220,9 +250,11 @@ def grouped_matmul(
                         shape, layout = (tiles.tile_m, tiles.tile_k), plgpu.Layout.WGMMA
                         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
                         row = row + wg_row0
-                        block = plgpu.load(rows, (), layout=layout)
-                        rows[...] = jnp.where((row >= lo) & (row < hi), block,
-                                              jnp.zeros(shape, dtype))  # fmt: skip
+                        # float8 is selected in fp16, which holds every float8 value exactly
+                        # (Mosaic GPU computes on no 8-bit type)
+                        block = plgpu.load(rows, (), layout=layout).astype(wide)
+                        keep = (row >= lo) & (row < hi)
+                        rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
                         plgpu.commit_smem()
 
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
@@ -250,6 +282,6 @@ def grouped_matmul(
     with jax.named_scope("grouped_gemm"), jax.enable_x64(False):
         return plgpu.kernel(
             body,
-            out_type=jax.ShapeDtypeStruct((m, n), dtype),
+            out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
             **mt.kernel_params(sms, 1),
-        )(x, w, *plan.arrays())
+        )(x, w, *plan.arrays(), *([] if scale is None else [scale]))

@@ -284,6 +284,42 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
 
 
+@pytest.mark.parametrize("groups", [8, 64])
+def test_grouped_matmul_float8_kernel(groups):
+    """cg.grouped_matmul with current tensor scaling on Hopper multiplies float8 operands (the
+    compiled program's kernel takes f8): within fast float8 accumulation and bf16 rounding of
+    the float32 ragged dot of the dequantized operands, rows past the groups' sum zero; the
+    gradients are the emulated path's (jax's tiles requested: emulated)."""
+    from commgemm.mosaic_gpu.grouped import GroupedTiles
+
+    m, k, n = 2048, 1024, 512
+    sizes = np.random.default_rng(groups).multinomial(1900, np.ones(groups) / groups)
+    sizes[1] = 0
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(groups), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+    mode = "current_tensor_scaling"
+
+    def run(tiles):
+        return lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=mode, hopper_tiles=tiles)
+
+    float8, emulated = run(None), run(GroupedTiles())
+    compiled = jax.jit(float8).lower(x, w).compile().as_text()
+    assert "f8e4m3fn" in compiled.lower() and "mosaic" in compiled.lower()
+    qx, qw = cg.quantize(x, mode), cg.quantize(w, mode, axis=1)
+    want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32), cg.dequantize(qw, jnp.float32),
+                              sizes, precision="highest")  # fmt: skip
+    got = jax.jit(float8)(x, w).astype(jnp.float32)
+    assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+    assert float(jnp.abs(got[1900:]).max()) == 0.0
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * g)  # noqa: E731
+    for a, b in zip(jax.jit(jax.grad(loss(float8), (0, 1)))(x, w),
+                    jax.jit(jax.grad(loss(emulated), (0, 1)))(x, w), strict=True):  # fmt: skip
+        assert _relative_error(a, b) <= REL
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 def test_grouped_kernel_tiles_in_sequence(stages):
     """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps): each tile's last wgmma
