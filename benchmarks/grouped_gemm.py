@@ -43,6 +43,13 @@ def uneven_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
+def emulated_operands(x, w):
+    """x and w quantized and dequantized as the emulated float8 path runs them."""
+    from commgemm.grouped.scaling import quantized_operands
+
+    return quantized_operands(x, w, "current_tensor_scaling")[:2]
+
+
 def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
     keys = jax.random.split(jax.random.key(groups), 3)
     x = jax.random.normal(keys[0], (m, k), dtype)
@@ -71,6 +78,10 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
         # kernel alone on operands quantized before
         "fp8 grouped_matmul (quantizing)": (
             jax.jit(lambda a, b, s: cg.grouped_matmul(a, b, s, scaling="current_tensor_scaling")),
+            (x, w, sizes),
+        ),
+        "fp8 emulated (quantizing)": (
+            jax.jit(lambda a, b, s: cg.grouped_matmul(*emulated_operands(a, b), s)),
             (x, w, sizes),
         ),
         "fp8 commgemm kernel": (
