@@ -6,7 +6,8 @@ expert shard), timed interleaved in one run (device periods where the GPU's time
 read, else host medians); reading w once, the memory bound of many experts; then the weight
 gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
 GEMM of the same FLOPs; and the float8 forward (`cg.grouped_matmul` with current tensor
-scaling, quantizing in each call, and commgemm's kernel alone on float8 operands). Writes
+scaling, quantizing in each call; on weights quantized before, quantizing x; emulated; and
+commgemm's kernel alone on float8 operands). Writes
 OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR
@@ -79,6 +80,12 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
         "fp8 grouped_matmul (quantizing)": (
             jax.jit(lambda a, b, s: cg.grouped_matmul(a, b, s, scaling="current_tensor_scaling")),
             (x, w, sizes),
+        ),
+        "fp8 pre-quantized w, quantizing x": (
+            jax.jit(
+                lambda a, b, s: cg.grouped_matmul(cg.quantize(a, "current_tensor_scaling"), b, s)
+            ),
+            (x, cg.quantize(jnp.swapaxes(w, 1, 2), "current_tensor_scaling", axis=2), sizes),
         ),
         "fp8 emulated (quantizing)": (
             jax.jit(lambda a, b, s: cg.grouped_matmul(*emulated_operands(a, b), s)),

@@ -95,3 +95,33 @@ def test_expert_parallel_pair(rng):
     qh = _dq(hidden, mode, -1)  # the second op quantizes its input, all shards sharing a scale
     want = np.concatenate([reference(qh[s * m : (s + 1) * m], q2, sizes[s]) for s in range(size)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["w_gkn", "w_gnk"])
+@pytest.mark.parametrize("mode", ["current_tensor_scaling", "mxfp8_1d_scaling"])
+def test_prequantized_operands(rng, mode, w_nk):
+    """x and w quantized by the caller (w [G, K, N] along axis 1, or [G, N, K] along axis 2):
+    the float64 ragged dot of their dequantized values (float32 accumulation: 1e-5), rows past
+    the groups' sum zero, bf16 by default; mixed or misshapen operands raise."""
+    m, k, n = 24, 64, 16
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    sizes = jnp.array([10, 0, 11], jnp.int32)  # an empty group; 3 rows past the sum
+    qx = cg.quantize(x, mode)
+    qw = cg.quantize(jnp.swapaxes(w, 1, 2), mode, axis=2) if w_nk else cg.quantize(w, mode, axis=1)
+    got = jax.jit(lambda a, b: cg.grouped_matmul(a, b, sizes, out_dtype="float32"))(qx, qw)
+    ws = cg.dequantize(qw, jnp.float64)
+    want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float64),
+                              jnp.swapaxes(ws, 1, 2) if w_nk else ws, sizes)  # fmt: skip
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    assert not np.asarray(got[21:]).any()
+    assert cg.grouped_matmul(qx, qw, sizes).dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="quantize both x and w"):
+        cg.grouped_matmul(x, qw, sizes)
+    with pytest.raises(ValueError, match="takes no bias"):
+        cg.grouped_matmul(qx, qw, sizes, bias=jnp.zeros((3, n)))
+    with pytest.raises(ValueError, match="quantized along axis 1 or"):
+        cg.grouped_matmul(qx, cg.quantize(w[0], mode, axis=0), sizes)
+    with pytest.raises(ValueError, match="contracting dimensions differ"):
+        cg.grouped_matmul(cg.quantize(x[:, :32], mode), qw, sizes)

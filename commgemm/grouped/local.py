@@ -34,6 +34,42 @@ def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
         raise TypeError(f"x has dtype {x.dtype} but w has dtype {w.dtype}: cast one so both match")
 
 
+def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+    """`grouped_matmul` on `ScaledTensor`s the caller quantized (e.g. the experts' weights once
+    for serving): x [M, K] quantized along K (axis -1), w [G, K, N] along axis 1 or [G, N, K]
+    along axis 2 (the layout the float8 kernel reads; [G, K, N] is transposed each call).
+    Forward only; the result in `out_dtype` (default bfloat16). On a Hopper GPU with tensor
+    scales in one float8 format, commgemm's grouped kernel on the tensor cores
+    (`mosaic_gpu.grouped.prequantized_reason`); elsewhere XLA's ragged dot of the dequantized
+    values in float32."""
+    from commgemm.mosaic_gpu import grouped as hopper
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.quant import ScaledTensor, dequantize
+
+    if not (isinstance(x, ScaledTensor) and isinstance(w, ScaledTensor)):
+        raise TypeError("grouped_matmul: quantize both x and w (cg.quantize), or pass scaling=")
+    if x.data.ndim != 2 or x.axis % 2 != 1:
+        raise ValueError(f"x must be [rows, K] quantized along K (axis -1), got "
+                         f"{x.data.shape} along axis {x.axis}")  # fmt: skip
+    if w.data.ndim != 3 or w.axis % 3 not in (1, 2):
+        raise ValueError(f"w must be [G, K, N] quantized along axis 1 or [G, N, K] along axis 2, "
+                         f"got {w.data.shape} along axis {w.axis}")  # fmt: skip
+    w_nk = w.axis % 3 == 2
+    g, *kn = w.data.shape
+    as_kn = jax.ShapeDtypeStruct((g, *(kn[::-1] if w_nk else kn)), jnp.float32)
+    check_grouped(jax.ShapeDtypeStruct(x.data.shape, jnp.float32), as_kn, group_sizes)
+    out_dtype = floating_dtype_name(out_dtype or "bfloat16", "out_dtype")
+    sizes = group_sizes.astype(jnp.int32)
+    if hopper.prequantized_reason(x, w, w_nk, out_dtype) is None:
+        data = w.data if w_nk else jnp.swapaxes(w.data, 1, 2)
+        scale = (x.scale_inv * w.scale_inv).astype(jnp.float32).reshape(1)
+        return grouped_kernel.grouped_matmul(x.data, data, sizes, w_nk=True, scale=scale,
+                                             out_dtype=out_dtype)  # fmt: skip
+    xs, ws = dequantize(x, jnp.float32), dequantize(w, jnp.float32)
+    ws = jnp.swapaxes(ws, 1, 2) if w_nk else ws
+    return lax.ragged_dot(xs, ws, sizes, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
 def sizes_in_rows(group_sizes: jax.Array, lo, hi) -> jax.Array:
     """The group sizes of rows [lo, hi) of a group-sorted operand (lo, hi may be traced):
     each group's count clipped to the range."""
@@ -74,6 +110,8 @@ def grouped_matmul(
         tensor scaling with a fast-accumulating forward multiplies float8 operands on the
         tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes
         the shape); otherwise emulated: see commgemm.grouped.scaling.
+      x, w may instead be `ScaledTensor`s quantized by the caller: forward only, see
+        `prequantized_matmul`.
       hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
         `GroupedTiles` (jax's ragged dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
@@ -83,6 +121,13 @@ def grouped_matmul(
     Returns:
       [M, N]. Differentiable in x, w and bias.
     """
+    from commgemm.quant import ScaledTensor
+
+    if isinstance(x, ScaledTensor) or isinstance(w, ScaledTensor):
+        if bias is not None or scaling is not None or hopper_tiles is not None:
+            raise ValueError("grouped_matmul on ScaledTensor operands takes no bias, scaling or "
+                             "hopper_tiles (apply a bias to the result)")  # fmt: skip
+        return prequantized_matmul(x, w, group_sizes, out_dtype)
     check_grouped(x, w, group_sizes)
     from commgemm.mosaic_gpu import grouped as hopper
 

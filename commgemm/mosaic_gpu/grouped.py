@@ -59,9 +59,7 @@ def default_tiles(n: int) -> GroupedTiles:
     return GroupedTiles(grid_block_n=2 if n % 256 == 0 else 1)
 
 
-def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) -> str | None:
-    """Why the Hopper kernel `tiles` (None: either kernel) cannot run x [M, K] @ w [G, K, N],
-    or None."""
+def _hopper_reason() -> str | None:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return f"it runs on GPUs; this backend is {device.platform}"
@@ -69,6 +67,14 @@ def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) 
         return "it needs a Hopper GPU (compute capability 9.x)"
     if jax.__version_info__ < (0, 11):
         return f"it needs jax >= 0.11, this is {jax.__version__}"
+    return None
+
+
+def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) -> str | None:
+    """Why the Hopper kernel `tiles` (None: either kernel) cannot run x [M, K] @ w [G, K, N],
+    or None."""
+    if (reason := _hopper_reason()) is not None:
+        return reason
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
     return _shape_reason(x.shape[0], w.shape[1], w.shape[2], x.dtype, tiles)
@@ -225,3 +231,21 @@ def _float8_bwd(dtype, tiles, residuals, dy):
 
 
 float8_ragged_dot.defvjp(_float8_fwd, _float8_bwd)
+
+
+def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
+    """Why commgemm's kernel cannot multiply the caller's `ScaledTensor`s x [M, K] and w
+    ([G, N, K] with w_nk, else [G, K, N]) here into `out_dtype`, or None: tensor scales, one
+    float8 format, a 16-bit result, whole tiles."""
+    from commgemm.quant import TENSOR_MODES
+
+    if (reason := _hopper_reason()) is not None:
+        return reason
+    if x.mode not in TENSOR_MODES or w.mode not in TENSOR_MODES:
+        return f"its float8 kernel takes tensor scales, got {x.mode.name} and {w.mode.name}"
+    if x.data.dtype != w.data.dtype or x.data.dtype not in grouped_kernel.FLOAT8:
+        return f"it multiplies one float8 format, got {x.data.dtype} and {w.data.dtype}"
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"its result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
+    (m, k), n = x.data.shape, w.data.shape[1 if w_nk else 2]
+    return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, x.data.dtype, w_nk=True)

@@ -320,6 +320,30 @@ def test_grouped_matmul_float8_kernel(groups):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize("w_nk", [False, True], ids=["w_gkn", "w_gnk"])
+def test_grouped_matmul_prequantized(w_nk):
+    """`ScaledTensor`s the caller quantized (w [G, K, N] along axis 1 or [G, N, K] along axis 2)
+    run commgemm's float8 kernel (in the compiled program), within fast float8 accumulation and
+    bf16 rounding of the float32 ragged dot of their dequantized values; rows past the sum 0."""
+    m, k, n, groups = 2048, 1024, 512, 8
+    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)  # 1900 rows
+    kx, kw = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    mode = "current_tensor_scaling"
+    qx = cg.quantize(x, mode)
+    qw = cg.quantize(jnp.swapaxes(w, 1, 2), mode, axis=2) if w_nk else cg.quantize(w, mode, axis=1)
+    f = jax.jit(lambda a, b: cg.grouped_matmul(a, b, sizes))
+    assert "mosaic" in f.lower(qx, qw).compile().as_text().lower()
+    ws = cg.dequantize(qw, jnp.float32)
+    want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32),
+                              jnp.swapaxes(ws, 1, 2) if w_nk else ws, sizes,
+                              precision="highest")  # fmt: skip
+    got = f(qx, qw).astype(jnp.float32)
+    assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+    assert float(jnp.abs(got[1900:]).max()) == 0.0
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 def test_grouped_kernel_tiles_in_sequence(stages):
     """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps): each tile's last wgmma
