@@ -142,6 +142,12 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
     split = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
     assert "fast" in grouped.float8_reason(x, w, split)
     assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current)
+    # no rows, K or N: no kernel, XLA's ragged dot (which takes empty operands)
+    assert "empty operand" in grouped.float8_reason(x[:0], w, current)
+    monkeypatch.undo()
+    monkeypatch.setattr(grouped, "_hopper_reason", lambda: None)  # as on a Hopper GPU
+    for a, b in ((x[:0], w), (x[:, :0], w[:, :0]), (x, w[:, :, :0])):
+        assert "empty operand" in grouped.unsupported_reason(a, b)
 
 
 @pytest.mark.parametrize(

@@ -86,6 +86,8 @@ def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
         return None if None in reasons else " and ".join(reasons)
     if isinstance(tiles, GroupedConfig):
         return grouped_kernel.shape_reason(tiles, m, k, n, dtype)
+    if 0 in (m, k, n):
+        return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
     if k % tiles.block_k or n % (tiles.block_n * tiles.grid_block_n):
         return f"K={k} and N={n} must divide into the tiles {tiles}"
     return None

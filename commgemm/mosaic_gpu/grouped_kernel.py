@@ -124,6 +124,8 @@ def shape_reason(
 ) -> str | None:
     """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`,
     or None."""
+    if 0 in (m, k, n):
+        return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
     dtype = jnp.dtype(dtype)
     if dtype in FLOAT8:
         if not w_nk:
