@@ -614,3 +614,24 @@ def test_grouped_kernel_lowers_on_float8(dtype):
     operands, result = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)
     assert operands.count("f8E") == 2 and "tensor<1xf32>" in operands, operands
     assert result.startswith("tensor<1024x512xbf16>"), result
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_prequantized_grouped_kernel_in_shard_map(check_vma, monkeypatch):
+    """cg.grouped_matmul on ScaledTensors inside shard_map (both check_vma settings) runs one
+    float8 kernel per shard, on the shard's rows (as on a Hopper GPU)."""
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    sizes = jnp.array([300, 0, 212], jnp.int32)
+
+    def body(xd, xs, wd, ws):
+        x, w = cg.ScaledTensor(xd, xs), cg.ScaledTensor(wd, ws, axis=2)
+        return cg.grouped_matmul(x, w, sizes)
+
+    f = jax.shard_map(body, mesh=mesh1d(2), in_specs=(P("x"), P(), P(), P()), out_specs=P("x"),
+                      check_vma=check_vma)  # fmt: skip
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    shapes = (((1024, 256), f8), ((), f32), ((3, 512, 256), f8), ((), f32))
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 1 and "tensor<512x512xbf16>" in calls[0], calls

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import grouped_kernel
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.vma import like_primal, varying_like
 
@@ -59,21 +60,10 @@ def default_tiles(n: int) -> GroupedTiles:
     return GroupedTiles(grid_block_n=2 if n % 256 == 0 else 1)
 
 
-def _hopper_reason() -> str | None:
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return f"it runs on GPUs; this backend is {device.platform}"
-    if not str(getattr(device, "compute_capability", "")).startswith("9"):
-        return "it needs a Hopper GPU (compute capability 9.x)"
-    if jax.__version_info__ < (0, 11):
-        return f"it needs jax >= 0.11, this is {jax.__version__}"
-    return None
-
-
 def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) -> str | None:
     """Why the Hopper kernel `tiles` (None: either kernel) cannot run x [M, K] @ w [G, K, N],
     or None."""
-    if (reason := _hopper_reason()) is not None:
+    if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
@@ -241,7 +231,7 @@ def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
     float8 format, a 16-bit result, whole tiles."""
     from commgemm.quant import TENSOR_MODES
 
-    if (reason := _hopper_reason()) is not None:
+    if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
     if x.mode not in TENSOR_MODES or w.mode not in TENSOR_MODES:
         return f"its float8 kernel takes tensor scales, got {x.mode.name} and {w.mode.name}"

@@ -107,16 +107,15 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
 
 
 #: The float8 formats the kernel multiplies (both operands one format: Mosaic GPU's wgmma
-#: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs).
+#: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs), in the dense
+#: kernels' float8 tiling (`fused.float8_tiling`: K-steps of 128 where K allows).
 FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-def float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
-    """`tiles` for float8 operands: K-steps of 128 elements (128 bytes, the widest swizzle, as
-    the dense kernels' `fused.float8_tiling`) where K is whole steps of it."""
-    if tiles.tile_k >= 128 or k % 128:
-        return tiles
-    return dataclasses.replace(tiles, tile_k=128)
+def _float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
+    from commgemm.mosaic_gpu import fused
+
+    return fused.float8_tiling(tiles, k)
 
 
 def shape_reason(
@@ -130,7 +129,7 @@ def shape_reason(
     if dtype in FLOAT8:
         if not w_nk:
             return f"{dtype.name} operands need w laid out [G, N, K] (K-major)"
-        tiles = float8_tiling(tiles, k)
+        tiles = _float8_tiling(tiles, k)
     elif dtype not in (jnp.bfloat16, jnp.float16):
         return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
     return mt.shape_reason(tiles, m, k, n)
@@ -151,7 +150,7 @@ def grouped_matmul(
     [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
     given; rows past the sum are zero. M, K and N whole tiles (`shape_reason`). Float8 x and w
     (one format, w_nk) multiply on the float8 tensor cores, the wgmma accumulating across
-    K-steps (as the dense kernels' fast accumulation), in `float8_tiling`."""
+    K-steps (as the dense kernels' fast accumulation), in `fused.float8_tiling`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -160,7 +159,7 @@ def grouped_matmul(
     out_dtype = jnp.dtype(out_dtype or dtype)
     wide = jnp.float16 if jnp.dtype(dtype) in FLOAT8 else dtype  # the masking's dtype
     if jnp.dtype(dtype) in FLOAT8:
-        tiles = float8_tiling(tiles, x.shape[1])
+        tiles = _float8_tiling(tiles, x.shape[1])
     m, k = x.shape
     n = w.shape[1 if w_nk else 2]
     if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != dtype:
