@@ -38,8 +38,8 @@ def _schedule(tiles: GroupedConfig, m: int, n: int, ctas: int):
 def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, data):
     """Each row tile's pairs are the non-empty groups with rows in it, in group order, their
     [lo, hi) ranges giving every row of the tile its group (rows past the groups' sum none,
-    a sum beyond M cut at M); the tiles' order is a permutation, costliest first within the
-    kernel's rounds as `balanced_slots` deals them."""
+    a sum beyond M cut at M); the tiles' order is a permutation, costliest first (by their
+    warpgroups' K loops) within the kernel's rounds as `balanced_slots` deals them."""
     tiles = GroupedConfig(tile_m=tile_m)
     m, n = tiles_m * tiles.cta_m, tiles_n * tiles.cta_n
     sizes = np.array(data.draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
@@ -65,10 +65,26 @@ def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, 
         np.testing.assert_array_equal(got, rows)
     order = np.asarray(plan.order)
     assert sorted(order.tolist()) == list(range(tiles_m * tiles_n))
-    cost = np.asarray(plan.count)[_walk_rows(tiles, tiles_m, tiles_n)]
+    # a tile's cost: the K loops of its warpgroups, each over the groups with rows in its block
+    owned = [{int(g) for g in owner[b : b + tiles.tile_m] if g >= 0}
+             for b in range(0, m, tiles.tile_m)]  # fmt: skip
+    blocks = np.array([len(owned[2 * t]) + len(owned[2 * t + 1]) for t in range(tiles_m)])
+    cost = blocks[_walk_rows(tiles, tiles_m, tiles_n)]
     slots = grouped_kernel.balanced_slots(order.size, ctas)
     ranked = order[slots]  # the tiles from the costliest, ties in walk order
     np.testing.assert_array_equal(ranked, np.argsort(-cost, kind="stable"))
+
+
+def test_schedule_ranks_tiles_by_warpgroup_loops():
+    """Two tiles of two groups each: the one whose boundary splits a warpgroup's 64-row block
+    (three warpgroup K loops) ranks before the one whose boundary lies between the blocks (two
+    loops, the same as a tile of one group), though it comes later in the walk."""
+    tiles = GroupedConfig()
+    sizes = jnp.asarray([64, 96, 224], jnp.int32)  # boundaries at rows 64 and 160
+    plan = _schedule(tiles, 3 * tiles.cta_m, tiles.cta_n, 3)(sizes)
+    np.testing.assert_array_equal(np.asarray(plan.count), [2, 2, 1])
+    np.testing.assert_array_equal(np.asarray(plan.order)[grouped_kernel.balanced_slots(3, 3)],
+                                  [1, 0, 2])  # fmt: skip
 
 
 @pytest.mark.parametrize("units,ctas", [(448, 132), (896, 132), (7, 3), (12, 4), (5, 8)])

@@ -6,11 +6,14 @@ TMA loads, 128 x 256 CTA tiles, 4 stages).
 Output tiles are aligned to the rows, not to the groups, so every store is whole. A CTA's tile
 of rows [r, r + 128) runs one warp-specialized pipeline over (group, K-step) for every group
 with rows in it: a tile inside one group is a plain GEMM tile; a tile that straddles group
-boundaries runs one K loop per group into the same accumulator, each warpgroup zeroing in
-shared memory the rows of its x block that are not the group's before the K-step's wgmma. Rows
-past the groups' sum are in no group and come out zero. The work per column is M / 128 row
-tiles plus one per group boundary inside a tile, as in jax's `ragged_dot_mgpu` (whose stores
-follow the groups instead, in a ladder of partial TMA stores).
+boundaries runs one K loop per group into the same accumulator. Each compute warpgroup owns 64
+rows of the tile: it runs a group's K-steps only where the group has rows in its block (the
+other warpgroup's wgmmas then have the tensor cores to themselves), zeroing in shared memory
+the rows of its x block that are not the group's before each wgmma where the block straddles a
+boundary. Rows past the groups' sum are in no group and come out zero. The work per column is
+M / 64 warpgroup blocks plus one per group boundary inside a block (jax's `ragged_dot_mgpu`
+runs a whole tile per boundary, its stores following the groups in a ladder of partial TMA
+stores).
 
 The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`).
 """
@@ -70,7 +73,7 @@ def balanced_slots(units: int, ctas: int) -> np.ndarray:
 def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) -> Schedule:
     """The pairs of row tiles and groups for group `sizes` [G] (summing to at most m; a sum
     beyond m is cut at m) over m rows (whole tiles), and the output tiles' order over `ctas`
-    CTAs, balanced by their pairs (a tile's K loops: `balanced_slots`). Everything is
+    CTAs, balanced by their warpgroups' K loops (`balanced_slots`). Everything is
     counted by comparisons and prefix sums over the groups, not searched or sorted: a few
     fused elementwise ops on a GPU, where a search is a loop of small kernels."""
     cta_m = tiles.cta_m
@@ -89,14 +92,19 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     lo = jnp.clip(starts[group] - row0, 0, cta_m)
     hi = jnp.clip(ends[group] - row0, 0, cta_m)
     tile = jnp.arange(tiles_m, dtype=jnp.int32)
+    in_tile = row_tile[None, :] == tile[:, None]
     first = jnp.sum(row_tile[None, :] < tile[:, None], axis=1, dtype=jnp.int32)
-    count = jnp.sum(row_tile[None, :] == tile[:, None], axis=1, dtype=jnp.int32)
+    count = jnp.sum(in_tile, axis=1, dtype=jnp.int32)
+    # a tile's cost: its warpgroups' K loops (a warpgroup runs a group's loop only where the
+    # group has rows in its tile_m-row block)
+    block = jnp.arange(0, cta_m, tiles.tile_m, dtype=jnp.int32)
+    blocks = jnp.sum((lo[:, None] < block + tiles.tile_m) & (hi[:, None] > block), axis=1)
     walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
     m_idx, _ = jax.vmap(lambda t: mt.cluster_tile(tiles, t, tiles_m, tiles_n))(walk)
-    # each tile's rank by cost (its K loops), costliest first, ties in walk order: counted over
-    # all pairs of tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on
-    # H100; tiles**2 stays small beside the GEMM: BENCHMARKS.md)
-    cost = count[m_idx]
+    # each tile's rank by cost, costliest first, ties in walk order: counted over all pairs of
+    # tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on H100;
+    # tiles**2 stays small beside the GEMM: BENCHMARKS.md)
+    cost = jnp.sum(jnp.where(in_tile, blocks[None, :], 0), axis=1, dtype=jnp.int32)[m_idx]
     ahead = (cost[None, :] > cost[:, None]) | (
         (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
     )
@@ -245,9 +253,12 @@ def grouped_matmul(
                     j, _ = idxs
                     rows = a_smem.at[at.wg_m]
                     lo, hi = lo_ref[first + j], hi_ref[first + j]
+                    # does the group have rows in this warpgroup's block, all of them?
+                    mine = (lo < wg_row0 + tiles.tile_m) & (hi > wg_row0)
+                    whole = (lo <= wg_row0) & (hi >= wg_row0 + tiles.tile_m)
 
-                    @pl.when((lo > wg_row0) | (hi < wg_row0 + tiles.tile_m))
-                    def _other_groups_rows():  # zero them: the tile straddles a boundary
+                    @pl.when(mine & ~whole)
+                    def _other_groups_rows():  # zero them: the block straddles a boundary
                         shape, layout = (tiles.tile_m, tiles.tile_k), plgpu.Layout.WGMMA
                         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
                         row = row + wg_row0
@@ -258,10 +269,13 @@ def grouped_matmul(
                         rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
                         plgpu.commit_smem()
 
-                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    last = (j == count - 1) & (idxs[1] == k_iters - 1)
-                    return mt.accumulate(tiles, acc, rows, rhs, split=False, in_flight=1,
-                                         last=last)  # fmt: skip
+                    @pl.when(mine)  # else the warpgroup leaves the K loop to the other
+                    def _multiply():
+                        plgpu.wgmma(acc, rows, mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk))
+
+                    plgpu.wgmma_wait(1)
+                    mt.await_last_step((j == count - 1) & (idxs[1] == k_iters - 1))
+                    return acc
 
                 @pl.when(count > 0)
                 def _groups():

@@ -1,0 +1,288 @@
+"""The grouped GEMM's Hopper kernel: x [M, K] (rows sorted by group) times w [G, K, N], each
+row multiplied by its group's weight (`lax.ragged_dot`), on the dense kernels' tiles
+(`mosaic_gpu.tiles`: one persistent CTA per SM, two compute warpgroups and one that issues the
+TMA loads, 128 x 256 CTA tiles, 4 stages).
+
+Output tiles are aligned to the rows, not to the groups, so every store is whole. A CTA's tile
+of rows [r, r + 128) runs one warp-specialized pipeline over (group, K-step) for every group
+with rows in it: a tile inside one group is a plain GEMM tile; a tile that straddles group
+boundaries runs one K loop per group into the same accumulator, each warpgroup zeroing in
+shared memory the rows of its x block that are not the group's before the K-step's wgmma. Rows
+past the groups' sum are in no group and come out zero. The work per column is M / 128 row
+tiles plus one per group boundary inside a tile, as in jax's `ragged_dot_mgpu` (whose stores
+follow the groups instead, in a ladder of partial TMA stores).
+
+The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from commgemm.mosaic_gpu import tiles as mt
+from commgemm.mosaic_gpu.configs import GroupedConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The kernel's work, int32: its (row tile, group) pairs for cta_m-row tiles of M rows,
+    and the order of its output tiles.
+
+    group, lo, hi [M / cta_m + G - 1]: pair p multiplies rows [lo, hi) of its row tile
+      (offsets within the tile) by w[group]; pairs are in row-tile order, then group order.
+    first, count [M / cta_m]: row tile r's pairs are first[r], ..., first[r] + count[r] - 1
+      (count 0: the tile lies past the groups' sum).
+    order [tiles]: the output tile (its index in the tiles' `planar_snake` walk) of the
+      kernel's unit u; CTA c runs units c, c + ctas, ... (`balanced_slots`)."""
+
+    group: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    first: jax.Array
+    count: jax.Array
+    order: jax.Array
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return self.group, self.lo, self.hi, self.first, self.count, self.order
+
+
+def balanced_slots(units: int, ctas: int) -> np.ndarray:
+    """Where the i-th costliest of `units` tiles runs (its unit index, as CTA c runs units
+    c, c + ctas, ...): each round deals one tile to every CTA in a snake, the CTAs with one
+    tile fewer first, so that the costliest tiles go to different CTAs and a CTA dealt a
+    costly tile in one round is dealt a cheap one in the next."""
+    rounds = -(-units // ctas)
+    full = units - (rounds - 1) * ctas  # CTAs that run `rounds` tiles
+    slots = []
+    for r in range(rounds):
+        dealt = [*range(full, ctas), *range(full)] if r < rounds - 1 else list(range(full))
+        slots += [c + r * ctas for c in (dealt[::-1] if r % 2 else dealt)]
+    return np.asarray(slots, np.int32)
+
+
+def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) -> Schedule:
+    """The pairs of row tiles and groups for group `sizes` [G] (summing to at most m; a sum
+    beyond m is cut at m) over m rows (whole tiles), and the output tiles' order over `ctas`
+    CTAs, balanced by their pairs (a tile's K loops: `balanced_slots`). Everything is
+    counted by comparisons and prefix sums over the groups, not searched or sorted: a few
+    fused elementwise ops on a GPU, where a search is a loop of small kernels."""
+    cta_m = tiles.cta_m
+    num_groups, tiles_m, tiles_n = sizes.shape[0], m // cta_m, n // tiles.cta_n
+    ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    first_tile, last_tile = starts // cta_m, (ends - 1) // cta_m
+    tiles_of = jnp.where(ends > starts, last_tile - first_tile + 1, 0)  # per group
+    total = jnp.cumsum(tiles_of)
+    pair = jnp.arange(tiles_m + num_groups - 1, dtype=jnp.int32)
+    group = jnp.minimum(jnp.sum(total[None, :] <= pair[:, None], axis=1), num_groups - 1)
+    group = group.astype(jnp.int32)
+    row_tile = first_tile[group] + pair - (total - tiles_of)[group]
+    row_tile = jnp.where(pair < total[-1], row_tile, tiles_m)  # unused pairs sort last
+    row0 = row_tile * cta_m
+    lo = jnp.clip(starts[group] - row0, 0, cta_m)
+    hi = jnp.clip(ends[group] - row0, 0, cta_m)
+    tile = jnp.arange(tiles_m, dtype=jnp.int32)
+    first = jnp.sum(row_tile[None, :] < tile[:, None], axis=1, dtype=jnp.int32)
+    count = jnp.sum(row_tile[None, :] == tile[:, None], axis=1, dtype=jnp.int32)
+    walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
+    m_idx, _ = jax.vmap(lambda t: mt.cluster_tile(tiles, t, tiles_m, tiles_n))(walk)
+    # each tile's rank by cost (its K loops), costliest first, ties in walk order: counted over
+    # all pairs of tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on
+    # H100; tiles**2 stays small beside the GEMM: BENCHMARKS.md)
+    cost = count[m_idx]
+    ahead = (cost[None, :] > cost[:, None]) | (
+        (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
+    )
+    rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+    slots = jnp.asarray(balanced_slots(walk.shape[0], ctas))
+    order = jnp.zeros_like(walk).at[slots[rank]].set(walk, unique_indices=True)
+    return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
+
+
+#: The float8 formats the kernel multiplies (both operands one format: Mosaic GPU's wgmma
+#: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs), in the dense
+#: kernels' float8 tiling (`fused.float8_tiling`: K-steps of 128 where K allows).
+FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
+    from commgemm.mosaic_gpu import fused
+
+    return fused.float8_tiling(tiles, k)
+
+
+def shape_reason(
+    tiles: GroupedConfig, m: int, k: int, n: int, dtype, *, w_nk: bool = False
+) -> str | None:
+    """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`,
+    or None."""
+    if 0 in (m, k, n):
+        return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
+    dtype = jnp.dtype(dtype)
+    if dtype in FLOAT8:
+        if not w_nk:
+            return f"{dtype.name} operands need w laid out [G, N, K] (K-major)"
+        tiles = _float8_tiling(tiles, k)
+    elif dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
+    return mt.shape_reason(tiles, m, k, n)
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    tiles: GroupedConfig | None = None,
+    *,
+    w_nk: bool = False,
+    scale: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
+    transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
+    [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
+    given; rows past the sum are zero. M, K and N whole tiles (`shape_reason`). Float8 x and w
+    (one format, w_nk) multiply on the float8 tensor cores, the wgmma accumulating across
+    K-steps (as the dense kernels' fast accumulation), in `fused.float8_tiling`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tiles = tiles or GroupedConfig()
+    dtype = x.dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    wide = jnp.float16 if jnp.dtype(dtype) in FLOAT8 else dtype  # the masking's dtype
+    if jnp.dtype(dtype) in FLOAT8:
+        tiles = _float8_tiling(tiles, x.shape[1])
+    m, k = x.shape
+    n = w.shape[1 if w_nk else 2]
+    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != dtype:
+        layout = "[G, N, K]" if w_nk else "[G, K, N]"
+        raise ValueError(f"grouped kernel: w {w.dtype}{list(w.shape)} must be {layout} with "
+                         f"x's K={k} and dtype {dtype}")  # fmt: skip
+    if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
+        raise ValueError(
+            f"grouped kernel: sizes {sizes.shape} must hold one count per group of w "
+            f"{list(w.shape)}, at least one"
+        )
+    if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk)) is not None:
+        raise ValueError(f"grouped kernel: {reason}")
+    m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
+    transforms = mt.smem_transforms(dtype, tiles.tile_k)
+    num_slots = mt.epilogue_slots(tiles)
+
+    def body(x_ref, w_ref, group_ref, lo_ref, hi_ref, first_ref, count_ref, order_ref, *refs):
+        scale_ref, out_ref = refs if scale is not None else (None, *refs)
+        wg = lax.axis_index("wg")
+
+        def pipeline(m_idx, n_idx, mma_body, compute_context):
+            """The warp-specialized loop over (group, K-step) of row tile m_idx, column n_idx."""
+            first = first_ref[m_idx]
+
+            def w_index(j, kk):
+                group = group_ref[first + j]
+                return (group, n_idx, kk) if w_nk else (group, kk, n_idx)
+
+            w_block = (tiles.cta_n, tiles.tile_k) if w_nk else (tiles.tile_k, tiles.cta_n)
+            return plgpu.emit_pipeline_warp_specialized(
+                mma_body,
+                grid=(count_ref[m_idx], k_iters),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (tiles.cta_m, tiles.tile_k),
+                        lambda j, kk: (m_idx, kk),
+                        transforms=transforms,
+                        delay_release=1,  # the K-step's wgmma may still read it
+                    ),
+                    plgpu.BlockSpec(
+                        (None, *w_block), w_index, transforms=transforms, delay_release=1
+                    ),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=tiles.stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+        allocations = pipeline(0, 0, ignore, ignore).get_allocations(x_ref, w_ref)
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=allocations,
+            out_smem=mt.out_smem(tiles, out_dtype),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs, out_smem):
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tiles(info):
+                (lin,) = info.index
+                at = mt.tile_slices(tiles, order_ref[lin], m_iters, n_iters)
+                first, count = first_ref[at.m_idx], count_ref[at.m_idx]
+                wg_row0 = wg * tiles.tile_m  # this warpgroup's rows within the row tile
+
+                def finish(read):
+                    acc = mt.scaled(read(), scale_ref, out_dtype)
+                    dest = out_ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = acc[epi_m, epi_n]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
+
+                def compute_context(eval_pipeline):
+                    mt.accumulated(tiles, eval_pipeline, finish, split=False)
+
+                def mma_body(idxs, a_smem, b_smem, acc):
+                    j, _ = idxs
+                    rows = a_smem.at[at.wg_m]
+                    lo, hi = lo_ref[first + j], hi_ref[first + j]
+
+                    @pl.when((lo > wg_row0) | (hi < wg_row0 + tiles.tile_m))
+                    def _other_groups_rows():  # zero them: the tile straddles a boundary
+                        shape, layout = (tiles.tile_m, tiles.tile_k), plgpu.Layout.WGMMA
+                        row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+                        row = row + wg_row0
+                        # float8 is selected in fp16, which holds every float8 value exactly
+                        # (Mosaic GPU computes on no 8-bit type)
+                        block = plgpu.load(rows, (), layout=layout).astype(wide)
+                        keep = (row >= lo) & (row < hi)
+                        rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
+                        plgpu.commit_smem()
+
+                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
+                    last = (j == count - 1) & (idxs[1] == k_iters - 1)
+                    return mt.accumulate(tiles, acc, rows, rhs, split=False, in_flight=1,
+                                         last=last)  # fmt: skip
+
+                @pl.when(count > 0)
+                def _groups():
+                    pipeline(at.m_idx, at.n_idx, mma_body, compute_context)(
+                        x_ref, w_ref, allocations=pipeline_allocs
+                    )
+
+                @pl.when((count == 0) & (wg < 2))
+                def _past_the_sum():  # rows in no group
+                    zeros = jnp.zeros((tiles.tile_m, tiles.tile_n), jnp.float32)
+                    finish(lambda: plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    sms = mt.num_sms()
+    plan = schedule(sizes, tiles, m, n, sms)
+    # traced in 32-bit mode: under jax_enable_x64 the pipeline's loop over a grid known only at
+    # run time mixes int32 steps with int64 constants
+    with jax.named_scope("grouped_gemm"), jax.enable_x64(False):
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+            **mt.kernel_params(sms, 1),
+        )(x, w, *plan.arrays(), *([] if scale is None else [scale]))
