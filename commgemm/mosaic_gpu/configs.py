@@ -155,17 +155,11 @@ class DirectRSConfig(_Tiling):
 class GroupedConfig(_Tiling):
     """The grouped GEMM's kernel (`grouped_kernel`): 64 x 256 tiles a compute warpgroup,
     stacked along M (each warpgroup zeroes its own rows of a shared x block where a tile
-    straddles a group boundary, so wg_along_m must stay True).
-
-    cluster: "m" pairs two CTAs on adjacent row tiles: they run the groups of both tiles'
-      rows, each group's w blocks loaded once and multicast to both (with many small groups
-      the kernel waits on reading w)."""
+    straddles a group boundary, so wg_along_m must stay True)."""
 
     tile_m: int = 64
     tile_n: int = 256
     wg_along_m: bool = True
-    cluster: str | None = None
-    _clusters = (None, "m")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -15,12 +15,6 @@ M / 64 warpgroup blocks plus one per group boundary inside a block (jax's `ragge
 runs a whole tile per boundary, its stores following the groups in a ladder of partial TMA
 stores).
 
-With GroupedConfig.cluster "m", two CTAs on adjacent row tiles run as one 256-row tile: the
-groups of both tiles' rows, each K-step's w block loaded once and multicast to both, each CTA
-multiplying its own rows. With many small groups this reads w about a quarter less (a 128-row
-tile of 64 groups' 8192 rows holds two of them, a 256-row tile three), and the kernel is bound
-by reading w there.
-
 The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`).
 """
 
@@ -41,15 +35,15 @@ from commgemm.mosaic_gpu.configs import GroupedConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The kernel's work, int32: its (row tile, group) pairs for row tiles of cluster_m rows
-    (a CTA's, or a 2-CTA cluster's) of M rows, and the order of its output tiles.
+    """The kernel's work, int32: its (row tile, group) pairs for cta_m-row tiles of M rows,
+    and the order of its output tiles.
 
-    group, lo, hi [M / cluster_m + G - 1]: pair p multiplies rows [lo, hi) of its row tile
+    group, lo, hi [M / cta_m + G - 1]: pair p multiplies rows [lo, hi) of its row tile
       (offsets within the tile) by w[group]; pairs are in row-tile order, then group order.
-    first, count [M / cluster_m]: row tile r's pairs are first[r], ..., first[r] + count[r] - 1
+    first, count [M / cta_m]: row tile r's pairs are first[r], ..., first[r] + count[r] - 1
       (count 0: the tile lies past the groups' sum).
     order [tiles]: the output tile (its index in the tiles' `planar_snake` walk) of the
-      kernel's unit u; CTA (or cluster) c runs units c, c + ctas, ... (`balanced_slots`)."""
+      kernel's unit u; CTA c runs units c, c + ctas, ... (`balanced_slots`)."""
 
     group: jax.Array
     lo: jax.Array
@@ -82,7 +76,7 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     CTAs, balanced by their warpgroups' K loops (`balanced_slots`). Everything is
     counted by comparisons and prefix sums over the groups, not searched or sorted: a few
     fused elementwise ops on a GPU, where a search is a loop of small kernels."""
-    cta_m = tiles.cluster_m  # the rows of a tile: a CTA's, or a 2-CTA cluster's
+    cta_m = tiles.cta_m
     num_groups, tiles_m, tiles_n = sizes.shape[0], m // cta_m, n // tiles.cta_n
     ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
@@ -187,8 +181,7 @@ def grouped_matmul(
         )
     if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk)) is not None:
         raise ValueError(f"grouped kernel: {reason}")
-    m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cta_n, k // tiles.tile_k
-    multicast = ("cluster",) if tiles.cluster == "m" else ()  # the pair shares w's blocks
+    m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
     num_slots = mt.epilogue_slots(tiles)
 
@@ -196,10 +189,9 @@ def grouped_matmul(
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         wg = lax.axis_index("wg")
 
-        def pipeline(unit_m, m_idx, n_idx, mma_body, compute_context):
-            """The warp-specialized loop over (group, K-step) of the groups of tile unit_m (a
-            CTA's or cluster's rows), this CTA's row tile m_idx, column n_idx."""
-            first = first_ref[unit_m]
+        def pipeline(m_idx, n_idx, mma_body, compute_context):
+            """The warp-specialized loop over (group, K-step) of row tile m_idx, column n_idx."""
+            first = first_ref[m_idx]
 
             def w_index(j, kk):
                 group = group_ref[first + j]
@@ -208,7 +200,7 @@ def grouped_matmul(
             w_block = (tiles.cta_n, tiles.tile_k) if w_nk else (tiles.tile_k, tiles.cta_n)
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body,
-                grid=(count_ref[unit_m], k_iters),
+                grid=(count_ref[m_idx], k_iters),
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec(
@@ -218,11 +210,7 @@ def grouped_matmul(
                         delay_release=1,  # the K-step's wgmma may still read it
                     ),
                     plgpu.BlockSpec(
-                        (None, *w_block),
-                        w_index,
-                        transforms=transforms,
-                        delay_release=1,
-                        collective_axes=multicast,
+                        (None, *w_block), w_index, transforms=transforms, delay_release=1
                     ),
                 ],
                 wg_axis="wg",
@@ -232,7 +220,7 @@ def grouped_matmul(
             )
 
         ignore = lambda *_, **__: None  # noqa: E731
-        allocations = pipeline(0, 0, 0, ignore, ignore).get_allocations(x_ref, w_ref)
+        allocations = pipeline(0, 0, ignore, ignore).get_allocations(x_ref, w_ref)
 
         @functools.partial(
             pl.run_scoped,
@@ -245,12 +233,8 @@ def grouped_matmul(
             def _tiles(info):
                 (lin,) = info.index
                 at = mt.tile_slices(tiles, order_ref[lin], m_iters, n_iters)
-                # the schedule's tile (a cluster's rows), and where this warpgroup's lie in it
-                unit_m, wg_row0 = at.m_idx, wg * tiles.tile_m
-                if multicast:
-                    unit_m = lax.div(at.m_idx, jnp.int32(2))
-                    wg_row0 = wg_row0 + lax.axis_index("cluster") * tiles.cta_m
-                first, count = first_ref[unit_m], count_ref[unit_m]
+                first, count = first_ref[at.m_idx], count_ref[at.m_idx]
+                wg_row0 = wg * tiles.tile_m  # this warpgroup's rows within the row tile
 
                 def finish(read):
                     acc = mt.scaled(read(), scale_ref, out_dtype)
@@ -295,7 +279,7 @@ def grouped_matmul(
 
                 @pl.when(count > 0)
                 def _groups():
-                    pipeline(unit_m, at.m_idx, at.n_idx, mma_body, compute_context)(
+                    pipeline(at.m_idx, at.n_idx, mma_body, compute_context)(
                         x_ref, w_ref, allocations=pipeline_allocs
                     )
 
@@ -307,12 +291,12 @@ def grouped_matmul(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     sms = mt.num_sms()
-    plan = schedule(sizes, tiles, m, n, sms // tiles.cluster_size)
+    plan = schedule(sizes, tiles, m, n, sms)
     # traced in 32-bit mode: under jax_enable_x64 the pipeline's loop over a grid known only at
     # run time mixes int32 steps with int64 constants
     with jax.named_scope("grouped_gemm"), jax.enable_x64(False):
         return plgpu.kernel(
             body,
             out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-            **mt.kernel_params(sms, tiles.cluster_size),
+            **mt.kernel_params(sms, 1),
         )(x, w, *plan.arrays(), *([] if scale is None else [scale]))

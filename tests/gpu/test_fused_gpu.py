@@ -258,20 +258,17 @@ def test_grouped_matmul_hopper_path_in_shard_map(kernel, check_vma):
         assert _relative_error(a, b) <= REL
 
 
-@pytest.mark.parametrize("cluster", [None, "m"])
 @pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
 @pytest.mark.parametrize(
     "sizes",
     [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [60, 70, 80, 90]],
     ids=["one", "uneven", "none", "tiny", "short"],
 )
-def test_grouped_kernel_against_ragged_dot(sizes, w_nk, cluster):
-    """commgemm's grouped kernel alone, in the forward and dX's form (w read [G, N, K]), CTAs
-    alone or in pairs along M: one group, empty groups, no rows at all, 40 tiles' worth of
-    7-row groups in one row tile, and sums short of the rows by whole tiles (zero there);
-    against the float32 ragged dot."""
+def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
+    """commgemm's grouped kernel alone, in the forward and dX's form (w read [G, N, K]): one
+    group, empty groups, no rows at all, 40 tiles' worth of 7-row groups in one row tile, and
+    sums short of the rows by whole tiles (zero there); against the float32 ragged dot."""
     from commgemm.mosaic_gpu import grouped_kernel
-    from commgemm.mosaic_gpu.configs import GroupedConfig
 
     m, k, n = 1024, 320, 512
     sizes = jnp.asarray(sizes, jnp.int32)
@@ -279,9 +276,7 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk, cluster):
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
     w = (jax.random.normal(kw, shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    tiles = GroupedConfig(cluster=cluster)
-    f = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles, w_nk=w_nk))
-    got = f(x, w, sizes)
+    got = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=w_nk))(x, w, sizes)
     rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
     want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
                               precision="highest")  # fmt: skip
@@ -349,9 +344,8 @@ def test_grouped_matmul_prequantized(w_nk):
     assert float(jnp.abs(got[1900:]).max()) == 0.0
 
 
-@pytest.mark.parametrize("cluster", [None, "m"])
 @pytest.mark.parametrize("stages", [3, 4])
-def test_grouped_kernel_tiles_in_sequence(stages, cluster):
+def test_grouped_kernel_tiles_in_sequence(stages):
     """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps): each tile's last wgmma
     is done before the next tile reloads its smem slot (`tiles.await_last_step`; with 3 stages
     that slot is the first one reloaded), on calls that alternate x and -x."""
@@ -363,7 +357,7 @@ def test_grouped_kernel_tiles_in_sequence(stages, cluster):
     kx, kw = jax.random.split(jax.random.key(stages), 2)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (8, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    tiles = GroupedConfig(stages=stages, cluster=cluster)
+    tiles = GroupedConfig(stages=stages)
     f = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles))
     for sign in (-1, 1, -1, 1):
         want = jax.lax.ragged_dot((sign * x).astype(jnp.float32), w.astype(jnp.float32), sizes,
