@@ -2,7 +2,8 @@
 
 The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
 run with no mesh axis: the same tiles, pipeline and epilogue, with no peer to send to (the RS
-kernel then stores its tiles: with one device there is nothing to zero or reduce-add), on the
+kernel then stores its tiles, except a split tail's, which it adds into zeroed tiles as on P
+devices; "plan-whole" is the plan with its last wave left whole), on the
 whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
 Beside it, timed interleaved by device periods in one trace per shape (medians of 6 rounds):
 XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels' default tiling, the op itself on a
@@ -93,6 +94,8 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
         if type(tiles) is type(plan) and tiles not in found.values():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
             found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
+    if op == "rs" and found["plan"].split_tail != 1:  # the plan's last wave left whole
+        found["plan-whole"] = dataclasses.replace(found["plan"], split_tail=1)
     if op == "ag":  # the last wave narrowed (DirectAGConfig.narrow_tail), as gemm_core runs it
         for label in ("plan", "default", "cm"):
             if label in found:
@@ -106,9 +109,9 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
 
 
 def alone(tiles):
-    """`tiles` without the fields that do nothing on one device (spread, split_tail,
-    zero_ahead), so tilings that run alike are timed once."""
-    fields = {"spread": 0, "split_tail": 1, "zero_ahead": 0}
+    """`tiles` without the fields that do nothing on one device (spread, zero_ahead), so
+    tilings that run alike are timed once."""
+    fields = {"spread": 0, "zero_ahead": 0}
     return dataclasses.replace(tiles, **{f: v for f, v in fields.items() if hasattr(tiles, f)})
 
 
@@ -169,7 +172,7 @@ def main() -> None:
             xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
             variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
             for label, tiles in core_tilings(op, size, (m, k, n)).items():
-                tiles = dataclasses.replace(tiles, tile_k=max(tiles.tile_k, fused.FLOAT8_TILE_K))
+                tiles = fused.float8_tiling(tiles, k)  # as the fused ops run float8
                 variants[f"core fp8 {label}"] = (core(op, tiles, float8=True), (qa.data, rhs))
             for tiles in FP8_SWEEP[op] if args.fp8_sweep else ():
                 spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True,

@@ -91,6 +91,33 @@ def test_scatter_add_gemm_lowers(size, spec):
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("fused-direct-wgm-cm-ct-m64-n256-t0-a2", (10, 4)),  # the plan's tiling: 1792 on 66
+        ("fused-direct-t2", (20, 2)),  # 3584 tiles on 132 CTAs: 20 left, split in two
+        ("fused-direct-cm", (0, 1)),  # split_tail 1: the tail runs whole
+    ],
+)
+def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
+    """On one device (the GEMM core, axis None) the RS kernel splits its last wave's tiles
+    along K as on P devices (M 8192, K 1024, N 14336): the plan is the same, and the kernel
+    lowers with the tail's tiles zeroed first and added into."""
+    planned = []
+    plan = scatter_add_gemm.tail_plan
+
+    def recorded(*args):
+        planned.append(plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(scatter_add_gemm, "tail_plan", recorded)
+    cfg = parse_method(spec, "rs")
+    f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8192, 1024), (1024, 14336))]
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and planned == [expected]
+
+
 def test_chain_tiles_needs_two_tiles_per_cta():
     cfg = cg.OverlapConfig(
         method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(chain_tiles=True)

@@ -12,8 +12,9 @@ load warpgroups zero wave j + D's tiles while loading wave j, one semaphore a wa
 (`tiles.relaxed_signal`). `split_tail` splits the last, partly filled wave's tiles (this
 device's own) along K (`tail_plan`). Partial sums are added in the output dtype, in arrival
 order where a tile gets more than two (P > 2, split tails): `OverlapConfig.deterministic`
-refuses those. On one device (axis_name None: the kernel's GEMM core) nothing is added:
-tiles are stored, nothing is zeroed. What was tried and measured: docs/performance.md.
+refuses those. On one device (axis_name None: the kernel's GEMM core) the main loop's tiles
+are stored, not added; a split tail's tiles are zeroed first, then its K-ranges added, as on P
+devices. What was tried and measured: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -161,10 +162,8 @@ def matmul_reduce_scatter(
     per_block = m_iters * n_iters
     num_tiles = size * per_block
     ctas = sms // cluster
-    # a split tail's K-ranges are reduce-added: none on one device, which stores its tiles
-    tail_tiles, splits = (
-        tail_plan(num_tiles, per_block, ctas, k_iters, tiles) if size > 1 else (0, 1)
-    )
+    # a split tail's K-ranges are reduce-added (on one device too: into its zeroed tiles)
+    tail_tiles, splits = tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
     main_units = num_tiles - tail_tiles
     if tiles.chain_tiles and main_units < 2 * ctas:
         raise ValueError(
@@ -241,14 +240,16 @@ def matmul_reduce_scatter(
 
             @jax.named_scope("zero")
             def _zero_output():
+                # the first waves' tiles; on one device only the split tail's, which it adds
+                lo, hi = (0, first_tiles) if reduce else (per_block - tail_tiles, per_block)
                 out_smem[wg, 0] = jnp.zeros((epi, epi), out_dtype)
                 plgpu.commit_smem()
-                iters = -(-first_tiles * zero_bands_per_tile(tiles, epi) // (2 * sms))
-                zero_tiles(out_smem.at[wg, 0], 0, first_tiles, 2 * cta + wg, 2 * sms, iters)
+                iters = -(-(hi - lo) * zero_bands_per_tile(tiles, epi) // (2 * sms))
+                zero_tiles(out_smem.at[wg, 0], lo, hi, 2 * cta + wg, 2 * sms, iters)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 signal_every_device(zeroed)
 
-            if reduce:
+            if reduce or tail_tiles:
                 pl.when(wg < 2)(_zero_output)
 
             if late_zero:
@@ -287,6 +288,8 @@ def matmul_reduce_scatter(
                 # the device owning this tile's rows
                 block = lax.rem(here + offset, jnp.int32(size))
                 at = mt.tile_slices(tiles, tile, m_iters, n_iters)
+                # a tail tile (offset 0, an int) is added into on one device too
+                add = reduce or isinstance(offset, int)
 
                 def tile_of(ref, epi_m, epi_n):
                     return ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n].at[epi_m, epi_n]
@@ -297,12 +300,12 @@ def matmul_reduce_scatter(
                         dest,
                         predicate=predicate,
                         commit_group=commit,
-                        reduction_op="add" if reduce else None,
+                        reduction_op="add" if add else None,
                     )
 
                 def epilogue_of(acc):
                     acc = mt.scaled(acc, scale_ref, out_dtype)
-                    if first is not None and reduce:
+                    if first is not None and add:
 
                         @pl.when(first)
                         def _outputs_zeroed():
@@ -374,7 +377,9 @@ def matmul_reduce_scatter(
                 def _tail(info):
                     (unit,) = info.index
                     tile, part = tail_unit(unit, per_block, tail_tiles, splits)
-                    run_tile(tile, 0, part * (k_iters // splits), k_iters // splits)
+                    # on P devices the main loop's first tile awaited the zeroing already
+                    first = None if reduce else info.local_index == 0
+                    run_tile(tile, 0, part * (k_iters // splits), k_iters // splits, first=first)
 
             @pl.when(wg < 2)
             @jax.named_scope("landed")

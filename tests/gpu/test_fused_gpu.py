@@ -4,6 +4,8 @@ float32 reference (HIGHEST precision) on fresh random data, back-to-back calls, 
 bf16 outputs: |error| <= REL * max|reference| (8 mantissa bits; RS partial sums also rounded).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,6 +284,56 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
                               precision="highest")  # fmt: skip
     scale = max(float(jnp.abs(want).max()), 1.0)
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("form", ["quantizing", "prequantized"])
+def test_grouped_matmul_float8_in_shard_map(form, check_vma):
+    """The float8 grouped paths inside shard_map (x's rows over a mesh axis of this GPU, w
+    replicated): `scaling=` with current tensor scaling (values within fast float8
+    accumulation of the dequantized operands' float32 ragged dot, gradients the emulated
+    path's outside shard_map) and ScaledTensor operands quantized before (forward); each
+    compiled program runs commgemm's float8 kernel."""
+    from commgemm.mosaic_gpu.grouped import GroupedTiles
+
+    m, k, n, groups = 1024, 512, 512, 4
+    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray([300, 0, 500, 100], jnp.int32)  # 900 rows: the rest zero
+    mode = "current_tensor_scaling"
+    qx, qw = cg.quantize(x, mode), cg.quantize(w, mode, axis=1)
+    want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32), cg.dequantize(qw, jnp.float32),
+                              sizes, precision="highest")  # fmt: skip
+    shard = functools.partial(jax.shard_map, mesh=_mesh(1), out_specs=P("x"),
+                              check_vma=check_vma)  # fmt: skip
+    if form == "prequantized":
+        qwt = cg.quantize(jnp.swapaxes(w, 1, 2), mode, axis=2)
+
+        def body(xd, xs, wd, ws):
+            a, b = cg.ScaledTensor(xd, xs), cg.ScaledTensor(wd, ws, axis=2)
+            return cg.grouped_matmul(a, b, sizes)
+
+        f = jax.jit(shard(body, in_specs=(P("x"), P(), P(), P())))
+        args = (qx.data, qx.scale_inv, qwt.data, qwt.scale_inv)
+        assert "mosaic" in f.lower(*args).compile().as_text().lower()
+        got = f(*args).astype(jnp.float32)
+        assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+        assert float(jnp.abs(got[900:]).max()) == 0.0
+        return
+    ours = shard(lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=mode),
+                 in_specs=(P("x"), P()))  # fmt: skip
+    compiled = jax.jit(ours).lower(x, w).compile().as_text().lower()
+    assert "f8e4m3fn" in compiled and "mosaic" in compiled
+    got = jax.jit(ours)(x, w).astype(jnp.float32)
+    assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+    emulated = lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=mode,  # noqa: E731
+                                              hopper_tiles=GroupedTiles())  # fmt: skip
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * g)  # noqa: E731
+    for a, b in zip(jax.jit(jax.grad(loss(ours), (0, 1)))(x, w),
+                    jax.jit(jax.grad(loss(emulated), (0, 1)))(x, w), strict=True):  # fmt: skip
+        assert _relative_error(a, b) <= REL
 
 
 @pytest.mark.parametrize("groups", [8, 64])

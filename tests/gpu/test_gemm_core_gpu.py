@@ -42,11 +42,22 @@ def _ref(x, w):
         ("rs", DirectRSConfig(), (1024, 512, 1024)),
         ("rs", DirectRSConfig(cluster="m"), (1024, 512, 1024)),
         ("rs", DirectRSConfig(cluster="n"), (1024, 512, 1024)),
+        # 144 tiles on 132 CTAs: the last 12 split along K, added into their zeroed tiles
+        ("rs", DirectRSConfig(split_tail=0), (2048, 1024, 2304)),
+        # the plan's tiling: 1792 cluster tiles on 66 clusters, the last 10 in 4 K-ranges
         (
             "rs",
-            DirectRSConfig(split_tail=0),
-            (2048, 1024, 2304),
-        ),  # 144 tiles on 132 CTAs (one device: no split)
+            DirectRSConfig(
+                wg_along_m=True,
+                tile_m=64,
+                tile_n=256,
+                cluster="m",
+                chain_tiles=True,
+                split_tail=0,
+                zero_ahead=2,
+            ),
+            (8192, 1024, 14336),
+        ),  # fmt: skip
         ("rs", DirectRSConfig(chain_tiles=True), (4096, 512, 2304)),  # 288 tiles, 2+ a CTA
         # 448 tiles on 132 CTAs: 3 waves, then the last 52 tiles as 104 half-width ones
         ("ag", DirectAGConfig(narrow_tail=True), (8192, 512, 1792)),
