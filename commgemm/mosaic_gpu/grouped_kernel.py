@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,17 @@ def _float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
     from commgemm.mosaic_gpu import fused
 
     return fused.float8_tiling(tiles, k)
+
+
+def _load(ref, layout) -> jax.Array:
+    """The whole of smem `ref` in registers, in `layout`: jax 0.10's `plgpu.load` wants an
+    index beside the ref, which jax 0.11 deprecates (index the ref with `.at` instead)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def shape_reason(
@@ -264,7 +276,7 @@ def grouped_matmul(
                         row = row + wg_row0
                         # float8 is selected in fp16, which holds every float8 value exactly
                         # (Mosaic GPU computes on no 8-bit type)
-                        block = plgpu.load(rows, (), layout=layout).astype(wide)
+                        block = _load(rows, layout).astype(wide)
                         keep = (row >= lo) & (row < hi)
                         rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
                         plgpu.commit_smem()
