@@ -26,9 +26,11 @@ from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.vma import like_primal, varying_like
 
-#: Rows a group needs on average (M / G) for commgemm's kernel to run the forward (dX runs it
-#: at any group size: it was the faster dX with 8 and with 64 groups, BENCHMARKS.md).
-TILES_KERNEL_ROWS = 512
+#: Rows a group needs on average (M / G) for commgemm's kernel to run the forward: on one H200
+#: (M 8192, K 4096, N 1792) it was 17% faster than jax's with 1024 rows a group, 1.2 to 2% slower
+#: with 512 in three runs and 5 to 9% slower with 128 to 341. dX runs it at any group size: it
+#: was the faster dX with 8 to 128 groups (BENCHMARKS.md).
+TILES_KERNEL_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
