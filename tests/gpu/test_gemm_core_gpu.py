@@ -44,6 +44,7 @@ def _ref(x, w):
         ("rs", DirectRSConfig(cluster="n"), (1024, 512, 1024)),
         # 144 tiles on 132 CTAs: the last 12 split along K, added into their zeroed tiles
         ("rs", DirectRSConfig(split_tail=0), (2048, 1024, 2304)),
+        ("rs", DirectRSConfig(split_tail=0), (1024, 512, 1024)),  # 32 tiles: all in the tail
         # the plan's tiling: 1792 cluster tiles on 66 clusters, the last 10 in 4 K-ranges
         (
             "rs",
