@@ -1,0 +1,53 @@
+"""Probe (one H200): does jax's Hopper matmul (`hopper_matmul_mgpu`, what our ring RS kernel
+runs per step) compute every tile right when its K-steps are not whole rounds of stages (the
+last K-step's smem slot is then not the last one reloaded by the next tile), on calls that
+alternate x and -x? And our ring RS kernel on a one-device mesh with the same tilings.
+    PYTHONPATH=. python3 benchmarks/probe_jax_matmul_stages.py --out DIR"""
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm as cg
+from commgemm.mosaic_gpu import fused
+from commgemm.mosaic_gpu.configs import RingRSConfig
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=pathlib.Path, required=True)
+args = parser.parse_args()
+args.out.mkdir(parents=True, exist_ok=True)
+rows = []
+for k in (640, 1024, 1152):  # 10, 16, 18 K-steps of 64
+    m, n = 8192, 7168
+    kx, kw = jax.random.split(jax.random.key(k))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    for stages in (3, 4):
+        config = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=stages,
+                                 grid_tile_width=8)  # fmt: skip
+        jaxmm = jax.jit(lambda a, b, c=config: hm.matmul(a, b, None, c))
+        cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
+                               kernel=RingRSConfig(stages=stages))  # fmt: skip
+        mesh = Mesh(jax.devices()[:1], ("x",))
+        ring = jax.jit(jax.shard_map(
+            lambda a, b, c=cfg: fused.matmul_reduce_scatter(a, b, "x", c, w_transposed=False),
+            mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"), check_vma=False))  # fmt: skip
+        for name, fn in (("jax matmul", jaxmm), ("ring RS, one device", ring)):
+            errs = []
+            try:
+                for sign in (-1, 1, -1, 1):
+                    ref = jnp.dot((sign * x).astype(jnp.float32), w.astype(jnp.float32))
+                    got = fn(sign * x, w).astype(jnp.float32)
+                    errs.append(float(jnp.abs(got - ref).max() / jnp.abs(ref).max()))
+            except Exception as e:  # noqa: BLE001 - recorded
+                errs.append(f"error: {str(e)[:200]}")
+            row = dict(kernel=name, k=k, k_steps=k // 64, stages=stages, rel_errors=errs)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+(args.out / "probe_jax_matmul_stages.json").write_text(json.dumps(rows, indent=1))
