@@ -35,9 +35,11 @@ for k in (640, 1024, 1152):  # 10, 16, 18 K-steps of 64
         cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
                                kernel=RingRSConfig(stages=stages))  # fmt: skip
         mesh = Mesh(jax.devices()[:1], ("x",))
-        ring = jax.jit(jax.shard_map(
-            lambda a, b, c=cfg: fused.matmul_reduce_scatter(a, b, "x", c, w_transposed=False),
-            mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"), check_vma=False))  # fmt: skip
+        body = lambda a, b, c=cfg: fused.matmul_reduce_scatter(  # noqa: E731
+            a, b, "x", c, w_transposed=False
+        )
+        specs = dict(in_specs=(P(None, "x"), P("x")), out_specs=P("x"), check_vma=False)
+        ring = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
         for name, fn in (("jax matmul", jaxmm), ("ring RS, one device", ring)):
             errs = []
             try:
