@@ -1,26 +1,49 @@
-"""Probe (one H200): does jax's Hopper matmul (`hopper_matmul_mgpu`, what our ring RS kernel
-runs per step) compute every tile right when its K-steps are not whole rounds of stages (the
-last K-step's smem slot is then not the last one reloaded by the next tile), on calls that
-alternate x and -x? And our ring RS kernel on a one-device mesh with the same tilings.
-    PYTHONPATH=. python3 benchmarks/probe_jax_matmul_stages.py --out DIR"""
+"""Probe (one H200): does jax's Hopper matmul kernel (`hopper_matmul_mgpu.kernel`) compute
+every tile right when its K-steps are not whole rounds of stages (the last K-step's smem slot is
+then not the last one reloaded by the next tile), on calls that alternate x and -x? Our ring RS
+kernel runs it per step with delay_release=0 (each wgmma awaited); jax's ring AG kernel
+(`all_gather_lhs_matmul`, our RING_EXCHANGE fused AG) runs it with delay_release=1 (one wgmma in
+flight), the setting whose race our own kernels had (`tiles.await_last_step`). The kernel is
+called directly in both settings; our ring RS on a one-device mesh is tried too (it needs
+NVSHMEM peers).
+    PYTHONPATH=. python3 benchmarks/probe_jax_matmul_stages.py --out DIR [--delay 0,1]"""
 
 import argparse
+import dataclasses
+import functools
 import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
 from commgemm.mosaic_gpu import fused
+from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import RingRSConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=pathlib.Path, required=True)
+parser.add_argument("--delay", default="0,1", help="delay_release values of jax's kernel")
 args = parser.parse_args()
+
+
+def jax_kernel(config, delay: int, m: int, n: int):
+    """jax's Hopper matmul kernel alone, with `delay` (delay_release), as jitted fn(a, b)."""
+    config = dataclasses.replace(config, epi_tile_m=64, epi_tile_n=64)
+    body = functools.partial(hm.kernel, config=config, delay_release=delay)
+    call = plgpu.kernel(
+        lambda a, b, out: body(a, b, None, out),
+        out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        **mt.kernel_params(mt.num_sms(), 1),
+    )
+    return jax.jit(call)
+
+
 args.out.mkdir(parents=True, exist_ok=True)
 rows = []
 for k in (640, 1024, 1152):  # 10, 16, 18 K-steps of 64
@@ -31,7 +54,8 @@ for k in (640, 1024, 1152):  # 10, 16, 18 K-steps of 64
     for stages in (3, 4):
         config = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=stages,
                                  grid_tile_width=8)  # fmt: skip
-        jaxmm = jax.jit(lambda a, b, c=config: hm.matmul(a, b, None, c))
+        kernels = {f"jax kernel, delay_release={d}": jax_kernel(config, int(d), m, n)
+                   for d in args.delay.split(",")}  # fmt: skip
         cfg = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
                                kernel=RingRSConfig(stages=stages))  # fmt: skip
         mesh = Mesh(jax.devices()[:1], ("x",))
@@ -40,7 +64,7 @@ for k in (640, 1024, 1152):  # 10, 16, 18 K-steps of 64
         )
         specs = dict(in_specs=(P(None, "x"), P("x")), out_specs=P("x"), check_vma=False)
         ring = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
-        for name, fn in (("jax matmul", jaxmm), ("ring RS, one device", ring)):
+        for name, fn in (*kernels.items(), ("ring RS, one device", ring)):
             errs = []
             try:
                 for sign in (-1, 1, -1, 1):
