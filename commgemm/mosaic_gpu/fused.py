@@ -173,7 +173,7 @@ def unsupported_reason(
     if family is RingAGConfig and (k // tiles.tile_k) % tiles.stages:
         # commgemm's own kernels computed wrong tiles in this setting until each tile's last
         # wgmma was awaited (`tiles.await_last_step`); jax's kernel has no such wait, and
-        # benchmarks/probe_jax_matmul_stages.py has not yet asked it on a GPU
+        # it has not yet been checked on a GPU (docs/performance.md)
         return (
             f"jax's ring all-gather kernel keeps one wgmma in flight across a tile's last "
             f"K-step, which can let the next tile's loads overwrite its smem where K/tile_k="
