@@ -25,6 +25,19 @@ def _h100_sms(monkeypatch):
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)  # CPU devices have no SM count
 
 
+def _recorded(monkeypatch, module, name: str) -> list:
+    """Replace module.name (a plan function) by one that also records each result, in the
+    returned list."""
+    planned, plan = [], getattr(module, name)
+
+    def recorded(*args):
+        planned.append(plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(module, name, recorded)
+    return planned
+
+
 def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) -> str:
     f = jax.shard_map(
         fn, mesh=mesh or mesh1d(size), in_specs=(x_spec, w_spec), out_specs=out_spec,
@@ -103,14 +116,7 @@ def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
     """On one device (the GEMM core, axis None) the RS kernel splits its last wave's tiles
     along K as on P devices (M 8192, K 1024, N 14336): the plan is the same, and the kernel
     lowers with the tail's tiles zeroed first and added into."""
-    planned = []
-    plan = scatter_add_gemm.tail_plan
-
-    def recorded(*args):
-        planned.append(plan(*args))
-        return planned[-1]
-
-    monkeypatch.setattr(scatter_add_gemm, "tail_plan", recorded)
+    planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
     cfg = parse_method(spec, "rs")
     f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8192, 1024), (1024, 14336))]
@@ -591,14 +597,7 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     from commgemm import scaled
     from commgemm.mosaic_gpu import fused
 
-    planned = []
-    plan = push_gather_gemm.narrow_tail
-
-    def recorded(*args):
-        planned.append(plan(*args))
-        return planned[-1]
-
-    monkeypatch.setattr(push_gather_gemm, "narrow_tail", recorded)
+    planned = _recorded(monkeypatch, push_gather_gemm, "narrow_tail")
     cfg = parse_method(spec, "ag")
     k, n = 256, 1728 if "n192" in spec else 1792
 
