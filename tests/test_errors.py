@@ -140,26 +140,6 @@ def test_kernel_config_of_another_family_is_refused(rng):
         call(cg.matmul_reduce_scatter, x, w, config=chained, **specs)
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_ring_all_gather_refuses_partial_rounds_of_stages(monkeypatch, stages):
-    """jax's ring AG kernel keeps a wgmma in flight over a tile's last K-step, the setting in
-    which commgemm's kernels computed wrong tiles until they awaited it: on a GPU (faked here)
-    the plan refuses it where K/tile_k is not whole rounds of stages (17 K-steps of 64), and
-    takes whole rounds; the direct kernel takes 17."""
-    from commgemm.mosaic_gpu import fused
-
-    monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
-    ag, size = cg.Collective.ALL_GATHER, jax.device_count()
-    ring = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
-                            kernel=mosaic_gpu.RingAGConfig(stages=stages))  # fmt: skip
-    shape = lambda k_steps: (128 * size, 64 * k_steps, 256 * size)  # noqa: E731
-    reason = fused.reason_for_shape(ag, shape(17), size, "bfloat16", ring)
-    assert f"K/tile_k=17 is not whole rounds of {stages} stages" in reason
-    assert fused.reason_for_shape(ag, shape(4 * stages), size, "bfloat16", ring) is None
-    direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
-    assert fused.reason_for_shape(ag, shape(17), size, "bfloat16", direct) is None
-
-
 @pytest.mark.parametrize(
     ("size", "tiles", "why"),
     [

@@ -32,8 +32,7 @@ and the ring kernels take no float8 operands (`scaling_reason`).
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
-divide into the kernel's tiles; the ring AG (jax's kernel) also a 1-D mesh and K-steps in whole
-rounds of its stages (it keeps a wgmma in flight over a tile's last K-step). Our kernels
+divide into the kernel's tiles; the ring AG (jax's kernel) also a 1-D mesh. Our kernels
 address a peer by its coordinate on the axis, the others of the mesh (size 1 where the axis
 spans every device) kept. Mosaic GPU itself also wants the mesh's devices in id order (it
 raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
@@ -169,16 +168,6 @@ def unsupported_reason(
         return (
             f"jax's ring all-gather kernel addresses peers on a 1-D mesh only; this mesh has axes "
             f"{axes} (the direct kernel, method PIPELINE, takes any mesh)"
-        )
-    if family is RingAGConfig and (k // tiles.tile_k) % tiles.stages:
-        # commgemm's own kernels computed wrong tiles in this setting until each tile's last
-        # wgmma was awaited (`tiles.await_last_step`); jax's kernel has no such wait, and
-        # it has not yet been checked on a GPU (docs/performance.md)
-        return (
-            f"jax's ring all-gather kernel keeps one wgmma in flight across a tile's last "
-            f"K-step, which can let the next tile's loads overwrite its smem where K/tile_k="
-            f"{k // tiles.tile_k} is not whole rounds of {tiles.stages} stages: refused until "
-            f"checked on a GPU (the direct kernel, method PIPELINE, takes this K)"
         )
     if chain_tiles:
         ctas = mosaic_tiles.num_sms() // tiles.cluster_size
