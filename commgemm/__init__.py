@@ -11,7 +11,8 @@ buffer's id. The fused kernels' configs: `commgemm.mosaic_gpu`. Measuring: `comm
 Engine's style: `dense`, `layernorm_mlp` with a `CollectiveOpSet` per GEMM; Flax NNX layers:
 `commgemm.nnx` (needs flax). Quantized
 operands (every op's `scaling=`): `ScalingMode`, `ScalingRecipe`, `ScalingState`, `quantize`,
-`dequantize`, `ScaledTensor`, `amax`.
+`dequantize`, `ScaledTensor`, `amax`; a weight quantized once for several calls:
+`quantize_weight`, `QuantizedWeight`.
 """
 
 from commgemm.bulk import bulk_overlap
@@ -29,6 +30,7 @@ from commgemm.grouped.expert_parallel import (
 from commgemm.grouped.local import grouped_matmul
 from commgemm.launch import launch
 from commgemm.layers import CollectiveOpSet, dense, layernorm_mlp
+from commgemm.operand_scaling import quantize_weight
 from commgemm.ops import (
     all_gather_matmul,
     matmul_2d,
@@ -36,6 +38,7 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.quant import (
+    QuantizedWeight,
     ScaledTensor,
     ScalingMode,
     ScalingRecipe,
@@ -66,6 +69,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "quantize",
+    "quantize_weight",
+    "QuantizedWeight",
     "dequantize",
     "amax",
     "ScalingState",

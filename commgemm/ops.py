@@ -23,7 +23,14 @@ from commgemm.operands import (
     normalize_axis,
 )
 from commgemm.plan import make_plan
-from commgemm.quant import ScaledTensor, Scaling, ScalingRecipe, as_recipe
+from commgemm.quant import (
+    QuantizedWeight,
+    ScaledTensor,
+    Scaling,
+    ScalingRecipe,
+    as_recipe,
+    check_weight_scaling,
+)
 from commgemm.registry import resolve
 from commgemm.scaled import collective_matmul as scaled_collective_matmul
 from commgemm.scaled import prequantized_matmul
@@ -68,6 +75,7 @@ def _run(
             )
         return _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_transposed)
     recipe = as_recipe(scaling)
+    check_weight_scaling(fn_name, w, recipe)
     if recipe is not None:
         _check_fused_scaling(fn_name, resolve(config)[0], recipe)
     x2d, restore = _as_rows(x, axis, x_transposed)
@@ -160,7 +168,9 @@ _EPILOGUE_DOC = """
     the operands as they are. x and w may also be `ScaledTensor`s quantized by the caller (x
     with blocks along K, w along its K dimension; tensor scales shared over the axis, e.g.
     `cg.quantize(x, mode, amax=cg.amax(x, axis_name))`): forward only, not differentiable,
-    the result in config.out_dtype (default float32), no epilogue.
+    the result in config.out_dtype (default float32), no epilogue. For training, w may be a
+    `QuantizedWeight` (`cg.quantize_weight(w, scaling, axis_name=...)`, once for several
+    calls) with `scaling=`: differentiable, the gradient flowing to the weight.
 
     Epilogue (all ops): `bias` [n] (the output's last dimension, sharded like it) is added once,
     after any reduction; `activation` in {None, "gelu", "gelu_tanh"} follows; with
@@ -329,6 +339,7 @@ def matmul_2d(
     """
     cfg, _ = resolve(config)
     check_dtypes(x, w)
+    check_weight_scaling("matmul_2d", w, scaling)
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"matmul_2d needs 2-D x and w, got {x.shape} and {w.shape}")
     if row_axis == k_axis:
@@ -358,6 +369,9 @@ def matmul_2d(
         return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
 
     if cfg.atomic_gemm:  # the TPU kernels: GEMM + RS fused along k_axis, then the gather
+        if isinstance(w, QuantizedWeight):
+            raise ValueError("matmul_2d on the TPU kernels quantizes W's K block in the fused "
+                             "GEMM: pass w itself (w.value), not a QuantizedWeight")  # fmt: skip
         part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
         z = all_gather_invariant(part, k_axis)
         return apply_epilogue(z, bias, activation, return_pre_activation)

@@ -62,6 +62,33 @@ class ScaledTensor:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight quantized once for several calls of the quantized ops (the microbatches of a
+    training step), carried with the weight itself. Made by `commgemm.quantize_weight`.
+
+    Passed as an op's `w` with `scaling=` (the recipe it was quantized by), the op multiplies
+    `quantized` instead of quantizing `value` again, and the gradient flows to `value`
+    (straight-through, as under the op's own quantization): a step quantizes each weight once,
+    however many calls use it. `shape`, `dtype` and `ndim` are the weight's."""
+
+    value: jax.Array
+    quantized: ScaledTensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.value.ndim
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ScalingState:
     """Delayed scaling's state: the last `len(amax_history)` amaxes (newest first) and the
     scale they give. `algorithm` "max" takes the history's max, "most_recent" its newest."""
@@ -315,6 +342,15 @@ def as_recipe(scaling: Scaling) -> ScalingRecipe | None:
     if recipe is not None and recipe.mode is ScalingMode.NO_SCALING:
         return None
     return recipe
+
+
+def check_weight_scaling(fn_name: str, w, scaling: Scaling) -> None:
+    """A `QuantizedWeight` comes with the scaling it was quantized by."""
+    if isinstance(w, QuantizedWeight) and as_recipe(scaling) is None:
+        raise ValueError(
+            f"{fn_name}: w is a QuantizedWeight; pass scaling= (the recipe it was quantized by), "
+            "or the weight itself (w.value) for an unquantized GEMM"
+        )
 
 
 def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:

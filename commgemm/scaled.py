@@ -20,6 +20,9 @@ kernels' float8 wgmma (commgemm.mosaic_gpu.fused). Hopper has no tensor cores fo
 scales: block modes are emulated, dequantized per block in x's dtype, then multiplied (the
 layout, `quant.swizzle_block_scales`, is ready for hardware that has them).
 
+How the operands are quantized (x, w, a weight quantized once for several calls, dY):
+commgemm.operand_scaling.
+
 Backward (straight-through, as the reference system's): dY is quantized by current scaling to
 `grad_dtype` (float8_e5m2 by default; block modes use their own format), with its amax over the
 axis; dX runs the forward's complementary collective with the forward's method, on the
@@ -34,16 +37,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Collective, OverlapConfig
+from commgemm.operand_scaling import (
+    check_blocks,
+    check_scales,
+    dy_quantized,
+    quantize_operand,
+    tensor_scale,
+    weight_operand,
+)
 from commgemm.operands import dot
 from commgemm.quant import (
-    BLOCK,
     E8M0,
     TENSOR_MODES,
     ScaledTensor,
@@ -57,62 +66,7 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.vma import all_reduce_transpose, checks_vma, like_primal, varying_axes
-
-
-def fake_quantize(
-    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names=(), state=None
-) -> jax.Array:
-    """a quantized and dequantized, in a's dtype, with the identity gradient (straight-through):
-    the quantized values for computations that have no quantized kernel."""
-    q = dequantize(quantize_operand(lax.stop_gradient(a), recipe, axis, axis_names, state), a.dtype)
-    return lax.stop_gradient(q) + (a - lax.stop_gradient(a))
-
-
-def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
-    """Block modes need K (the forward's contracting size per shard) and N (dX's) in blocks."""
-    block = BLOCK.get(recipe.mode)
-    if block and (k % block or n % block):
-        raise ValueError(
-            f"{recipe.mode.name} scales blocks of {block} along the contracting dimensions: "
-            f"K per shard ({k}) and N per shard ({n}) must be multiples of {block}"
-        )
-
-
-def quantize_operand(
-    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
-) -> ScaledTensor:
-    """`a` quantized as an operand of a GEMM contracting its dimension `axis`, its tensor (or
-    NVFP4 global) scale shared over `axis_names`."""
-    if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
-        return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
-    shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
-    return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
-
-
-def dy_quantized(
-    dy: jax.Array, mode: ScalingMode, grad_dtype: str, axis_names, state: ScalingState | None
-) -> tuple[ScaledTensor, ScalingState | None]:
-    """dY quantized for the backward, and the cotangent of the recipe's dy_state (None without
-    one). Without a state: tensor modes scale dY by its current amax over `axis_names`, block
-    modes by blocks. With a state: its scale, and the state advanced by dY's amax over every
-    mesh axis dY may vary over (the whole tensor's, so every device holds the same new state,
-    as the replicated state needs). Unchecked shard_map sums a replicated input's cotangent
-    over its devices: there the state is handed back divided by their number, which that sum
-    restores."""
-    if state is None:
-        dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
-        return quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, axis_names)), None
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(mesh.manual_axes) if not mesh.empty else ()
-    checked = bool(manual) and checks_vma(manual[0])
-    over = tuple(a for a in manual if a in varying_axes(dy)) if checked else manual
-    whole = lax.pmax(amax(dy), over) if over else amax(dy)
-    qdy, new = quantize(dy, mode, dtype=grad_dtype, state=state, amax=whole)
-    if manual and not checked:
-        devices = math.prod(lax.axis_size(a) for a in manual)
-        new = jax.tree.map(lambda v: v / devices, new)
-    return qdy, new
+from commgemm.vma import all_reduce_transpose, like_primal
 
 
 def payload(t: ScaledTensor) -> jax.Array:
@@ -131,15 +85,6 @@ def _unpack(rows: jax.Array, mode: ScalingMode, k: int) -> ScaledTensor:
     scale_dtype = jnp.float8_e4m3fn if mode is ScalingMode.NVFP4_1D_SCALING else E8M0
     scales = lax.bitcast_convert_type(rows[:, k:], scale_dtype)
     return ScaledTensor(values, scales, mode=mode, axis=-1)
-
-
-def _scalar(t: ScaledTensor) -> jax.Array:
-    """The part of t's scale that is one number for the whole tensor."""
-    if t.mode in TENSOR_MODES:
-        return t.scale_inv
-    if t.global_scale_inv is not None:
-        return t.global_scale_inv
-    return jnp.ones((), jnp.float32)
 
 
 def _block_values(t: ScaledTensor, dtype) -> jax.Array:
@@ -190,7 +135,7 @@ class QuantizedRhs:
     ) -> jax.Array:
         """payload rows [r, K(+scales)] @ W -> [r, n], scaled back, in `result_dtype`."""
         mode = self.w.mode
-        scale = self.lhs_scale_inv * _scalar(self.w)
+        scale = self.lhs_scale_inv * tensor_scale(self.w)
         if mode in TENSOR_MODES:
             lhs, rhs = rows, self.w.data
         else:
@@ -232,27 +177,9 @@ def collective_matmul(
     check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
     k_dim = 1 if w_transposed else 0
-    qw = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_name, recipe.w_state)
+    w, qw = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
     return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, recipe.dy_state)
-
-
-def _check_scales(name: str, t: ScaledTensor) -> None:
-    """A ScaledTensor's scales fit its values: one per tensor, or one per block along t.axis."""
-    if t.mode in TENSOR_MODES:
-        want = ()
-    else:
-        axis = t.axis % t.data.ndim
-        want = list(t.data.shape)
-        if want[axis] % BLOCK[t.mode]:
-            raise ValueError(f"{name}'s dimension {axis} ({want[axis]}) is not whole blocks")
-        blocks = want.pop(axis) // BLOCK[t.mode]
-        want = (*want, blocks)  # the blocked axis moved last, as quantize lays them out
-    if tuple(t.scale_inv.shape) != tuple(want):
-        raise ValueError(
-            f"{name}'s scales have shape {tuple(t.scale_inv.shape)}; {t.mode.name} values of shape "
-            f"{tuple(t.data.shape)} with blocks along axis {t.axis} need {tuple(want)}"
-        )
 
 
 def prequantized_matmul(
@@ -269,7 +196,7 @@ def prequantized_matmul(
     if qx.mode is not qw.mode:
         raise ValueError(f"x is {qx.mode.name} but w is {qw.mode.name}: quantize both alike")
     for name, t in (("x", qx), ("w", qw)):
-        _check_scales(name, t)
+        check_scales(name, t)
     k_dim = 1 if w_transposed else 0
     if qx.mode not in TENSOR_MODES and (qw.axis % 2 != k_dim):
         raise ValueError(
@@ -306,10 +233,10 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     from commgemm.xla import module_for
 
     k = x.shape[1]
-    rhs = QuantizedRhs(qw, _scalar(qx), k, x.dtype.name, fmt[2][0])
+    rhs = QuantizedRhs(qw, tensor_scale(qx), k, x.dtype.name, fmt[2][0])
     if collective is Collective.NONE:  # a local GEMM
         out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
-        return out, (payload(qx), _scalar(qx), w, qw, x[:0], dy_state)
+        return out, (payload(qx), tensor_scale(qx), w, qw, x[:0], dy_state)
     fn = getattr(module_for(cfg), FN_NAMES[collective])
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
@@ -319,7 +246,7 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
     like_x = x[:0]  # x's dtype, K and varying axes, as an array residual
-    return out, (rows, _scalar(qx), w, qw, like_x, dy_state)
+    return out, (rows, tensor_scale(qx), w, qw, like_x, dy_state)
 
 
 def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
@@ -338,7 +265,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         n_dim = 0 if w_transposed else 1
         qw = quantize(w, mode, axis=n_dim, amax=amax(w, names))
-    rhs = QuantizedRhs(qw, _scalar(qdy), n, x_dtype.name, split[1])
+    rhs = QuantizedRhs(qw, tensor_scale(qdy), n, x_dtype.name, split[1])
     if collective is Collective.ALL_GATHER:
         dx = module_for(back).matmul_reduce_scatter(
             payload(qdy), rhs, axis_name, back, w_transposed=not w_transposed
@@ -352,7 +279,9 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     else:  # a local GEMM, or the GEMM of an all-reduce (whose transpose is done above)
         d_rows = payload(qdy)
         dx = rhs.matmul(d_rows, not w_transposed, cfg.accumulate_dtype, x_dtype)
-    dw = _weight_grad(rows, x_scale, d_rows, _scalar(qdy), fmt, k, n, w_transposed, cfg, w.dtype)
+    dw = _weight_grad(
+        rows, x_scale, d_rows, tensor_scale(qdy), fmt, k, n, w_transposed, cfg, w.dtype
+    )
     return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None, new_state
 
 

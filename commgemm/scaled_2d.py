@@ -26,6 +26,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Collective, OverlapConfig
+from commgemm.operand_scaling import (
+    check_blocks,
+    dy_quantized,
+    quantize_operand,
+    tensor_scale,
+    weight_operand,
+)
 from commgemm.quant import (
     BLOCK,
     TENSOR_MODES,
@@ -37,16 +44,7 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.scaled import (
-    QuantizedRhs,
-    _forward,
-    _scalar,
-    _weight_grad,
-    check_blocks,
-    dy_quantized,
-    payload,
-    quantize_operand,
-)
+from commgemm.scaled import QuantizedRhs, _forward, _weight_grad, payload
 from commgemm.vma import all_reduce_transpose, like_primal, varying_like
 
 
@@ -66,7 +64,7 @@ def matmul_2d(
     check_blocks(recipe, w.shape[0], w.shape[1])  # W's own rows are quantized where they are
     axes = (row_axis, k_axis)
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axes, recipe.x_state)
-    qw = quantize_operand(lax.stop_gradient(w), recipe, 0, axes, recipe.w_state)
+    w, qw = weight_operand(w, recipe, 0, axes)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
     return _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, recipe.dy_state)
 
@@ -113,7 +111,7 @@ def _concat(blocks: list[ScaledTensor]) -> ScaledTensor:
 def _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state) -> jax.Array:
     """The 2-D GEMM on quantized operands qx (x's rows, blocks along K) and qw (W's local rows,
     blocks along K); x and w are what gradients flow to (straight-through); dy_state's
-    cotangent is its advanced state (`scaled.dy_quantized`)."""
+    cotangent is its advanced state (`operand_scaling.dy_quantized`)."""
     return _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state)[0]
 
 
@@ -126,7 +124,7 @@ def _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state):
         outs.append(out)
         blocks.append(block)
     out = outs[0] if splits == 1 else jnp.concatenate(outs, axis=1)
-    return out, (payload(qx), _scalar(qx), _concat(blocks), x[:0], w[:, :0], dy_state)
+    return out, (payload(qx), tensor_scale(qx), _concat(blocks), x[:0], w[:, :0], dy_state)
 
 
 def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
@@ -139,9 +137,9 @@ def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         values = dequantize(qw, like_x.dtype)
         qw = quantize(values, mode, axis=1, amax=amax(values, axes))
-    rhs = QuantizedRhs(qw, _scalar(qdy), n, like_x.dtype.name, split[1])
+    rhs = QuantizedRhs(qw, tensor_scale(qdy), n, like_x.dtype.name, split[1])
     dx = rhs.matmul(payload(qdy), True, cfg.accumulate_dtype, like_x.dtype)
-    dw = _weight_grad(rows, x_scale, payload(qdy), _scalar(qdy), fmt, k_block, n, False, cfg,
+    dw = _weight_grad(rows, x_scale, payload(qdy), tensor_scale(qdy), fmt, k_block, n, False, cfg,
                       like_w.dtype)  # fmt: skip
     # the transpose of gather-then-slice: the block among zeros, reduce-scattered over rows
     whole = varying_like(jnp.zeros((like_w.shape[0] * lax.axis_size(row_axis), n), dw.dtype), dw)

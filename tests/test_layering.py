@@ -20,7 +20,7 @@ RUNTIME = [
     in (
         ["ops"], ["gemm"], ["plan"], ["autodiff"], ["config"], ["registry"], ["operands"],
         ["epilogue"], ["vma"], ["distributed"], ["xla"], ["mosaic_gpu"], ["pallas_tpu"],
-        ["grouped"], ["quant"], ["scaled"], ["bulk"], ["partitioned"],
+        ["grouped"], ["quant"], ["scaled"], ["operand_scaling"], ["bulk"], ["partitioned"],
     )
     or m in ("commgemm.autotune.auto", "commgemm.autotune.cache", "commgemm.autotune.costmodel")
 ]  # fmt: skip

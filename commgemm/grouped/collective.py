@@ -15,7 +15,7 @@ from commgemm.config import Method, OverlapConfig
 from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
 from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
-from commgemm.quant import Scaling
+from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.registry import resolve
 from commgemm.xla.common import after, send_one
 
@@ -75,6 +75,7 @@ def all_gather_grouped_matmul(
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
+    check_weight_scaling("all_gather_grouped_matmul", w, scaling)
     check_grouped(x, w, group_sizes)
     if scaling is not None:  # emulated: commgemm.grouped.scaling
         x, w, recipe = quantized_operands(x, w, scaling, axis_name)
@@ -132,6 +133,7 @@ def grouped_matmul_reduce_scatter(
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
     """
+    check_weight_scaling("grouped_matmul_reduce_scatter", w, scaling)
     check_grouped(x, w, group_sizes)
     if scaling is not None:  # emulated: commgemm.grouped.scaling
         x, w, recipe = quantized_operands(x, w, scaling, axis_name)

@@ -20,7 +20,7 @@ from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped, grouped_matmul
 from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
-from commgemm.quant import Scaling
+from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
 
 
@@ -69,6 +69,7 @@ def all_to_all_grouped_matmul(
       `grouped_matmul_all_to_all`. `scaling`: quantized operands, emulated
       (commgemm.grouped.scaling).
     """
+    check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
     if scaling is not None:
         x, w, recipe = quantized_operands(x, w, scaling, axis_name)
         y, recv = all_to_all_grouped_matmul(x, w, group_sizes, axis_name, config=config)
@@ -132,6 +133,7 @@ def grouped_matmul_all_to_all(
     Returns:
       [m, N] in this shard's token order (zeros past the tokens' count).
     """
+    check_weight_scaling("grouped_matmul_all_to_all", w, scaling)
     if scaling is not None:
         y, w, recipe = quantized_operands(y, w, scaling, axis_name)
         out = grouped_matmul_all_to_all(y, w, recv_sizes, group_sizes, axis_name, config=config)

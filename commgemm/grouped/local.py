@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import floating_dtype_name
-from commgemm.quant import as_recipe
+from commgemm.quant import as_recipe, check_weight_scaling
 
 
 def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
@@ -113,7 +113,8 @@ def grouped_matmul(
         tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes
         the shape); otherwise emulated: see commgemm.grouped.scaling.
       x, w may instead be `ScaledTensor`s quantized by the caller: forward only, see
-        `prequantized_matmul`.
+        `prequantized_matmul`. With `scaling`, w may be a `QuantizedWeight` (quantized once
+        for several calls by `cg.quantize_weight(w, scaling, axis=1)`): differentiable.
       hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
         `GroupedTiles` (jax's ragged dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
@@ -131,6 +132,7 @@ def grouped_matmul(
                              "hopper_tiles (apply a bias to the result)")  # fmt: skip
         return prequantized_matmul(x, w, group_sizes, out_dtype)
     check_grouped(x, w, group_sizes)
+    check_weight_scaling("grouped_matmul", w, scaling)
     from commgemm.mosaic_gpu import grouped as hopper
 
     recipe = as_recipe(scaling)
@@ -152,8 +154,10 @@ def grouped_matmul(
 
     if float8:  # Hopper's float8 tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`)
         from commgemm.grouped.scaling import with_quantized_cotangent
+        from commgemm.operand_scaling import weight_operand
 
-        out = hopper.float8_ragged_dot(x, w, sizes, recipe.dtype, hopper_tiles)
+        w, qw = weight_operand(w, recipe, 1, ())
+        out = hopper.float8_ragged_dot(x, w, sizes, qw, recipe.dtype, hopper_tiles)
         out = with_quantized_cotangent(out, recipe)
     elif hopper.unsupported_reason(x, w, hopper_tiles) is None:
         out = hopper.ragged_dot(x, w, sizes, hopper_tiles)

@@ -15,6 +15,12 @@ import functools
 import jax
 from jax import lax
 
+from commgemm.operand_scaling import (
+    check_blocks,
+    fake_quantize,
+    straight_through,
+    weight_operand,
+)
 from commgemm.quant import (
     TENSOR_MODES,
     Scaling,
@@ -25,14 +31,13 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.scaled import check_blocks, fake_quantize
 
 
 def quantized_operands(
     x: jax.Array, w: jax.Array, scaling: Scaling, axis_name: str | None = None
 ) -> tuple[jax.Array, jax.Array, ScalingRecipe | None]:
-    """(x, w, recipe) with x [..., K] and w [G, K, N] replaced by their quantized values
-    (straight-through); unchanged when scaling is None."""
+    """(x, w, recipe) with x [..., K] and w [G, K, N] (or a `QuantizedWeight` of it) replaced
+    by their quantized values (straight-through); unchanged when scaling is None."""
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None
@@ -44,7 +49,8 @@ def quantized_operands(
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
     x = fake_quantize(x, recipe, -1, names, recipe.x_state)
-    return x, fake_quantize(w, recipe, 1, names, recipe.w_state), recipe
+    w, qw = weight_operand(w, recipe, 1, names)
+    return x, straight_through(w, qw), recipe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

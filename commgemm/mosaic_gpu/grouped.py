@@ -191,23 +191,28 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
     return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def float8_ragged_dot(
-    x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: str, tiles: GroupedConfig | None = None
+    x: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    qw,
+    dtype: str,
+    tiles: GroupedConfig | None = None,
 ) -> jax.Array:
-    """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] and w [G, K, N]
-    quantized to `dtype` with one current scale each (w written [G, N, K], K-major, in the same
-    pass), multiplied on the float8 tensor cores by commgemm's kernel, the scales applied in
-    its epilogue -> [M, N] in x's dtype. The backward is straight-through: dX and dW are the
-    16-bit products of the cotangent with the dequantized operands, as the emulated path's."""
-    return _float8_forward(x, w, sizes, dtype, tiles)[0]
+    """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] quantized to
+    `dtype` with one current scale, times qw, w [G, K, N] quantized the same way along K (a
+    `ScaledTensor`; its values transposed to [G, N, K], K-major, in one pass), multiplied on the
+    float8 tensor cores by commgemm's kernel, the scales applied in its epilogue -> [M, N] in
+    x's dtype. The backward is straight-through: dX and dW are the 16-bit products of the
+    cotangent with the dequantized operands, as the emulated path's; qw gets no gradient."""
+    return _float8_forward(x, w, sizes, qw, dtype, tiles)[0]
 
 
-def _float8_forward(x, w, sizes, dtype, tiles):
+def _float8_forward(x, w, sizes, qw, dtype, tiles):
     from commgemm.quant import ScalingMode, dequantize, quantize
 
-    mode = ScalingMode.CURRENT_TENSOR_SCALING
-    qx, qw = quantize(x, mode, dtype=dtype), quantize(w, mode, dtype=dtype, axis=1)
+    qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=dtype)
     scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
     w_nk = jnp.swapaxes(qw.data, 1, 2)
     out = grouped_kernel.grouped_matmul(qx.data, w_nk, sizes, tiles, w_nk=True, scale=scale,
@@ -216,12 +221,12 @@ def _float8_forward(x, w, sizes, dtype, tiles):
     return varying_like(out, x, w), residuals
 
 
-def _float8_fwd(x, w, sizes, dtype, tiles):
-    return _float8_forward(x, w, sizes, dtype, tiles)
+def _float8_fwd(x, w, sizes, qw, dtype, tiles):
+    return _float8_forward(x, w, sizes, qw, dtype, tiles)
 
 
 def _float8_bwd(dtype, tiles, residuals, dy):
-    return _bwd(None, residuals, dy)
+    return (*_bwd(None, residuals, dy), None)
 
 
 float8_ragged_dot.defvjp(_float8_fwd, _float8_bwd)

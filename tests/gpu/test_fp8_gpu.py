@@ -102,3 +102,44 @@ def test_direct_kernels_float8_core(op, k):
         out = _gemm_core(op, tiles, False)(x, w.T).astype(jnp.float32)
         ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
         assert float(jnp.abs(out - ref).max() / jnp.abs(ref).max()) < 1e-2
+
+
+@pytest.mark.parametrize("op", ["grouped", "ag"])
+def test_weight_quantized_once(op):
+    """A `cg.QuantizedWeight` on Hopper's float8 paths (commgemm's grouped kernel; cuBLASLt's
+    FP8 GEMM for an op on a one-device axis) gives the values and gradients of two calls that
+    quantize w themselves, and the program still multiplies float8 operands."""
+    m, k, n, groups, mode = 1024, 512, 512, 4, "current_tensor_scaling"
+    kx, kw, kg = jax.random.split(jax.random.key(7), 3)
+    xs = jax.random.normal(kx, (2, m, k), jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+    w_shape = (groups, k, n) if op == "grouped" else (k, n)
+    w = (jax.random.normal(kw, w_shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray([300, 0, 500, 100], jnp.int32)
+
+    def two_calls(b, xs, once: bool):
+        axis_name = None if op == "grouped" else "x"
+        qb = cg.quantize_weight(b, mode, axis_name=axis_name) if once else b
+        if op == "grouped":
+            ys = [cg.grouped_matmul(xs[i], qb, sizes, scaling=mode) for i in range(2)]
+        else:
+            ys = [cg.all_gather_matmul(xs[i], qb, "x", scaling=mode) for i in range(2)]
+        ys = [y.astype(jnp.float32) for y in ys]
+        total = jnp.sum(ys[0] * g) + jnp.sum(jnp.sin(ys[1]))
+        return total if op == "grouped" else jax.lax.psum(total, "x")
+
+    def run(once: bool):
+        f = lambda b, a: jax.value_and_grad(two_calls)(b, a, once)  # noqa: E731
+        if op == "ag":
+            mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+            f = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "x"), P(None, "x")),
+                              out_specs=(P(), P(None, "x")))  # fmt: skip
+        return jax.jit(f)
+
+    text = run(True).lower(w, xs).compile().as_text().lower()
+    assert "f8e4m3fn" in text
+    assert ("mosaic" if op == "grouped" else "cublas$lt$matmul$f8") in text
+    (v1, d1), (v2, d2) = (run(once)(w, xs) for once in (False, True))
+    assert abs(float(v1) - float(v2)) <= 1e-6 * abs(float(v1))
+    d1, d2 = d1.astype(jnp.float32), d2.astype(jnp.float32)
+    assert float(jnp.abs(d1 - d2).max()) <= 1e-6 * float(jnp.abs(d1).max())

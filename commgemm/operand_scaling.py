@@ -1,0 +1,182 @@
+"""How an op quantizes its operands under a `ScalingRecipe`: x and w with their tensor (or
+NVFP4 global) scale shared over the op's mesh axes (`quantize_operand`), a weight quantized
+once for several calls (`quantize_weight` -> `QuantizedWeight`, taken by `weight_operand`),
+dY for the backward (`dy_quantized`), and the straight-through values of emulated paths
+(`fake_quantize`). The ops' quantized GEMMs are commgemm.scaled and commgemm.scaled_2d; the
+grouped ops' commgemm.grouped.scaling."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.quant import (
+    BLOCK,
+    TENSOR_MODES,
+    QuantizedWeight,
+    ScaledTensor,
+    Scaling,
+    ScalingMode,
+    ScalingRecipe,
+    ScalingState,
+    amax,
+    as_recipe,
+    dequantize,
+    quantize,
+)
+from commgemm.vma import checks_vma, varying_axes
+
+
+def fake_quantize(
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names=(), state=None
+) -> jax.Array:
+    """a quantized and dequantized, in a's dtype, with the identity gradient (straight-through):
+    the quantized values for computations that have no quantized kernel."""
+    q = quantize_operand(lax.stop_gradient(a), recipe, axis, axis_names, state)
+    return straight_through(a, q)
+
+
+def straight_through(a: jax.Array, q: ScaledTensor) -> jax.Array:
+    """q's values in a's dtype, with the identity gradient to a."""
+    return lax.stop_gradient(dequantize(q, a.dtype)) + (a - lax.stop_gradient(a))
+
+
+def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
+    """Block modes need K (the forward's contracting size per shard) and N (dX's) in blocks."""
+    block = BLOCK.get(recipe.mode)
+    if block and (k % block or n % block):
+        raise ValueError(
+            f"{recipe.mode.name} scales blocks of {block} along the contracting dimensions: "
+            f"K per shard ({k}) and N per shard ({n}) must be multiples of {block}"
+        )
+
+
+def quantize_operand(
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
+) -> ScaledTensor:
+    """`a` quantized as an operand of a GEMM contracting its dimension `axis`, its tensor (or
+    NVFP4 global) scale shared over `axis_names`."""
+    if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
+        return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
+    shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
+    return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
+
+
+def quantize_weight(
+    w: jax.Array,
+    scaling: Scaling,
+    *,
+    axis: int = -2,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> QuantizedWeight:
+    """w quantized once for the calls that take it with the same `scaling` (`QuantizedWeight`):
+    the values and scales each of those ops would compute itself, so the results and gradients
+    are the same as passing w, without quantizing it again per call.
+
+    Args:
+      w: the weight as the ops take it: [K, N], [N, K] (w_transposed=True: pass axis=-1), or
+        [G, K, N] for the grouped ops.
+      scaling: a `ScalingMode` or `ScalingRecipe` (delayed scaling: the recipe's w_state gives
+        the scale).
+      axis: w's contracting (K) dimension, along which block modes scale their blocks.
+      axis_name: inside shard_map, the op's mesh axis (for `matmul_2d` both of its axes): the
+        tensor scale comes from the whole weight's amax over it, one scale on every shard, as
+        the op's own quantization takes it. Outside shard_map: None.
+    Returns:
+      A QuantizedWeight (a pytree) whose gradient flows to w (straight-through).
+    """
+    recipe = as_recipe(scaling)
+    if recipe is None:
+        raise ValueError("quantize_weight needs a scaling mode or recipe, not None or NO_SCALING")
+    names = () if axis_name is None else axis_name
+    q = quantize_operand(lax.stop_gradient(w), recipe, axis % w.ndim, names, recipe.w_state)
+    return QuantizedWeight(w, lax.stop_gradient(q))
+
+
+def weight_operand(
+    w: jax.Array | QuantizedWeight, recipe: ScalingRecipe, k_dim: int, axis_names
+) -> tuple[jax.Array, ScaledTensor]:
+    """(the weight the gradient flows to, the weight quantized along its dimension k_dim): a
+    `QuantizedWeight`'s own (checked against `recipe`, the op's K dimension and its mesh
+    axes), else w quantized now with its scale shared over `axis_names`."""
+    if not isinstance(w, QuantizedWeight):
+        return w, quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_names, recipe.w_state)
+    q, ndim = w.quantized, w.value.ndim
+    if q.mode is not recipe.mode:
+        raise ValueError(f"w was quantized as {q.mode.name}, but scaling= asks {recipe.mode.name}")
+    if tuple(q.data.shape) != tuple(w.value.shape):
+        raise ValueError(f"w's quantized values have shape {tuple(q.data.shape)}, its value "
+                         f"{tuple(w.value.shape)}")  # fmt: skip
+    if q.mode in TENSOR_MODES and q.data.dtype.name != recipe.dtype:
+        raise ValueError(f"w was quantized to {q.data.dtype.name}, but scaling= asks "
+                         f"{recipe.dtype}")  # fmt: skip
+    if q.mode not in TENSOR_MODES and q.axis % ndim != k_dim % ndim:
+        raise ValueError(
+            f"w's blocks run along its dimension {q.axis % ndim}, but the op contracts its "
+            f"dimension {k_dim % ndim}: quantize_weight(w, ..., axis={k_dim % ndim})"
+        )
+    check_scales("w", q)
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
+    spread = [a for a in names if checks_vma(a) and a in varying_axes(tensor_scale(q))]
+    if spread:
+        raise ValueError(
+            f"w's tensor scale differs between the shards of mesh axis {spread[0]!r}: quantize "
+            f"it with quantize_weight(..., axis_name={axis_names!r}), one scale for the whole "
+            "weight, as the op's own quantization takes it"
+        )
+    return w.value, q
+
+
+def dy_quantized(
+    dy: jax.Array, mode: ScalingMode, grad_dtype: str, axis_names, state: ScalingState | None
+) -> tuple[ScaledTensor, ScalingState | None]:
+    """dY quantized for the backward, and the cotangent of the recipe's dy_state (None without
+    one). Without a state: tensor modes scale dY by its current amax over `axis_names`, block
+    modes by blocks. With a state: its scale, and the state advanced by dY's amax over every
+    mesh axis dY may vary over (the whole tensor's, so every device holds the same new state,
+    as the replicated state needs). Unchecked shard_map sums a replicated input's cotangent
+    over its devices: there the state is handed back divided by their number, which that sum
+    restores."""
+    if state is None:
+        dmode = ScalingMode.CURRENT_TENSOR_SCALING if mode in TENSOR_MODES else mode
+        return quantize(dy, dmode, dtype=grad_dtype, amax=amax(dy, axis_names)), None
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(mesh.manual_axes) if not mesh.empty else ()
+    checked = bool(manual) and checks_vma(manual[0])
+    over = tuple(a for a in manual if a in varying_axes(dy)) if checked else manual
+    whole = lax.pmax(amax(dy), over) if over else amax(dy)
+    qdy, new = quantize(dy, mode, dtype=grad_dtype, state=state, amax=whole)
+    if manual and not checked:
+        devices = math.prod(lax.axis_size(a) for a in manual)
+        new = jax.tree.map(lambda v: v / devices, new)
+    return qdy, new
+
+
+def tensor_scale(t: ScaledTensor) -> jax.Array:
+    """The part of t's scale that is one number for the whole tensor."""
+    if t.mode in TENSOR_MODES:
+        return t.scale_inv
+    if t.global_scale_inv is not None:
+        return t.global_scale_inv
+    return jnp.ones((), jnp.float32)
+
+
+def check_scales(name: str, t: ScaledTensor) -> None:
+    """A ScaledTensor's scales fit its values: one per tensor, or one per block along t.axis."""
+    if t.mode in TENSOR_MODES:
+        want = ()
+    else:
+        axis = t.axis % t.data.ndim
+        want = list(t.data.shape)
+        if want[axis] % BLOCK[t.mode]:
+            raise ValueError(f"{name}'s dimension {axis} ({want[axis]}) is not whole blocks")
+        blocks = want.pop(axis) // BLOCK[t.mode]
+        want = (*want, blocks)  # the blocked axis moved last, as quantize lays them out
+    if tuple(t.scale_inv.shape) != tuple(want):
+        raise ValueError(
+            f"{name}'s scales have shape {tuple(t.scale_inv.shape)}; {t.mode.name} values of shape "
+            f"{tuple(t.data.shape)} with blocks along axis {t.axis} need {tuple(want)}"
+        )
