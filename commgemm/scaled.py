@@ -79,7 +79,7 @@ def payload(t: ScaledTensor) -> jax.Array:
     return jnp.concatenate([lax.bitcast_convert_type(p, jnp.uint8) for p in parts], axis=1)
 
 
-def _unpack(rows: jax.Array, mode: ScalingMode, k: int) -> ScaledTensor:
+def unpack_rows(rows: jax.Array, mode: ScalingMode, k: int) -> ScaledTensor:
     """The inverse of `payload` for block modes, without NVFP4's global scale."""
     values = lax.bitcast_convert_type(rows[:, :k], jnp.float8_e4m3fn)
     scale_dtype = jnp.float8_e4m3fn if mode is ScalingMode.NVFP4_1D_SCALING else E8M0
@@ -139,7 +139,7 @@ class QuantizedRhs:
         if mode in TENSOR_MODES:
             lhs, rhs = rows, self.w.data
         else:
-            lhs = _block_values(_unpack(rows, mode, self.lhs_k), self.dtype)
+            lhs = _block_values(unpack_rows(rows, mode, self.lhs_k), self.dtype)
             rhs = _block_values(self.w, self.dtype)
         dims = ((1,), (1 if w_transposed else 0,))
         return _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype,
@@ -150,7 +150,7 @@ def _rows(t_payload: jax.Array, mode: ScalingMode, k: int, dtype) -> jax.Array:
     """A payload's values for dW: float8 as is (tensor modes), else dequantized per block."""
     if mode in TENSOR_MODES:
         return t_payload
-    return _block_values(_unpack(t_payload, mode, k), dtype)
+    return _block_values(unpack_rows(t_payload, mode, k), dtype)
 
 
 def _weight_grad(a, a_scale, d, d_scale, fmt, k_a, k_d, w_transposed, cfg, w_dtype):

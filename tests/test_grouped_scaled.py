@@ -125,3 +125,84 @@ def test_prequantized_operands(rng, mode, w_nk):
         cg.grouped_matmul(qx, cg.quantize(w[0], mode, axis=0), sizes)
     with pytest.raises(ValueError, match="contracting dimensions differ"):
         cg.grouped_matmul(cg.quantize(x[:, :32], mode), qw, sizes)
+
+
+def _moved_types(text: str, width: int) -> list[str]:
+    """Element types of the rows the forward program moves (collective-permute and all-gather
+    operands whose last dimension is at least `width`, the rows' K)."""
+    from test_scaled import _operand_types
+
+    types = _operand_types(text, "collective_permute") + _operand_types(text, "all_gather")
+    return [t.rsplit("x", 1)[-1] for t in types if "x" in t and int(t.split("x")[-2]) >= width]
+
+
+CONFIGS = {
+    "none": cg.OverlapConfig(method="none"),
+    "pipeline": cg.OverlapConfig(method="pipeline", num_splits=2),
+    "ring": cg.OverlapConfig(method="ring_exchange"),
+}
+WIRE_TYPE = {"current_tensor_scaling": "f8E4M3FN", "mxfp8_1d_scaling": "ui8"}
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+@pytest.mark.parametrize("method", list(CONFIGS))
+def test_all_gather_moves_quantized_rows(rng, mode, method):
+    """The AG's rows travel quantized (float8 values, or bytes of values and block scales),
+    never in x's dtype; values and straight-through gradients as the float64 composition of
+    the quantized operands: dX = q(dY) @ q(w)^T over the column shards, dW = q(x)^T q(dY)."""
+    size, m, groups, k = 4, 8, 3, 64
+    x = rng.standard_normal((size * m, k)).astype(np.float32)
+    w = rng.standard_normal((groups, k, 32 * size)).astype(np.float32)
+    sizes = np.stack([random_sizes(rng, groups, m) for _ in range(size)])
+    f = shard(
+        lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "x", config=CONFIGS[method],
+                                                     scaling=mode),
+        mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"),
+    )  # fmt: skip
+    moved = _moved_types(f.lower(x, w, sizes).as_text(), k)
+    assert moved and set(moved) == {WIRE_TYPE[mode]}, moved
+    y, vjp = jax.vjp(lambda a, b: f(a, b, sizes), x, w)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw = vjp(g)
+
+    def ref(a, b):
+        return jnp.concatenate([reference(a[s * m : (s + 1) * m], b, sizes[s])
+                                for s in range(size)])  # fmt: skip
+
+    want, ref_vjp = jax.vjp(ref, _dq(x, mode, -1), _dq(w, mode, 1))
+    np.testing.assert_allclose(y, want, rtol=TOL, atol=TOL * 8)
+    for got, expected in zip((dx, dw), ref_vjp(_grad_dq(g, mode)), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL * 8)
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_dispatch_moves_quantized_tokens(rng, mode, method):
+    """The expert-parallel dispatch sends the tokens quantized; its values and gradients are
+    those of the unquantized op on the quantized operands with dY quantized (straight-through:
+    the op itself is checked against the float64 reference in test_grouped)."""
+    size, m, per_shard, k = 4, 8, 2, 64
+    experts = size * per_shard
+    x = rng.standard_normal((size * m, k)).astype(np.float32)
+    w = rng.standard_normal((experts, k, 32)).astype(np.float32)
+    sizes = np.stack([np.bincount(rng.integers(0, experts, size=m), minlength=experts)
+                      for _ in range(size)]).astype(np.int32)  # fmt: skip
+    cfg = CONFIGS[method]
+
+    def run(scaling):
+        return shard(
+            lambda a, b, s: cg.all_to_all_grouped_matmul(a, b, s[0], "x", config=cfg,
+                                                         scaling=scaling)[0],
+            mesh1d(size), (P("x"), P("x"), P("x")), P("x"),
+        )  # fmt: skip
+
+    moved = _moved_types(run(mode).lower(x, w, sizes).as_text(), k)
+    assert moved and set(moved) == {WIRE_TYPE[mode]}, moved
+    y, vjp = jax.vjp(lambda a, b: run(mode)(a, b, sizes), x, w)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    qx, qw = _dq(x, mode, -1).astype(np.float32), _dq(w, mode, 1).astype(np.float32)
+    want, ref_vjp = jax.vjp(lambda a, b: run(None)(a, b, sizes), qx, qw)
+    np.testing.assert_allclose(y, want, rtol=TOL, atol=TOL * 8)
+    qg = _grad_dq(g.reshape(-1, g.shape[-1]), mode).reshape(g.shape).astype(np.float32)
+    for got, expected in zip(vjp(g), ref_vjp(qg), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL * 8)

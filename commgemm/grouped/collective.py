@@ -7,13 +7,16 @@ JAX's own transposes of the collectives and of `ragged_dot`."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method, OverlapConfig
 from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
-from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
+from commgemm.grouped.scaling import Rows, moved, quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.registry import resolve
@@ -71,16 +74,30 @@ def all_gather_grouped_matmul(
       x: [m, K] this shard's rows, sorted by group.
       w: [G, K, n], the experts' column shard.
       group_sizes: [G] this shard's counts (summing to at most m).
-      scaling: quantized operands, emulated (commgemm.grouped.scaling).
+      scaling: quantized operands, emulated (commgemm.grouped.scaling); x's rows travel
+        quantized.
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
     check_weight_scaling("all_gather_grouped_matmul", w, scaling)
     check_grouped(x, w, group_sizes)
-    if scaling is not None:  # emulated: commgemm.grouped.scaling
-        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
-        out = all_gather_grouped_matmul(x, w, group_sizes, axis_name, config=config)
-        return with_quantized_cotangent(out, recipe, axis_name)
+    x, w, recipe, rows = quantized_operands(x, w, scaling, axis_name)
+    out = _all_gather_grouped(x, w, group_sizes, axis_name, config, rows)
+    return with_quantized_cotangent(out, recipe, axis_name)
+
+
+def _carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array, Rows | None]:
+    """fn (a collective) applied to a block of x's rows, held until `previous` exists: to its
+    quantized payload where it has one (`scaling.moved`), else to the block itself."""
+    if rows is None:
+        return fn(after(block, previous)), None
+    held = dataclasses.replace(rows, payload=after(rows.payload, previous))
+    return moved(fn, block, held)
+
+
+def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None) -> jax.Array:
+    """`all_gather_grouped_matmul` on x's (quantized) values, its rows moving as `rows` where
+    they are quantized."""
     size, m = axis_size(axis_name), x.shape[0]
     cfg = resolve_grouped(config, "all_gather_grouped_matmul", size)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
@@ -90,24 +107,26 @@ def all_gather_grouped_matmul(
         me = lax.axis_index(axis_name)
         out = jnp.zeros((size * m, w.shape[2]), dtype)
         block, sizes, last = x, group_sizes, None
+        hop = functools.partial(send_one, axis_name=axis_name, size=size, shift=1)
         for t in range(size):
             nxt = None
             if t < size - 1:  # pass the block on while multiplying it (held after the last GEMM)
-                nxt = (send_one(after(block, last), axis_name, size, 1),
-                       send_one(after(sizes, last), axis_name, size, 1))  # fmt: skip
+                nxt = (*_carry(hop, block, rows, last), hop(after(sizes, last)))
             last = grouped_matmul(block, w, sizes, out_dtype=dtype)
             src = lax.rem(me + jnp.int32(size - t), jnp.int32(size))
             out = lax.dynamic_update_slice_in_dim(out, last, src * m, axis=0)
             if nxt is not None:
-                block, sizes = nxt
+                block, rows, sizes = nxt
         return out
-    rows = m // splits
+    chunk = m // splits
     chunks, previous = [], None
+    gather = functools.partial(lax.all_gather, axis_name=axis_name, axis=0)
     for c in range(splits):
-        part = x[c * rows : (c + 1) * rows]
-        sizes = sizes_in_rows(group_sizes, c * rows, (c + 1) * rows)
-        gathered = lax.all_gather(after(part, previous), axis_name, axis=0)  # [P, rows, K]
-        all_sizes = lax.all_gather(sizes, axis_name, axis=0)  # [P, G]
+        lo, hi = c * chunk, (c + 1) * chunk
+        part_rows = None if rows is None else dataclasses.replace(rows, payload=rows.payload[lo:hi])
+        sizes = sizes_in_rows(group_sizes, lo, hi)
+        gathered, _ = _carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
+        all_sizes = gather(sizes)  # [P, G]
         outs = [grouped_matmul(gathered[s], w, all_sizes[s], out_dtype=dtype) for s in range(size)]
         chunks.append(jnp.stack(outs))  # [P, rows, n]
         previous = gathered
@@ -136,7 +155,7 @@ def grouped_matmul_reduce_scatter(
     check_weight_scaling("grouped_matmul_reduce_scatter", w, scaling)
     check_grouped(x, w, group_sizes)
     if scaling is not None:  # emulated: commgemm.grouped.scaling
-        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
+        x, w, recipe, _ = quantized_operands(x, w, scaling, axis_name)
         out = grouped_matmul_reduce_scatter(x, w, group_sizes, axis_name, config=config)
         return with_quantized_cotangent(out, recipe, axis_name)
     size, rows_total = axis_size(axis_name), x.shape[0]

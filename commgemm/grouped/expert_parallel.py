@@ -11,6 +11,9 @@ block first (one all-to-all), then multiplies. AUTO runs `collective.AUTO_METHOD
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,7 +21,7 @@ from jax import lax
 from commgemm.config import Method
 from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped, grouped_matmul
-from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
+from commgemm.grouped.scaling import Rows, moved, quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
@@ -67,13 +70,17 @@ def all_to_all_grouped_matmul(
       (y [P, m, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
       order, zeros past their count; recv_sizes [P, e]: those counts), the input of
       `grouped_matmul_all_to_all`. `scaling`: quantized operands, emulated
-      (commgemm.grouped.scaling).
+      (commgemm.grouped.scaling); the tokens travel quantized.
     """
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
-    if scaling is not None:
-        x, w, recipe = quantized_operands(x, w, scaling, axis_name)
-        y, recv = all_to_all_grouped_matmul(x, w, group_sizes, axis_name, config=config)
-        return with_quantized_cotangent(y, recipe, axis_name), recv
+    x, w, recipe, rows = quantized_operands(x, w, scaling, axis_name)
+    y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows)
+    return with_quantized_cotangent(y, recipe, axis_name), recv
+
+
+def _dispatch_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None):
+    """`all_to_all_grouped_matmul` on x's (quantized) values, the tokens travelling as `rows`
+    (their quantized payload) where they are quantized."""
     size, e = axis_size(axis_name), w.shape[0]
     check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
     if group_sizes.shape[0] != size * e:
@@ -87,19 +94,26 @@ def all_to_all_grouped_matmul(
     sizes = group_sizes.astype(jnp.int32).reshape(size, e)
 
     def outgoing(t: int):
+        """(tokens, their payload, counts) for the shard t places on."""
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
-        return _window(x, starts[dest], counts[dest]), sizes[dest]
+        start, count = starts[dest], counts[dest]
+        if rows is None:
+            return _window(x, start, count), None, sizes[dest]
+        sent = dataclasses.replace(rows, payload=_window(rows.payload, start, count))
+        return _window(x, start, count), sent, sizes[dest]
 
-    if method is Method.NONE:
-        blocks = jnp.stack([outgoing(t)[0] for t in range(size)])  # [P, m, K] by shift
-        counts_out = jnp.stack([outgoing(t)[1] for t in range(size)])
-        received = [_exchange((blocks[t], counts_out[t]), axis_name, size, t) for t in range(size)]
-    else:
-        received, last = [], None
-        for t in range(size):
-            block, count = outgoing(t)
-            received.append(_exchange((after(block, last), count), axis_name, size, t))
-            last = received[-1][0]
+    def send(t: int, previous):
+        block, sent, count = outgoing(t)
+        shift = functools.partial(_exchange, axis_name=axis_name, size=size, shift=t)
+        if sent is None:
+            return shift(after(block, previous)), shift(count)
+        held = dataclasses.replace(sent, payload=after(sent.payload, previous))
+        return moved(shift, block, held)[0], shift(count)
+
+    received, last = [], None
+    for t in range(size):  # NONE: every exchange at once; the ring: each after the one before
+        received.append(send(t, last if method is Method.RING_EXCHANGE else None))
+        last = received[-1][0]
     outs, recv_sizes = [None] * size, [None] * size
     for t, (block, count) in enumerate(received):  # from shard me - t
         outs[t] = grouped_matmul(block, w, count)
@@ -135,7 +149,7 @@ def grouped_matmul_all_to_all(
     """
     check_weight_scaling("grouped_matmul_all_to_all", w, scaling)
     if scaling is not None:
-        y, w, recipe = quantized_operands(y, w, scaling, axis_name)
+        y, w, recipe, _ = quantized_operands(y, w, scaling, axis_name)
         out = grouped_matmul_all_to_all(y, w, recv_sizes, group_sizes, axis_name, config=config)
         return with_quantized_cotangent(out, recipe, axis_name)
     size, m = axis_size(axis_name), y.shape[1]

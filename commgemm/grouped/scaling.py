@@ -2,14 +2,18 @@
 are quantized with blocks (or one scale) along K, their scales shared over the op's mesh axis as
 in commgemm.scaled, and the grouped GEMMs run on the quantized values in x's dtype; the
 backward is straight-through, with dY quantized as in commgemm.scaled (current scaling to
-float8_e5m2, or the block mode along N). What is emulated: the GEMMs are not FP8 tensor-core
-GEMMs, and the payloads move in x's dtype, not as float8 (XLA's ragged dot takes no float8
-operands here). The one exception: the local op on a Hopper GPU with current tensor scaling
-multiplies float8 operands on the tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`), with
-the same quantized values and the same backward."""
+float8_e5m2, or the block mode along N). Where x's rows travel (the all-gather's ring or
+gathers, the expert-parallel dispatch) they travel quantized: float8 values, or bytes of values
+and block scales (`Rows`, `moved`), dequantized on arrival; the gradients travel back in x's
+dtype, as JAX's transposes of the same collectives send them. What is emulated: the GEMMs are
+not FP8 tensor-core GEMMs (XLA's ragged dot takes no float8 operands here). The one exception:
+the local op on a Hopper GPU with current tensor scaling multiplies float8 operands on the
+tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`), with the same quantized values and the
+same backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,12 +21,14 @@ from jax import lax
 
 from commgemm.operand_scaling import (
     check_blocks,
-    fake_quantize,
+    quantize_operand,
     straight_through,
+    tensor_scale,
     weight_operand,
 )
 from commgemm.quant import (
     TENSOR_MODES,
+    ScaledTensor,
     Scaling,
     ScalingMode,
     ScalingRecipe,
@@ -31,16 +37,18 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
+from commgemm.scaled import payload, unpack_rows
 
 
 def quantized_operands(
     x: jax.Array, w: jax.Array, scaling: Scaling, axis_name: str | None = None
-) -> tuple[jax.Array, jax.Array, ScalingRecipe | None]:
-    """(x, w, recipe) with x [..., K] and w [G, K, N] (or a `QuantizedWeight` of it) replaced
-    by their quantized values (straight-through); unchanged when scaling is None."""
+) -> tuple[jax.Array, jax.Array, ScalingRecipe | None, Rows | None]:
+    """(x, w, recipe, rows) with x [..., K] and w [G, K, N] (or a `QuantizedWeight` of it)
+    replaced by their quantized values (straight-through), and x's rows as they travel
+    (`Rows`); unchanged, and rows None, when scaling is None."""
     recipe = as_recipe(scaling)
     if recipe is None:
-        return x, w, None
+        return x, w, None, None
     if recipe.dy_state is not None:
         raise ValueError(
             "the grouped ops' emulated scaling quantizes dY by its current amax: pass the "
@@ -48,9 +56,56 @@ def quantized_operands(
         )
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
-    x = fake_quantize(x, recipe, -1, names, recipe.x_state)
+    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
+    rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
     w, qw = weight_operand(w, recipe, 1, names)
-    return x, straight_through(w, qw), recipe
+    return straight_through(x, qx), straight_through(w, qw), recipe, rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Quantized rows [..., K] as they travel: `payload` (float8 values, or values and block
+    scales as bytes [..., K + K/block]: commgemm.scaled.payload) and `scale`, the part of the
+    scale that is one number for the whole tensor (tensor modes; NVFP4's global scale),
+    dequantized on arrival to `dtype` (`values`): the values of the sender's rows, exactly."""
+
+    payload: jax.Array
+    scale: jax.Array
+    mode: ScalingMode = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    def values(self) -> jax.Array:
+        lead, flat = self.payload.shape[:-1], self.payload.reshape(-1, self.payload.shape[-1])
+        if self.mode in TENSOR_MODES:
+            t = ScaledTensor(flat, self.scale, mode=self.mode)
+        else:
+            t = unpack_rows(flat, self.mode, self.k)
+            if self.mode is ScalingMode.NVFP4_1D_SCALING:
+                t = dataclasses.replace(t, global_scale_inv=self.scale)
+        return dequantize(t, self.dtype).reshape(*lead, self.k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def moved(fn, values: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
+    """fn, a linear collective (a ppermute, an all-gather), applied to a block of quantized
+    rows: to their payload, which is what travels, the values dequantized on arrival (fn of
+    `values`, the block's values); the gradient flows to `values` through fn's transpose, as
+    it would through fn(values). Returns (the values, the moved rows)."""
+    arrived = dataclasses.replace(rows, payload=fn(rows.payload))
+    return arrived.values(), arrived
+
+
+def _moved_fwd(fn, values, rows):
+    return moved(fn, values, rows), values
+
+
+def _moved_bwd(fn, values, cotangents):
+    return jax.vjp(fn, values)[1](cotangents[0])[0], None
+
+
+moved.defvjp(_moved_fwd, _moved_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
