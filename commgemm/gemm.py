@@ -21,7 +21,7 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.partitioned import partitioned_gemm
-from commgemm.quant import Scaling, as_recipe
+from commgemm.quant import QuantizedWeight, Scaling, as_recipe
 from commgemm.registry import resolve
 from commgemm.scaled import matmul as quantized_matmul
 
@@ -209,6 +209,12 @@ def gemm(
       [..., N] with `out_sharding`.
     """
     check_launched_initialized()  # whatever the layout: a local GEMM would hide it too
+    if isinstance(w, QuantizedWeight):
+        raise TypeError(
+            "gemm takes w itself with scaling=, not a QuantizedWeight: within one jitted program "
+            "XLA computes a shared weight's quantization once; the per-shard ops take "
+            "QuantizedWeights (quantized inside shard_map)"
+        )
     cfg, _ = resolve(config)
     recipe = as_recipe(scaling)
     check_dtypes(x, w)

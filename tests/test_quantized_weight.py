@@ -282,3 +282,7 @@ def test_mismatches_refused(rng):
         cg.grouped_matmul(x, bad, one_group, scaling=CUR)
     with pytest.raises(ValueError, match="grouped_matmul: w is a QuantizedWeight"):
         cg.grouped_matmul(x, cg.quantize_weight(w3, CUR), one_group)
+    mesh = mesh1d(2)
+    with pytest.raises(TypeError, match="gemm takes w itself"):
+        cg.gemm(x, cg.quantize_weight(w, CUR), out_sharding=jax.NamedSharding(mesh, P(None, "x")),
+                x_spec=P("x"), w_spec=P(None, "x"), scaling=CUR)  # fmt: skip
