@@ -1,12 +1,15 @@
 """Quantized grouped GEMMs (`scaling=`, emulated): each grouped op x mode against the float64
 reference on the same quantized operands (shards share the tensor's scales, so per-shard
-quantization is the global one), and the straight-through gradients with dY quantized."""
+quantization is the global one), and the straight-through gradients with dY quantized; the
+all-gather's rows and the dispatch's tokens moving quantized (the lowered program's types)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import P, mesh1d, shard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_grouped import random_sizes, reference
 
 import commgemm as cg
@@ -206,3 +209,29 @@ def test_dispatch_moves_quantized_tokens(rng, mode, method):
     qg = _grad_dq(g.reshape(-1, g.shape[-1]), mode).reshape(g.shape).astype(np.float32)
     for got, expected in zip(vjp(g), ref_vjp(qg), strict=True):
         np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL * 8)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(MODES[:2]),
+    method=st.sampled_from(list(CONFIGS)),
+    size=st.sampled_from([1, 2, 4]),
+    groups=st.integers(1, 5),
+    m=st.sampled_from([2, 6, 10]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_all_gather_any_groups(mode, method, size, groups, m, seed):
+    """Any mesh size, group count (empty groups, one group taking every row) and row count:
+    the quantized rows' all-gather gives the float64 composition of the quantized operands."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((size * m, 32)).astype(np.float32)
+    w = rng.standard_normal((groups, 32, 32 * size)).astype(np.float32)
+    sizes = np.stack([random_sizes(rng, groups, m) for _ in range(size)])
+    got = shard(
+        lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "x", config=CONFIGS[method],
+                                                     scaling=mode),
+        mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"),
+    )(x, w, sizes)  # fmt: skip
+    qx, qw = _dq(x, mode, -1), _dq(w, mode, 1)
+    want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * 8)
