@@ -1,10 +1,12 @@
 """One training step of a decoder built from commgemm.nnx's layers against the same decoder in
 plain Flax NNX (nnx.Linear), on one GPU: both in bf16 compute with float32 parameters, AdamW,
 timed interleaved by device periods (medians of 6 rounds). On one device our layers' GEMMs are
-local (a mesh axis of size 1), so this measures what the layers cost beside plain Flax.
+local (a mesh axis of size 1), so this measures what the layers cost beside plain Flax; and
+the same layers with every GEMM in float8 (current tensor scaling), from the same parameters
+(their first losses recorded beside bf16's).
 Writes OUT/layers_step.json.
 
-    PYTHONPATH=. python benchmarks/layers_step.py --out DIR
+    PYTHONPATH=. python benchmarks/layers_step.py --out DIR [--kernels]
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from commgemm.bench.spans import device_periods_interleaved
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, BATCH, SEQ = 8192, 2048, 16, 8192, 4, 4, 2048
 BF16 = jnp.bfloat16
+FP8 = "current_tensor_scaling"
 
 
 class OursBlock(nnx.Module):
-    def __init__(self, mesh, rngs):
-        kw = dict(mesh=mesh, axis_name="tp", config=cg.OverlapConfig(), dtype=BF16)
+    def __init__(self, mesh, rngs, scaling=None):
+        kw = dict(mesh=mesh, axis_name="tp", config=cg.OverlapConfig(), dtype=BF16,
+                  scaling=scaling)  # fmt: skip
         self.norm = nnx.LayerNorm(HIDDEN, rngs=rngs, dtype=BF16)
         self.attention = cgnnx.ParallelAttentionProjections(HIDDEN, HEADS, rngs=rngs, **kw)
         self.mlp = cgnnx.ParallelMLP(HIDDEN, FFN, rngs=rngs, **kw)
@@ -83,18 +87,40 @@ def train_step(model, optimizer, tokens):
     return loss
 
 
+def kernels(fn, args, steps: int = 4) -> dict:
+    """The GPU's time per step by kernel kind and the longest kernels
+    (`layers_profile.breakdown`), from a trace of `steps` steps."""
+    from layers_profile import breakdown
+
+    from commgemm.bench.spans import _gpu_events, _trace
+
+    def work():
+        for _ in range(steps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    return breakdown(_gpu_events(_trace(work))[0], steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--kernels", action="store_true", help="kernel time by kind (a trace)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     rngs = nnx.Rngs(0)
     ours = Decoder([OursBlock(mesh, rngs) for _ in range(LAYERS)], rngs)
     plain = Decoder([PlainBlock(rngs) for _ in range(LAYERS)], rngs)
+    rngs = nnx.Rngs(0)  # the same parameters as `ours`, every GEMM in float8
+    fp8 = Decoder([OursBlock(mesh, rngs, FP8) for _ in range(LAYERS)], rngs)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
+    first_loss = {
+        name: float(nnx.jit(loss_fn)(m, tokens)) for name, m in (("bf16", ours), ("fp8", fp8))
+    }
     variants = {}
-    for name, model in (("commgemm.nnx", ours), ("plain flax", plain)):
+    for name, model in (("commgemm.nnx", ours), ("plain flax", plain),
+                        ("commgemm.nnx fp8", fp8)):  # fmt: skip
         optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
         variants[name] = (train_step, (model, optimizer, tokens))
     found = device_periods_interleaved(variants, rounds=6, calls=4)
@@ -103,7 +129,11 @@ def main() -> None:
               "shape": dict(vocab=VOCAB, hidden=HIDDEN, heads=HEADS, ffn=FFN, layers=LAYERS,
                             batch=BATCH, seq=SEQ),
               "ms": ms, "ours_vs_plain": ms["commgemm.nnx"] / ms["plain flax"],
+              "fp8_vs_bf16": ms["commgemm.nnx fp8"] / ms["commgemm.nnx"],
+              "first_loss": first_loss,
               "errors": {n: f["error"] for n, f in found.items() if "error" in f}}  # fmt: skip
+    if args.kernels:
+        result["kernels"] = {name: kernels(*v) for name, v in variants.items()}
     print(json.dumps(result), flush=True)
     (args.out / "layers_step.json").write_text(json.dumps(result, indent=1))
 
