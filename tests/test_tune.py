@@ -170,7 +170,7 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
     [
         ((16384, 8192, 4096), mosaic_gpu.DirectAGConfig(cluster="m", spread=50)),  # comm_heavy
         ((16384 + 256, 8192, 4096), mosaic_gpu.DirectAGConfig(spread=50)),  # no cluster pairs
-        ((8192, 4096, 14336), mosaic_gpu.DirectAGConfig(grid_minor_m=True)),  # llama8b_mlp
+        ((8192, 4096, 14336), mosaic_gpu.DirectAGConfig(grid_minor_m=True, narrow_tail=True)),
     ],
 )
 def test_direct_ag_spreads_its_own_tiles_where_sends_outlast_their_gemm(shape, tiles):
@@ -202,7 +202,7 @@ def test_fused_prediction(size, collective):
         assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
         assert (tiles.cta_m, tiles.cta_n, tiles.split_tail, tiles.zero_ahead) == (128, 256, 0, 2)
     else:
-        tiles = mosaic_gpu.DirectAGConfig(grid_minor_m=True)
+        tiles = mosaic_gpu.DirectAGConfig(grid_minor_m=True, narrow_tail=True)
     assert cfg == DIRECT.replace(kernel=tiles) and best == pytest.approx(t_gemm + 2e-6)
     assert best <= predicted * (1 + 1e-12)
     slow_link = fake(1e13, 1e9, latency=0.0)

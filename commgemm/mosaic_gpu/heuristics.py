@@ -45,12 +45,14 @@ def direct_rs_config(
 
 
 def direct_ag_config(rows: int, *, spread: bool = False) -> DirectAGConfig:
-    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M; with
-    `spread` (sending the own rows takes longer than their GEMM), the own tiles spread among
-    the peers' (50%) in 2-CTA clusters where the rows allow. Where the sends take less than
-    the own GEMM, spreading was 1 to 2% slower on 2xH200 (docs/performance.md)."""
+    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M, the
+    last wave narrowed where it fills at most half the CTAs (on 2xH200 3.9% and 8% faster on
+    llama70b and llama13b AG: BENCHMARKS.md); with `spread` (sending the own rows takes longer
+    than their GEMM), the own tiles spread among the peers' (50%) in 2-CTA clusters where the
+    rows allow. Where the sends take less than the own GEMM, spreading was 1 to 2% slower on
+    2xH200 (docs/performance.md)."""
     if not spread:
-        return DirectAGConfig(grid_minor_m=True)
+        return DirectAGConfig(grid_minor_m=True, narrow_tail=True)
     tiles = DirectAGConfig(spread=50)
     if rows % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
         tiles = dataclasses.replace(tiles, cluster="m")
