@@ -144,12 +144,17 @@ CONFIGS = {
     "pipeline": cg.OverlapConfig(method="pipeline", num_splits=2),
     "ring": cg.OverlapConfig(method="ring_exchange"),
 }
-WIRE_TYPE = {"current_tensor_scaling": "f8E4M3FN", "mxfp8_1d_scaling": "ui8"}
+WIRE_TYPE = {"current_tensor_scaling": "f8E4M3FN", "mxfp8_1d_scaling": "ui8",
+             "nvfp4_1d_scaling": "ui8"}  # fmt: skip
+#: every method with the tensor and MXFP8 modes; NVFP4 and unchecked shard_map on the ring
+MOVES = [(mode, method, True) for mode in MODES[:2] for method in CONFIGS] + [
+    ("nvfp4_1d_scaling", "ring", True),
+    ("current_tensor_scaling", "ring", False),
+]
 
 
-@pytest.mark.parametrize("mode", MODES[:2])
-@pytest.mark.parametrize("method", list(CONFIGS))
-def test_all_gather_moves_quantized_rows(rng, mode, method):
+@pytest.mark.parametrize(("mode", "method", "check_vma"), MOVES)
+def test_all_gather_moves_quantized_rows(rng, mode, method, check_vma):
     """The AG's rows travel quantized (float8 values, or bytes of values and block scales),
     never in x's dtype; values and straight-through gradients as the float64 composition of
     the quantized operands: dX = q(dY) @ q(w)^T over the column shards, dW = q(x)^T q(dY)."""
@@ -160,7 +165,7 @@ def test_all_gather_moves_quantized_rows(rng, mode, method):
     f = shard(
         lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "x", config=CONFIGS[method],
                                                      scaling=mode),
-        mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"),
+        mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"), check_vma=check_vma,
     )  # fmt: skip
     moved = _moved_types(f.lower(x, w, sizes).as_text(), k)
     assert moved and set(moved) == {WIRE_TYPE[mode]}, moved
