@@ -2,7 +2,7 @@
 NVFP4 global) scale shared over the op's mesh axes (`quantize_operand`), a weight quantized
 once for several calls (`quantize_weight` -> `QuantizedWeight`, taken by `weight_operand`),
 dY for the backward (`dy_quantized`), and the straight-through values of emulated paths
-(`fake_quantize`). The ops' quantized GEMMs are commgemm.scaled and commgemm.scaled_2d; the
+(`straight_through`). The ops' quantized GEMMs are commgemm.scaled and commgemm.scaled_2d; the
 grouped ops' commgemm.grouped.scaling."""
 
 from __future__ import annotations
@@ -28,15 +28,6 @@ from commgemm.quant import (
     quantize,
 )
 from commgemm.vma import checks_vma, varying_axes
-
-
-def fake_quantize(
-    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names=(), state=None
-) -> jax.Array:
-    """a quantized and dequantized, in a's dtype, with the identity gradient (straight-through):
-    the quantized values for computations that have no quantized kernel."""
-    q = quantize_operand(lax.stop_gradient(a), recipe, axis, axis_names, state)
-    return straight_through(a, q)
 
 
 def straight_through(a: jax.Array, q: ScaledTensor) -> jax.Array:

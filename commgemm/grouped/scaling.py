@@ -98,6 +98,7 @@ def moved(fn, values: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
 
 
 def _moved_fwd(fn, values, rows):
+    # values: the point of fn's (linear) VJP; the block's GEMM keeps it as a residual anyway
     return moved(fn, values, rows), values
 
 
