@@ -8,7 +8,7 @@
 #   bash benchmarks/run.sh profile OUT         Mosaic GPU's profile of the direct RS kernel
 #   bash benchmarks/run.sh tpu     OUT         on a TPU VM: every preset x op with the TPU kernels
 #   bash benchmarks/run.sh fp8     OUT         one GPU: the FP8 GPU tests, then FP8 vs bf16 GEMMs
-#   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx vs plain Flax
+#   bash benchmarks/run.sh layers  OUT         one GPU: a training step, commgemm.nnx (bf16, float8) vs plain Flax
 #   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the GEMM core's and FP8 tests, then the
 #                                              direct kernels' GEMM core (bf16, FP8) and the
 #                                              serial path vs the best GEMM
