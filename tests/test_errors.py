@@ -187,6 +187,22 @@ def test_chain_tiles_needs_two_tiles_per_cta_at_plan_time(monkeypatch):
     assert fused.reason_for_shape(rs, large, size, "bfloat16", chained) is None
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+def test_ring_all_gather_takes_partial_rounds_of_stages(monkeypatch, stages):
+    """jax's ring AG kernel keeps a wgmma in flight over a tile's last K-step, and computed
+    every tile right with K-steps not in whole rounds of stages (one H200, docs/performance.md): the
+    plan (GPU faked) takes 17 K-steps of 64 as it takes whole rounds."""
+    from commgemm.mosaic_gpu import fused
+
+    monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
+    ag, size = cg.Collective.ALL_GATHER, jax.device_count()
+    ring = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
+                            kernel=mosaic_gpu.RingAGConfig(stages=stages))  # fmt: skip
+    for k_steps in (17, 4 * stages):
+        shape = (128 * size, 64 * k_steps, 256 * size)
+        assert fused.reason_for_shape(ag, shape, size, "bfloat16", ring) is None
+
+
 def test_pipelined_atomic_rs_says_why_it_cannot_run(rng):
     """ATOMIC_GEMM_RS (the direct reduce-add kernel) checks its needs like the ring kernels."""
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True)

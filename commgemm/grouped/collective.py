@@ -16,7 +16,7 @@ from jax import lax
 
 from commgemm.config import Method, OverlapConfig
 from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
-from commgemm.grouped.scaling import Rows, moved, quantized_operands, with_quantized_cotangent
+from commgemm.grouped.scaling import Rows, carry, quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.registry import resolve
@@ -86,15 +86,6 @@ def all_gather_grouped_matmul(
     return with_quantized_cotangent(out, recipe, axis_name)
 
 
-def _carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array, Rows | None]:
-    """fn (a collective) applied to a block of x's rows, held until `previous` exists: to its
-    quantized payload where it has one (`scaling.moved`), else to the block itself."""
-    if rows is None:
-        return fn(after(block, previous)), None
-    held = dataclasses.replace(rows, payload=after(rows.payload, previous))
-    return moved(fn, block, held)
-
-
 def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None) -> jax.Array:
     """`all_gather_grouped_matmul` on x's (quantized) values, its rows moving as `rows` where
     they are quantized."""
@@ -111,7 +102,7 @@ def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None)
         for t in range(size):
             nxt = None
             if t < size - 1:  # pass the block on while multiplying it (held after the last GEMM)
-                nxt = (*_carry(hop, block, rows, last), hop(after(sizes, last)))
+                nxt = (*carry(hop, block, rows, last), hop(after(sizes, last)))
             last = grouped_matmul(block, w, sizes, out_dtype=dtype)
             src = lax.rem(me + jnp.int32(size - t), jnp.int32(size))
             out = lax.dynamic_update_slice_in_dim(out, last, src * m, axis=0)
@@ -125,7 +116,7 @@ def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None)
         lo, hi = c * chunk, (c + 1) * chunk
         part_rows = None if rows is None else dataclasses.replace(rows, payload=rows.payload[lo:hi])
         sizes = sizes_in_rows(group_sizes, lo, hi)
-        gathered, _ = _carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
+        gathered, _ = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
         outs = [grouped_matmul(gathered[s], w, all_sizes[s], out_dtype=dtype) for s in range(size)]
         chunks.append(jnp.stack(outs))  # [P, rows, n]

@@ -21,7 +21,7 @@ from jax import lax
 from commgemm.config import Method
 from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped, grouped_matmul
-from commgemm.grouped.scaling import Rows, moved, quantized_operands, with_quantized_cotangent
+from commgemm.grouped.scaling import Rows, carry, quantized_operands, with_quantized_cotangent
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
@@ -105,10 +105,7 @@ def _dispatch_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None):
     def send(t: int, previous):
         block, sent, count = outgoing(t)
         shift = functools.partial(_exchange, axis_name=axis_name, size=size, shift=t)
-        if sent is None:
-            return shift(after(block, previous)), shift(count)
-        held = dataclasses.replace(sent, payload=after(sent.payload, previous))
-        return moved(shift, block, held)[0], shift(count)
+        return carry(shift, block, sent, previous)[0], shift(count)
 
     received, last = [], None
     for t in range(size):  # NONE: every exchange at once; the ring: each after the one before

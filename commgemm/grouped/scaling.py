@@ -38,6 +38,7 @@ from commgemm.quant import (
     quantize,
 )
 from commgemm.scaled import payload, unpack_rows
+from commgemm.xla.common import after
 
 
 def quantized_operands(
@@ -107,6 +108,16 @@ def _moved_bwd(fn, values, cotangents):
 
 
 moved.defvjp(_moved_fwd, _moved_bwd)
+
+
+def carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array, Rows | None]:
+    """fn (a collective) applied to a block of x's rows, held until `previous` exists (the
+    collectives of a pipeline stay apart: commgemm.xla.common.after): to its quantized payload
+    where it has one (`moved`), else to the block itself. Returns (the values, the moved rows)."""
+    if rows is None:
+        return fn(after(block, previous)), None
+    held = dataclasses.replace(rows, payload=after(rows.payload, previous))
+    return moved(fn, block, held)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
