@@ -10,7 +10,7 @@ scaling, quantizing in each call; on weights quantized before, quantizing x; emu
 commgemm's kernel alone on float8 operands). Writes
 OUT/grouped_gemm.json.
 
-    PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR
+    PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,64]
 """
 
 from __future__ import annotations
@@ -31,8 +31,13 @@ from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-#: The two Hopper kernels of the forward and dX, in their default tilings.
-KERNELS = {"commgemm kernel": GroupedConfig(), "jax kernel": hopper.default_tiles(2 * 128)}
+#: The two Hopper kernels of the forward and dX, in their default tilings, and commgemm's with
+#: its last wave of tiles whole (not narrowed: `GroupedConfig.narrow_tail`).
+KERNELS = {
+    "commgemm kernel": GroupedConfig(),
+    "commgemm kernel, last wave whole": GroupedConfig(narrow_tail=False),
+    "jax kernel": hopper.default_tiles(2 * 128),
+}
 
 
 def uneven_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
@@ -71,6 +76,14 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=True)),
             (dy, w, sizes),
         ),
+        "dX commgemm kernel, last wave whole": (
+            jax.jit(
+                lambda a, b, s: grouped_kernel.grouped_matmul(
+                    a, b, s, KERNELS["commgemm kernel, last wave whole"], w_nk=True
+                )
+            ),
+            (dy, w, sizes),
+        ),  # fmt: skip
         "dX jax kernel": (
             jax.jit(lambda a, b, s: hopper.product(a, b, s, KERNELS["jax kernel"], True)),
             (dy, w, sizes),
@@ -189,10 +202,11 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8192)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=14336 // 8)
+    parser.add_argument("--groups", default="8,64", help="comma-separated group counts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for groups in (8, 64):
+    for groups in (int(g) for g in args.groups.split(",")):
         variants, rel_errs, sizes = problem(groups, args.m, args.k, args.n)
         times, timing = timed(variants)
         dw_variants, dw_err = weight_grad_problem(groups, args.m, args.k, args.n)

@@ -12,6 +12,8 @@
 #   bash benchmarks/run.sh core    OUT [SIZES] one GPU: the GEMM core's and FP8 tests, then the
 #                                              direct kernels' GEMM core (bf16, FP8) and the
 #                                              serial path vs the best GEMM
+#   bash benchmarks/run.sh grouped OUT [GROUPS] one GPU: the grouped GPU tests, then the local
+#                                              grouped GEMMs (benchmarks/grouped_gemm.py)
 #   bash benchmarks/run.sh layers-profile OUT  all GPUs: the layers' training step by method
 #                                              against XLA's partitioning, kernel time by kind
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
@@ -55,6 +57,12 @@ case $target in
     JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_gemm_core_gpu.py tests/gpu/test_fp8_gpu.py \
       --junitxml="$out/core_tests.xml" || status=$?
     python3 benchmarks/fused_core.py --out "$out" --sizes "${3:-2,4,8}"
+    exit $status ;;
+  grouped)  # the benchmark runs even when a test fails; the exit status is the tests'
+    status=0
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 JAX_PLATFORMS=cuda python3 -m pytest -q -n 2 tests/gpu \
+      -k grouped -p no:warnings --junitxml="$out/grouped_tests.xml" || status=$?
+    python3 benchmarks/grouped_gemm.py --out "$out" --groups "${3:-8,64}"
     exit $status ;;
   capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
   layers-profile) python3 benchmarks/layers_profile.py --out "$out" ;;

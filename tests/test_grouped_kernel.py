@@ -39,8 +39,9 @@ def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, 
     """Each row tile's pairs are the non-empty groups with rows in it, in group order, their
     [lo, hi) ranges giving every row of the tile its group (rows past the groups' sum none,
     a sum beyond M cut at M); the tiles' order is a permutation, costliest first (by their
-    warpgroups' K loops) within the kernel's rounds as `balanced_slots` deals them."""
-    tiles = GroupedConfig(tile_m=tile_m)
+    warpgroups' K loops) within the kernel's rounds as `balanced_slots` deals them, a last
+    wave narrowed or not."""
+    tiles = GroupedConfig(tile_m=tile_m, narrow_tail=data.draw(st.booleans()))
     m, n = tiles_m * tiles.cta_m, tiles_n * tiles.cta_n
     sizes = np.array(data.draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
     if sizes.sum() > m and data.draw(st.booleans()):
@@ -70,7 +71,8 @@ def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, 
              for b in range(0, m, tiles.tile_m)]  # fmt: skip
     blocks = np.array([len(owned[2 * t]) + len(owned[2 * t + 1]) for t in range(tiles_m)])
     cost = blocks[_walk_rows(tiles, tiles_m, tiles_n)]
-    slots = grouped_kernel.balanced_slots(order.size, ctas)
+    tail = mosaic_tiles.narrow_tail_units(tiles, order.size, ctas)
+    slots = grouped_kernel.balanced_slots(order.size, ctas, tail)
     ranked = order[slots]  # the tiles from the costliest, ties in walk order
     np.testing.assert_array_equal(ranked, np.argsort(-cost, kind="stable"))
 
@@ -103,6 +105,27 @@ def test_balanced_slots_keeps_costly_tiles_apart(units, ctas):
         cost[slots[:costly]] = 2  # the costliest tiles, where the dealing puts them
         load = np.bincount(np.arange(units) % ctas, weights=cost, minlength=ctas)
         assert load.max() <= rounds
+
+
+@pytest.mark.parametrize(
+    "units,ctas,tail", [(448, 132, 52), (462, 132, 66), (463, 132, 0), (16, 132, 16), (396, 132, 0)]
+)
+def test_narrowed_last_wave(units, ctas, tail):
+    """The last wave runs narrowed where it fills at most half the CTAs (its halves then fit in
+    one wave; 52 of 132 in the 8-group benchmark's 448 tiles): the cheapest tiles, in rank
+    order, in its units; the rounds before it are dealt as without it."""
+    assert mosaic_tiles.narrow_tail_units(GroupedConfig(), units, ctas) == tail
+    assert mosaic_tiles.narrow_tail_units(GroupedConfig(narrow_tail=False), units, ctas) == 0
+    slots = grouped_kernel.balanced_slots(units, ctas, tail)
+    assert sorted(slots.tolist()) == list(range(units))
+    np.testing.assert_array_equal(slots[units - tail :], np.arange(units - tail, units))
+    np.testing.assert_array_equal(
+        slots[: units - tail], grouped_kernel.balanced_slots(units - tail, ctas)
+    )
+    with pytest.raises(ValueError, match="narrow_tail"):
+        GroupedConfig(narrow_tail=1)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        GroupedConfig(tile_n=320)
 
 
 def test_grouped_config_and_shapes():

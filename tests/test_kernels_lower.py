@@ -425,27 +425,38 @@ def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
     assert sum(f"-> tensor<{groups}x256x512xbf16>" in call for call in calls) == 1, calls
 
 
+@pytest.mark.parametrize(
+    "row_tiles,narrow",
+    [(8, True), (70, True), (8, False)],
+    ids=["narrowed-only", "whole-and-narrowed", "whole-only"],
+)
 @pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
-def test_grouped_kernel_lowers(w_nk):
+def test_grouped_kernel_lowers(w_nk, row_tiles, narrow):
     """commgemm's grouped kernel (the forward, and dX's form with w read [G, N, K]) lowers for
     a CUDA target, under jax_enable_x64 as well: one Mosaic GPU call taking x, w and the
-    schedule's six int32 arrays."""
+    schedule's six int32 arrays; with the last wave narrowed (16 tiles on 132 CTAs: all of
+    them; 140: the last 8), and whole."""
     from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
 
     sds = jax.ShapeDtypeStruct
-    x = sds((1024, 256), jnp.bfloat16)
+    m = row_tiles * 128
+    x = sds((m, 256), jnp.bfloat16)
     w = sds((8, 512, 256) if w_nk else (8, 256, 512), jnp.bfloat16)
+    tiles = GroupedConfig(narrow_tail=narrow)
     text = (
-        jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=w_nk))
+        jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles, w_nk=w_nk))
         .trace(x, w, sds((8,), jnp.int32))
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
     calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
     assert len(calls) == 1, calls
-    # 8 row tiles, 8 + 7 (row tile, group) pairs, 8 x 2 output tiles
-    schedule = ", ".join(f"tensor<{n}xi32>" for n in (15, 15, 15, 8, 8, 16))
-    assert f"{schedule}) -> tensor<1024x512xbf16>" in calls[0], calls
+    # row tiles, row tiles + 7 (row tile, group) pairs, row tiles x 2 output tiles
+    pairs = row_tiles + 7
+    schedule = ", ".join(f"tensor<{n}xi32>" for n in (pairs, pairs, pairs, row_tiles, row_tiles,
+                                                        2 * row_tiles))  # fmt: skip
+    assert f"{schedule}) -> tensor<{m}x512xbf16>" in calls[0], calls
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])

@@ -50,6 +50,15 @@ class _Tiling:
         cluster = getattr(self, "cluster", None)
         if cluster not in self._clusters:
             raise ValueError(f"{family}.cluster={cluster!r} must be one of {self._clusters}")
+        narrow = getattr(self, "narrow_tail", False)
+        if not isinstance(narrow, bool):
+            raise ValueError(f"{family}.narrow_tail={narrow!r} must be a bool")
+        if narrow and (self.cta_m % (2 * EPI) or self.cta_n % (2 * EPI)):
+            raise ValueError(
+                f"{family}.narrow_tail splits a {self.cta_m} x {self.cta_n} CTA tile into "
+                f"warpgroup tiles of half its rows and columns, whole {EPI}s: cta_m and cta_n "
+                f"must be multiples of {2 * EPI}"
+            )
 
     _clusters = (None,)  # the clusters a family allows (a class attribute, not a field)
     epi = EPI
@@ -110,14 +119,6 @@ class DirectAGConfig(_Tiling):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.narrow_tail, bool):
-            raise ValueError(f"DirectAGConfig.narrow_tail={self.narrow_tail!r} must be a bool")
-        if self.narrow_tail and (self.cta_m % (2 * EPI) or self.cta_n % (2 * EPI)):
-            raise ValueError(
-                f"DirectAGConfig.narrow_tail splits a {self.cta_m} x {self.cta_n} CTA tile into "
-                f"warpgroup tiles of half its rows and columns, whole {EPI}s: cta_m and cta_n "
-                f"must be multiples of {2 * EPI}"
-            )
         if isinstance(self.spread, bool) or not isinstance(self.spread, int):
             raise ValueError(f"DirectAGConfig.spread={self.spread!r} must be an int")
         if not 0 <= self.spread <= 100:
@@ -155,17 +156,21 @@ class DirectRSConfig(_Tiling):
 class GroupedConfig(_Tiling):
     """The grouped GEMM's kernel (`grouped_kernel`): 64 x 256 tiles a compute warpgroup,
     stacked along M (each warpgroup zeroes its own rows of a shared x block where a tile
-    straddles a group boundary, so wg_along_m must stay True)."""
+    straddles a group boundary, so wg_along_m must stay True).
+
+    narrow_tail: the tiles of the last, partly filled wave of CTAs run as two tiles of half
+      their columns each, where those fit in one wave (as `DirectAGConfig.narrow_tail`)."""
 
     tile_m: int = 64
     tile_n: int = 256
     wg_along_m: bool = True
+    narrow_tail: bool = True
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.wg_along_m:
+        if self.wg_along_m is not True:
             raise ValueError("GroupedConfig.wg_along_m must be True: each compute warpgroup "
                              "masks the rows of x it multiplies")  # fmt: skip
+        super().__post_init__()
 
 
 KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig

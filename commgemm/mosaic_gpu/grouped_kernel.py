@@ -15,7 +15,11 @@ M / 64 warpgroup blocks plus one per group boundary inside a block (jax's `ragge
 runs a whole tile per boundary, its stores following the groups in a ladder of partial TMA
 stores).
 
-The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`).
+The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`), with the
+output tiles' order over the CTAs, costliest first. Where the last, partly filled wave of
+tiles fills at most half the CTAs (`GroupedConfig.narrow_tail`), its tiles, the cheapest, run
+as two of half the columns each (`tiles.narrowed`), in a shared-memory scope of their own, so
+that wave takes about half a tile's time.
 """
 
 from __future__ import annotations
@@ -57,11 +61,14 @@ class Schedule:
         return self.group, self.lo, self.hi, self.first, self.count, self.order
 
 
-def balanced_slots(units: int, ctas: int) -> np.ndarray:
+def balanced_slots(units: int, ctas: int, tail: int = 0) -> np.ndarray:
     """Where the i-th costliest of `units` tiles runs (its unit index, as CTA c runs units
     c, c + ctas, ...): each round deals one tile to every CTA in a snake, the CTAs with one
     tile fewer first, so that the costliest tiles go to different CTAs and a CTA dealt a
-    costly tile in one round is dealt a cheap one in the next."""
+    costly tile in one round is dealt a cheap one in the next. The `tail` cheapest go last,
+    in order (a narrowed last wave: `tiles.narrow_tail_units`)."""
+    if tail:
+        return np.concatenate([balanced_slots(units - tail, ctas), np.arange(units - tail, units)])
     rounds = -(-units // ctas)
     full = units - (rounds - 1) * ctas  # CTAs that run `rounds` tiles
     slots = []
@@ -74,7 +81,8 @@ def balanced_slots(units: int, ctas: int) -> np.ndarray:
 def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) -> Schedule:
     """The pairs of row tiles and groups for group `sizes` [G] (summing to at most m; a sum
     beyond m is cut at m) over m rows (whole tiles), and the output tiles' order over `ctas`
-    CTAs, balanced by their warpgroups' K loops (`balanced_slots`). Everything is
+    CTAs, balanced by their warpgroups' K loops (`balanced_slots`), the cheapest last where
+    the last wave runs narrowed (`GroupedConfig.narrow_tail`). Everything is
     counted by comparisons and prefix sums over the groups, not searched or sorted: a few
     fused elementwise ops on a GPU, where a search is a loop of small kernels."""
     cta_m = tiles.cta_m
@@ -110,7 +118,8 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
         (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
     )
     rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
-    slots = jnp.asarray(balanced_slots(walk.shape[0], ctas))
+    tail = mt.narrow_tail_units(tiles, walk.shape[0], ctas)
+    slots = jnp.asarray(balanced_slots(walk.shape[0], ctas, tail))
     order = jnp.zeros_like(walk).at[slots[rank]].set(walk, unique_indices=True)
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
 
@@ -195,28 +204,32 @@ def grouped_matmul(
         raise ValueError(f"grouped kernel: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
-    num_slots = mt.epilogue_slots(tiles)
+
+    sms = mt.num_sms()
+    units = m_iters * n_iters
+    tail = mt.narrow_tail_units(tiles, units, sms)
 
     def body(x_ref, w_ref, group_ref, lo_ref, hi_ref, first_ref, count_ref, order_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         wg = lax.axis_index("wg")
 
-        def pipeline(m_idx, n_idx, mma_body, compute_context):
-            """The warp-specialized loop over (group, K-step) of row tile m_idx, column n_idx."""
+        def pipeline(tiling, m_idx, n_idx, mma_body, compute_context):
+            """The warp-specialized loop over (group, K-step) of row tile m_idx, column n_idx of
+            `tiling`."""
             first = first_ref[m_idx]
 
             def w_index(j, kk):
                 group = group_ref[first + j]
                 return (group, n_idx, kk) if w_nk else (group, kk, n_idx)
 
-            w_block = (tiles.cta_n, tiles.tile_k) if w_nk else (tiles.tile_k, tiles.cta_n)
+            w_block = (tiling.cta_n, tiling.tile_k) if w_nk else (tiling.tile_k, tiling.cta_n)
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body,
                 grid=(count_ref[m_idx], k_iters),
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec(
-                        (tiles.cta_m, tiles.tile_k),
+                        (tiling.cta_m, tiling.tile_k),
                         lambda j, kk: (m_idx, kk),
                         transforms=transforms,
                         delay_release=1,  # the K-step's wgmma may still read it
@@ -227,82 +240,98 @@ def grouped_matmul(
                 ],
                 wg_axis="wg",
                 num_compute_wgs=2,
-                max_concurrent_steps=tiles.stages,
+                max_concurrent_steps=tiling.stages,
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None  # noqa: E731
-        allocations = pipeline(0, 0, ignore, ignore).get_allocations(x_ref, w_ref)
+        def walk(tiling, units: int, unit_of):
+            """Run `units` units in `tiling`, in a shared-memory scope of their own: unit_of(i)
+            is (lin, part), the lin-th output tile in the schedule's order whole (part None)
+            or its part-th half (`tiles.narrowed`)."""
+            ignore = lambda *_, **__: None  # noqa: E731
+            allocations = pipeline(tiling, 0, 0, ignore, ignore).get_allocations(x_ref, w_ref)
 
-        @functools.partial(
-            pl.run_scoped,
-            pipeline_allocs=allocations,
-            out_smem=mt.out_smem(tiles, out_dtype),
-            collective_axes="wg",
-        )
-        def _scope(pipeline_allocs, out_smem):
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tiles(info):
-                (lin,) = info.index
-                at = mt.tile_slices(tiles, order_ref[lin], m_iters, n_iters)
-                first, count = first_ref[at.m_idx], count_ref[at.m_idx]
-                wg_row0 = wg * tiles.tile_m  # this warpgroup's rows within the row tile
+            @functools.partial(
+                pl.run_scoped,
+                pipeline_allocs=allocations,
+                out_smem=mt.out_smem(tiling, out_dtype),
+                collective_axes="wg",
+            )
+            def _scope(pipeline_allocs, out_smem):
+                @plgpu.nd_loop((units,), collective_axes="cluster_grid")
+                def _tiles(info):
+                    (i,) = info.index
+                    lin, part = unit_of(i)
+                    at = mt.tile_slices(tiles, order_ref[lin], m_iters, n_iters)
+                    if part is not None:
+                        at = mt.narrowed_slices(tiles, at, part)
+                    run_tile(tiling, at, pipeline_allocs, out_smem)
 
-                def finish(read):
-                    acc = mt.scaled(read(), scale_ref, out_dtype)
-                    dest = out_ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for epi_m, epi_n, slot in mt.epilogue_blocks(tiles, num_slots):
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = acc[epi_m, epi_n]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                def compute_context(eval_pipeline):
-                    mt.accumulated(tiles, eval_pipeline, finish, split=False)
+        def run_tile(tiling, at, pipeline_allocs, out_smem):
+            num_slots = mt.epilogue_slots(tiling)
+            first, count = first_ref[at.m_idx], count_ref[at.m_idx]
+            wg_row0 = wg * tiling.tile_m  # this warpgroup's rows within the row tile
 
-                def mma_body(idxs, a_smem, b_smem, acc):
-                    j, _ = idxs
-                    rows = a_smem.at[at.wg_m]
-                    lo, hi = lo_ref[first + j], hi_ref[first + j]
-                    # does the group have rows in this warpgroup's block, all of them?
-                    mine = (lo < wg_row0 + tiles.tile_m) & (hi > wg_row0)
-                    whole = (lo <= wg_row0) & (hi >= wg_row0 + tiles.tile_m)
+            def finish(read):
+                acc = mt.scaled(read(), scale_ref, out_dtype)
+                dest = out_ref.at[at.cta_m, at.cta_n].at[at.wg_m, at.wg_n]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for epi_m, epi_n, slot in mt.epilogue_blocks(tiling, num_slots):
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, slot] = acc[epi_m, epi_n]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest.at[epi_m, epi_n])
 
-                    @pl.when(mine & ~whole)
-                    def _other_groups_rows():  # zero them: the block straddles a boundary
-                        shape, layout = (tiles.tile_m, tiles.tile_k), plgpu.Layout.WGMMA
-                        row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-                        row = row + wg_row0
-                        # float8 is selected in fp16, which holds every float8 value exactly
-                        # (Mosaic GPU computes on no 8-bit type)
-                        block = _load(rows, layout).astype(wide)
-                        keep = (row >= lo) & (row < hi)
-                        rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
-                        plgpu.commit_smem()
+            def compute_context(eval_pipeline):
+                mt.accumulated(tiling, eval_pipeline, finish, split=False)
 
-                    @pl.when(mine)  # else the warpgroup leaves the K loop to the other
-                    def _multiply():
-                        plgpu.wgmma(acc, rows, mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk))
+            def mma_body(idxs, a_smem, b_smem, acc):
+                j, _ = idxs
+                rows = a_smem.at[at.wg_m]
+                lo, hi = lo_ref[first + j], hi_ref[first + j]
+                # does the group have rows in this warpgroup's block, all of them?
+                mine = (lo < wg_row0 + tiling.tile_m) & (hi > wg_row0)
+                whole = (lo <= wg_row0) & (hi >= wg_row0 + tiling.tile_m)
 
-                    plgpu.wgmma_wait(1)
-                    mt.await_last_step((j == count - 1) & (idxs[1] == k_iters - 1))
-                    return acc
+                @pl.when(mine & ~whole)
+                def _other_groups_rows():  # zero them: the block straddles a boundary
+                    shape, layout = (tiling.tile_m, tiling.tile_k), plgpu.Layout.WGMMA
+                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+                    row = row + wg_row0
+                    # float8 is selected in fp16, which holds every float8 value exactly
+                    # (Mosaic GPU computes on no 8-bit type)
+                    block = _load(rows, layout).astype(wide)
+                    keep = (row >= lo) & (row < hi)
+                    rows[...] = jnp.where(keep, block, jnp.zeros(shape, wide)).astype(dtype)
+                    plgpu.commit_smem()
 
-                @pl.when(count > 0)
-                def _groups():
-                    pipeline(at.m_idx, at.n_idx, mma_body, compute_context)(
-                        x_ref, w_ref, allocations=pipeline_allocs
-                    )
+                @pl.when(mine)  # else the warpgroup leaves the K loop to the other
+                def _multiply():
+                    plgpu.wgmma(acc, rows, mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk))
 
-                @pl.when((count == 0) & (wg < 2))
-                def _past_the_sum():  # rows in no group
-                    zeros = jnp.zeros((tiles.tile_m, tiles.tile_n), jnp.float32)
-                    finish(lambda: plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                plgpu.wgmma_wait(1)
+                mt.await_last_step((j == count - 1) & (idxs[1] == k_iters - 1))
+                return acc
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            @pl.when(count > 0)
+            def _groups():
+                pipeline(tiling, at.m_idx, at.n_idx, mma_body, compute_context)(
+                    x_ref, w_ref, allocations=pipeline_allocs
+                )
 
-    sms = mt.num_sms()
+            @pl.when((count == 0) & (wg < 2))
+            def _past_the_sum():  # rows in no group
+                zeros = jnp.zeros((tiling.tile_m, tiling.tile_n), jnp.float32)
+                finish(lambda: plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
+        if units > tail:
+            walk(tiles, units - tail, lambda i: (i, None))
+        if tail:  # a new scope: every warpgroup has left the main loop's shared memory
+            walk(mt.narrowed(tiles), 2 * tail,
+                 lambda i: (units - tail + i // 2, lax.rem(i, jnp.int32(2))))  # fmt: skip
+
     plan = schedule(sizes, tiles, m, n, sms)
     # traced in 32-bit mode: under jax_enable_x64 the pipeline's loop over a grid known only at
     # run time mixes int32 steps with int64 constants

@@ -80,10 +80,8 @@ def narrow_tail(tiles: DirectAGConfig, units: int, ctas: int, senders_end: int) 
     on CTA u mod ctas), where their halves fit in one wave and none of them sends rows (the
     units from `senders_end` on send nothing). That wave then takes about half a tile's time
     instead of a whole one's. 0: no narrowed tail."""
-    tail = units % ctas
-    if not tiles.narrow_tail or 2 * tail > ctas or units - tail < senders_end:
-        return 0
-    return tail
+    tail = mt.narrow_tail_units(tiles, units, ctas)
+    return 0 if units - tail < senders_end else tail
 
 
 def _visit_rank(tiles: DirectAGConfig, m_idx: jax.Array, n_idx: jax.Array, n_iters: int):

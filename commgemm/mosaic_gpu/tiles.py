@@ -231,7 +231,7 @@ def tile_pipeline(
     as one pipeline."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    transforms = smem_transforms(dtype, tiles.tile_k)
+    transforms, cluster = smem_transforms(dtype, tiles.tile_k), getattr(tiles, "cluster", None)
     if w_nk:
         w_block, w_index = (tiles.cta_n, tiles.tile_k), lambda kk: (0, kk)
     else:
@@ -247,9 +247,7 @@ def tile_pipeline(
                 transforms=transforms,
                 memory_space=plgpu.SMEM,
                 delay_release=release,
-                collective_axes=("cluster",)
-                if getattr(tiles, "cluster", None) == "n"
-                else (),  # shared x
+                collective_axes=("cluster",) if cluster == "n" else (),  # shared x
             ),
             plgpu.BlockSpec(
                 w_block,
@@ -257,9 +255,7 @@ def tile_pipeline(
                 transforms=transforms,
                 memory_space=plgpu.SMEM,
                 delay_release=release,
-                collective_axes=("cluster",)
-                if getattr(tiles, "cluster", None) == "m"
-                else (),  # shared w
+                collective_axes=("cluster",) if cluster == "m" else (),  # shared w
             ),
         ],
         wg_axis="wg",
@@ -368,6 +364,13 @@ def tile_slices(tiles: KernelConfig, tile: jax.Array, m_iters: int, n_iters: int
         wg_m=wg_m,
         wg_n=wg_n,
     )
+
+
+def narrow_tail_units(tiles: KernelConfig, units: int, ctas: int) -> int:
+    """How many of `units` tiles (unit u on CTA u mod ctas), the last wave's, run `narrowed`:
+    where the tiling asks (`narrow_tail`) and their halves fit in one wave; else 0."""
+    tail = units % ctas
+    return tail if getattr(tiles, "narrow_tail", False) and 2 * tail <= ctas else 0
 
 
 def narrowed(tiles: KernelConfig) -> KernelConfig:

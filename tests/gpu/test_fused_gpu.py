@@ -260,17 +260,20 @@ def test_grouped_matmul_hopper_path_in_shard_map(kernel, check_vma):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrowed", "whole"])
 @pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
 @pytest.mark.parametrize(
     "sizes",
     [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [60, 70, 80, 90]],
     ids=["one", "uneven", "none", "tiny", "short"],
 )
-def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
+def test_grouped_kernel_against_ragged_dot(sizes, w_nk, narrow):
     """commgemm's grouped kernel alone, in the forward and dX's form (w read [G, N, K]): one
     group, empty groups, no rows at all, 40 tiles' worth of 7-row groups in one row tile, and
-    sums short of the rows by whole tiles (zero there); against the float32 ragged dot."""
+    sums short of the rows by whole tiles (zero there); against the float32 ragged dot. Its 16
+    tiles fill less than half a wave: narrowed, each runs as two half-width tiles."""
     from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
 
     m, k, n = 1024, 320, 512
     sizes = jnp.asarray(sizes, jnp.int32)
@@ -278,7 +281,10 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk):
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
     w = (jax.random.normal(kw, shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    got = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=w_nk))(x, w, sizes)
+    tiles = GroupedConfig(narrow_tail=narrow)
+    got = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles, w_nk=w_nk))(
+        x, w, sizes
+    )
     rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
     want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
                               precision="highest")  # fmt: skip
@@ -396,25 +402,33 @@ def test_grouped_matmul_prequantized(w_nk):
     assert float(jnp.abs(got[1900:]).max()) == 0.0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrowed", "whole"])
 @pytest.mark.parametrize("stages", [3, 4])
-def test_grouped_kernel_tiles_in_sequence(stages):
-    """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps): each tile's last wgmma
-    is done before the next tile reloads its smem slot (`tiles.await_last_step`; with 3 stages
-    that slot is the first one reloaded), on calls that alternate x and -x."""
+def test_grouped_kernel_tiles_in_sequence(stages, narrow, dtype):
+    """Many tiles a CTA (M 8192, N 1792, 8 uneven groups, 16 K-steps; 448 tiles, 52 in the last
+    wave, run narrowed or whole): each tile's last wgmma is done before the next tile reloads
+    its smem slot (`tiles.await_last_step`; with 3 stages that slot is the first one reloaded),
+    on calls that alternate x and -x; bf16, and float8 (w [G, N, K]) against the float32
+    ragged dot of its float8 values."""
     from commgemm.mosaic_gpu import grouped_kernel
     from commgemm.mosaic_gpu.configs import GroupedConfig
 
     m, k, n = 8192, 1024, 1792
     sizes = jnp.asarray([900, 1500, 300, 1100, 2000, 700, 1000, 692], jnp.int32)
     kx, kw = jax.random.split(jax.random.key(stages), 2)
-    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (8, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    tiles = GroupedConfig(stages=stages)
-    f = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, tiles))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16).astype(dtype)
+    w = (jax.random.normal(kw, (8, k, n), jnp.float32) / k**0.5).astype(dtype)
+    w_nk = dtype != "bfloat16"
+    tiles = GroupedConfig(stages=stages, narrow_tail=narrow)
+    rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
+    f = jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(
+        a, b, s, tiles, w_nk=w_nk, out_dtype=jnp.bfloat16))  # fmt: skip
     for sign in (-1, 1, -1, 1):
-        want = jax.lax.ragged_dot((sign * x).astype(jnp.float32), w.astype(jnp.float32), sizes,
+        a = (sign * x.astype(jnp.float32)).astype(dtype)
+        want = jax.lax.ragged_dot(a.astype(jnp.float32), w.astype(jnp.float32), sizes,
                                   precision="highest")  # fmt: skip
-        got = f(sign * x, w, sizes).astype(jnp.float32)
+        got = f(a, rhs, sizes).astype(jnp.float32)
         assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
 
 
