@@ -31,10 +31,12 @@ from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-#: The two Hopper kernels of the forward and dX, in their default tilings, and commgemm's with
-#: its last wave of tiles whole (not narrowed: `GroupedConfig.narrow_tail`).
+#: The two Hopper kernels of the forward and dX, in their default tilings (commgemm's choosing
+#: whether to narrow its last wave: `grouped_kernel.narrowing_pays`), and commgemm's with that
+#: choice made (`GroupedConfig.narrow_tail`).
 KERNELS = {
     "commgemm kernel": GroupedConfig(),
+    "commgemm kernel, last wave narrowed": GroupedConfig(narrow_tail=True),
     "commgemm kernel, last wave whole": GroupedConfig(narrow_tail=False),
     "jax kernel": hopper.default_tiles(2 * 128),
 }
@@ -76,14 +78,6 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=True)),
             (dy, w, sizes),
         ),
-        "dX commgemm kernel, last wave whole": (
-            jax.jit(
-                lambda a, b, s: grouped_kernel.grouped_matmul(
-                    a, b, s, KERNELS["commgemm kernel, last wave whole"], w_nk=True
-                )
-            ),
-            (dy, w, sizes),
-        ),  # fmt: skip
         "dX jax kernel": (
             jax.jit(lambda a, b, s: hopper.product(a, b, s, KERNELS["jax kernel"], True)),
             (dy, w, sizes),

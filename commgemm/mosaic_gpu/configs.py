@@ -51,8 +51,9 @@ class _Tiling:
         if cluster not in self._clusters:
             raise ValueError(f"{family}.cluster={cluster!r} must be one of {self._clusters}")
         narrow = getattr(self, "narrow_tail", False)
-        if not isinstance(narrow, bool):
-            raise ValueError(f"{family}.narrow_tail={narrow!r} must be a bool")
+        if not isinstance(narrow, bool) and not (narrow is None and self._narrow_auto):
+            kinds = "a bool or None (automatic)" if self._narrow_auto else "a bool"
+            raise ValueError(f"{family}.narrow_tail={narrow!r} must be {kinds}")
         if narrow and (self.cta_m % (2 * EPI) or self.cta_n % (2 * EPI)):
             raise ValueError(
                 f"{family}.narrow_tail splits a {self.cta_m} x {self.cta_n} CTA tile into "
@@ -61,6 +62,7 @@ class _Tiling:
             )
 
     _clusters = (None,)  # the clusters a family allows (a class attribute, not a field)
+    _narrow_auto = False  # whether narrow_tail may be None, decided per call
     epi = EPI
 
     @property
@@ -159,12 +161,15 @@ class GroupedConfig(_Tiling):
     straddles a group boundary, so wg_along_m must stay True).
 
     narrow_tail: the tiles of the last, partly filled wave of CTAs run as two tiles of half
-      their columns each, where those fit in one wave (as `DirectAGConfig.narrow_tail`)."""
+      their columns each, where those fit in one wave (as `DirectAGConfig.narrow_tail`);
+      None: where the kernel's model of its schedule says it pays
+      (`grouped_kernel.narrowing_pays`)."""
 
     tile_m: int = 64
     tile_n: int = 256
     wg_along_m: bool = True
-    narrow_tail: bool = True
+    narrow_tail: bool | None = None
+    _narrow_auto = True
 
     def __post_init__(self) -> None:
         if self.wg_along_m is not True:

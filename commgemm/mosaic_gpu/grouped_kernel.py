@@ -19,7 +19,9 @@ The (row tile, group) pairs are listed before the kernel, in XLA (`Schedule`), w
 output tiles' order over the CTAs, costliest first. Where the last, partly filled wave of
 tiles fills at most half the CTAs (`GroupedConfig.narrow_tail`), its tiles, the cheapest, run
 as two of half the columns each (`tiles.narrowed`), in a shared-memory scope of their own, so
-that wave takes about half a tile's time.
+that wave takes about half a tile's time; by default where a model of the schedule says that
+shortens the busiest CTA (`narrowing_pays`: tiles that straddle group boundaries may already
+fill the last wave's idle CTAs).
 """
 
 from __future__ import annotations
@@ -124,6 +126,40 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
 
 
+@functools.cache
+def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int) -> bool:
+    """Whether running the last, partly filled wave narrowed (`GroupedConfig.narrow_tail`)
+    shortens the kernel's busiest CTA, in a model of its schedule for m x n outputs of `groups`
+    groups on `ctas` CTAs: a row tile runs one K loop per group with rows in it, each taking a
+    whole tile's time whatever its rows (w[g]'s blocks are loaded either way), a half tile half
+    that; the G - 1 group boundaries fall inside row tiles spread evenly; tiles are dealt as
+    `balanced_slots` deals them, costliest first. A tie keeps the tiles whole (a half tile does
+    about 10% less per cycle). On one H100 (M 8192, K 4096, N 1792, uneven groups) the model's
+    choice was the faster with 8 groups (whole: 7 to 15% faster; the model 4 tile-times whole
+    against 4.5) and 16 (narrowed: 5 to 10% faster; 5 against 4.5); with 32 and 64 groups,
+    where the weights' reads bound the kernel, the two were within 3% (BENCHMARKS.md)."""
+    if tiles.cta_m % 128 or tiles.cta_n % 128:  # no half tiles of whole epilogue blocks
+        return False
+    tiles_m, tiles_n = m // tiles.cta_m, n // tiles.cta_n
+    units = tiles_m * tiles_n
+    tail = mt.narrow_tail_units(dataclasses.replace(tiles, narrow_tail=True), units, ctas)
+    if not tail:
+        return False
+    boundaries = np.arange(1, groups) * tiles_m // groups  # the row tile of each boundary
+    loops = 1 + np.bincount(boundaries, minlength=tiles_m)[:tiles_m]
+    cost = np.sort(np.repeat(loops, tiles_n))[::-1].astype(float)  # by rank, costliest first
+
+    def busiest(tail: int) -> float:
+        slots, load = balanced_slots(units, ctas, tail), np.zeros(ctas)
+        whole = slots < units - tail
+        np.add.at(load, slots[whole] % ctas, cost[whole])
+        for part in (0, 1):  # a tail unit's two halves run on consecutive CTAs
+            np.add.at(load, (2 * (slots[~whole] - units + tail) + part) % ctas, cost[~whole] / 2)
+        return float(load.max())
+
+    return busiest(tail) < busiest(0)
+
+
 #: The float8 formats the kernel multiplies (both operands one format: Mosaic GPU's wgmma
 #: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs), in the dense
 #: kernels' float8 tiling (`fused.float8_tiling`: K-steps of 128 where K allows).
@@ -206,6 +242,9 @@ def grouped_matmul(
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
 
     sms = mt.num_sms()
+    if tiles.narrow_tail is None:
+        narrow = narrowing_pays(tiles, m, n, w.shape[0], sms)
+        tiles = dataclasses.replace(tiles, narrow_tail=narrow)
     units = m_iters * n_iters
     tail = mt.narrow_tail_units(tiles, units, sms)
 
