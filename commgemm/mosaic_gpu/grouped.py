@@ -28,9 +28,12 @@ from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for commgemm's kernel to run the forward: on one H200
 #: (M 8192, K 4096, N 1792) it was 17% faster than jax's with 1024 rows a group, 1.2 to 2% slower
-#: with 512 in three runs and 5 to 9% slower with 128 to 341. dX runs it at any group size: it
-#: was the faster dX with 8 to 128 groups (BENCHMARKS.md).
+#: with 512 in three runs and 5 to 9% slower with 128 to 341. Where its last wave runs narrowed
+#: (`grouped_kernel.narrowing_pays`) it needs NARROWED_KERNEL_ROWS: with 512 rows a group it
+#: was then 6% faster than jax's on one H200 and as fast on one H100. dX runs it at any group
+#: size: it was the faster dX with 8 to 128 groups (BENCHMARKS.md).
 TILES_KERNEL_ROWS = 1024
+NARROWED_KERNEL_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +93,17 @@ def pick_tiles(
 ) -> GroupedTiles | GroupedConfig | None:
     """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; `dx`: dX's product, w
     transposed): commgemm's where its tiles fit and, for the forward, the groups average
-    TILES_KERNEL_ROWS rows or more; else jax's where its tiles fit; else (or with no groups)
-    None (XLA's ragged dot)."""
+    TILES_KERNEL_ROWS rows or more (NARROWED_KERNEL_ROWS where its last wave runs narrowed);
+    else jax's where its tiles fit; else (or with no groups) None (XLA's ragged dot)."""
     if groups < 1:  # no weights: every row is past the groups' sum
         return None
-    rows = 0 if dx else TILES_KERNEL_ROWS
-    if m >= rows * groups and _shape_reason(m, k, n, dtype, GroupedConfig()) is None:
-        return GroupedConfig()
+    ours = GroupedConfig()
+    if _shape_reason(m, k, n, dtype, ours) is None:
+        sms = mosaic_tiles.num_sms() if mosaic_tiles.hopper_reason() is None else None
+        narrowed = grouped_kernel.narrowing_pays(ours, m, n, groups, sms or mosaic_tiles.HOPPER_SMS)
+        rows = 0 if dx else NARROWED_KERNEL_ROWS if narrowed else TILES_KERNEL_ROWS
+        if m >= rows * groups:
+            return ours
     tiles = default_tiles(n)
     return tiles if _shape_reason(m, k, n, dtype, tiles) is None else None
 
