@@ -76,14 +76,14 @@ def payload(t: ScaledTensor) -> jax.Array:
         return t.data
     values = _held(t.data).astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
     parts = (values, t.scale_inv)
-    return jnp.concatenate([lax.bitcast_convert_type(p, jnp.uint8) for p in parts], axis=1)
+    return jnp.concatenate([lax.bitcast_convert_type(p, jnp.uint8) for p in parts], axis=-1)
 
 
 def unpack_rows(rows: jax.Array, mode: ScalingMode, k: int) -> ScaledTensor:
     """The inverse of `payload` for block modes, without NVFP4's global scale."""
-    values = lax.bitcast_convert_type(rows[:, :k], jnp.float8_e4m3fn)
+    values = lax.bitcast_convert_type(rows[..., :k], jnp.float8_e4m3fn)
     scale_dtype = jnp.float8_e4m3fn if mode is ScalingMode.NVFP4_1D_SCALING else E8M0
-    scales = lax.bitcast_convert_type(rows[:, k:], scale_dtype)
+    scales = lax.bitcast_convert_type(rows[..., k:], scale_dtype)
     return ScaledTensor(values, scales, mode=mode, axis=-1)
 
 

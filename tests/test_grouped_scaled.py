@@ -77,14 +77,16 @@ def test_collective_forms(rng, mode, method):
     np.testing.assert_allclose(rs, want, rtol=TOL, atol=TOL * 16)
 
 
-def test_expert_parallel_pair(rng):
+@pytest.mark.parametrize("mode", ["current_tensor_scaling", "mxfp8_1d_scaling", "nvfp4_1d_scaling"])
+def test_expert_parallel_pair(rng, mode):
     """Dispatch, experts, return, quantized: against the same composition on one device with
-    the quantized operands (the hidden activation quantized again by the second op)."""
-    mode, size, m, per_shard = "current_tensor_scaling", 4, 8, 2
+    the quantized operands (the hidden activation, [P, m, K] on each shard, quantized again by
+    the second op: block modes send its rows with their scales)."""
+    size, m, per_shard = 4, 8, 2
     experts = size * per_shard
     x = rng.standard_normal((size * m, 32)).astype(np.float32)
-    w1 = rng.standard_normal((experts, 32, 16)).astype(np.float32)
-    w2 = rng.standard_normal((experts, 16, 8)).astype(np.float32)
+    w1 = rng.standard_normal((experts, 32, 64)).astype(np.float32)  # K, N: whole blocks
+    w2 = rng.standard_normal((experts, 64, 32)).astype(np.float32)
     tokens = [rng.integers(0, experts, size=m) for _ in range(size)]
     sizes = np.stack([np.bincount(t, minlength=experts) for t in tokens]).astype(np.int32)
 
