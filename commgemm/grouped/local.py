@@ -167,6 +167,7 @@ def grouped_matmul(
     else:
         out = lax.ragged_dot(x, w, sizes, preferred_element_type=acc)
     if bias is not None:
+        bias = jnp.asarray(bias)
         if bias.shape != (w.shape[0], w.shape[2]):
             raise ValueError(
                 f"bias must be [groups, N] = {(w.shape[0], w.shape[2])}, got {bias.shape}"
