@@ -15,6 +15,7 @@ from commgemm.operands import (
     collapse_rows,
 )
 from commgemm.ops import ConfigLike
+from commgemm.plan import with_dtypes
 from commgemm.registry import resolve
 from commgemm.xla.bulk import bulk_overlap as _bulk
 from commgemm.xla.common import matmul
@@ -55,7 +56,7 @@ def bulk_overlap(
         raise ValueError(f"comm_axis={comm_axis} is out of range for shape {comm_operand.shape}")
     if collective is Collective.REDUCE_SCATTER:
         check_divisible(comm_operand.shape[comm_axis], size, "comm_operand's comm_axis", "P")
-    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
+    cfg = with_dtypes(cfg, x.dtype).replace(collective=None)
     x2d, restore = collapse_rows(x, 0)
     if comm_operand.size == 0:  # nothing to move: the collective's (empty) result
         axis = comm_axis % comm_operand.ndim

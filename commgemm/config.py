@@ -233,7 +233,8 @@ class OverlapConfig:
         straight to every peer, whose tiles wait only for their own band (ATOMIC_GEMM_AG), RS
         reduce-adds each tile straight into its owner (ATOMIC_GEMM_RS). Where it cannot run, the op
         raises at plan time.
-      accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type).
+      accumulate_dtype: dtype of the GEMM accumulator (preferred_element_type); operands of
+        more precision accumulate in theirs (float64 operands in float64).
       reduce_dtype: dtype partial sums travel in (RS / AR); None: the output dtype, as
         XLA's own reduce-scatter of the GEMM output would.
       out_dtype: dtype of the result; None: the input dtype.

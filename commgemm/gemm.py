@@ -21,6 +21,7 @@ from commgemm.ops import (
     matmul_reduce_scatter,
 )
 from commgemm.partitioned import partitioned_gemm
+from commgemm.plan import with_dtypes
 from commgemm.quant import QuantizedWeight, Scaling, as_recipe
 from commgemm.registry import resolve
 from commgemm.scaled import matmul as quantized_matmul
@@ -325,8 +326,9 @@ def _xla_gemm(
     if recipe is not None:
         out = quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
     else:
+        cfg = with_dtypes(cfg, x.dtype)
         out = dot(x, w, ((x.ndim - 1,), (0,)), accumulate_dtype=cfg.accumulate_dtype,
-                  result_dtype=cfg.out_dtype or x.dtype)  # fmt: skip
+                  result_dtype=cfg.out_dtype)  # fmt: skip
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(out, NamedSharding(mesh, out_spec))
     return lax.with_sharding_constraint(out, NamedSharding(mesh, out_spec))

@@ -22,7 +22,7 @@ from commgemm.operands import (
     collapse_rows,
     normalize_axis,
 )
-from commgemm.plan import make_plan
+from commgemm.plan import make_plan, with_dtypes
 from commgemm.quant import (
     QuantizedWeight,
     ScaledTensor,
@@ -358,7 +358,7 @@ def matmul_2d(
             f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
         )
     check_epilogue(bias, activation, w.shape[1], x.dtype)
-    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=None)
+    cfg = with_dtypes(cfg, x.dtype).replace(collective=None)
     if 0 in (x.shape + w.shape):  # nothing to move: jnp.dot's zeros or empty result
         z = jnp.zeros((x.shape[0], w.shape[1]), cfg.out_dtype)
         return apply_epilogue(z, bias, activation, return_pre_activation)

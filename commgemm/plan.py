@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from commgemm.config import (
     ATOMIC_ALGORITHMS,
@@ -68,6 +69,14 @@ def _check_fused(
             f"{algorithm.name} (the fused GEMM kernel) cannot run this call: {reason}. Use "
             "atomic_gemm=False for the split algorithm of the same method"
         )
+
+
+def with_dtypes(cfg: OverlapConfig, dtype) -> OverlapConfig:
+    """cfg for operands of `dtype`: out_dtype defaulted to it, and an accumulator of at least
+    its precision (float64 operands accumulate in float64 whatever accumulate_dtype says, so a
+    float64 call is never rounded to float32 on the way)."""
+    acc = jnp.promote_types(cfg.accumulate_dtype, dtype).name
+    return cfg.replace(out_dtype=cfg.out_dtype or jnp.dtype(dtype).name, accumulate_dtype=acc)
 
 
 def make_plan(
@@ -132,7 +141,7 @@ def make_plan(
         (per_device, split), "1"
     )
     check_divisible(rows, need, f"{op}: x's split dimension", why)
-    cfg = cfg.replace(out_dtype=cfg.out_dtype or x.dtype.name, collective=collective)
+    cfg = with_dtypes(cfg, x.dtype).replace(collective=collective)
     check_same_plan(
         f"{op}(x {x.dtype.name}{list(x.shape)}, w {w.dtype.name}{list(w.shape)}, "
         f"axis {axis_name!r} of {size})",

@@ -2,10 +2,22 @@
 
 import itertools
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import P, assert_close, config_id, configs, mesh1d, random, reference, shard
+from helpers import (
+    P,
+    assert_close,
+    config_id,
+    configs,
+    mesh1d,
+    mesh2d,
+    random,
+    reference,
+    shard,
+)
+from jax.sharding import NamedSharding
 
 import commgemm as cg
 
@@ -181,3 +193,38 @@ def test_buffer_id_accepted(rng):
     buf = cg.create_overlap_buffer(cfg, tp_size=4)
     out, ref, k = run_all_gather_matmul(rng, 4, (8, 16, 8), buf)
     assert_close(out, ref, np.float32, k)
+
+
+@pytest.mark.parametrize("method", ["none", "pipeline", "ring_exchange"])
+def test_float64_operands_keep_float64(rng, method):
+    """float64 operands under the default config (accumulate_dtype "float32") accumulate in
+    float64: every op, the 2-D op, the bulk op and the global gemm agree with the float64
+    reference to float64 rounding (1e-12), not float32's (~1e-7)."""
+    size, cfg = 4, cg.OverlapConfig(method=method)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    out, ref, _ = run_all_gather_matmul(rng, size, (8, 24, 8), cfg, np.float64)
+    np.testing.assert_allclose(out, ref, **tol)
+    for op in (cg.matmul_reduce_scatter, cg.matmul_all_reduce):
+        out, ref, _ = run_k_sharded(op, rng, size, (8, 24, 8), cfg, np.float64)
+        assert out.dtype == np.float64
+        np.testing.assert_allclose(out, ref, **tol)
+    x2, w2 = random(rng, (2 * 4, 4 * 6), np.float64), random(rng, (4 * 6, 10), np.float64)
+    two = shard(
+        lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y", config=cfg),
+        mesh2d(2, 4),
+        (P("x", "y"), P("x", None)),
+        P("x", None),
+    )
+    np.testing.assert_allclose(two(x2, w2), reference(x2, w2), **tol)
+    x, w = random(rng, (size * 8, 24), np.float64), random(rng, (24, 10), np.float64)
+    bulk = shard(
+        lambda a, b, c: cg.bulk_overlap(a, b, c, "x", collective="all_gather"),
+        mesh1d(size),
+        (P("x", None), P(), P("x", None)),
+        (P("x", None), P()),
+    )
+    np.testing.assert_allclose(bulk(x, w, x)[0], reference(x, w), **tol)
+    xs = jax.device_put(x, NamedSharding(mesh1d(size), P("x", None)))
+    ws = jax.device_put(w.repeat(size, 1), NamedSharding(mesh1d(size), P(None, "x")))
+    got = cg.gemm(xs, ws, out_sharding=P(None, "x"), config=cfg)
+    np.testing.assert_allclose(got, reference(x, w.repeat(size, 1)), **tol)
