@@ -214,3 +214,36 @@ def test_parallel_moe(rng, method, top_k):
     )
     for got, r in zip((grads.router, grads.w1, grads.w2), ref, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_scanned_stack(rng, remat):
+    """Three ParallelMLP blocks made by nnx.vmap and run by nnx.scan (each step nnx.remat'ed or
+    not), the way scanned transformer stacks are built: the loss and every gradient equal the
+    same stack's with XLA's own partitioning (config=None), to float32 rounding."""
+    mesh, layers = _mesh(), 3
+
+    def stack(config):
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs):
+            return cgnnx.ParallelMLP(16, 64, mesh=mesh, rngs=rngs, data_axis="data",
+                                     config=config)  # fmt: skip
+
+        with jax.set_mesh(mesh):
+            return make(nnx.Rngs(0))
+
+    def loss(blocks, x):
+        step = lambda block, h: h + block(h)  # noqa: E731
+        step = nnx.remat(step) if remat else step
+        scan = nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                        transform_metadata={nnx.PARTITION_NAME: None})  # fmt: skip
+        return jnp.sum(jnp.sin(scan(blocks, x)))
+
+    x = rng.standard_normal((4, 16, 16)).astype(np.float32)
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", "tp", None)))
+    step = nnx.jit(nnx.value_and_grad(loss))
+    got = step(stack(METHODS["ring"]), xd)
+    want = step(stack(None), xd)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
