@@ -174,6 +174,13 @@ def test_bad_input(args, error, match):
             cg.grouped_matmul(x, w, sizes, scaling="fp8")
         with pytest.raises(ValueError, match="multiples of 32"):
             cg.grouped_matmul(x, w, sizes, scaling="mxfp8_1d_scaling")
+        with pytest.raises(ValueError, match=r"must be >= 0, got \[-1, 2\]"):
+            cg.grouped_matmul(x, w, np.array([-1, 2], np.int32))
+        with pytest.raises(ValueError, match="sum to 5, more than x's 4 rows"):
+            cg.grouped_matmul(x, w, np.array([3, 2], np.int32))
+        # traced counts are not checked: a sum past M cuts the groups at row M, as ragged_dot
+        cut = jax.jit(cg.grouped_matmul)(x, w, np.array([3, 2], np.int32))
+        np.testing.assert_array_equal(cut, jax.lax.ragged_dot(x, w, np.array([3, 1], np.int32)))
         with pytest.raises(ValueError, match="one way"):
             shard(
                 lambda a, b: cg.all_gather_grouped_matmul(

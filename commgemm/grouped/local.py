@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from commgemm.config import floating_dtype_name
@@ -27,6 +28,13 @@ def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
         )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integers, got {group_sizes.dtype}")
+    if not isinstance(group_sizes, jax.core.Tracer):  # concrete counts: checked here
+        counts = np.asarray(group_sizes)
+        if (counts < 0).any():
+            raise ValueError(f"group_sizes must be >= 0, got {counts.tolist()}")
+        if counts.sum() > x.shape[0]:
+            raise ValueError(f"group_sizes sum to {int(counts.sum())}, more than x's "
+                             f"{x.shape[0]} rows")  # fmt: skip
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} has dtype {a.dtype}; grouped GEMMs need floating operands")
@@ -105,6 +113,8 @@ def grouped_matmul(
       x: [M, K], rows sorted by group.
       w: [G, K, N], one weight per group.
       group_sizes: [G] int, rows per group, summing to at most M (rows past the sum give 0).
+        Concrete counts are checked (>= 0, sum <= M); traced ones cannot be: a sum past M
+        cuts the groups at row M, as `lax.ragged_dot` does, and negative counts are undefined.
       bias: optional [G, N], added to each row of its group (not to rows past the sum).
       out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
         float64 operands).
