@@ -24,7 +24,7 @@ from commgemm.operands import (
 )
 from commgemm.plan import make_plan, with_dtypes
 from commgemm.quant import (
-    QuantizedWeight,
+    TENSOR_MODES,
     ScaledTensor,
     Scaling,
     ScalingRecipe,
@@ -122,7 +122,10 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
 def _fused_scaling_reason(cfg: OverlapConfig, recipe: ScalingRecipe) -> str | None:
     """Why cfg's fused kernel takes no operands quantized by `recipe`, or None."""
     if uses_tpu_kernels(cfg):
-        return "the TPU kernels take no quantized operands yet"
+        if recipe.mode not in TENSOR_MODES:
+            return (f"the TPU kernels take tensor-scaled float8 operands, not {recipe.mode.name} "
+                    "(the XLA methods emulate block scales)")  # fmt: skip
+        return None
     from commgemm.mosaic_gpu import fused
 
     return fused.scaling_reason(cfg, recipe)
@@ -139,14 +142,16 @@ def _quantized_config(
     cfg: OverlapConfig, recipe: ScalingRecipe, requested: OverlapConfig
 ) -> OverlapConfig:
     """The config a quantized call runs: AUTO's fused choice (`requested` not fused itself)
-    where that kernel cannot take the quantized operands, or where the recipe promotes the
-    forward's partial sums (the kernels' split form ran slower than XLA's promoted GEMM:
-    BENCHMARKS.md), becomes the split algorithm of its method."""
+    becomes the split algorithm of its method where that kernel cannot take the quantized
+    operands, where the recipe promotes the forward's partial sums (the Hopper kernels' split
+    form ran slower than XLA's promoted GEMM: BENCHMARKS.md), or where it is a TPU kernel
+    (their float8 path has not run on TPU hardware: asked for explicitly only)."""
     auto_pick = not requested.atomic_gemm
     if cfg.atomic_gemm and (
-        _fused_scaling_reason(cfg, recipe) or (auto_pick and recipe.split_accumulator[0])
+        _fused_scaling_reason(cfg, recipe)
+        or (auto_pick and (recipe.split_accumulator[0] or uses_tpu_kernels(cfg)))
     ):
-        return cfg.replace(atomic_gemm=False, kernel=None)
+        return cfg.replace(atomic_gemm=False, kernel=None, interpret=False)
     return cfg
 
 
@@ -334,8 +339,8 @@ def matmul_2d(
     fused GEMM + reduce-scatter kernel along k_axis, its ring or direct form by the method,
     then the all-gather; the gather of W over row_axis stays outside the kernel).
     `scaling` quantizes x and W (one tensor scale each, or blocks along K) and W's rows travel
-    quantized (commgemm.scaled_2d); with the TPU kernels W is gathered as it is and its K block
-    quantized in the fused GEMM.
+    quantized (commgemm.scaled_2d); with the TPU kernels (tensor modes) the float8 K blocks go
+    to the fused GEMM + reduce-scatter.
     """
     cfg, _ = resolve(config)
     check_dtypes(x, w)
@@ -368,24 +373,24 @@ def matmul_2d(
         gathered = lax.all_gather(w_cols, row_axis, axis=0, tiled=True)  # [K, n]
         return lax.dynamic_slice_in_dim(gathered, k_index * x.shape[1], x.shape[1], axis=0)
 
-    if cfg.atomic_gemm:  # the TPU kernels: GEMM + RS fused along k_axis, then the gather
-        if isinstance(w, QuantizedWeight):
-            raise ValueError("matmul_2d on the TPU kernels quantizes W's K block in the fused "
-                             "GEMM: pass w itself (w.value), not a QuantizedWeight")  # fmt: skip
-        part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg, scaling=scaling)
+    recipe = as_recipe(scaling)
+    if cfg.atomic_gemm and recipe is None:  # the TPU kernels: GEMM + RS along k_axis, gather
+        part = matmul_reduce_scatter(x, local_k_block(w), k_axis, config=cfg)
         z = all_gather_invariant(part, k_axis)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
     check_divisible(w.shape[1], splits, "matmul_2d: N", "num_splits")
     width = w.shape[1] // splits
     base = cfg.replace(method=Method.NONE, num_splits=1, bidirectional=False)
-    if (recipe := as_recipe(scaling)) is not None:  # W's rows travel quantized
+    if recipe is not None:  # W's rows travel quantized
         from commgemm import scaled_2d
 
-        chunk = cfg if cfg.method is Method.RING_EXCHANGE else base
+        chunk = cfg if cfg.method is Method.RING_EXCHANGE or cfg.atomic_gemm else base
         block = jax.ShapeDtypeStruct((x.shape[1], width), x.dtype)  # a chunk's K block of W
-        plan = make_plan(x, block, k_axis, chunk, Collective.ALL_REDUCE, rows=x.shape[0],
-                         w_transposed=False, op="matmul_2d")  # fmt: skip
+        # the TPU kernels reduce over k_axis by their GEMM + RS, then gather: planned as RS
+        reduce = Collective.REDUCE_SCATTER if cfg.atomic_gemm else Collective.ALL_REDUCE
+        plan = make_plan(x, block, k_axis, chunk, reduce, rows=x.shape[0], w_transposed=False,
+                         op="matmul_2d")  # fmt: skip
         chunk = _quantized_config(plan.config, recipe, cfg)
         z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, chunk, splits, recipe)
         return apply_epilogue(z, bias, activation, return_pre_activation)

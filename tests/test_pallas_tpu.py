@@ -269,3 +269,99 @@ def test_bfloat16_operands(rng, op):
     assert out.dtype == jnp.bfloat16
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+def test_float8_kernels(rng, size, direct):
+    """The kernels on float8 operands (x e4m3 or e5m2 against w e4m3) and a scale: the scaled
+    float64 product of the float8 values, in the asked dtype; AG gathers the float8 rows
+    themselves, bit for bit; no race."""
+    m, k, n = 16, 64, 128
+    tiles, scale = gemm.Tiles(8, 128), np.float32(0.37)
+    for x_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        x = jnp.asarray(rng.standard_normal((size * m, size * k)), x_dtype)
+        w = jnp.asarray(rng.standard_normal((size * k, size * n)), jnp.float8_e4m3fn)
+        x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        ag = _unchecked(
+            lambda a, b: gemm.all_gather_matmul(a, b, "x", tiles, direct=direct, interpret=True,
+                                                race_check=True, scale=scale, out_dtype="float32"),
+            mesh1d(size), (P("x"), P(None, "x")), (P(None, "x"), P()),
+        )  # fmt: skip
+        out, gathered = ag(x[:, :k], w[:k])
+        assert out.dtype == np.float32 and gathered.dtype == x_dtype
+        np.testing.assert_array_equal(np.asarray(gathered).view(np.uint8),
+                                      np.asarray(x[:, :k]).view(np.uint8))  # fmt: skip
+        np.testing.assert_allclose(out, scale * (x64[:, :k] @ w64[:k]), rtol=1e-5, atol=1e-4)
+        rs = _unchecked(
+            lambda a, b: gemm.matmul_reduce_scatter(a, b, "x", tiles, direct=direct,
+                                                    interpret=True, race_check=True,
+                                                    scale=scale, out_dtype="float32"),
+            mesh1d(size), (P(None, "x"), P("x")), P("x"),
+        )  # fmt: skip
+        out = rs(x, w[:, :n])
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out, scale * (x64 @ w64[:, :n]), rtol=1e-5, atol=1e-4)
+    assert not races_found()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("method", ["ring_exchange", "pipeline"])
+def test_quantized_ops(rng, size, op, method):
+    """The ops with scaling= (current tensor scaling) on the TPU kernels: the float64 product
+    of the same quantized operands, and the straight-through gradients (dY quantized to e5m2)
+    from the same kernels (AG <-> RS), to float32 accumulation."""
+    from test_scaled import ATOL, RTOL, _dq
+
+    fn, xs, ws, os = OPS[op]
+    m, k, n = 8, 64, 128
+    if op == "ag":
+        x, w = rng.standard_normal((size * m, k)), rng.standard_normal((k, size * n))
+    else:
+        x, w = rng.standard_normal((size * m, size * k)), rng.standard_normal((size * k, n))
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    mode = "current_tensor_scaling"
+    cfg = cg.OverlapConfig(method=method, **TPU)
+    f = shard(lambda a, b: fn(a, b, "x", config=cfg, scaling=mode), mesh1d(size), (xs, ws), os)
+    y, vjp = jax.vjp(f, x, w)
+    qx, qw = _dq(x, mode, -1), _dq(w, mode, 0)
+    np.testing.assert_allclose(y, qx @ qw, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw = jax.jit(vjp)(g)
+    qg = cg.dequantize(cg.quantize(jnp.asarray(g), mode, dtype=jnp.float8_e5m2), jnp.float64)
+    qg = np.asarray(qg)
+    for got, want, depth in ((dx, qg @ qw.T, w.shape[1]), (dw, qx.T @ qg, x.shape[0])):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.sqrt(depth))
+
+
+def test_quantized_2d_case_and_choices(rng):
+    """matmul_2d with scaling= on the TPU kernels (x and W's K block quantized, the fused GEMM +
+    reduce-scatter on float8); block modes asked of the kernels raise; AUTO's TPU kernel pick
+    gives way to the XLA methods for quantized operands (not run on TPU hardware)."""
+    from test_scaled import ATOL, RTOL, _dq
+
+    from commgemm.ops import _quantized_config
+
+    mode = "current_tensor_scaling"
+    x = rng.standard_normal((2 * 16, 2 * 64)).astype(np.float32)
+    w = rng.standard_normal((2 * 64, 128)).astype(np.float32)
+    cfg = cg.OverlapConfig(method="ring_exchange", **TPU)
+    f = shard(
+        lambda a, b: cg.matmul_2d(a, b, row_axis="x", k_axis="y", config=cfg, scaling=mode),
+        mesh2d(2, 2),
+        (P("x", "y"), P("x", None)),
+        P("x", None),
+    )
+    want = _dq(x, mode, -1) @ _dq(w, mode, 0)
+    np.testing.assert_allclose(f(x, w), want, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))
+    ag = shard(lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg, scaling="mxfp8_1d_scaling"),
+               mesh1d(2), (P("x", None), P(None, "x")), P(None, "x"))  # fmt: skip
+    with pytest.raises(ValueError, match="TPU kernels take tensor-scaled float8 operands"):
+        ag(x, w)
+    recipe, auto = cg.ScalingRecipe(mode), cg.OverlapConfig(method="auto", interpret=True)
+    assert not _quantized_config(cfg, recipe, auto).atomic_gemm
+    assert _quantized_config(cfg, recipe, cfg).atomic_gemm
+    ag = shard(lambda a, b: cg.all_gather_matmul(a, b, "x", config=auto, scaling=mode),
+               mesh1d(2), (P("x", None), P(None, "x")), P(None, "x"))  # fmt: skip
+    np.testing.assert_allclose(ag(x, w), want, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))

@@ -4,7 +4,10 @@ or direct (PIPELINE: every device sends to every peer at once, blocks multiplied
 
 Blocks travel HBM to HBM by remote DMA into per-step (ring) or per-sender (direct) places, each
 with its own receive semaphore; the GEMM streams them through VMEM in tiles of [tm, K] x [K, tn]
-(`Tiles`), accumulating in float32. Partial sums travel in the output dtype. Invariant: a
+(`Tiles`), accumulating in float32. Partial sums travel in the output dtype. Float8 operands
+(an op's tensor-scaled `scaling=`) travel as they are, half bf16's bytes, are widened to bf16
+in VMEM for the MXU (exact: bf16 holds every float8 value) and the product is multiplied by the
+two tensor scales before anything is added to it or stored. Invariant: a
 device computes on a block only after its receive semaphore says all of it landed, and sends
 into a peer only after the start barrier.
 """
@@ -43,8 +46,16 @@ class Tiles:
         return None
 
 
-def _matmul_block(x_rows, w_ref, out_rows, tiles: Tiles, xv, wv, ov, add_rows=None, addv=None):
-    """out_rows [r, n] = x_rows [r, K] @ w [K, n] (+ add_rows), tile by tile through VMEM."""
+def _mxu(v: jax.Array) -> jax.Array:
+    """A tile as the MXU takes it: float8 widened to bf16 (exactly), other dtypes as they are."""
+    return v.astype(jnp.bfloat16) if jnp.dtype(v.dtype).itemsize == 1 else v
+
+
+def _matmul_block(
+    x_rows, w_ref, out_rows, tiles: Tiles, xv, wv, ov, scale, add_rows=None, addv=None
+):
+    """out_rows [r, n] = scale * (x_rows [r, K] @ w [K, n]) (+ add_rows), tile by tile through
+    VMEM; `scale` the (1,) float32 SMEM ref of the operands' tensor scales (1 unquantized)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -58,7 +69,8 @@ def _matmul_block(x_rows, w_ref, out_rows, tiles: Tiles, xv, wv, ov, add_rows=No
         @pl.loop(0, n // tn)
         def _cols(j):
             pltpu.sync_copy(w_ref.at[:, pl.ds(j * tn, tn)], wv)
-            acc = jnp.dot(xv[...], wv[...], preferred_element_type=jnp.float32)
+            acc = jnp.dot(_mxu(xv[...]), _mxu(wv[...]), preferred_element_type=jnp.float32)
+            acc = acc * scale[0]
             if add_rows is not None:
                 pltpu.sync_copy(add_rows.at[pl.ds(i * tm, tm), pl.ds(j * tn, tn)], addv)
                 acc = acc + addv[...].astype(jnp.float32)
@@ -66,15 +78,21 @@ def _matmul_block(x_rows, w_ref, out_rows, tiles: Tiles, xv, wv, ov, add_rows=No
             pltpu.sync_copy(ov, out_rows.at[pl.ds(i * tm, tm), pl.ds(j * tn, tn)])
 
 
-def _vmem(tiles: Tiles, k: int, dtype, out_dtype):
+def _vmem(tiles: Tiles, k: int, x_dtype, w_dtype, out_dtype):
     from jax.experimental.pallas import tpu as pltpu
 
     return [
-        pltpu.VMEM((tiles.tm, k), dtype),
-        pltpu.VMEM((k, tiles.tn), dtype),
+        pltpu.VMEM((tiles.tm, k), x_dtype),
+        pltpu.VMEM((k, tiles.tn), w_dtype),
         pltpu.VMEM((tiles.tm, tiles.tn), out_dtype),
         pltpu.VMEM((tiles.tm, tiles.tn), out_dtype),
     ]
+
+
+def _scale_and_dtype(x: jax.Array, scale: jax.Array | None, out_dtype) -> tuple[jax.Array, object]:
+    """The (1,) float32 scale the kernels read (1 where None) and the result's dtype."""
+    one = jnp.ones((1,), jnp.float32) if scale is None else scale
+    return jnp.asarray(one, jnp.float32).reshape(1), jnp.dtype(out_dtype or x.dtype)
 
 
 def all_gather_matmul(
@@ -86,8 +104,13 @@ def all_gather_matmul(
     direct: bool = False,
     interpret: bool = False,
     race_check: bool = False,
+    scale: jax.Array | None = None,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [m, K] local rows, w [K, n] -> (all_gather(x) @ w [P*m, n], all_gather(x) [P*m, K]).
+
+    Float8 x and w: the product times `scale` (the two tensor scales), in `out_dtype`; the
+    rows gathered as float8. Otherwise scale is 1 and the result in x's dtype.
 
     Ring: at step t the block of device (d - t) mod P, already here, is multiplied while it is
     sent on to the next device. Direct: this device's block goes to every peer first; then the
@@ -100,8 +123,9 @@ def all_gather_matmul(
     ring = Ring(axis_name, size)
     (m, k), n = x.shape, w.shape[1]
     shifts = tuple(range(1, size)) if direct else (1, -1)
+    scale, out_dtype = _scale_and_dtype(x, scale, out_dtype)
 
-    def kernel(x_ref, w_ref, o_ref, g_ref, xv, wv, ov, _, local_sem, send_sems, recv_sems):
+    def kernel(x_ref, w_ref, s_ref, o_ref, g_ref, xv, wv, ov, _, local_sem, send_sems, recv_sems):
         barrier(ring, shifts)
         me = ring.index()
         pltpu.sync_copy(x_ref, g_ref.at[pl.ds(me * m, m)])
@@ -128,7 +152,7 @@ def all_gather_matmul(
                            recv_sems.at[t], ring.device(ring.neighbour(1)))  # fmt: skip
                 move.start()
                 sends.append(move)
-            _matmul_block(g_ref.at[rows(src)], w_ref, o_ref.at[rows(src)], tiles, xv, wv, ov)
+            _matmul_block(g_ref.at[rows(src)], w_ref, o_ref.at[rows(src)], tiles, xv, wv, ov, s_ref)
         for move in sends:
             move.wait_send()
 
@@ -136,12 +160,12 @@ def all_gather_matmul(
         kernel,
         ring,
         out_shape=[
-            out_struct((size * m, n), x.dtype, (x, w)),
+            out_struct((size * m, n), out_dtype, (x, w)),
             out_struct((size * m, k), x.dtype, (x,)),
         ],
-        in_memory=["hbm", "hbm"],
+        in_memory=["hbm", "hbm", "smem"],
         out_memory=["hbm", "hbm"],
-        scratch=_vmem(tiles, k, x.dtype, x.dtype)
+        scratch=_vmem(tiles, k, x.dtype, w.dtype, out_dtype)
         + [
             pltpu.SemaphoreType.DMA,
             pltpu.SemaphoreType.DMA((size - 1,)),
@@ -149,7 +173,7 @@ def all_gather_matmul(
         ],
         interpret=interpret,
         race_check=race_check,
-    )(x, w)
+    )(x, w, scale)
 
 
 def matmul_reduce_scatter(
@@ -161,8 +185,13 @@ def matmul_reduce_scatter(
     direct: bool = False,
     interpret: bool = False,
     race_check: bool = False,
+    scale: jax.Array | None = None,
+    out_dtype=None,
 ) -> jax.Array:
     """x [M, k], w [k, n] (K sharded) -> [M/P, n], this device's rows of sum_d x_d @ w_d.
+
+    Float8 x and w: each partial product times `scale` (the two tensor scales, shared by the
+    shards), the partial sums travelling and the result in `out_dtype`, never in float8.
 
     Ring: at step t a device computes its partial product of row block (d - t - 1) mod P, adds
     the partial sum received for it, and sends the sum on; at the last step the block is its own.
@@ -176,8 +205,9 @@ def matmul_reduce_scatter(
     ring = Ring(axis_name, size)
     r, n, k = x.shape[0] // size, w.shape[1], x.shape[1]
     shifts = tuple(range(1, size)) if direct else (1, -1)
+    scale, out_dtype = _scale_and_dtype(x, scale, out_dtype)
 
-    def kernel(x_ref, w_ref, o_ref, inbox, staged, xv, wv, ov, addv, send_sems, recv_sems):
+    def kernel(x_ref, w_ref, s_ref, o_ref, inbox, staged, xv, wv, ov, addv, send_sems, recv_sems):
         barrier(ring, shifts)
         me = ring.index()
 
@@ -188,12 +218,12 @@ def matmul_reduce_scatter(
         if direct:
             for j, shift in enumerate(shifts):  # the owner me + shift; its inbox slot for me
                 owner = ring.neighbour(shift)
-                _matmul_block(block(owner), w_ref, staged.at[j], tiles, xv, wv, ov)
+                _matmul_block(block(owner), w_ref, staged.at[j], tiles, xv, wv, ov, s_ref)
                 move = dma(staged.at[j], inbox.at[size - shift - 1], send_sems.at[j],
                            recv_sems.at[size - shift - 1], ring.device(owner))  # fmt: skip
                 move.start()
                 sends.append(move)
-            _matmul_block(block(me), w_ref, o_ref, tiles, xv, wv, ov)
+            _matmul_block(block(me), w_ref, o_ref, tiles, xv, wv, ov, s_ref)
             for j in range(size - 1):  # fixed order: the same result on every call
                 dma(staged.at[0], inbox.at[j], send_sems.at[0], recv_sems.at[j],
                     ring.device(me)).wait_recv()  # fmt: skip
@@ -207,7 +237,7 @@ def matmul_reduce_scatter(
                         ring.device(me)).wait_recv()  # fmt: skip
                     received = inbox.at[t - 1]
                 dest = o_ref if t == size - 1 else staged.at[t]
-                _matmul_block(block(b), w_ref, dest, tiles, xv, wv, ov, received, addv)
+                _matmul_block(block(b), w_ref, dest, tiles, xv, wv, ov, s_ref, received, addv)
                 if t < size - 1:
                     move = dma(staged.at[t], inbox.at[t], send_sems.at[t], recv_sems.at[t],
                                ring.device(ring.neighbour(1)))  # fmt: skip
@@ -220,17 +250,17 @@ def matmul_reduce_scatter(
         kernel,
         ring,
         out_shape=[
-            out_struct((r, n), x.dtype, (x, w)),
-            out_struct((size - 1, r, n), x.dtype, (x, w)),  # received partial sums
-            out_struct((size - 1, r, n), x.dtype, (x, w)),  # partial sums sent
+            out_struct((r, n), out_dtype, (x, w)),
+            out_struct((size - 1, r, n), out_dtype, (x, w)),  # received partial sums
+            out_struct((size - 1, r, n), out_dtype, (x, w)),  # partial sums sent
         ],
-        in_memory=["hbm", "hbm"],
+        in_memory=["hbm", "hbm", "smem"],
         out_memory=["hbm", "hbm", "hbm"],
-        scratch=_vmem(tiles, k, x.dtype, x.dtype)
+        scratch=_vmem(tiles, k, x.dtype, w.dtype, out_dtype)
         + [pltpu.SemaphoreType.DMA((size - 1,)), pltpu.SemaphoreType.DMA((size - 1,))],
         interpret=interpret,
         race_check=race_check,
-    )(x, w)
+    )(x, w, scale)
     return out
 
 

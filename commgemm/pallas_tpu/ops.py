@@ -2,6 +2,13 @@
 RING_EXCHANGE) and ATOMIC_GEMM_AG / _RS (direct, method PIPELINE), on a TPU backend or, with
 `OverlapConfig(interpret=True)`, in Pallas' TPU interpret mode on any backend.
 
+Quantized operands (an op's `scaling=` with a tensor mode): x arrives as its float8 payload and
+w as a `commgemm.scaled.QuantizedRhs`; the kernels move the float8 rows (AG gathers them, half
+of bf16's bytes), widen each tile to bf16 in VMEM, multiply by the two tensor scales and store
+x's dtype (`gemm`); RS partial sums travel in that dtype. Block modes are not taken (their
+scales would have to be unpacked per block in the kernel): the XLA methods emulate them. The
+float8 path runs in interpret mode in the tests; it has not run on TPU hardware.
+
 Interpret mode on the CPU runs each device's kernel on one of the CPU client's threads (one per
 device) and needs one more: use a mesh of fewer devices than `jax.devices()` has there (the
 tests and the demo do).
@@ -15,6 +22,7 @@ import jax.numpy as jnp
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.pallas_tpu import gemm
 from commgemm.pallas_tpu.common import VMEM_BUDGET
+from commgemm.vma import all_gather_invariant
 
 
 def generation() -> str:
@@ -34,9 +42,14 @@ def _shapes(collective, x, w, size, w_transposed):
     return (rows if collective is Collective.ALL_GATHER else rows // size), k, n
 
 
-def tiles_for(collective: Collective, x, w, size: int, w_transposed: bool) -> gemm.Tiles | None:
+def tiles_for(
+    collective: Collective, x, w, size: int, w_transposed: bool, dtype=None
+) -> gemm.Tiles | None:
+    """The kernel's VMEM tiles for operands of `dtype` (default x's; a quantized call passes
+    the unquantized dtype, as the plan checked it, which leaves room for the widened tiles)."""
     m, k, n = _shapes(collective, x, w, size, w_transposed)
-    return gemm.Tiles.fit(m, k, n, jnp.dtype(x.dtype).itemsize, VMEM_BUDGET[generation()])
+    itemsize = jnp.dtype(dtype or x.dtype).itemsize
+    return gemm.Tiles.fit(m, k, n, itemsize, VMEM_BUDGET[generation()])
 
 
 def unsupported_reason(
@@ -68,37 +81,42 @@ def unsupported_reason(
     return None
 
 
-def _kn(w, w_transposed):
-    return w.T if w_transposed else w
+def _kernel_args(collective: Collective, x, w, axis_name: str, config, w_transposed: bool):
+    """(w [K, n], keyword arguments) for the `gemm` kernel of `collective`: w's values (a
+    QuantizedRhs's float8 data, with the two tensor scales and the result's dtype), its tiles
+    and its form."""
+    from commgemm.operand_scaling import tensor_scale
+    from commgemm.scaled import QuantizedRhs
+
+    quantized = {}
+    if isinstance(w, QuantizedRhs):
+        scale = w.lhs_scale_inv * tensor_scale(w.w)
+        quantized = dict(scale=scale, out_dtype=w.dtype)
+        w = w.w.data
+    size = jax.lax.axis_size(axis_name)
+    dtype = quantized.get("out_dtype")
+    tiles = tiles_for(collective, x, w, size, w_transposed, dtype)
+    kwargs = dict(direct=config.method is Method.PIPELINE, interpret=config.interpret)
+    return (w.T if w_transposed else w), dict(tiles=tiles, **kwargs, **quantized)
 
 
 def all_gather_matmul(x, w, axis_name, config, *, w_transposed, return_gathered=False):
     """x [m, K], w [K, n] -> all_gather(x) @ w [P*m, n] (and the gathered x [P*m, K])."""
-    tiles = tiles_for(Collective.ALL_GATHER, x, w, jax.lax.axis_size(axis_name), w_transposed)
-    out, gathered = gemm.all_gather_matmul(
-        x,
-        _kn(w, w_transposed),
-        axis_name,
-        tiles,
-        direct=config.method is Method.PIPELINE,
-        interpret=config.interpret,
-    )
+    w, kwargs = _kernel_args(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed)
+    out, gathered = gemm.all_gather_matmul(x, w, axis_name, **kwargs)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(x, w, axis_name, config, *, w_transposed):
     """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum."""
-    size = jax.lax.axis_size(axis_name)
-    tiles = tiles_for(Collective.REDUCE_SCATTER, x, w, size, w_transposed)
-    return gemm.matmul_reduce_scatter(
-        x,
-        _kn(w, w_transposed),
-        axis_name,
-        tiles,
-        direct=config.method is Method.PIPELINE,
-        interpret=config.interpret,
-    )
+    w, kwargs = _kernel_args(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
+    return gemm.matmul_reduce_scatter(x, w, axis_name, **kwargs)
 
 
-def matmul_all_reduce(*args, **kwargs):
-    raise NotImplementedError("there is no fused TPU GEMM + all-reduce kernel")
+def matmul_all_reduce(x, w, axis_name, config, *, w_transposed):
+    """x [M, k], w [k, n] (K sharded) -> the sum [M, n] on every device: the GEMM +
+    reduce-scatter kernel, then an all-gather of its rows. There is no fused all-reduce
+    kernel (the plan refuses the op `matmul_all_reduce` on the TPU kernels); the quantized
+    `matmul_2d` reduces its K blocks this way."""
+    part = matmul_reduce_scatter(x, w, axis_name, config, w_transposed=w_transposed)
+    return all_gather_invariant(part, axis_name)
