@@ -1,7 +1,8 @@
 """Where the layers' training step spends its device time, on all GPUs of the host: one AdamW
 step of examples/train_transformer.py's decoder, commgemm.nnx with each method against
 `--method xla` (XLA's own partitioning of the same model), in float32 and bf16 compute.
-For each variant: the step's device period (medians of interleaved rounds), and from one traced
+For each variant: the step's device period (medians of interleaved rounds; host-timed steps
+beside it, `wall_ms`), and from one traced
 batch of steps on GPU 0 the kernel time by kind (GEMM, collective, attention, other), how
 much of the collectives' time no other kernel ran beside (exposed), and the longest kernels.
 
@@ -16,7 +17,9 @@ import argparse
 import collections
 import json
 import pathlib
+import statistics
 import sys
+import time
 
 from commgemm.devices import setup_devices
 
@@ -70,6 +73,19 @@ def breakdown(events: list[tuple[float, float, str]], steps: int) -> dict:
     }
 
 
+def wall_periods(variants: dict, rounds: int = 4) -> dict[str, float]:
+    """Host-timed ms per step, the median of `rounds` interleaved batches of STEPS steps each
+    (a step of tens of ms dwarfs the dispatch): a figure for every variant, also where the
+    device trace cannot be split into steps."""
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, (fn, fn_args) in variants.items():
+            start = time.perf_counter()
+            jax.block_until_ready([fn(*fn_args) for _ in range(STEPS)])
+            times[name].append((time.perf_counter() - start) * 1e3 / STEPS)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -96,18 +112,24 @@ def main() -> None:
             model, optimizer = example.build(shape, mesh, config)
             variants[name] = (example.train_step, (model, optimizer, tokens))
         row = {"dtype": dtype, "ms": {}, "profile": {}}
-        if gpu:
+        result["rows"].append(row)
+        save = lambda: (args.out / "layers_profile.json").write_text(json.dumps(result, indent=1))  # noqa: E731
+        if gpu:  # saved after each stage: a run cut short keeps what it measured
             found = spans.device_periods_interleaved(variants, rounds=4)
             row["ms"] = {n: f.get("median") for n, f in found.items()}
+            row["period_errors"] = {n: f["error"] for n, f in found.items() if "error" in f}
+            save()
+            row["wall_ms"] = wall_periods(variants)
+            save()
             for name, (fn, fn_args) in variants.items():
                 run = lambda f=fn, a=fn_args: jax.block_until_ready([f(*a) for _ in range(STEPS)])  # noqa: E731
                 row["profile"][name] = breakdown(spans._gpu_events(spans._trace(run))[0], STEPS)
+                save()
         else:
             for name, (fn, fn_args) in variants.items():
                 row["ms"][name] = float(fn(*fn_args))  # a smoke run: the loss
-        result["rows"].append(row)
         print(json.dumps(row), flush=True)
-        (args.out / "layers_profile.json").write_text(json.dumps(result, indent=1))
+        save()
 
 
 if __name__ == "__main__":
