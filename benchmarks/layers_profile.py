@@ -115,7 +115,8 @@ def main() -> None:
         result["rows"].append(row)
         save = lambda: (args.out / "layers_profile.json").write_text(json.dumps(result, indent=1))  # noqa: E731
         if gpu:  # saved after each stage: a run cut short keeps what it measured
-            found = spans.device_periods_interleaved(variants, rounds=4)
+            # batches 50 ms apart: a step that issues slower than it runs idles inside them
+            found = spans.device_periods_interleaved(variants, rounds=4, gap_s=0.05)
             row["ms"] = {n: f.get("median") for n, f in found.items()}
             row["period_errors"] = {n: f["error"] for n, f in found.items() if "error" in f}
             save()

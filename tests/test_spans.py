@@ -186,6 +186,11 @@ def test_batches_split_on_idle_gaps(cycles, calls):
     stalled = [(s + 60_000 * (i >= 2), n, k) for i, (s, n, k) in enumerate(events)]
     found = batches_from_trace(_trace({0: {"Stream #1": stalled}}), len(cycles), calls, 50_000)
     assert [f["main"] for f in found] == [f"k{c}" for c in cycles]
+    # host-bound calls: gaps inside every batch about as long as between them: no guessing
+    host_bound = [(s + 800_000 * (i // 2), n, k) for i, (s, n, k) in enumerate(events)]
+    found = batches_from_trace(_trace({0: {"S": host_bound}}), len(cycles), calls, 50_000)
+    if len(cycles) > 1:
+        assert all("host-bound or stalled" in f["error"] for f in found)
 
 
 def test_interleaved_periods_say_why():

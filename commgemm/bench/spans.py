@@ -161,11 +161,17 @@ def periods_from_trace(data, calls: int) -> dict:
     return _merge_devices(found)
 
 
+#: The batches' separating gaps must be this many times longer than any idle gap inside them.
+AMBIGUOUS_GAPS = 1.25
+
+
 def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> list[dict]:
     """`periods_from_trace` for a trace of `batches` runs of `calls` back-to-back calls each,
     the runs separated by idle gaps of min_gap_ns or more: one result per run, in order, or
     {"error": why} for a run whose calls cannot be told apart. Where more such gaps are found
-    than batches - 1 (a host stall within a batch), the batches - 1 longest separate them."""
+    than batches - 1 (a host stall within a batch), the batches - 1 longest separate them,
+    if they are clearly the longest (AMBIGUOUS_GAPS); otherwise every run gets the error (calls
+    slower to issue than to run leave gaps inside the batches: the splits would be guesses)."""
     per_batch: list[list[dict]] = [[] for _ in range(batches)]
     for d, events in enumerate(_gpu_events(data)):
         gaps = []  # (idle ns, index of the event after the gap)
@@ -179,7 +185,17 @@ def batches_from_trace(data, batches: int, calls: int, min_gap_ns: float) -> lis
                 f"GPU {d}: found {len(gaps) + bool(events)} runs of activity for {batches} "
                 f"batches (idle gap threshold {min_gap_ns / 1e3:.0f} us)"
             )
-        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: batches - 1])
+        ranked = sorted(gaps, reverse=True)
+        if batches > 1 and len(gaps) >= batches:
+            cut, kept = ranked[batches - 2][0], ranked[batches - 1][0]
+            if cut < AMBIGUOUS_GAPS * kept:  # no clear split: every batch would be misread
+                why = (
+                    f"GPU {d}: idle gaps inside the batches ({kept / 1e3:.0f} us) nearly as long "
+                    f"as those between them ({cut / 1e3:.0f} us): the calls are host-bound or "
+                    "stalled; time them on the host or with a longer gap_s"
+                )
+                return [{"error": why} for _ in range(batches)]
+        cuts = sorted(i for _, i in ranked[: batches - 1])
         runs = [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True)]
         for i, run in enumerate(runs):
             try:
