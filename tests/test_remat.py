@@ -58,10 +58,21 @@ def test_overlapped_ops(rng, op, method, check_vma):
     _check(body, specs, out, (x, w), (0, 1), check_vma, 1e-12)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("once", [False, True], ids=["per_call", "quantize_weight"])
-@pytest.mark.parametrize("mode", ["current_tensor_scaling", "mxfp8_1d_scaling", "nvfp4_1d_scaling"])
-@pytest.mark.parametrize("op", ["ag", "rs"])
+#: every mode under the default check_vma=True; the tensor mode also without it
+QUANTIZED = [
+    (op, mode, once, vma)
+    for op in ("ag", "rs")
+    for mode in ("current_tensor_scaling", "mxfp8_1d_scaling", "nvfp4_1d_scaling")
+    for once in (False, True)
+    for vma in ((True, False) if mode == "current_tensor_scaling" else (True,))
+]
+
+
+@pytest.mark.parametrize(
+    "op,mode,once,check_vma",
+    QUANTIZED,
+    ids=[f"{o}-{m}-{'weight' if w else 'call'}-vma{v}" for o, m, w, v in QUANTIZED],
+)
 def test_quantized_ops(rng, op, mode, once, check_vma):
     """Quantizing is deterministic, so the recomputed forward quantizes to the same bits and
     the straight-through gradients agree to float32 rounding."""
@@ -120,8 +131,9 @@ def test_grouped_ops(rng, form, scaling, check_vma):
     _check(body, specs, out, (x, w, sizes), (0, 1), check_vma, 1e-5)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("scaling", [None, "mxfp8_1d_scaling"])
+@pytest.mark.parametrize(
+    "scaling,check_vma", [(None, True), (None, False), ("mxfp8_1d_scaling", True)]
+)
 def test_expert_parallel(rng, scaling, check_vma):
     """Tokens dispatched to their experts' shards and back, an activation between."""
     per_shard, m = 2, 8
