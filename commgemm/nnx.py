@@ -18,7 +18,8 @@ partitioner instead (the baseline the overlap is measured against):
 With `sequence_parallel=False` the activations between layers are replicated over the tensor
 axis instead, and the row-parallel GEMM ends in an all-reduce. Parameters carry their
 PartitionSpecs as NNX sharding metadata; `create_sharded` builds a model under jit so that every
-parameter is created in its shards (no device ever holds a whole weight). Each layer takes an
+parameter is created in its shards (no device ever holds a whole weight). The mesh's axes may
+be Auto or Explicit (`jax.sharding.AxisType`). Each layer takes an
 `OverlapConfig` (default Method.AUTO) and a stateless `scaling` mode.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from commgemm.config import Method, OverlapConfig
@@ -73,10 +74,13 @@ class _Parallel(nnx.Module):
             return gemm(x, kernel, out_sharding=sharding, config=self.config, bias=bias,
                         activation=activation, scaling=self.scaling)  # fmt: skip
         # the result in x's dtype straight from the GEMM (float32 accumulation inside), so
-        # that the backward's GEMMs also take 16-bit operands, and cg.gemm's epilogue
-        out = apply_epilogue(jnp.dot(x, kernel, preferred_element_type=dtype), bias, activation,
-                             return_pre_activation=False)  # fmt: skip
-        return jax.lax.with_sharding_constraint(out, sharding)
+        # that the backward's GEMMs also take 16-bit operands, and cg.gemm's epilogue; on
+        # Explicit mesh axes the dot is told its result's sharding (it cannot infer one)
+        explicit = all(t == AxisType.Explicit for t in self.mesh.axis_types)
+        out = jnp.dot(x, kernel, preferred_element_type=dtype,
+                      out_sharding=sharding if explicit else None)  # fmt: skip
+        out = apply_epilogue(out, bias, activation, return_pre_activation=False)
+        return out if explicit else jax.lax.with_sharding_constraint(out, sharding)
 
     def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:
         """[B, S, features]: the batch on the data axis; S on the tensor axis (sequence
@@ -241,7 +245,8 @@ class ParallelMoE(nnx.Module):
     the expert GEMMs running as tokens arrive), the activation, the way back
     (`cg.grouped_matmul_all_to_all`) and the gated combine. [B, S, H] -> [B, S, H] (no residual),
     the experts split over `axis_name` (num_experts divisible by its size); tokens stay where
-    they are (sequence-parallel over the axis by default)."""
+    they are, sequence-parallel as the other layers keep them: [B/D, S/P, H] on each shard (B
+    divisible by the data axis' size, S by the tensor axis')."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, *, mesh, rngs: nnx.Rngs,
                  top_k: int = 2, axis_name: str = "tp", data_axis: str | None = None,
@@ -265,24 +270,24 @@ class ParallelMoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
-        b, s, h = x.shape
-        tokens = P((self.data_axis, self.axis_name) if self.data_axis else self.axis_name)
+        # each shard's own tokens [B/D, S/P, H], where the sequence-parallel layers keep them
+        tokens = P(self.data_axis, self.axis_name, None)
         experts = P(self.axis_name)
 
         def body(a, router, w1, w2):
-            return moe_per_shard(a, router, w1, w2, k=self.top_k, axis_name=self.axis_name,
-                                 config=self.config, scaling=self.scaling,
-                                 activation=self.activation)  # fmt: skip
+            out = moe_per_shard(a.reshape(-1, a.shape[-1]), router, w1, w2, k=self.top_k,
+                                axis_name=self.axis_name, config=self.config,
+                                scaling=self.scaling, activation=self.activation)  # fmt: skip
+            return out.reshape(a.shape)
 
-        out = jax.shard_map(
+        return jax.shard_map(
             body, mesh=self.mesh, in_specs=(tokens, P(), experts, experts), out_specs=tokens
         )(  # fmt: skip
-            x.reshape(b * s, h).astype(dtype),
+            x.astype(dtype),
             self.router[...],
             self.w1[...].astype(dtype),
             self.w2[...].astype(dtype),
         )
-        return out.reshape(b, s, h)
 
 
 def create_sharded(factory: Callable[[], nnx.Module], mesh) -> nnx.Module:
