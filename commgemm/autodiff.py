@@ -17,6 +17,9 @@ All functions act on the 2-D views [rows, K]; the epilogue (bias, GELU) stays ou
 differentiates it and XLA fuses the bias gradient and GELU derivative into one pass. dX and dW
 are typed as x and w (under check_vma: summed over a mesh axis only the cotangent varies over,
 e.g. a data axis the weights are replicated over; vma.like_primal).
+
+Reverse mode only, as for any `jax.custom_vjp`: grad, vjp and grad of grad work; jvp, jacfwd
+and hessian (forward mode) raise JAX's TypeError.
 """
 
 from __future__ import annotations

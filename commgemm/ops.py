@@ -179,8 +179,9 @@ _EPILOGUE_DOC = """
 
     Epilogue (all ops): `bias` [n] (the output's last dimension, sharded like it) is added once,
     after any reduction; `activation` in {None, "gelu", "gelu_tanh"} follows; with
-    `return_pre_activation=True` the op returns (y, pre_activation). Differentiable: the backward
-    pass is overlapped with the forward's method (see commgemm.autodiff)."""
+    `return_pre_activation=True` the op returns (y, pre_activation). Differentiable in reverse
+    mode (grad, vjp; not jvp): the backward pass is overlapped with the forward's method (see
+    commgemm.autodiff)."""
 
 
 def all_gather_matmul(
