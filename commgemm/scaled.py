@@ -70,8 +70,9 @@ from commgemm.vma import all_reduce_transpose, like_primal
 
 
 def payload(t: ScaledTensor) -> jax.Array:
-    """The rows that travel for a row-wise operand [r, K]: float8 values (tensor modes), or
-    values and block scales as bytes [r, K + K/block] (block modes)."""
+    """The rows that travel for a row-wise operand [..., K] (blocks along its last dimension):
+    float8 values (tensor modes), or values and block scales as bytes [..., K + K/block]
+    (block modes)."""
     if t.mode in TENSOR_MODES:
         return t.data
     values = _held(t.data).astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
