@@ -177,9 +177,9 @@ def test_grouped_config_and_shapes():
 
 
 def test_float8_shapes_and_path_reasons(monkeypatch):
-    """Float8 operands need w laid out [G, N, K] and take K-steps of 128 where K allows; the
-    grouped op's float8 kernel takes current tensor scaling with a fast forward only (the rest
-    emulates), on the kernel's shapes."""
+    """Float8 operands need w laid out [G, N, K] and take K-steps of 128 where K allows (split
+    accumulation: 64 x 128 warpgroup tiles, and float8 only); the grouped op's float8 kernel
+    takes current tensor scaling (the rest emulates), on the kernel's shapes."""
     import commgemm as cg
 
     tiles = GroupedConfig()
@@ -199,8 +199,12 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
     assert "DELAYED" in grouped.float8_reason(x, w, delayed)
     assert "MXFP8" in grouped.float8_reason(x, w, cg.ScalingRecipe("mxfp8_1d_scaling"))
     split = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
-    assert "fast" in grouped.float8_reason(x, w, split)
-    assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current)
+    assert grouped.float8_reason(x, w, split) is None
+    assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current)  # 256-column tiles
+    assert grouped.float8_reason(x, w[:, :, :640], split) is None  # split: 128-column tiles
+    assert "N=704" in grouped.float8_reason(x, w[:, :, :704], split)
+    assert "float8" in grouped_kernel.shape_reason(tiles, 1024, 512, 768, jnp.bfloat16,
+                                                   split=True)  # fmt: skip
     # no rows, K or N: no kernel, XLA's ragged dot (which takes empty operands)
     assert "empty operand" in grouped.float8_reason(x[:0], w, current)
     monkeypatch.undo()

@@ -38,6 +38,18 @@ def _recorded(monkeypatch, module, name: str) -> list:
     return planned
 
 
+class JaxOnAnH100:
+    """jax as jax's dW kernel sees it on an H100: it reads its grid off
+    jax.devices()[0].core_count, which CPU devices lack."""
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    @staticmethod
+    def devices():
+        return [type("Device", (), {"core_count": 132})()]
+
+
 def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) -> str:
     f = jax.shard_map(
         fn, mesh=mesh or mesh1d(size), in_specs=(x_spec, w_spec), out_specs=out_spec,
@@ -397,14 +409,6 @@ def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
 
     from commgemm.mosaic_gpu import grouped
 
-    class JaxOnAnH100:  # jax's dW kernel reads the grid off jax.devices()[0].core_count
-        def __getattr__(self, name):
-            return getattr(jax, name)
-
-        @staticmethod
-        def devices():
-            return [type("Device", (), {"core_count": 132})()]
-
     monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
 
     sds = jax.ShapeDtypeStruct
@@ -631,17 +635,19 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     assert "mosaic_gpu" in text and planned == [expected]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_grouped_kernel_lowers_on_float8(dtype):
+def test_grouped_kernel_lowers_on_float8(dtype, split):
     """The grouped kernel on float8 x and w [G, N, K] with the scale as an operand (its masking
-    of straddling rows selects in fp16: Mosaic GPU computes on no 8-bit type)."""
+    of straddling rows selects in fp16: Mosaic GPU computes on no 8-bit type), accumulating
+    fast or split (each K-step's product added into a float32 total)."""
     from commgemm.mosaic_gpu import grouped_kernel
 
     sds = jax.ShapeDtypeStruct
     x, w = sds((1024, 256), dtype), sds((8, 512, 256), dtype)
     text = (
         jax.jit(lambda a, b, s, c: grouped_kernel.grouped_matmul(
-            a, b, s, w_nk=True, scale=c, out_dtype=jnp.bfloat16))
+            a, b, s, w_nk=True, scale=c, out_dtype=jnp.bfloat16, split_accumulator=split))
         .trace(x, w, sds((8,), jnp.int32), sds((1,), jnp.float32))
         .lower(lowering_platforms=("cuda",))
         .as_text()
@@ -672,3 +678,37 @@ def test_prequantized_grouped_kernel_in_shard_map(check_vma, monkeypatch):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
     assert len(calls) == 1 and "tensor<512x512xbf16>" in calls[0], calls
+
+
+@pytest.mark.parametrize(
+    "grad_dtype,split",
+    [("float8_e4m3fn", False), ("float8_e4m3fn", True), ("float8_e5m2", True)],
+    ids=["e4m3-fast", "e4m3-split", "e5m2-split"],
+)
+def test_float8_grouped_backward_lowers(grad_dtype, split, monkeypatch):
+    """The float8 grouped op's gradient (current tensor scaling, as on a Hopper GPU) runs dX on
+    commgemm's float8 kernel, dY's float8 values times w's as quantized ([G, K, N]: one kernel
+    whose operands are both f8, [M, K] out), and dW on jax's 16-bit transposed kernel; the
+    forward's kernel is not needed by the gradient. dY in e5m2 against e4m3 weights needs
+    jax >= 0.11's wgmma (what the GPUs run)."""
+    if grad_dtype == "float8_e5m2" and jax.__version_info__ < (0, 11):
+        pytest.skip("e5m2 x e4m3 wgmma needs jax >= 0.11")
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
+    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype,
+                              split_accumulator=(False, split, split))  # fmt: skip
+    sizes = jnp.array([300, 0, 500, 100], jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(cg.grouped_matmul(x, w, sizes, scaling=recipe).astype(jnp.float32))
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1024, 512), jnp.bfloat16), sds((4, 512, 768), jnp.bfloat16))
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
+    calls = [ln for ln in text.as_text().splitlines()
+             if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
+    float8 = [c for c in calls if c.rsplit(" : (", 1)[1].count("f8E") == 2]
+    assert len(calls) == 2 and len(float8) == 1, calls
+    assert ") -> tensor<1024x512xbf16>" in float8[0], float8

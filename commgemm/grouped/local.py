@@ -47,7 +47,7 @@ def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arr
     for serving): x [M, K] quantized along K (axis -1), w [G, K, N] along axis 1 or [G, N, K]
     along axis 2 (the layout the float8 kernel reads; [G, K, N] is transposed each call).
     Forward only; the result in `out_dtype` (default bfloat16). On a Hopper GPU with tensor
-    scales in one float8 format, commgemm's grouped kernel on the tensor cores
+    scales (e4m3 or e5m2, either pairing), commgemm's grouped kernel on the tensor cores
     (`mosaic_gpu.grouped.prequantized_reason`); elsewhere XLA's ragged dot of the dequantized
     values in float32."""
     from commgemm.mosaic_gpu import grouped as hopper
@@ -119,9 +119,10 @@ def grouped_matmul(
       out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
         float64 operands).
       scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`). On a Hopper GPU, current
-        tensor scaling with a fast-accumulating forward multiplies float8 operands on the
-        tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes
-        the shape); otherwise emulated: see commgemm.grouped.scaling.
+        tensor scaling multiplies float8 operands on the tensor cores in the forward and dX
+        (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes the shape),
+        accumulating as the recipe's `split_accumulator` asks; otherwise emulated: see
+        commgemm.grouped.scaling.
       x, w may instead be `ScaledTensor`s quantized by the caller: forward only, see
         `prequantized_matmul`. With `scaling`, w may be a `QuantizedWeight` (quantized once
         for several calls by `cg.quantize_weight(w, scaling, axis=1)`): differentiable.
@@ -163,12 +164,11 @@ def grouped_matmul(
     sizes = group_sizes.astype(jnp.int32)
 
     if float8:  # Hopper's float8 tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`)
-        from commgemm.grouped.scaling import with_quantized_cotangent
         from commgemm.operand_scaling import weight_operand
 
         w, qw = weight_operand(w, recipe, 1, ())
-        out = hopper.float8_ragged_dot(x, w, sizes, qw, recipe.dtype, hopper_tiles)
-        out = with_quantized_cotangent(out, recipe)
+        plan = hopper.Float8Plan.of(recipe, hopper_tiles)
+        out = hopper.float8_ragged_dot(x, w, sizes, qw, plan)  # quantizes dY itself
     elif hopper.unsupported_reason(x, w, hopper_tiles) is None:
         out = hopper.ragged_dot(x, w, sizes, hopper_tiles)
     elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:

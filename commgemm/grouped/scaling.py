@@ -8,8 +8,8 @@ and block scales (`Rows`, `moved`), dequantized on arrival; the gradients travel
 dtype, as JAX's transposes of the same collectives send them. What is emulated: the GEMMs are
 not FP8 tensor-core GEMMs (XLA's ragged dot takes no float8 operands here). The one exception:
 the local op on a Hopper GPU with current tensor scaling multiplies float8 operands on the
-tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`), with the same quantized values and the
-same backward."""
+tensor cores in its forward and dX (`mosaic_gpu.grouped.float8_ragged_dot`), with the same
+quantized values."""
 
 from __future__ import annotations
 

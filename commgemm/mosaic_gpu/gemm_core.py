@@ -63,7 +63,7 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
         if w.split_accumulator:  # the kernel's split form ran 7 to 51% slower than XLA's
             return "XLA's promoted FP8 GEMM is faster than its split accumulation"
         if x.dtype != w.w.data.dtype:  # e.g. dX's e5m2 dY against e4m3 W
-            return f"its wgmma takes one float8 format, got {x.dtype} and {w.w.data.dtype}"
+            return f"it takes one float8 format, got {x.dtype} and {w.w.data.dtype}"
         out, data = w.dtype, w.w.data
     else:
         if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:

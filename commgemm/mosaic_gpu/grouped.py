@@ -10,7 +10,7 @@ and jax's 7% faster with 64, where a 128-row tile holds two to four groups; ours
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
 runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
 exists; it stays the fall-back for shapes neither kernel takes. Current tensor scaling runs
-the forward on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
+the forward and dX on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
 
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ ragged_dot.defvjp(_fwd, _bwd)
 def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | None:
     """Why `float8_ragged_dot` cannot run x [M, K] @ w [G, K, N] under `recipe` in `tiles` here
     (the grouped op then emulates the quantized GEMM), or None: it takes current tensor scaling
-    without states, a float8 forward with fast accumulation, on the shapes commgemm's kernel
-    takes."""
+    without states, on the shapes commgemm's kernel takes (its forward accumulating as the
+    recipe asks)."""
     from commgemm.quant import ScalingMode
 
     tiles = tiles or GroupedConfig()
@@ -192,65 +192,99 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
         return reason
     if recipe.mode is not ScalingMode.CURRENT_TENSOR_SCALING:
         return f"its float8 kernel takes current tensor scaling, not {recipe.mode.name}"
-    if recipe.split_accumulator[0]:
-        return "its float8 kernel accumulates fast (the recipe asks a split forward)"
     m, k, n = x.shape[0], w.shape[1], w.shape[2]
-    return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True)
+    split = recipe.split_accumulator[0]
+    return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True, split=split)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def float8_ragged_dot(
-    x: jax.Array,
-    w: jax.Array,
-    sizes: jax.Array,
-    qw,
-    dtype: str,
-    tiles: GroupedConfig | None = None,
-) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Float8Plan:
+    """How `float8_ragged_dot` quantizes and accumulates (static): x and w's float8 format,
+    the cotangent's (`grad_dtype`), and split accumulation in the forward and dX
+    (`ScalingRecipe.split_accumulator`'s first two); the forward's kernel tiles."""
+
+    dtype: str
+    grad_dtype: str
+    split: tuple[bool, bool]
+    tiles: GroupedConfig | None = None
+
+    @staticmethod
+    def of(recipe, tiles: GroupedConfig | None = None) -> Float8Plan:
+        return Float8Plan(recipe.dtype, recipe.grad_dtype, tuple(recipe.split_accumulator[:2]),
+                          tiles)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def float8_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, qw, plan: Float8Plan):
     """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] quantized to
-    `dtype` with one current scale, times qw, w [G, K, N] quantized the same way along K (a
+    plan.dtype with one current scale, times qw, w [G, K, N] quantized the same way along K (a
     `ScaledTensor`; its values transposed to [G, N, K], K-major, in one pass), multiplied on the
     float8 tensor cores by commgemm's kernel, the scales applied in its epilogue -> [M, N] in
-    x's dtype. The backward is straight-through: dX and dW are the 16-bit products of the
-    cotangent with the dequantized operands, as the emulated path's; qw gets no gradient."""
-    return _float8_forward(x, w, sizes, qw, dtype, tiles)[0]
+    x's dtype.
+
+    Backward: straight-through; dY is quantized to plan.grad_dtype with its current amax (what
+    `grouped.scaling.with_quantized_cotangent` does on the emulated path). dX = dY @ w^T runs on
+    the float8 tensor cores too, on dY's float8 values and w's float8 values as they are
+    ([G, K, N] is K-major for dX's contraction over N), where the kernel takes dX's shape (else
+    the 16-bit kernel on the dequantized values); dW = x^T dY is the 16-bit product of the
+    dequantized x and dY (jax's transposed kernel takes no float8). The residuals are the
+    float8 operands, not dequantized copies. qw gets no gradient."""
+    return _float8_forward(x, w, sizes, qw, plan)[0]
 
 
-def _float8_forward(x, w, sizes, qw, dtype, tiles):
-    from commgemm.quant import ScalingMode, dequantize, quantize
+def _float8_forward(x, w, sizes, qw, plan: Float8Plan):
+    from commgemm.quant import ScalingMode, quantize
 
-    qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=dtype)
+    qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.dtype)
     scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
     w_nk = jnp.swapaxes(qw.data, 1, 2)
-    out = grouped_kernel.grouped_matmul(qx.data, w_nk, sizes, tiles, w_nk=True, scale=scale,
-                                        out_dtype=x.dtype)  # fmt: skip
-    residuals = (dequantize(qx, x.dtype), dequantize(qw, w.dtype), sizes)
-    return varying_like(out, x, w), residuals
+    out = grouped_kernel.grouped_matmul(
+        qx.data, w_nk, sizes, plan.tiles, w_nk=True, scale=scale, out_dtype=x.dtype,
+        split_accumulator=plan.split[0],
+    )  # fmt: skip
+    return varying_like(out, x, w), (qx, qw, sizes)
 
 
-def _float8_fwd(x, w, sizes, qw, dtype, tiles):
-    return _float8_forward(x, w, sizes, qw, dtype, tiles)
+def _float8_bwd(plan: Float8Plan, residuals, dy):
+    from commgemm.quant import ScalingMode, dequantize, quantize
+
+    qx, qw, sizes = residuals  # x, w and the result share dy's dtype
+    qdy = quantize(dy, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.grad_dtype)
+    dy16 = dequantize(qdy, dy.dtype)
+    (m, n), k = dy.shape, qw.data.shape[1]
+    kernel_takes = grouped_kernel.shape_reason(
+        GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True, split=plan.split[1]
+    ) is None  # fmt: skip
+    if kernel_takes:  # dY [M, N] (float8) times w [G, K (out), N] (float8, as quantized)
+        scale = (qdy.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
+        dx = grouped_kernel.grouped_matmul(qdy.data, qw.data, sizes, w_nk=True, scale=scale,
+                                           out_dtype=dy.dtype,
+                                           split_accumulator=plan.split[1])  # fmt: skip
+        dx = varying_like(dx, qdy.data, qw.data)
+    else:
+        dx = product(dy16, dequantize(qw, dy.dtype), sizes, None, transpose_rhs=True)
+    x16 = dequantize(qx, dy.dtype)
+    dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
+    # inside shard_map: dW summed over the axes the tokens vary over and w does not (the
+    # quantized values vary as the operands do)
+    return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None
 
 
-def _float8_bwd(dtype, tiles, residuals, dy):
-    return (*_bwd(None, residuals, dy), None)
-
-
-float8_ragged_dot.defvjp(_float8_fwd, _float8_bwd)
+float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)
 
 
 def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
     """Why commgemm's kernel cannot multiply the caller's `ScaledTensor`s x [M, K] and w
-    ([G, N, K] with w_nk, else [G, K, N]) here into `out_dtype`, or None: tensor scales, one
-    float8 format, a 16-bit result, whole tiles."""
+    ([G, N, K] with w_nk, else [G, K, N]) here into `out_dtype`, or None: tensor scales, float8
+    values (e4m3 and e5m2 in any pairing), a 16-bit result, whole tiles."""
     from commgemm.quant import TENSOR_MODES
 
     if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
     if x.mode not in TENSOR_MODES or w.mode not in TENSOR_MODES:
         return f"its float8 kernel takes tensor scales, got {x.mode.name} and {w.mode.name}"
-    if x.data.dtype != w.data.dtype or x.data.dtype not in grouped_kernel.FLOAT8:
-        return f"it multiplies one float8 format, got {x.data.dtype} and {w.data.dtype}"
+    if x.data.dtype not in grouped_kernel.FLOAT8 or w.data.dtype not in grouped_kernel.FLOAT8:
+        return f"it multiplies float8 values, got {x.data.dtype} and {w.data.dtype}"
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"its result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
     (m, k), n = x.data.shape, w.data.shape[1 if w_nk else 2]

@@ -160,16 +160,18 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
     return busiest(tail) < busiest(0)
 
 
-#: The float8 formats the kernel multiplies (both operands one format: Mosaic GPU's wgmma
-#: does not mix them), with w laid out [G, N, K] (K-major, as float8 wgmma needs), in the dense
-#: kernels' float8 tiling (`fused.float8_tiling`: K-steps of 128 where K allows).
+#: The float8 formats the kernel multiplies, either on either side (jax >= 0.11's wgmma takes
+#: the e4m3 x e5m2 pair: dX's e5m2 cotangent times e4m3 weights), with w laid out [G, N, K]
+#: (K-major, as float8 wgmma needs), in the dense kernels' float8 tiling
+#: (`fused.float8_tiling`: K-steps of 128 where K allows; 64 x 128 warpgroup tiles with split
+#: accumulation).
 FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-def _float8_tiling(tiles: GroupedConfig, k: int) -> GroupedConfig:
+def _float8_tiling(tiles: GroupedConfig, k: int, split: bool = False) -> GroupedConfig:
     from commgemm.mosaic_gpu import fused
 
-    return fused.float8_tiling(tiles, k)
+    return fused.float8_tiling(tiles, k, split=split)
 
 
 def _load(ref, layout) -> jax.Array:
@@ -184,19 +186,28 @@ def _load(ref, layout) -> jax.Array:
 
 
 def shape_reason(
-    tiles: GroupedConfig, m: int, k: int, n: int, dtype, *, w_nk: bool = False
+    tiles: GroupedConfig,
+    m: int,
+    k: int,
+    n: int,
+    dtype,
+    *,
+    w_nk: bool = False,
+    split: bool = False,
 ) -> str | None:
-    """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`,
-    or None."""
+    """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`
+    (with `split` accumulation: float8 only), or None."""
     if 0 in (m, k, n):
         return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
     dtype = jnp.dtype(dtype)
     if dtype in FLOAT8:
         if not w_nk:
             return f"{dtype.name} operands need w laid out [G, N, K] (K-major)"
-        tiles = _float8_tiling(tiles, k)
+        tiles = _float8_tiling(tiles, k, split)
     elif dtype not in (jnp.bfloat16, jnp.float16):
         return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
+    elif split:
+        return "split accumulation is for float8 operands (16-bit ones accumulate in float32)"
     return mt.shape_reason(tiles, m, k, n)
 
 
@@ -209,34 +220,41 @@ def grouped_matmul(
     w_nk: bool = False,
     scale: jax.Array | None = None,
     out_dtype=None,
+    split_accumulator: bool = False,
 ) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
     [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
     given; rows past the sum are zero. M, K and N whole tiles (`shape_reason`). Float8 x and w
-    (one format, w_nk) multiply on the float8 tensor cores, the wgmma accumulating across
-    K-steps (as the dense kernels' fast accumulation), in `fused.float8_tiling`."""
+    (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores, in
+    `fused.float8_tiling`: the wgmma accumulating across K-steps (the dense kernels' fast
+    accumulation), or with `split_accumulator` each K-step's product added into a float32
+    total (`tiles.accumulate`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tiles = tiles or GroupedConfig()
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    wide = jnp.float16 if jnp.dtype(dtype) in FLOAT8 else dtype  # the masking's dtype
-    if jnp.dtype(dtype) in FLOAT8:
-        tiles = _float8_tiling(tiles, x.shape[1])
+    float8 = jnp.dtype(dtype) in FLOAT8
+    wide = jnp.float16 if float8 else dtype  # the masking's dtype
+    if float8:
+        tiles = _float8_tiling(tiles, x.shape[1], split_accumulator)
     m, k = x.shape
     n = w.shape[1 if w_nk else 2]
-    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != dtype:
+    same = w.dtype == dtype or (float8 and w.dtype in FLOAT8)
+    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or not same:
         layout = "[G, N, K]" if w_nk else "[G, K, N]"
+        kind = "a float8 dtype" if float8 else f"dtype {dtype}"
         raise ValueError(f"grouped kernel: w {w.dtype}{list(w.shape)} must be {layout} with "
-                         f"x's K={k} and dtype {dtype}")  # fmt: skip
+                         f"x's K={k} and {kind}")  # fmt: skip
     if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
         raise ValueError(
             f"grouped kernel: sizes {sizes.shape} must hold one count per group of w "
             f"{list(w.shape)}, at least one"
         )
-    if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk)) is not None:
+    if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk,
+                               split=split_accumulator)) is not None:  # fmt: skip
         raise ValueError(f"grouped kernel: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
@@ -348,7 +366,11 @@ def grouped_matmul(
 
                 @pl.when(mine)  # else the warpgroup leaves the K loop to the other
                 def _multiply():
-                    plgpu.wgmma(acc, rows, mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk))
+                    rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
+                    if split_accumulator:  # the K-step's product promoted into the total
+                        acc[...] = mt.accumulate(tiling, acc[...], rows, rhs, split=True)
+                    else:
+                        plgpu.wgmma(acc, rows, rhs)
 
                 plgpu.wgmma_wait(1)
                 mt.await_last_step((j == count - 1) & (idxs[1] == k_iters - 1))

@@ -342,12 +342,18 @@ def test_grouped_matmul_float8_in_shard_map(form, check_vma):
         assert _relative_error(a, b) <= REL
 
 
+@pytest.mark.parametrize(
+    "split",
+    [(False, True, True), (False, False, False), (True, True, True)],
+    ids=["default", "fast", "split"],
+)
 @pytest.mark.parametrize("groups", [8, 64])
-def test_grouped_matmul_float8_kernel(groups):
-    """cg.grouped_matmul with current tensor scaling on Hopper multiplies float8 operands (the
-    compiled program's kernel takes f8): within fast float8 accumulation and bf16 rounding of
-    the float32 ragged dot of the dequantized operands, rows past the groups' sum zero; the
-    gradients are the emulated path's (jax's tiles requested: emulated)."""
+def test_grouped_matmul_float8_kernel(groups, split):
+    """cg.grouped_matmul with current tensor scaling on Hopper multiplies float8 operands in
+    the forward and dX (the compiled programs' kernels take f8; dX e5m2 dY against e4m3 w):
+    within float8 accumulation and bf16 rounding of the float32 ragged dot of the dequantized
+    operands, rows past the groups' sum zero; the gradients the emulated path's (jax's tiles
+    requested: emulated), whichever accumulation the recipe asks."""
     from commgemm.mosaic_gpu.grouped import GroupedTiles
 
     m, k, n = 2048, 1024, 512
@@ -359,23 +365,53 @@ def test_grouped_matmul_float8_kernel(groups):
     w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
     g = jax.random.normal(kg, (m, n), jnp.float32)
     mode = "current_tensor_scaling"
+    recipe = cg.ScalingRecipe(mode, split_accumulator=split)
 
     def run(tiles):
-        return lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=mode, hopper_tiles=tiles)
+        return lambda a, b: cg.grouped_matmul(a, b, sizes, scaling=recipe, hopper_tiles=tiles)
 
     float8, emulated = run(None), run(GroupedTiles())
     compiled = jax.jit(float8).lower(x, w).compile().as_text()
     assert "f8e4m3fn" in compiled.lower() and "mosaic" in compiled.lower()
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * g)  # noqa: E731
+    grads = jax.jit(jax.grad(loss(float8), (0, 1))).lower(x, w).compile().as_text().lower()
+    assert "f8e5m2" in grads and "mosaic" in grads  # dX's dY, quantized
     qx, qw = cg.quantize(x, mode), cg.quantize(w, mode, axis=1)
     want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32), cg.dequantize(qw, jnp.float32),
                               sizes, precision="highest")  # fmt: skip
     got = jax.jit(float8)(x, w).astype(jnp.float32)
     assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
     assert float(jnp.abs(got[1900:]).max()) == 0.0
-    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * g)  # noqa: E731
     for a, b in zip(jax.jit(jax.grad(loss(float8), (0, 1)))(x, w),
                     jax.jit(jax.grad(loss(emulated), (0, 1)))(x, w), strict=True):  # fmt: skip
         assert _relative_error(a, b) <= REL
+
+
+@pytest.mark.parametrize("sizes", [[300, 0, 500, 100, 200, 400, 250, 150], [2048]])
+def test_grouped_kernel_mixed_float8(sizes):
+    """commgemm's grouped kernel on e5m2 x [M, N] times e4m3 w [G, K, N] read as [G, out, in]
+    (dX's form and formats), accumulating fast or split, against the float32 ragged dot of the
+    same float8 values; split accumulation at most as far from it as fast."""
+    from commgemm.mosaic_gpu import grouped_kernel
+
+    m, k, n = 2048, 768, 1024
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(len(sizes)), 2)
+    dy = jax.random.normal(kx, (m, n), jnp.float32).astype(jnp.float8_e5m2)
+    w = (4 * jax.random.normal(kw, (sizes.shape[0], k, n), jnp.float32)).astype(jnp.float8_e4m3fn)
+    scale = jnp.full((1,), 0.03, jnp.float32)
+    want = 0.03 * jax.lax.ragged_dot(dy.astype(jnp.float32),
+                                     jnp.swapaxes(w, 1, 2).astype(jnp.float32), sizes,
+                                     precision="highest")  # fmt: skip
+    errors = {}
+    for s in (False, True):
+        got = jax.jit(lambda a, b, c, s=s: grouped_kernel.grouped_matmul(
+            a, b, sizes, w_nk=True, scale=c, out_dtype=jnp.bfloat16, split_accumulator=s))(
+            dy, w, scale).astype(jnp.float32)  # fmt: skip
+        errors[s] = float(jnp.abs(got - want).max()) / float(jnp.abs(want).max())
+        assert float(jnp.abs(got[int(sizes.sum()) :]).max(initial=0.0)) == 0.0
+    assert max(errors.values()) <= REL, errors
+    assert errors[True] <= errors[False] * 1.05, errors
 
 
 @pytest.mark.parametrize("w_nk", [False, True], ids=["w_gkn", "w_gnk"])
