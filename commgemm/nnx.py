@@ -20,7 +20,8 @@ axis instead, and the row-parallel GEMM ends in an all-reduce. Parameters carry 
 PartitionSpecs as NNX sharding metadata; `create_sharded` builds a model under jit so that every
 parameter is created in its shards (no device ever holds a whole weight). The mesh's axes may
 be Auto or Explicit (`jax.sharding.AxisType`). Each layer takes an
-`OverlapConfig` (default Method.AUTO) and a stateless `scaling` mode.
+`OverlapConfig` (default Method.AUTO) and a stateless `scaling` mode (quantized GEMMs are
+cg.gemm's: config=None, the plain-dot baseline, takes none).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
+from commgemm.quant import as_recipe
 
 AUTO = OverlapConfig(method=Method.AUTO)
 LECUN = nnx.initializers.lecun_normal()
@@ -54,6 +56,11 @@ class _Parallel(nnx.Module):
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh}")
         if data_axis is not None and data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {mesh}")
+        if config is None and scaling is not None and as_recipe(scaling) is not None:
+            raise ValueError(
+                "config=None runs XLA's plain dot (the unquantized baseline), which takes no "
+                f"scaling; got scaling={scaling!r}: pass a config (e.g. the default AUTO)"
+            )
         if getattr(scaling, "x_state", None) is not None:
             raise ValueError(
                 "the NNX layers take a stateless scaling (a ScalingMode or a recipe without "

@@ -135,6 +135,11 @@ def test_bad_input():
     delayed = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
     with pytest.raises(ValueError, match="stateless scaling"):
         cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, scaling=delayed, rngs=nnx.Rngs(0))
+    # the unquantized baseline would drop the scaling silently
+    with pytest.raises(ValueError, match="config=None"):
+        cgnnx.RowParallelLinear(8, 8, mesh=mesh, config=None, scaling="current_tensor_scaling",
+                                rngs=nnx.Rngs(0))  # fmt: skip
+    cgnnx.RowParallelLinear(8, 8, mesh=mesh, config=None, scaling="no_scaling", rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
