@@ -242,3 +242,104 @@ def test_all_gather_any_groups(mode, method, size, groups, m, seed):
     qx, qw = _dq(x, mode, -1), _dq(w, mode, 1)
     want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * 8)
+
+
+def _dq_delayed(a, state, dtype=jnp.float8_e4m3fn):
+    q = cg.quantize(jnp.asarray(a), "delayed_tensor_scaling", dtype=dtype, state=state)[0]
+    return np.asarray(cg.dequantize(q, jnp.float64))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["local", "ag", "rs"])
+def test_delayed_scaling_with_dy_state(rng, op, check_vma):
+    """Delayed scaling on the grouped ops, dy_state included: x and w by their states' scales,
+    the backward's dY (e5m2) by dy_state's, and the gradient of dy_state the state advanced by
+    the whole dY's amax (identical on every device, under both shard_map settings), over two
+    steps that each take the previous step's state; dX and dW against float64 products of the
+    quantized operands."""
+    size, m, groups = 4, 8, 3
+    xs = cg.ScalingState.create(history=4).update(jnp.float32(3.0))
+    ws = cg.ScalingState.create(history=4).update(jnp.float32(5.0))
+
+    def recipe(sd):
+        return cg.ScalingRecipe("delayed_tensor_scaling", x_state=xs, w_state=ws, dy_state=sd)
+
+    mesh, cfg = mesh1d(size), cg.OverlapConfig(method="ring_exchange")
+    if op in ("ag", "local"):  # the local op on each device's rows, with all the experts
+        n = 16 * size if op == "ag" else 16
+        x, w = rng.standard_normal((size * m, 64)), rng.standard_normal((groups, 64, n))
+        sizes = np.stack([random_sizes(rng, groups, m) for _ in range(size)])
+        if op == "ag":
+            body = lambda a, b, s, sd: cg.all_gather_grouped_matmul(  # noqa: E731
+                a, b, s[0], "x", config=cfg, scaling=recipe(sd))  # fmt: skip
+            specs, out_spec = (P("x"), P(None, None, "x"), P("x"), P()), P(None, "x")
+        else:
+            body = lambda a, b, s, sd: cg.grouped_matmul(a, b, s[0], scaling=recipe(sd))  # noqa: E731
+            specs, out_spec = (P("x"), P(), P("x"), P()), P("x")
+
+        def ref(a, b):
+            return jnp.concatenate([reference(a[s * m : (s + 1) * m], b, sizes[s])
+                                    for s in range(size)])  # fmt: skip
+    else:
+        x, w = (
+            rng.standard_normal((size * m, 16 * size)),
+            rng.standard_normal((groups, 16 * size, 32)),
+        )
+        sizes = np.broadcast_to(random_sizes(rng, groups, size * m), (size, groups))
+        ref = lambda a, b: reference(a, b, sizes[0])  # noqa: E731
+        body = lambda a, b, s, sd: cg.grouped_matmul_reduce_scatter(  # noqa: E731
+            a, b, s[0], "x", config=cfg, scaling=recipe(sd))  # fmt: skip
+        specs, out_spec = (P(None, "x"), P(None, "x", None), P("x"), P()), P("x")
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=check_vma)
+    qx, qw = _dq_delayed(x, xs), _dq_delayed(w, ws)
+    state, amaxes = cg.ScalingState.create(history=4).update(jnp.float32(2.0)), [2.0]
+    for step in range(2):
+        out_shape = jax.eval_shape(f, x, w, sizes, state).shape
+        g = rng.standard_normal(out_shape) * 10.0 ** (step - 1)  # dY's scale moves each step
+        loss = lambda a, b, sd, g=g: jnp.sum(f(a, b, sizes, sd) * g)  # noqa: E731
+        value, grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w, state)
+        np.testing.assert_allclose(value, np.sum(np.asarray(ref(qx, qw)) * g), rtol=1e-6)
+        qdy = _dq_delayed(g, state, jnp.float8_e5m2)
+        want_dx, want_dw = jax.vjp(ref, qx, qw)[1](jnp.asarray(qdy))
+        np.testing.assert_allclose(grads[0], want_dx, rtol=TOL, atol=TOL * 8)
+        np.testing.assert_allclose(grads[1], want_dw, rtol=TOL, atol=TOL * 8)
+        state, amaxes = grads[2], [float(np.abs(g).max()), *amaxes]
+        np.testing.assert_allclose(state.amax_history, (amaxes + [0.0] * 4)[:4], rtol=1e-6)
+        np.testing.assert_allclose(float(state.scale), 57344.0 / max(amaxes), rtol=1e-6)
+
+
+def test_expert_parallel_pair_delayed(rng):
+    """Dispatch, experts and return under delayed scaling, each op with its own dy_state: the
+    values against the one-device composition of the operands quantized by their states; the
+    return op's dy_state comes back advanced by the whole dY's amax, the dispatch's by a
+    positive amax of its own dY."""
+    size, m, per_shard = 4, 8, 2
+    experts = size * per_shard
+    x = rng.standard_normal((size * m, 32)).astype(np.float32)
+    w1 = rng.standard_normal((experts, 32, 64)).astype(np.float32)
+    w2 = rng.standard_normal((experts, 64, 32)).astype(np.float32)
+    tokens = [rng.integers(0, experts, size=m) for _ in range(size)]
+    sizes = np.stack([np.bincount(t, minlength=experts) for t in tokens]).astype(np.int32)
+    st = lambda a: cg.ScalingState.create(history=2).update(jnp.float32(a))  # noqa: E731
+    xs, w1s, hs, w2s = st(3.0), st(4.0), st(40.0), st(5.0)
+
+    def body(a, b, c, g, d1, d2):
+        r1 = cg.ScalingRecipe("delayed_tensor_scaling", x_state=xs, w_state=w1s, dy_state=d1)
+        r2 = cg.ScalingRecipe("delayed_tensor_scaling", x_state=hs, w_state=w2s, dy_state=d2)
+        y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", scaling=r1)
+        return cg.grouped_matmul_all_to_all(y, c, received, g[0], "x", scaling=r2)
+
+    specs = (P("x"), P("x"), P("x"), P("x"), P(), P())
+    f = shard(body, mesh1d(size), specs, P("x"))
+    d1 = d2 = st(1.0)
+    got = f(x, w1, w2, sizes, d1, d2)
+    qx, q1, q2 = _dq_delayed(x, xs), _dq_delayed(w1, w1s), _dq_delayed(w2, w2s)
+    hidden = np.concatenate([reference(qx[s * m : (s + 1) * m], q1, sizes[s]) for s in range(size)])
+    qh = _dq_delayed(hidden, hs)
+    want = np.concatenate([reference(qh[s * m : (s + 1) * m], q2, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    g = rng.standard_normal(got.shape).astype(np.float32)
+    loss = lambda *a: jnp.sum(f(*a) * g)  # noqa: E731
+    new1, new2 = jax.grad(loss, (4, 5))(x, w1, w2, sizes, d1, d2)
+    np.testing.assert_allclose(new2.amax_history, [np.abs(g).max(), 1.0], rtol=1e-6)
+    assert float(new1.amax_history[0]) > 0 and float(new1.amax_history[1]) == 1.0

@@ -681,32 +681,38 @@ def test_prequantized_grouped_kernel_in_shard_map(check_vma, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "grad_dtype,split",
-    [("float8_e4m3fn", False), ("float8_e4m3fn", True), ("float8_e5m2", True)],
-    ids=["e4m3-fast", "e4m3-split", "e5m2-split"],
-)
-def test_float8_grouped_backward_lowers(grad_dtype, split, monkeypatch):
-    """The float8 grouped op's gradient (current tensor scaling, as on a Hopper GPU) runs dX on
-    commgemm's float8 kernel, dY's float8 values times w's as quantized ([G, K, N]: one kernel
-    whose operands are both f8, [M, K] out), and dW on jax's 16-bit transposed kernel; the
-    forward's kernel is not needed by the gradient. dY in e5m2 against e4m3 weights needs
-    jax >= 0.11's wgmma (what the GPUs run)."""
+    "grad_dtype,split,delayed",
+    [("float8_e4m3fn", False, False), ("float8_e4m3fn", True, False),
+     ("float8_e4m3fn", False, True), ("float8_e5m2", True, False)],
+    ids=["e4m3-fast", "e4m3-split", "e4m3-delayed", "e5m2-split"],
+)  # fmt: skip
+def test_float8_grouped_backward_lowers(grad_dtype, split, delayed, monkeypatch):
+    """The float8 grouped op's gradient (tensor scaling, current or delayed with a dy_state, as
+    on a Hopper GPU) runs dX on commgemm's float8 kernel, dY's float8 values times w's as
+    quantized ([G, K, N]: one kernel whose operands are both f8, [M, K] out), and dW on jax's
+    16-bit transposed kernel; the forward's kernel is not needed by the gradient. dY in e5m2
+    against e4m3 weights needs jax >= 0.11's wgmma (what the GPUs run)."""
     if grad_dtype == "float8_e5m2" and jax.__version_info__ < (0, 11):
         pytest.skip("e5m2 x e4m3 wgmma needs jax >= 0.11")
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
-    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype,
-                              split_accumulator=(False, split, split))  # fmt: skip
+    state = cg.ScalingState.create() if delayed else None
+    mode = "delayed_tensor_scaling" if delayed else "current_tensor_scaling"
     sizes = jnp.array([300, 0, 500, 100], jnp.int32)
 
-    def loss(x, w):
+    def loss(x, w, dy_state):
+        recipe = cg.ScalingRecipe(
+            mode, grad_dtype=grad_dtype, x_state=state, w_state=state, dy_state=dy_state,
+            split_accumulator=(False, split, split),
+        )  # fmt: skip
         return jnp.sum(cg.grouped_matmul(x, w, sizes, scaling=recipe).astype(jnp.float32))
 
     sds = jax.ShapeDtypeStruct
-    args = (sds((1024, 512), jnp.bfloat16), sds((4, 512, 768), jnp.bfloat16))
-    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
+    args = (sds((1024, 512), jnp.bfloat16), sds((4, 512, 768), jnp.bfloat16), state)
+    text = jax.jit(jax.grad(loss, (0, 1, 2) if delayed else (0, 1))).trace(*args)
+    text = text.lower(lowering_platforms=("cuda",))
     calls = [ln for ln in text.as_text().splitlines()
              if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
     float8 = [c for c in calls if c.rsplit(" : (", 1)[1].count("f8E") == 2]

@@ -118,8 +118,9 @@ def grouped_matmul(
       bias: optional [G, N], added to each row of its group (not to rows past the sum).
       out_dtype: the result's dtype (default x's); accumulation is float32 (float64 for
         float64 operands).
-      scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`). On a Hopper GPU, current
-        tensor scaling multiplies float8 operands on the tensor cores in the forward and dX
+      scaling: quantized operands (a `ScalingMode` or `ScalingRecipe`; delayed scaling's
+        dy_state gets the advanced state as its gradient, as for the other ops). On a Hopper
+        GPU, tensor scaling multiplies float8 operands on the tensor cores in the forward and dX
         (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes the shape),
         accumulating as the recipe's `split_accumulator` asks; otherwise emulated: see
         commgemm.grouped.scaling.
@@ -168,7 +169,8 @@ def grouped_matmul(
 
         w, qw = weight_operand(w, recipe, 1, ())
         plan = hopper.Float8Plan.of(recipe, hopper_tiles)
-        out = hopper.float8_ragged_dot(x, w, sizes, qw, plan)  # quantizes dY itself
+        states = (recipe.x_state, recipe.dy_state)
+        out = hopper.float8_ragged_dot(x, w, sizes, qw, states, plan)  # quantizes dY itself
     elif hopper.unsupported_reason(x, w, hopper_tiles) is None:
         out = hopper.ragged_dot(x, w, sizes, hopper_tiles)
     elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:

@@ -2,14 +2,14 @@
 are quantized with blocks (or one scale) along K, their scales shared over the op's mesh axis as
 in commgemm.scaled, and the grouped GEMMs run on the quantized values in x's dtype; the
 backward is straight-through, with dY quantized as in commgemm.scaled (current scaling to
-float8_e5m2, or the block mode along N). Where x's rows travel (the all-gather's ring or
-gathers, the expert-parallel dispatch) they travel quantized: float8 values, or bytes of values
-and block scales (`Rows`, `moved`), dequantized on arrival; the gradients travel back in x's
-dtype, as JAX's transposes of the same collectives send them. What is emulated: the GEMMs are
-not FP8 tensor-core GEMMs (XLA's ragged dot takes no float8 operands here). The one exception:
-the local op on a Hopper GPU with current tensor scaling multiplies float8 operands on the
-tensor cores in its forward and dX (`mosaic_gpu.grouped.float8_ragged_dot`), with the same
-quantized values."""
+float8_e5m2, delayed with the recipe's dy_state, or the block mode along N). Where x's rows
+travel (the all-gather's ring or gathers, the expert-parallel dispatch) they travel quantized:
+float8 values, or bytes of values and block scales (`Rows`, `moved`), dequantized on arrival;
+the gradients travel back in x's dtype, as JAX's transposes of the same collectives send them.
+What is emulated: the GEMMs are not FP8 tensor-core GEMMs (XLA's ragged dot takes no float8
+operands here). The one exception: the local op on a Hopper GPU with tensor scaling (current or
+delayed) multiplies float8 operands on the tensor cores in its forward and dX
+(`mosaic_gpu.grouped.float8_ragged_dot`), with the same quantized values."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from jax import lax
 
 from commgemm.operand_scaling import (
     check_blocks,
+    dy_quantized,
     quantize_operand,
     straight_through,
     tensor_scale,
@@ -50,11 +51,6 @@ def quantized_operands(
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None, None
-    if recipe.dy_state is not None:
-        raise ValueError(
-            "the grouped ops' emulated scaling quantizes dY by its current amax: pass the "
-            "recipe without dy_state"
-        )
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
@@ -120,31 +116,37 @@ def carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array,
     return moved(fn, block, held)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _quantized_cotangent(y: jax.Array, mode: ScalingMode, grad_dtype: str, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _quantized_cotangent(y: jax.Array, state, mode: ScalingMode, grad_dtype: str, axis_name):
     return y
 
 
-def _fwd(y, mode, grad_dtype, axis_name):
-    return y, None
+def _fwd(y, state, mode, grad_dtype, axis_name):
+    return y, state
 
 
-def _bwd(mode, grad_dtype, axis_name, _, dy):
+def _bwd(mode, grad_dtype, axis_name, state, dy):
     names = () if axis_name is None else axis_name
+    if state is not None:  # delayed: the state's scale; its cotangent is the advanced state
+        q, new = dy_quantized(dy, mode, grad_dtype, names, state)
+        return lax.stop_gradient(dequantize(q, dy.dtype)), new
     if mode in TENSOR_MODES:
         q = quantize(dy, ScalingMode.CURRENT_TENSOR_SCALING, dtype=grad_dtype,
                      amax=amax(dy, names))  # fmt: skip
     else:
         shared = None if mode is ScalingMode.MXFP8_1D_SCALING else amax(dy, names)
         q = quantize(dy, mode, amax=shared)
-    return (lax.stop_gradient(dequantize(q, dy.dtype)),)
+    return lax.stop_gradient(dequantize(q, dy.dtype)), None
 
 
 _quantized_cotangent.defvjp(_fwd, _bwd)
 
 
 def with_quantized_cotangent(y: jax.Array, recipe: ScalingRecipe | None, axis_name=None):
-    """y itself; its cotangent quantized as `recipe` quantizes dY (nothing without a recipe)."""
+    """y itself; its cotangent quantized as `recipe` quantizes dY (nothing without a recipe):
+    by its current amax over `axis_name` (tensor modes; block modes by blocks), or with the
+    recipe's `dy_state` by that state's scale, the state's cotangent then the state advanced by
+    dY's amax over every device (`operand_scaling.dy_quantized`: "overwrite with gradient")."""
     if recipe is None:
         return y
-    return _quantized_cotangent(y, recipe.mode, recipe.grad_dtype, axis_name)
+    return _quantized_cotangent(y, recipe.dy_state, recipe.mode, recipe.grad_dtype, axis_name)

@@ -182,16 +182,16 @@ ragged_dot.defvjp(_fwd, _bwd)
 
 def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | None:
     """Why `float8_ragged_dot` cannot run x [M, K] @ w [G, K, N] under `recipe` in `tiles` here
-    (the grouped op then emulates the quantized GEMM), or None: it takes current tensor scaling
-    without states, on the shapes commgemm's kernel takes (its forward accumulating as the
+    (the grouped op then emulates the quantized GEMM), or None: it takes tensor scaling,
+    current or delayed, on the shapes commgemm's kernel takes (its forward accumulating as the
     recipe asks)."""
-    from commgemm.quant import ScalingMode
+    from commgemm.quant import TENSOR_MODES
 
     tiles = tiles or GroupedConfig()
     if (reason := unsupported_reason(x, w, tiles)) is not None:
         return reason
-    if recipe.mode is not ScalingMode.CURRENT_TENSOR_SCALING:
-        return f"its float8 kernel takes current tensor scaling, not {recipe.mode.name}"
+    if recipe.mode not in TENSOR_MODES:
+        return f"its float8 kernel takes tensor scaling, not {recipe.mode.name}"
     m, k, n = x.shape[0], w.shape[1], w.shape[2]
     split = recipe.split_accumulator[0]
     return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True, split=split)
@@ -214,42 +214,52 @@ class Float8Plan:
                           tiles)  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def float8_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, qw, plan: Float8Plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def float8_ragged_dot(
+    x: jax.Array, w: jax.Array, sizes: jax.Array, qw, states, plan: Float8Plan
+) -> jax.Array:
     """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] quantized to
-    plan.dtype with one current scale, times qw, w [G, K, N] quantized the same way along K (a
-    `ScaledTensor`; its values transposed to [G, N, K], K-major, in one pass), multiplied on the
-    float8 tensor cores by commgemm's kernel, the scales applied in its epilogue -> [M, N] in
-    x's dtype.
+    plan.dtype with one scale (its current amax, or delayed: `states`' x_state), times qw, w
+    [G, K, N] quantized along K (a `ScaledTensor`; its values transposed to [G, N, K], K-major,
+    in one pass), multiplied on the float8 tensor cores by commgemm's kernel, the scales
+    applied in its epilogue -> [M, N] in x's dtype. `states`: (x_state, dy_state), the delayed
+    recipe's `ScalingState`s (None: current scaling).
 
-    Backward: straight-through; dY is quantized to plan.grad_dtype with its current amax (what
+    Backward: straight-through; dY is quantized to plan.grad_dtype by its current amax or by
+    dy_state's scale, whose cotangent is then the state advanced by dY's amax (what
     `grouped.scaling.with_quantized_cotangent` does on the emulated path). dX = dY @ w^T runs on
     the float8 tensor cores too, on dY's float8 values and w's float8 values as they are
     ([G, K, N] is K-major for dX's contraction over N), where the kernel takes dX's shape (else
     the 16-bit kernel on the dequantized values); dW = x^T dY is the 16-bit product of the
     dequantized x and dY (jax's transposed kernel takes no float8). The residuals are the
     float8 operands, not dequantized copies. qw gets no gradient."""
-    return _float8_forward(x, w, sizes, qw, plan)[0]
+    return _float8_forward(x, w, sizes, qw, states, plan)[0]
 
 
-def _float8_forward(x, w, sizes, qw, plan: Float8Plan):
+def _float8_forward(x, w, sizes, qw, states, plan: Float8Plan):
     from commgemm.quant import ScalingMode, quantize
 
-    qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.dtype)
+    x_state, dy_state = states
+    if x_state is None:
+        qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.dtype)
+    else:
+        qx = quantize(x, ScalingMode.DELAYED_TENSOR_SCALING, dtype=plan.dtype, state=x_state)[0]
     scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
     w_nk = jnp.swapaxes(qw.data, 1, 2)
     out = grouped_kernel.grouped_matmul(
         qx.data, w_nk, sizes, plan.tiles, w_nk=True, scale=scale, out_dtype=x.dtype,
         split_accumulator=plan.split[0],
     )  # fmt: skip
-    return varying_like(out, x, w), (qx, qw, sizes)
+    return varying_like(out, x, w), (qx, qw, sizes, dy_state)
 
 
 def _float8_bwd(plan: Float8Plan, residuals, dy):
-    from commgemm.quant import ScalingMode, dequantize, quantize
+    from commgemm.operand_scaling import dy_quantized
+    from commgemm.quant import ScalingMode, dequantize
 
-    qx, qw, sizes = residuals  # x, w and the result share dy's dtype
-    qdy = quantize(dy, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.grad_dtype)
+    qx, qw, sizes, dy_state = residuals  # x, w and the result share dy's dtype
+    mode = ScalingMode.DELAYED_TENSOR_SCALING if dy_state is not None else qx.mode
+    qdy, new_state = dy_quantized(dy, mode, plan.grad_dtype, (), dy_state)
     dy16 = dequantize(qdy, dy.dtype)
     (m, n), k = dy.shape, qw.data.shape[1]
     kernel_takes = grouped_kernel.shape_reason(
@@ -267,7 +277,7 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
     dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
     # inside shard_map: dW summed over the axes the tokens vary over and w does not (the
     # quantized values vary as the operands do)
-    return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None
+    return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None, (None, new_state)
 
 
 float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)

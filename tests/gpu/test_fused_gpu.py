@@ -487,3 +487,39 @@ def test_fused_float8_against_the_split_method(two_gpus, op, check_vma):
         results.append((jax.jit(f)(x, w), *jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)))
     for a, b in zip(*results, strict=True):
         assert _relative_error(a, b) <= REL
+
+
+def test_grouped_matmul_float8_kernel_delayed():
+    """Delayed scaling with a dy_state on the float8 grouped kernel: the forward and dX on
+    float8 (in the compiled programs), values and gradients the emulated path's under the same
+    states, and dy_state's gradient (the advanced state) the emulated path's."""
+    from commgemm.mosaic_gpu.grouped import GroupedTiles
+
+    m, k, n, groups = 2048, 1024, 512, 8
+    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(11), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+    state = lambda a: cg.ScalingState.create(history=4).update(jnp.float32(a))  # noqa: E731
+    xs, ws, dys = state(4.0), state(0.2), state(3.0)
+
+    def loss(tiles):
+        def f(a, b, d):
+            recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=xs, w_state=ws,
+                                      dy_state=d)  # fmt: skip
+            out = cg.grouped_matmul(a, b, sizes, scaling=recipe, hopper_tiles=tiles)
+            return jnp.sum(out.astype(jnp.float32) * g)
+
+        return jax.jit(jax.value_and_grad(f, (0, 1, 2)))
+
+    float8, emulated = loss(None), loss(GroupedTiles())
+    compiled = float8.lower(x, w, dys).compile().as_text().lower()
+    assert "f8e4m3fn" in compiled and "f8e5m2" in compiled and "mosaic" in compiled
+    (v8, g8), (ve, ge) = float8(x, w, dys), emulated(x, w, dys)
+    assert abs(float(v8) - float(ve)) <= REL * abs(float(ve))
+    for a, b in zip(g8[:2], ge[:2], strict=True):
+        assert _relative_error(a, b) <= REL
+    np.testing.assert_allclose(g8[2].amax_history, ge[2].amax_history, rtol=1e-6)
+    np.testing.assert_allclose(float(g8[2].scale), float(ge[2].scale), rtol=1e-6)
+    assert float(g8[2].amax_history[0]) == float(jnp.abs(g).max())
