@@ -522,4 +522,5 @@ def test_grouped_matmul_float8_kernel_delayed():
         assert _relative_error(a, b) <= REL
     np.testing.assert_allclose(g8[2].amax_history, ge[2].amax_history, rtol=1e-6)
     np.testing.assert_allclose(float(g8[2].scale), float(ge[2].scale), rtol=1e-6)
-    assert float(g8[2].amax_history[0]) == float(jnp.abs(g).max())
+    # dY is g in the result's dtype (bf16)
+    np.testing.assert_allclose(float(g8[2].amax_history[0]), float(jnp.abs(g).max()), rtol=1e-2)
