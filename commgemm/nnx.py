@@ -20,8 +20,18 @@ axis instead, and the row-parallel GEMM ends in an all-reduce. Parameters carry 
 PartitionSpecs as NNX sharding metadata; `create_sharded` builds a model under jit so that every
 parameter is created in its shards (no device ever holds a whole weight). The mesh's axes may
 be Auto or Explicit (`jax.sharding.AxisType`). Each layer takes an
-`OverlapConfig` (default Method.AUTO) and a stateless `scaling` mode (quantized GEMMs are
-cg.gemm's: config=None, the plain-dot baseline, takes none).
+`OverlapConfig` (default Method.AUTO) and a `scaling` (quantized GEMMs are cg.gemm's:
+config=None, the plain-dot baseline, takes none).
+
+Delayed scaling (`scaling="delayed_tensor_scaling"`, or a `cg.ScalingRecipe` of that mode whose
+states are the initial ones): each linear layer keeps its x's and w's `cg.ScalingState`s in a
+`Float8State` variable, advanced by every call from the operands' amax (as BatchNorm keeps its
+statistics), and scales dY by its current amax; or, where the recipe has a `dy_state`, by a
+state of its own kept in a `Float8GradState` variable, which the backward advances and returns
+as its gradient: take gradients with respect to `Float8GradState` too
+(`nnx.DiffState(0, (nnx.Param, Float8GradState))`) and write them back with
+`apply_float8_grads`, which returns the parameters' gradients. `ParallelMoE` takes stateless
+scaling only.
 """
 
 from __future__ import annotations
@@ -37,10 +47,38 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
-from commgemm.quant import as_recipe
+from commgemm.quant import ScalingMode, ScalingRecipe, ScalingState, amax, as_recipe
 
 AUTO = OverlapConfig(method=Method.AUTO)
 LECUN = nnx.initializers.lecun_normal()
+
+
+class Float8State(nnx.Variable):
+    """Delayed scaling's states of a layer's x and w ({"x": ScalingState, "w": ScalingState}),
+    advanced by each call from the operands' amax."""
+
+
+class Float8GradState(nnx.Variable):
+    """Delayed scaling's state of a layer's dY (a ScalingState): its gradient is the state the
+    backward advanced (`apply_float8_grads` writes it back)."""
+
+
+def apply_float8_grads(model: nnx.Module, grads: nnx.State) -> nnx.State:
+    """Write the gradients of `model`'s `Float8GradState`s (their advanced states: dY's amax
+    pushed into each history) into the model; returns the rest of `grads` (the parameters')."""
+    states, rest = grads.split(Float8GradState, ...)
+    nnx.update(model, states)
+    return rest
+
+
+def _delayed(scaling) -> ScalingRecipe | None:
+    """The delayed recipe a layer starts from (its states the initial ones), or None."""
+    if isinstance(scaling, ScalingRecipe):
+        return scaling if scaling.mode is ScalingMode.DELAYED_TENSOR_SCALING else None
+    if scaling is not None and ScalingMode(scaling) is ScalingMode.DELAYED_TENSOR_SCALING:
+        return ScalingRecipe(scaling, x_state=ScalingState.create(),
+                             w_state=ScalingState.create())  # fmt: skip
+    return None
 
 
 def _param(rngs: nnx.Rngs, init, shape, dtype, spec, mesh) -> nnx.Param:
@@ -56,19 +94,21 @@ class _Parallel(nnx.Module):
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh}")
         if data_axis is not None and data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh {mesh}")
-        if config is None and scaling is not None and as_recipe(scaling) is not None:
+        delayed = _delayed(scaling)
+        if config is None and (delayed is not None or as_recipe(scaling) is not None):
             raise ValueError(
                 "config=None runs XLA's plain dot (the unquantized baseline), which takes no "
                 f"scaling; got scaling={scaling!r}: pass a config (e.g. the default AUTO)"
             )
-        if getattr(scaling, "x_state", None) is not None:
-            raise ValueError(
-                "the NNX layers take a stateless scaling (a ScalingMode or a recipe without "
-                "states): a layer would never advance delayed scaling's states; use the ops or "
-                "commgemm.layers, which take the recipe each call"
-            )
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
-        self.sequence_parallel, self.config, self.scaling = sequence_parallel, config, scaling
+        self.sequence_parallel, self.config = sequence_parallel, config
+        float8 = float8_dy = None
+        if delayed is not None:  # the states live in variables; the recipe's static fields here
+            float8 = Float8State({"x": delayed.x_state, "w": delayed.w_state})
+            if delayed.dy_state is not None:
+                float8_dy = Float8GradState(delayed.dy_state)
+            scaling = (delayed.dtype, delayed.grad_dtype, delayed.split_accumulator)
+        self.float8, self.float8_dy, self.scaling = float8, float8_dy, scaling
 
     def _gemm(self, x, kernel, bias, sharded_features: bool, activation) -> jax.Array:
         """x @ kernel (+ bias, activation) with this layer's output sharding: cg.gemm, or with
@@ -77,6 +117,8 @@ class _Parallel(nnx.Module):
         x, kernel = x.astype(dtype), kernel[...].astype(dtype)
         bias = None if bias is None else bias[...].astype(dtype)
         sharding = self.activation_sharding(sharded_features=sharded_features)
+        if self.float8 is not None:
+            return self._delayed_gemm(x, kernel, bias, sharded_features, activation)
         if self.config is not None:
             return gemm(x, kernel, out_sharding=sharding, config=self.config, bias=bias,
                         activation=activation, scaling=self.scaling)  # fmt: skip
@@ -88,6 +130,26 @@ class _Parallel(nnx.Module):
                       out_sharding=sharding if explicit else None)  # fmt: skip
         out = apply_epilogue(out, bias, activation, return_pre_activation=False)
         return out if explicit else jax.lax.with_sharding_constraint(out, sharding)
+
+    def _delayed_gemm(self, x, kernel, bias, sharded_features: bool, activation) -> jax.Array:
+        """`_gemm` under delayed scaling: the GEMM with the layer's states (cg.gemm told the
+        operands' specs, which delayed scaling needs), then x's and w's states advanced."""
+        dtype, grad_dtype, split = self.scaling
+        states = self.float8.value
+        dy_state = None if self.float8_dy is None else self.float8_dy.value
+        recipe = ScalingRecipe(
+            ScalingMode.DELAYED_TENSOR_SCALING, dtype, grad_dtype, split,
+            x_state=states["x"], w_state=states["w"], dy_state=dy_state,
+        )  # fmt: skip
+        tp = self.axis_name
+        x_spec = self.activation_sharding(sharded_features=not sharded_features).spec
+        w_spec = P(None, tp) if sharded_features else P(tp, None)
+        sharding = self.activation_sharding(sharded_features=sharded_features)
+        out = gemm(x, kernel, out_sharding=sharding, config=self.config, x_spec=x_spec,
+                   w_spec=w_spec, bias=bias, activation=activation, scaling=recipe)  # fmt: skip
+        seen = {"x": amax(jax.lax.stop_gradient(x)), "w": amax(jax.lax.stop_gradient(kernel))}
+        self.float8.value = {k: states[k].update(seen[k], dtype) for k in ("x", "w")}
+        return out
 
     def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:
         """[B, S, features]: the batch on the data axis; S on the tensor axis (sequence
@@ -264,6 +326,11 @@ class ParallelMoE(nnx.Module):
             raise ValueError(
                 f"num_experts={num_experts} must be a multiple of the axis' size {size}, and "
                 f"top_k={top_k} between 1 and num_experts"
+            )
+        if _delayed(scaling) is not None:
+            raise ValueError(
+                "ParallelMoE takes a stateless scaling (a ScalingMode or a recipe without "
+                "states): its experts' GEMMs would never advance delayed scaling's states"
             )
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.top_k, self.config, self.scaling = top_k, config, scaling

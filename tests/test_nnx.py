@@ -131,10 +131,8 @@ def test_bad_input():
         cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, axis_name="model", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads of the tensor axis"):
         cgnnx.ParallelAttentionProjections(24, 6, mesh=mesh, rngs=nnx.Rngs(0))
-    state = cg.ScalingState.create()
-    delayed = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
     with pytest.raises(ValueError, match="stateless scaling"):
-        cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, scaling=delayed, rngs=nnx.Rngs(0))
+        cgnnx.ParallelMoE(8, 16, 4, mesh=mesh, scaling="delayed_tensor_scaling", rngs=nnx.Rngs(0))
     # the unquantized baseline would drop the scaling silently
     with pytest.raises(ValueError, match="config=None"):
         cgnnx.RowParallelLinear(8, 8, mesh=mesh, config=None, scaling="current_tensor_scaling",
@@ -289,3 +287,55 @@ def test_explicit_mesh_axes(rng, layer, config):
             results.append(step(model, xd))
     for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0]), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _dq_delayed(a, state, dtype=jnp.float8_e4m3fn):
+    q = cg.quantize(jnp.asarray(a), "delayed_tensor_scaling", dtype=dtype, state=state)[0]
+    return np.asarray(cg.dequantize(q, jnp.float64))
+
+
+@pytest.mark.parametrize("dy", [False, True], ids=["dy-current", "dy-state"])
+def test_delayed_scaling(rng, dy):
+    """Delayed scaling on a layer (GEMM + reduce-scatter, jitted): each call quantizes x and w
+    by the layer's Float8State (the output against the float64 product of the operands so
+    quantized, bias added) and then advances both by their amax (the next call uses the new
+    scales); with a dy_state, the gradient of the layer's Float8GradState is that state
+    advanced by dY's amax, with dW from dY quantized by the old one, and apply_float8_grads
+    writes it into the layer and returns the parameters' gradients."""
+    mesh = _mesh()
+    start = cg.ScalingState.create(history=2)
+    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=start, w_state=start,
+                              dy_state=start if dy else None)  # fmt: skip
+    layer = cgnnx.create_sharded(
+        lambda: cgnnx.RowParallelLinear(64, 32, mesh=mesh, rngs=nnx.Rngs(0), data_axis="data",
+                                        config=METHODS["ring"], scaling=recipe),
+        mesh,
+    )  # fmt: skip
+    x = rng.standard_normal((4, 16, 64)).astype(np.float32) * 3
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", None, "tp")))
+    w, bias = _value(layer.kernel), _value(layer.bias)
+    run = nnx.jit(lambda m, a: m(a))
+    for call in range(2):
+        states = layer.float8.value
+        want = _dq_delayed(x, states["x"]) @ _dq_delayed(w, states["w"]) + bias
+        np.testing.assert_allclose(np.asarray(run(layer, xd)), want, rtol=1e-5, atol=1e-5)
+        new = layer.float8.value
+        for name, seen in (("x", x), ("w", w)):
+            np.testing.assert_allclose(new[name].amax_history[0], np.abs(seen).max(), rtol=1e-6)
+            np.testing.assert_allclose(new[name].amax_history[1], [0.0, np.abs(seen).max()][call],
+                                       rtol=1e-6)  # fmt: skip
+    g = rng.standard_normal((4, 16, 32)).astype(np.float32)
+    gd = jax.device_put(g, NamedSharding(mesh, P("data", "tp", None)))
+    states = layer.float8.value
+    diff = nnx.DiffState(0, (nnx.Param, cgnnx.Float8GradState))
+    grads = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a) * gd), argnums=diff))(layer, xd)
+    if not dy:
+        assert layer.float8_dy is None
+        return
+    params = cgnnx.apply_float8_grads(layer, grads)
+    assert {path for path, _ in params.flat_state()} == {("kernel",), ("bias",)}, params
+    np.testing.assert_allclose(layer.float8_dy.value.amax_history, [np.abs(g).max(), 0.0],
+                               rtol=1e-6)  # fmt: skip
+    qdy = _dq_delayed(g, start, jnp.float8_e5m2).reshape(-1, 32)
+    want_dw = _dq_delayed(x, states["x"]).reshape(-1, 64).T @ qdy
+    np.testing.assert_allclose(params["kernel"][...], want_dw, rtol=1e-4, atol=1e-4)
