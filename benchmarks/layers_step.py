@@ -2,8 +2,9 @@
 plain Flax NNX (nnx.Linear), on one GPU: both in bf16 compute with float32 parameters, AdamW,
 timed interleaved by device periods (medians of 6 rounds). On one device our layers' GEMMs are
 local (a mesh axis of size 1), so this measures what the layers cost beside plain Flax; and
-the same layers with every GEMM in float8 (current tensor scaling), from the same parameters
-(their first losses recorded beside bf16's).
+the same layers with every GEMM in float8, current tensor scaling and delayed scaling (x's and
+w's scales from the layers' states, dY's current), from the same parameters (their first
+losses recorded beside bf16's).
 Writes OUT/layers_step.json.
 
     PYTHONPATH=. python benchmarks/layers_step.py --out DIR [--kernels]
@@ -29,6 +30,7 @@ from commgemm.bench.spans import device_periods_interleaved
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, BATCH, SEQ = 8192, 2048, 16, 8192, 4, 4, 2048
 BF16 = jnp.bfloat16
 FP8 = "current_tensor_scaling"
+DELAYED = "delayed_tensor_scaling"
 
 
 class OursBlock(nnx.Module):
@@ -114,13 +116,17 @@ def main() -> None:
     plain = Decoder([PlainBlock(rngs) for _ in range(LAYERS)], rngs)
     rngs = nnx.Rngs(0)  # the same parameters as `ours`, every GEMM in float8
     fp8 = Decoder([OursBlock(mesh, rngs, FP8) for _ in range(LAYERS)], rngs)
+    rngs = nnx.Rngs(0)
+    delayed = Decoder([OursBlock(mesh, rngs, DELAYED) for _ in range(LAYERS)], rngs)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
     first_loss = {
-        name: float(nnx.jit(loss_fn)(m, tokens)) for name, m in (("bf16", ours), ("fp8", fp8))
+        name: float(nnx.jit(loss_fn)(m, tokens))
+        for name, m in (("bf16", ours), ("fp8", fp8), ("fp8 delayed", delayed))
     }
     variants = {}
     for name, model in (("commgemm.nnx", ours), ("plain flax", plain),
-                        ("commgemm.nnx fp8", fp8)):  # fmt: skip
+                        ("commgemm.nnx fp8", fp8),
+                        ("commgemm.nnx fp8 delayed", delayed)):  # fmt: skip
         optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
         variants[name] = (train_step, (model, optimizer, tokens))
     found = device_periods_interleaved(variants, rounds=6, calls=4)
@@ -130,6 +136,7 @@ def main() -> None:
                             batch=BATCH, seq=SEQ),
               "ms": ms, "ours_vs_plain": ms["commgemm.nnx"] / ms["plain flax"],
               "fp8_vs_bf16": ms["commgemm.nnx fp8"] / ms["commgemm.nnx"],
+              "fp8_delayed_vs_bf16": ms["commgemm.nnx fp8 delayed"] / ms["commgemm.nnx"],
               "first_loss": first_loss,
               "errors": {n: f["error"] for n, f in found.items() if "error" in f}}  # fmt: skip
     if args.kernels:

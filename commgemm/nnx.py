@@ -135,8 +135,8 @@ class _Parallel(nnx.Module):
         """`_gemm` under delayed scaling: the GEMM with the layer's states (cg.gemm told the
         operands' specs, which delayed scaling needs), then x's and w's states advanced."""
         dtype, grad_dtype, split = self.scaling
-        states = self.float8.value
-        dy_state = None if self.float8_dy is None else self.float8_dy.value
+        states = self.float8.get_value()
+        dy_state = None if self.float8_dy is None else self.float8_dy.get_value()
         recipe = ScalingRecipe(
             ScalingMode.DELAYED_TENSOR_SCALING, dtype, grad_dtype, split,
             x_state=states["x"], w_state=states["w"], dy_state=dy_state,
@@ -148,7 +148,7 @@ class _Parallel(nnx.Module):
         out = gemm(x, kernel, out_sharding=sharding, config=self.config, x_spec=x_spec,
                    w_spec=w_spec, bias=bias, activation=activation, scaling=recipe)  # fmt: skip
         seen = {"x": amax(jax.lax.stop_gradient(x)), "w": amax(jax.lax.stop_gradient(kernel))}
-        self.float8.value = {k: states[k].update(seen[k], dtype) for k in ("x", "w")}
+        self.float8.set_value({k: states[k].update(seen[k], dtype) for k in ("x", "w")})
         return out
 
     def activation_sharding(self, *, sharded_features: bool) -> NamedSharding:

@@ -218,7 +218,7 @@ def test_dispatch_moves_quantized_tokens(rng, mode, method):
         np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL * 8)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(MODES[:2]),
     method=st.sampled_from(list(CONFIGS)),
@@ -249,14 +249,15 @@ def _dq_delayed(a, state, dtype=jnp.float8_e4m3fn):
     return np.asarray(cg.dequantize(q, jnp.float64))
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("op", ["local", "ag", "rs"])
+@pytest.mark.parametrize(
+    "op,check_vma", [("local", True), ("ag", True), ("ag", False), ("rs", True)]
+)  # fmt: skip
 def test_delayed_scaling_with_dy_state(rng, op, check_vma):
     """Delayed scaling on the grouped ops, dy_state included: x and w by their states' scales,
     the backward's dY (e5m2) by dy_state's, and the gradient of dy_state the state advanced by
-    the whole dY's amax (identical on every device, under both shard_map settings), over two
-    steps that each take the previous step's state; dX and dW against float64 products of the
-    quantized operands."""
+    the whole dY's amax (identical on every device; the AG under both shard_map settings),
+    over two steps that each take the previous step's state; dX and dW against float64
+    products of the quantized operands."""
     size, m, groups = 4, 8, 3
     xs = cg.ScalingState.create(history=4).update(jnp.float32(3.0))
     ws = cg.ScalingState.create(history=4).update(jnp.float32(5.0))
