@@ -1,10 +1,10 @@
 """One training step of a decoder built from commgemm.nnx's layers against the same decoder in
 plain Flax NNX (nnx.Linear), on one GPU: both in bf16 compute with float32 parameters, AdamW,
-timed interleaved by device periods (medians of 6 rounds, host-timed steps beside them). On one device our layers' GEMMs are
-local (a mesh axis of size 1), so this measures what the layers cost beside plain Flax; and
-the same layers with every GEMM in float8, current tensor scaling and delayed scaling (x's and
-w's scales from the layers' states, dY's current), from the same parameters (their first
-losses recorded beside bf16's).
+timed interleaved by device periods (medians of 6 rounds, host-timed steps beside them). On one
+device our layers' GEMMs are local (a mesh axis of size 1), so this measures what the layers
+cost beside plain Flax; and the same layers with every GEMM in float8, current tensor scaling
+and delayed scaling (x's and w's scales from the layers' states, dY's current), from the same
+parameters (their first losses recorded beside bf16's).
 Writes OUT/layers_step.json.
 
     PYTHONPATH=. python benchmarks/layers_step.py --out DIR [--kernels]
