@@ -524,3 +524,23 @@ def test_grouped_matmul_float8_kernel_delayed():
     np.testing.assert_allclose(float(g8[2].scale), float(ge[2].scale), rtol=1e-6)
     # dY is g in the result's dtype (bf16)
     np.testing.assert_allclose(float(g8[2].amax_history[0]), float(jnp.abs(g).max()), rtol=1e-2)
+
+
+def test_grouped_matmul_float8_under_remat():
+    """The float8 grouped op (its residuals float8 values) under jax.checkpoint: the same loss
+    and gradients as without it."""
+    m, k, n, groups = 2048, 1024, 512, 8
+    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(13), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.float32)
+
+    def loss(a, b):
+        out = cg.grouped_matmul(a, b, sizes, scaling="current_tensor_scaling")
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)) * g)
+
+    plain = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), (0, 1)))(x, w)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
