@@ -528,7 +528,7 @@ def test_grouped_matmul_float8_kernel_delayed():
 
 def test_grouped_matmul_float8_under_remat():
     """The float8 grouped op (its residuals float8 values) under jax.checkpoint: the same loss
-    and gradients as without it."""
+    and gradients as without it (to float32 summation order)."""
     m, k, n, groups = 2048, 1024, 512, 8
     sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
     kx, kw, kg = jax.random.split(jax.random.key(13), 3)
@@ -543,4 +543,5 @@ def test_grouped_matmul_float8_under_remat():
     plain = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
     remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), (0, 1)))(x, w)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
