@@ -6,10 +6,13 @@ vocabulary head, trained with optax (AdamW) on synthetic token sequences that fo
 falls. Activations are sequence-parallel over the tensor axis and every GEMM is overlapped by
 `--method`. An unsharded twin (the same parameters on one device) takes the same steps, and its
 losses are printed beside ours. A sharded checkpoint is saved and restored (orbax), and its
-values and shardings checked. Needs `pip install commgemm[flax]`.
+values and shardings checked. `--scaling` runs the blocks' GEMMs in float8 (current or delayed
+scaling; delayed scaling's dY states come back as gradients, `train_step`). Needs
+`pip install commgemm[flax]`.
 
     python examples/train_transformer.py                       # 8 virtual CPU devices, or all GPUs
     python examples/train_transformer.py --method pipeline --steps 40
+    python examples/train_transformer.py --scaling delayed
 """
 
 from __future__ import annotations
@@ -63,12 +66,14 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """tokens [B, S] -> logits [B, S, vocab] (vocabulary sharded over the tensor axis)."""
+    """tokens [B, S] -> logits [B, S, vocab] (vocabulary sharded over the tensor axis); the
+    blocks' GEMMs quantized by `scaling` (the head's stay unquantized)."""
 
-    def __init__(self, shape: Shape, *, mesh, config, rngs: nnx.Rngs):
+    def __init__(self, shape: Shape, *, mesh, config, rngs: nnx.Rngs, scaling=None):
         kw = dict(mesh=mesh, axis_name="tp", data_axis="data", config=config, dtype=shape.dtype)
         self.embed = nnx.Embed(shape.vocab, shape.hidden, rngs=rngs, dtype=shape.dtype)
-        self.blocks = nnx.List([Block(shape, rngs=rngs, **kw) for _ in range(shape.layers)])
+        self.blocks = nnx.List([Block(shape, rngs=rngs, scaling=scaling, **kw)
+                                for _ in range(shape.layers)])  # fmt: skip
         self.norm = nnx.LayerNorm(shape.hidden, rngs=rngs, dtype=shape.dtype)
         self.head = cgnnx.ColumnParallelLinear(shape.hidden, shape.vocab, rngs=rngs,
                                                use_bias=False, **kw)  # fmt: skip
@@ -98,9 +103,26 @@ def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
 
 @nnx.jit
 def train_step(model: Decoder, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-    optimizer.update(model, grads)
+    # delayed scaling's dY states come back as their gradients: written into the model, the
+    # parameters' gradients to the optimizer (no Float8GradState without them: a no-op)
+    wrt = nnx.DiffState(0, (nnx.Param, cgnnx.Float8GradState))
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=wrt)(model, tokens)
+    optimizer.update(model, cgnnx.apply_float8_grads(model, grads))
     return loss
+
+
+#: --scaling: the blocks' GEMMs unquantized, in float8 scaled by the current amax, or by delayed
+#: scaling's states (x's, w's and dY's, each a history of 16 amaxes).
+SCALINGS = {
+    "none": None,
+    "current": "current_tensor_scaling",
+    "delayed": cg.ScalingRecipe(
+        "delayed_tensor_scaling",
+        x_state=cg.ScalingState.create(),
+        w_state=cg.ScalingState.create(),
+        dy_state=cg.ScalingState.create(),
+    ),  # fmt: skip
+}
 
 
 def make_mesh(devices) -> Mesh:
@@ -110,9 +132,9 @@ def make_mesh(devices) -> Mesh:
     return Mesh(np.array(devices).reshape(data, n // data), ("data", "tp"))
 
 
-def build(shape: Shape, mesh: Mesh, config) -> tuple[Decoder, nnx.Optimizer]:
+def build(shape: Shape, mesh: Mesh, config, scaling=None) -> tuple[Decoder, nnx.Optimizer]:
     model = cgnnx.create_sharded(
-        lambda: Decoder(shape, mesh=mesh, config=config, rngs=nnx.Rngs(0)), mesh
+        lambda: Decoder(shape, mesh=mesh, config=config, rngs=nnx.Rngs(0), scaling=scaling), mesh
     )
     return model, nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
 
@@ -149,15 +171,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="skip the checkpoint's save and restore")  # fmt: skip
+    parser.add_argument("--scaling", choices=SCALINGS, default="none",
+                        help="the blocks' GEMMs in float8: current or delayed scaling")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
     shape = Shape(layers=args.layers)
     config = None if args.method == "xla" else cg.OverlapConfig(method=args.method)
     mesh = make_mesh(jax.devices())
-    model, optimizer = build(shape, mesh, config)
+    scaling = SCALINGS[args.scaling]
+    if scaling is not None and config is None:
+        parser.error("--scaling needs commgemm's GEMMs, not --method xla")
+    model, optimizer = build(shape, mesh, config, scaling)
     twin_mesh = make_mesh(jax.devices()[:1])
-    twin, twin_optimizer = build(shape, twin_mesh, cg.OverlapConfig())
+    twin, twin_optimizer = build(shape, twin_mesh, cg.OverlapConfig(), scaling)
     nnx.update(twin, jax.device_put(nnx.state(model, nnx.Param), jax.devices()[0]))
     losses, twin_losses, times = [], [], []
     data = batches(shape)
@@ -180,7 +207,8 @@ def main(argv=None) -> dict:
         check_checkpoint(model, shape, mesh, config)
     gap = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     summary = {
-        "mesh": dict(mesh.shape), "method": args.method, "first_loss": losses[0],
+        "mesh": dict(mesh.shape), "method": args.method, "scaling": args.scaling,
+        "first_loss": losses[0],
         "last_loss": losses[-1], "max_gap_to_twin": gap,
         "median_step_ms": float(np.median(times[1:] or times) * 1e3),
     }  # fmt: skip

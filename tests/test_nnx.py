@@ -161,6 +161,19 @@ def test_training_example_matches_its_twin(example, method):
     assert summary["max_gap_to_twin"] < 1e-3
 
 
+def test_training_example_with_delayed_scaling(example):
+    """The example's blocks in float8 with delayed scaling (dY's states written back from their
+    gradients each step): the loss falls as in bf16, and the sharded model stays within float8's
+    rounding of its unsharded twin (both quantize by the same states)."""
+    argv = ["--steps", "12", "--layers", "1", "--scaling", "delayed", "--quiet", "--no-checkpoint"]
+    summary = example.main(argv)
+    assert summary["scaling"] == "delayed"
+    assert summary["last_loss"] < summary["first_loss"] - 0.5
+    assert summary["max_gap_to_twin"] < 0.05
+    with pytest.raises(SystemExit):  # XLA's plain dots take no scaling
+        example.main(["--method", "xla", "--scaling", "current", "--quiet"])
+
+
 def test_parallel_mlp_with_fp8(rng):
     """scaling= on the layers: the MLP's output within FP8's error of the unquantized one,
     gradients finite and within it too (a linear loss)."""
