@@ -118,7 +118,7 @@ class _Parallel(nnx.Module):
         bias = None if bias is None else bias[...].astype(dtype)
         sharding = self.activation_sharding(sharded_features=sharded_features)
         if self.float8 is not None:
-            return self._delayed_gemm(x, kernel, bias, sharded_features, activation)
+            return self._delayed_gemm(x, kernel, bias, sharded_features, activation, sharding)
         if self.config is not None:
             return gemm(x, kernel, out_sharding=sharding, config=self.config, bias=bias,
                         activation=activation, scaling=self.scaling)  # fmt: skip
@@ -131,7 +131,7 @@ class _Parallel(nnx.Module):
         out = apply_epilogue(out, bias, activation, return_pre_activation=False)
         return out if explicit else jax.lax.with_sharding_constraint(out, sharding)
 
-    def _delayed_gemm(self, x, kernel, bias, sharded_features: bool, activation) -> jax.Array:
+    def _delayed_gemm(self, x, kernel, bias, sharded_features: bool, activation, sharding):
         """`_gemm` under delayed scaling: the GEMM with the layer's states (cg.gemm told the
         operands' specs, which delayed scaling needs), then x's and w's states advanced."""
         dtype, grad_dtype, split = self.scaling
@@ -144,7 +144,6 @@ class _Parallel(nnx.Module):
         tp = self.axis_name
         x_spec = self.activation_sharding(sharded_features=not sharded_features).spec
         w_spec = P(None, tp) if sharded_features else P(tp, None)
-        sharding = self.activation_sharding(sharded_features=sharded_features)
         out = gemm(x, kernel, out_sharding=sharding, config=self.config, x_spec=x_spec,
                    w_spec=w_spec, bias=bias, activation=activation, scaling=recipe)  # fmt: skip
         seen = {"x": amax(jax.lax.stop_gradient(x)), "w": amax(jax.lax.stop_gradient(kernel))}

@@ -189,7 +189,7 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
         assert where[count - 1] - where[0] <= lead
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     size=st.integers(2, 8),
     own=st.integers(1, 400),

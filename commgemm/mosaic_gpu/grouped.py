@@ -9,8 +9,8 @@ and jax's 7% faster with 64, where a 128-row tile holds two to four groups; ours
 19% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
 runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
-exists; it stays the fall-back for shapes neither kernel takes. Current tensor scaling runs
-the forward and dX on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
+exists; it stays the fall-back for shapes neither kernel takes. Tensor scaling (current or
+delayed) runs the forward and dX on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
 
 from __future__ import annotations
 
