@@ -200,7 +200,7 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     return np.bincount(tokens, minlength=experts).astype(np.int32)
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
