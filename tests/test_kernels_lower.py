@@ -152,7 +152,7 @@ def test_chain_tiles_needs_two_tiles_per_cta():
         )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     m_iters=st.integers(1, 12),
     n_iters=st.integers(1, 12),
@@ -219,7 +219,7 @@ def test_spread_schedule(size, own, ctas, lead, spread):
         assert (step == lin // own).all()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     size=st.integers(1, 8),  # 1: the kernel's GEMM core
     per_block=st.integers(1, 300),
@@ -263,7 +263,7 @@ def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split
     assert (steps == k_iters).all()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     size=st.integers(2, 8),
     per_block=st.integers(1, 300),
