@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -91,17 +89,6 @@ def train_step(model, optimizer, tokens):
     return loss
 
 
-def wall_periods(variants: dict, rounds: int = 4, steps: int = 4) -> dict[str, float]:
-    """Host-timed ms per step: the median of `rounds` interleaved batches of `steps` steps."""
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (fn, fn_args) in variants.items():
-            start = time.perf_counter()
-            jax.block_until_ready([fn(*fn_args) for _ in range(steps)])
-            times[name].append((time.perf_counter() - start) * 1e3 / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def kernels(fn, args, steps: int = 4) -> dict:
     """The GPU's time per step by kernel kind and the longest kernels
     (`layers_profile.breakdown`), from a trace of `steps` steps."""
@@ -144,6 +131,8 @@ def main() -> None:
         variants[name] = (train_step, (model, optimizer, tokens))
     # 50 ms between batches: a step's host work may outlast its GPU work, and the periods'
     # batches must stay apart (spans.batches_from_trace); host-timed steps beside them
+    from layers_profile import wall_periods
+
     found = device_periods_interleaved(variants, rounds=6, calls=4, gap_s=0.05)
     wall = wall_periods(variants)
     periods = {name: f.get("median") for name, f in found.items()}

@@ -33,10 +33,8 @@ from commgemm.quant import (
     Scaling,
     ScalingMode,
     ScalingRecipe,
-    amax,
     as_recipe,
     dequantize,
-    quantize,
 )
 from commgemm.scaled import payload, unpack_rows
 from commgemm.xla.common import after
@@ -126,17 +124,11 @@ def _fwd(y, state, mode, grad_dtype, axis_name):
 
 
 def _bwd(mode, grad_dtype, axis_name, state, dy):
+    # dy_quantized: by the current amax over the axis (block modes by blocks), or by the
+    # delayed state's scale, the state's cotangent then the advanced state
     names = () if axis_name is None else axis_name
-    if state is not None:  # delayed: the state's scale; its cotangent is the advanced state
-        q, new = dy_quantized(dy, mode, grad_dtype, names, state)
-        return lax.stop_gradient(dequantize(q, dy.dtype)), new
-    if mode in TENSOR_MODES:
-        q = quantize(dy, ScalingMode.CURRENT_TENSOR_SCALING, dtype=grad_dtype,
-                     amax=amax(dy, names))  # fmt: skip
-    else:
-        shared = None if mode is ScalingMode.MXFP8_1D_SCALING else amax(dy, names)
-        q = quantize(dy, mode, amax=shared)
-    return lax.stop_gradient(dequantize(q, dy.dtype)), None
+    q, new = dy_quantized(dy, mode, grad_dtype, names, state)
+    return lax.stop_gradient(dequantize(q, dy.dtype)), new
 
 
 _quantized_cotangent.defvjp(_fwd, _bwd)

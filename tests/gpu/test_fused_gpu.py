@@ -489,18 +489,24 @@ def test_fused_float8_against_the_split_method(two_gpus, op, check_vma):
         assert _relative_error(a, b) <= REL
 
 
+def _float8_grouped_operands(seed: int):
+    """(sizes, x [2048, 1024], w [8, 1024, 512], a cotangent g [2048, 512]): 8 uneven groups,
+    one empty, 1900 rows in all; bf16 operands, float32 g."""
+    m, k, n, groups = 2048, 1024, 512, 8
+    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    return sizes, x, w, jax.random.normal(kg, (m, n), jnp.float32)
+
+
 def test_grouped_matmul_float8_kernel_delayed():
     """Delayed scaling with a dy_state on the float8 grouped kernel: the forward and dX on
     float8 (in the compiled programs), values and gradients the emulated path's under the same
     states, and dy_state's gradient (the advanced state) the emulated path's."""
     from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-    m, k, n, groups = 2048, 1024, 512, 8
-    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
-    kx, kw, kg = jax.random.split(jax.random.key(11), 3)
-    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    g = jax.random.normal(kg, (m, n), jnp.float32)
+    sizes, x, w, g = _float8_grouped_operands(11)
     state = lambda a: cg.ScalingState.create(history=4).update(jnp.float32(a))  # noqa: E731
     xs, ws, dys = state(4.0), state(0.2), state(3.0)
 
@@ -529,12 +535,7 @@ def test_grouped_matmul_float8_kernel_delayed():
 def test_grouped_matmul_float8_under_remat():
     """The float8 grouped op (its residuals float8 values) under jax.checkpoint: the same loss
     and gradients as without it (to float32 summation order)."""
-    m, k, n, groups = 2048, 1024, 512, 8
-    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)
-    kx, kw, kg = jax.random.split(jax.random.key(13), 3)
-    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (groups, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
-    g = jax.random.normal(kg, (m, n), jnp.float32)
+    sizes, x, w, g = _float8_grouped_operands(13)
 
     def loss(a, b):
         out = cg.grouped_matmul(a, b, sizes, scaling="current_tensor_scaling")
