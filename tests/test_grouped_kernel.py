@@ -174,6 +174,16 @@ def test_grouped_config_and_shapes():
             jnp.zeros((128, 100), jnp.bfloat16), jnp.zeros((2, 100, 256), jnp.bfloat16),
             jnp.array([64, 64], jnp.int32),
         )  # fmt: skip
+    two = jnp.array([64, 64], jnp.int32)
+    with pytest.raises(ValueError, match="a float8 dtype"):  # float8 x takes float8 w only
+        grouped_kernel.grouped_matmul(
+            jnp.zeros((128, 256), jnp.float8_e5m2), jnp.zeros((2, 256, 256), jnp.bfloat16), two,
+            w_nk=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="split accumulation is for float8"):
+        grouped_kernel.grouped_matmul(jnp.zeros((128, 256), jnp.bfloat16),
+                                      jnp.zeros((2, 256, 256), jnp.bfloat16), two,
+                                      split_accumulator=True)  # fmt: skip
 
 
 def test_float8_shapes_and_path_reasons(monkeypatch):
