@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import commgemm as cg
 from commgemm import mosaic_gpu
 from commgemm.cli.specs import parse_method
-from commgemm.mosaic_gpu import push_gather_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -317,25 +317,36 @@ def test_automatic_split_tail(num_tiles, k_iters, expected):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_ring_reduce_scatter_lowers(size):
-    """ATOMIC_GEMM_RS_P2P (the ring kernel): one received-count semaphore per ring step."""
+@pytest.mark.parametrize(
+    ("op", "spec"),
+    [
+        ("ag", "fused"),
+        ("ag", "fused-gm-w4"),
+        ("rs", "fused"),
+        ("rs", "fused-cm"),
+        ("rs", "fused-wgm-cn-m64-n256"),
+    ],
+)
+def test_ring_kernels_lower(op, spec, size):
+    """ATOMIC_GEMM_AG_P2P (the direct AG kernel forwarding each block) and ATOMIC_GEMM_RS_P2P
+    (one received-count semaphore per ring step) lower on 2 and 4 devices."""
     from commgemm.mosaic_gpu import fused
 
-    cfg = parse_method("fused", "rs")
-    text = lower(
-        lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False),
-        P(None, "x"),
-        P("x", None),
-        P("x", None),
-        size,
-        (1024 * size, 256 * size),
-        (256 * size, 1024),
-    )
+    cfg = parse_method(spec, op)
+    if op == "ag":  # 2048 rows a device, N 1024 a device
+        fn = lambda x, w: fused.all_gather_matmul(x, w, "x", cfg, w_transposed=False)  # noqa: E731
+        specs = (P("x", None), P(None, "x"), P(None, "x"))
+        shapes = ((2048 * size, 256), (256, 1024 * size))
+    else:  # 512 rows a device, K 256 a device
+        fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
+        specs = (P(None, "x"), P("x", None), P("x", None))
+        shapes = ((512 * size, 256 * size), (256 * size, 1024))
+    text = lower(fn, *specs, size, *shapes)
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("kernel", ["ag", "rs", "ring rs"])
+@pytest.mark.parametrize("kernel", ["ag", "rs", "ring ag", "ring rs"])
 def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
     """On a ("data", "x") mesh the kernels address a peer by its coordinate on "x" (Mosaic GPU
     refuses a bare index there: "got 1 ids for a 2D mesh")."""
@@ -343,9 +354,9 @@ def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[: 2 * rows]).reshape(rows, 2), ("data", "x"))
     size = 2
-    if kernel == "ag":
-        cfg = parse_method("fused-direct", "ag")
-        fn = lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg)  # noqa: E731
+    if kernel.endswith("ag"):
+        cfg = parse_method("fused" if kernel == "ring ag" else "fused-direct", "ag")
+        fn = lambda x, w: fused.all_gather_matmul(x, w, "x", cfg, w_transposed=False)  # noqa: E731
         specs, shapes = (P("x", None), P(None, "x"), P(None, "x")), ((4096, 256), (256, 4096))
     else:
         spec = "fused-direct-cm" if kernel == "rs" else "fused"
@@ -359,9 +370,9 @@ def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
-def test_ring_all_gather_needs_a_1d_mesh(monkeypatch):
-    """jax's ring AG kernel takes a bare peer index: refused at plan time on a mesh of more
-    axes, where the direct kernel runs."""
+def test_fused_ag_plans_on_a_mesh_with_more_axes(monkeypatch):
+    """Both AG kernels address a peer by its coordinate on the axis: the plan takes them on a
+    1-D mesh and on one of more axes."""
     from commgemm.config import Collective
     from commgemm.mosaic_gpu import fused
 
@@ -378,16 +389,13 @@ def test_ring_all_gather_needs_a_1d_mesh(monkeypatch):
 
     two_axes = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "x"))
     for mesh in (mesh1d(2), two_axes):
+        reasons.clear()
         jax.shard_map(
             body, mesh=mesh, in_specs=(P("x", None), P(None, "x")), out_specs=P("x", None)
         )(  # fmt: skip
             jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 1024), jnp.bfloat16)
         )
-        assert reasons["fused-direct"] is None
-        if mesh is two_axes:
-            assert "1-D mesh only" in reasons["fused"]
-        else:
-            assert reasons["fused"] is None
+        assert reasons == {"fused": None, "fused-direct": None}
 
 
 def test_compiler_params_reach_the_kernels():
@@ -463,19 +471,25 @@ def test_grouped_kernel_lowers(w_nk, row_tiles, narrow):
     assert f"{schedule}) -> tensor<{m}x512xbf16>" in calls[0], calls
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("size", [None, 2])  # None: no mesh axis, the kernel's GEMM core
-def test_direct_kernels_lower_on_float8(op, size, split):
-    """The ops' quantized path into the direct kernels: float8 x and w ([n, K]) reach the
-    kernel as float8 (and no bf16 copy of either), with the scale as a third operand; with
+@pytest.mark.parametrize("spec", ["fused-direct", "fused"])
+@pytest.mark.parametrize(  # size None: no mesh axis, the kernel's GEMM core
+    ("size", "split"), [(None, False), (None, True), (2, False), (2, True), (4, False)]
+)
+def test_fused_kernels_lower_on_float8(spec, op, size, split):
+    """The ops' quantized path into the direct and ring kernels: float8 x and w ([n, K]) reach
+    the kernel as float8 (and no bf16 copy of either), with the scale as a third operand; with
     fast and split accumulation."""
     from commgemm import scaled
     from commgemm.mosaic_gpu import fused
 
-    cfg = parse_method("fused-direct", op)
+    cfg = parse_method(spec, op)
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
-    x_shape, w_shape = ((1024, 512), (512, 512)) if op == "ag" else ((1024, 512), (512, 1024))
+    p = size or 1  # per device: AG 1024 rows and N 512, RS 1024 rows and K 512
+    if op == "ag":
+        x_shape, w_shape = (1024 * p, 512), (512, 512 * p)
+    else:
+        x_shape, w_shape = (1024 * p, 512 * p), (512 * p, 1024)
 
     def body(x, w):
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
@@ -552,6 +566,7 @@ def test_split_accumulation_needs_small_warpgroup_tiles():
     for kernel, cfg in (
         (push_gather_gemm.all_gather_matmul, parse_method("fused-direct", "ag")),
         (scatter_add_gemm.matmul_reduce_scatter, parse_method("fused-direct", "rs")),
+        (ring_scatter_gemm.matmul_reduce_scatter, parse_method("fused", "rs")),
     ):
         call = lambda x, w: kernel(x, w, None, cfg, w_nk=True, split_accumulator=True)  # noqa: B023, E731
         with pytest.raises(ValueError, match="at most 8192 elements"):
@@ -565,18 +580,21 @@ def test_split_accumulation_needs_small_warpgroup_tiles():
     ctas=st.sampled_from([66, 132, 7, 1]),
     spread=st.sampled_from([0, 50, 100]),
     narrow=st.booleans(),
+    ring=st.booleans(),
 )
-def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow):
-    """ATOMIC_GEMM_AG with narrow_tail: the main loop's whole tiles and the tail's two halves
-    of each of its tiles cover every unit exactly once; the tail fits in one wave of CTAs,
-    sends no rows (its units are peers' tiles, or one device's), and finishes the GEMM at
-    least half a tile's time sooner than whole tiles would."""
+def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow, ring):
+    """ATOMIC_GEMM_AG (direct, or the ring) with narrow_tail: the main loop's whole tiles and
+    the tail's two halves of each of its tiles cover every unit exactly once; the tail fits in
+    one wave of CTAs, sends no rows (its units are peers' tiles, or one device's; in a ring
+    the last step's), and finishes the GEMM at least half a tile's time sooner than whole
+    tiles would."""
     tiles = mosaic_gpu.DirectAGConfig(spread=spread, narrow_tail=narrow)
     units = size * own
     head, region = push_gather_gemm.spread_plan(tiles, own, ctas, 0)
-    if size == 1:
+    if size == 1 or ring:
         head = region = own
-    tail = push_gather_gemm.narrow_tail(tiles, units, ctas, region if size > 1 else 0)
+    senders_end = (size - 1) * own if ring else region if size > 1 else 0
+    tail = push_gather_gemm.narrow_tail(tiles, units, ctas, senders_end)
     main = units - tail
     covered = np.zeros((units, 2), np.int32)
     covered[:main] += 1
@@ -588,7 +606,7 @@ def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow):
     if tail:
         assert main % ctas == 0 and 2 * tail <= ctas
         steps, _ = push_gather_gemm.schedule_unit(np.arange(main, units), own, head, region)
-        assert size == 1 or (np.asarray(steps) > 0).all()
+        assert size == 1 or (np.asarray(steps) > (size - 2 if ring else 0)).all()
         assert main // ctas + 0.5 <= -(-units // ctas) - 0.5
     elif narrow and units % ctas and 2 * (units % ctas) <= ctas and size == 1:
         pytest.fail("one device's partly filled last wave was left whole")

@@ -396,13 +396,14 @@ def test_bad_input(rng):
         cg.ScalingRecipe(dtype="bfloat16")
     with pytest.raises(ValueError, match="not a valid ScalingMode"):
         _fn("ag", cg.OverlapConfig(), "fp3", 2)(x, w)
-    # the fused kernels: only the direct ones, tensor modes, Hopper
+    # the fused kernels: tensor modes, Hopper
     ring = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
     direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
     for op, cfg, scaling, why in [
-        ("ag", ring, CUR, "only the direct kernels"),
+        ("ag", ring, MX, "no Hopper tensor-core path"),
         ("rs", direct, MX, "no Hopper tensor-core path"),
-        ("rs", direct, CUR, "cannot run this call"),  # the plan's own checks (dtype, GPU)
+        ("ag", ring, CUR, "cannot run this call"),  # the plan's own checks (dtype, GPU)
+        ("rs", direct, CUR, "cannot run this call"),
     ]:
         with pytest.raises(ValueError, match=why):
             _fn(op, cfg, scaling, 2)(x, w)

@@ -3,39 +3,40 @@
 The split methods (PIPELINE, RING_EXCHANGE) leave the order of GEMMs and transfers to XLA's
 scheduler, which keeps one collective-permute in flight and starts each transfer only where the
 compute stream reaches it. Here one persistent Mosaic GPU kernel (Pallas, Hopper) does both, the
-way the reference's atomic GEMMs do with userbuffers:
+way the reference's atomic GEMMs do with userbuffers. Every kernel is ours, on the GEMM of
+`tiles` (jax's Hopper matmul kernel's tiling and pipeline):
 
-  AG: jax's own `all_gather_lhs_matmul`: while a CTA multiplies a tile of x it also writes that
-      tile, already in shared memory, into the next device's buffer over NVLink; step s
-      multiplies the block that arrived in step s-1.
-  RS: ours, built on jax's Hopper matmul kernel: at step s device d computes its partial
-      product of row block (d - s - 1) mod P, adds the partial sum of that block received from
-      device d-1 (read in the epilogue; none at step 0), and writes each tile straight into
-      device d+1's buffer; at the last step the block is d's own and the sum goes to the output.
-      Partial sums travel in the output dtype.
+  Method RING_EXCHANGE:
+  ATOMIC_GEMM_AG_P2P: `push_gather_gemm` with ring=True: while a CTA multiplies a band of
+      rows it also writes them, already in shared memory, into the next device's inbox over
+      NVLink; step s multiplies the rows of device d - s, each band once its own rows landed.
+  ATOMIC_GEMM_RS_P2P: `ring_scatter_gemm`: at step s device d computes its partial product of
+      row block (d - s - 1) mod P, adds the partial sum of that block received from device d-1
+      and writes each tile straight into device d+1's inbox; at the last step the block is d's
+      own and the sum goes to the output. Partial sums travel in the output dtype.
   Method PIPELINE, no ring:
   ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
       multiplying them; a peer's tiles wait only for their own band of rows.
   ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
       output, tiles of all blocks interleaved.
 
-Quantized operands (an op's `scaling=` with a tensor mode): the direct kernels (PIPELINE) take
-float8 x and w (w laid out [n, K], K-major, as float8 wgmma wants: quantizing w writes it so)
-and multiply on the float8 tensor cores, the rows on the wire float8. They accumulate as the
-recipe's forward flag asks (ScalingRecipe.split_accumulator[0]): in the tensor cores'
-accumulator across all K-steps (fast), or with each K-step's product added into a float32
-total (split, in 64 x 128 warpgroup tiles: `tiles.accumulated`).
-The epilogue multiplies the accumulator by the two tensor scales (one number: shards share
-them) and stores the result in x's dtype, so RS partial sums add already scaled. Block modes
-and the ring kernels take no float8 operands (`scaling_reason`).
+Quantized operands (an op's `scaling=` with a tensor mode): every kernel takes float8 x and w
+(w laid out [n, K], K-major, as float8 wgmma wants: quantizing w writes it so) and multiplies
+on the float8 tensor cores, the rows on the wire float8. They accumulate as the recipe's
+forward flag asks (ScalingRecipe.split_accumulator[0]): in the tensor cores' accumulator
+across all K-steps (fast), or with each K-step's product added into a float32 total (split,
+in 64 x 128 warpgroup tiles: `tiles.accumulated`). The epilogue multiplies the accumulator by
+the two tensor scales (one number: shards share them) and stores the result in x's dtype, so
+RS partial sums add already scaled. Block modes take no float8 operands here
+(`scaling_reason`).
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
-divide into the kernel's tiles; the ring AG (jax's kernel) also a 1-D mesh. Our kernels
-address a peer by its coordinate on the axis, the others of the mesh (size 1 where the axis
-spans every device) kept. Mosaic GPU itself also wants the mesh's devices in id order (it
-raises otherwise). The backward pass of a fused op runs the RING_EXCHANGE method.
+divide into the kernel's tiles. The kernels address a peer by its coordinate on the axis, the
+others of the mesh (size 1 where the axis spans every device) kept. Mosaic GPU itself also
+wants the mesh's devices in id order (it raises otherwise). The backward pass of a fused op
+runs the RING_EXCHANGE method.
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
-from commgemm.mosaic_gpu import push_gather_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
@@ -73,35 +73,13 @@ def kernel_config(collective: Collective, config: OverlapConfig) -> KernelConfig
     return config.kernel or FAMILY[(collective, config.method)]()
 
 
-def tuning_config(tiles: KernelConfig):
-    """`tiles` as the TuningConfig of jax's Hopper matmul kernel."""
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-
-    dim = hm.MatmulDimension
-    return hm.TuningConfig(
-        tile_m=tiles.tile_m,
-        tile_n=tiles.tile_n,
-        tile_k=tiles.tile_k,
-        max_concurrent_steps=tiles.stages,
-        grid_tile_width=tiles.grid_tile_width,
-        grid_minor_dim=dim.M if tiles.grid_minor_m else dim.N,
-        epi_tile_m=tiles.epi,
-        epi_tile_n=tiles.epi,
-        wg_dimension=dim.M if tiles.wg_along_m else dim.N,
-        cluster_dimension={None: None, "m": dim.M, "n": dim.N}[getattr(tiles, "cluster", None)],
-    )
-
-
 def _gpu_reason() -> str | None:
     if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
     if jax.process_count() != 1:
         return "it needs one process driving all GPUs (got several processes)"
     try:
-        from jax.experimental.pallas.ops.gpu import (
-            collective_matmul_mgpu,  # noqa: F401
-            hopper_matmul_mgpu,  # noqa: F401
-        )
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # noqa: F401
     except ImportError as err:  # jax too old, or jaxlib without Mosaic GPU
         return f"this jax has no Mosaic GPU collective kernels ({err})"
     return None
@@ -163,12 +141,6 @@ def unsupported_reason(
         return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
-    axes = jax.sharding.get_abstract_mesh().axis_names
-    if family is RingAGConfig and len(axes) > 1:
-        return (
-            f"jax's ring all-gather kernel addresses peers on a 1-D mesh only; this mesh has axes "
-            f"{axes} (the direct kernel, method PIPELINE, takes any mesh)"
-        )
     if chain_tiles:
         ctas = mosaic_tiles.num_sms() // tiles.cluster_size
         count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
@@ -214,8 +186,6 @@ def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
             f"{recipe.mode.name} has no Hopper tensor-core path (the XLA methods emulate block "
             "scales)"
         )
-    if config.method is not Method.PIPELINE:
-        return "only the direct kernels (PIPELINE) take float8 operands, not the rings"
     return None
 
 
@@ -240,20 +210,28 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
 
 
 def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool):
-    """The direct kernel of `collective` on a float8 payload x [rows, K] and a
+    """The kernel of `collective` and config's method on a float8 payload x [rows, K] and a
     `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
     epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`)."""
     data = w.w.data if w_transposed else w.w.data.T
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
-    tiles = config.kernel or FAMILY[(collective, Method.PIPELINE)]()
     split = w.split_accumulator
-    config = config.replace(kernel=float8_tiling(tiles, x.shape[1], split=split))
-    if collective is Collective.ALL_GATHER:
-        kernel = push_gather_gemm.all_gather_matmul
-    else:
-        kernel = scatter_add_gemm.matmul_reduce_scatter
-    return kernel(x, data, axis_name, config, w_nk=True, out_dtype=w.dtype, scale=scale,
-                  split_accumulator=split)  # fmt: skip
+    tiles = float8_tiling(kernel_config(collective, config), x.shape[1], split=split)
+    return _kernel(collective, config.replace(kernel=tiles))(
+        x, data, axis_name, w_nk=True, out_dtype=w.dtype, scale=scale, split_accumulator=split
+    )
+
+
+def _kernel(collective: Collective, config: OverlapConfig):
+    """fn(x, w, axis_name, **options) running config's kernel for `collective` (options: the
+    kernels' w_nk, out_dtype, scale, split_accumulator)."""
+    ring = config.method is Method.RING_EXCHANGE
+    if collective is Collective.REDUCE_SCATTER:
+        kernel = ring_scatter_gemm if ring else scatter_add_gemm
+        return lambda x, w, axis, **kw: kernel.matmul_reduce_scatter(x, w, axis, config, **kw)
+    return lambda x, w, axis, **kw: push_gather_gemm.all_gather_matmul(
+        x, w, axis, config, ring=ring, **kw
+    )
 
 
 def _array(w) -> jax.Array:
@@ -283,19 +261,8 @@ def all_gather_matmul(
     """
     if _is_quantized(w):
         out = _float8_call(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed)
-    elif config.method is Method.PIPELINE:
-        out = push_gather_gemm.all_gather_matmul(x, _as_kn(w, w_transposed), axis_name, config)
     else:
-        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
-
-        with jax.named_scope("fused_ag_gemm"):
-            out = collective_matmul_mgpu.all_gather_lhs_matmul(
-                x,
-                _as_kn(w, w_transposed),
-                axis_name,
-                config=tuning_config(kernel_config(Collective.ALL_GATHER, config)),
-                dtype=x.dtype,
-            )
+        out = _kernel(Collective.ALL_GATHER, config)(x, _as_kn(w, w_transposed), axis_name)
     out = varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
     return (out, None) if return_gathered else out
 
@@ -312,62 +279,9 @@ def matmul_reduce_scatter(
     the ring (RING_EXCHANGE) or the direct reduce-adds of `scatter_add_gemm` (PIPELINE)."""
     if _is_quantized(w):
         out = _float8_call(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
-    elif config.method is Method.PIPELINE:
-        out = scatter_add_gemm.matmul_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
     else:
-        out = _ring_reduce_scatter(x, _as_kn(w, w_transposed), axis_name, config)
+        out = _kernel(Collective.REDUCE_SCATTER, config)(x, _as_kn(w, w_transposed), axis_name)
     return varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
-
-
-def _ring_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, config: OverlapConfig):
-    """ATOMIC_GEMM_RS_P2P: x [M, k], w [k, n] -> [M/P, n] (module docstring)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-
-    size = lax.axis_size(axis_name)
-    rows, n = x.shape[0] // size, w.shape[1]
-    num_sms = mosaic_tiles.num_sms()
-    tiles = kernel_config(Collective.REDUCE_SCATTER, config)
-    tuning = tuning_config(tiles)
-    signals_per_step = 2 * num_sms  # each compute warpgroup of each CTA signals once a step
-
-    def body(x_ref, w_ref, out_ref, inbox_ref):
-        # one count per step: with one shared count, a CTA a step ahead of another could
-        # complete the count for a step whose writes have not all landed (P > 2)
-        received = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1),)))
-        wg = lax.axis_index("wg")
-        here = lax.axis_index(axis_name)
-        succ = mosaic_tiles.peer_id(axis_name, lax.rem(here + 1, jnp.int32(size)))
-        for step in range(size):
-            block = lax.rem(here + 2 * size - step - 1, jnp.int32(size))
-            last = step == size - 1
-            if step:  # the partial sum of this block from device d-1 must have landed
-                pl.semaphore_wait(received.at[step - 1], value=signals_per_step, decrement=False)
-            hm.kernel(
-                x_ref.at[pl.ds(block * rows, rows)],
-                w_ref,
-                inbox_ref.at[step - 1] if step else None,
-                out_ref if last else plgpu.remote_ref(inbox_ref, succ).at[step],
-                config=tuning,
-            )
-            if not last:
-
-                @pl.when(wg < 2)
-                def _signal(sent=received.at[step]):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the writes have landed
-                    pl.semaphore_signal(sent, device_id=succ)
-
-    with jax.named_scope("fused_gemm_rs"):
-        out, _ = plgpu.kernel(
-            body,
-            out_type=[
-                jax.ShapeDtypeStruct((rows, n), x.dtype),
-                jax.ShapeDtypeStruct((size - 1, rows, n), x.dtype),  # partial sums received
-            ],
-            **mosaic_tiles.kernel_params(num_sms, tiles.cluster_size),
-        )(x, w)
-    return out
 
 
 def matmul_all_reduce(*args, **kwargs):

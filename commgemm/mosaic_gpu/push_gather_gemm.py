@@ -1,14 +1,20 @@
-"""ATOMIC_GEMM_AG: all-gather + GEMM in one kernel, each band of x rows flagged as it lands.
+"""ATOMIC_GEMM_AG and ATOMIC_GEMM_AG_P2P: all-gather + GEMM in one kernel, each band of x rows
+flagged as it lands.
 
 x [m, K] (this device's rows), w [K, n] -> all_gather(x) @ w [P*m, n], rows in device order.
 One persistent Mosaic GPU kernel walks the tiles of all P row blocks, its own block first.
-While CTAs multiply the first `senders` tiles of a band of their own rows (cta_m rows), each
-writes its share of the x blocks it loaded into shared memory (every senders-th K block) into
-every peer's inbox over NVLink, then raises that band's flag at each peer. A tile of a peer's
-block waits only for its own band's flags, not for the whole block (jax's ring kernel,
-ATOMIC_GEMM_AG_P2P, waits a step). Where sending the own rows outlasts their GEMM, `spread`
-interleaves the own tiles with the peers' after the first wave (`spread_plan`,
-`schedule_unit`). Slot j of a device's inbox holds the rows of device (d - j - 1) mod P.
+While CTAs multiply the first `senders` tiles of a band of rows (cta_m rows), each writes its
+share of the x blocks it loaded into shared memory (every senders-th K block) into a peer's
+inbox over NVLink, then raises that band's flag there. A tile of a peer's block waits only
+for its own band's flags, not for the whole block. Slot j of a device's inbox holds the rows
+of device (d - j - 1) mod P.
+  Direct (ATOMIC_GEMM_AG, method PIPELINE): the own rows go to every peer at once; where
+      sending them outlasts their GEMM, `spread` interleaves the own tiles with the peers'
+      after the first wave (`spread_plan`, `schedule_unit`).
+  Ring (ATOMIC_GEMM_AG_P2P, method RING_EXCHANGE, `ring=True`): at step s a device multiplies
+      the rows of device (d - s) mod P and forwards them, band by band, into slot s of the next
+      device's inbox (steps 0 to P - 2), so each link carries every block once and a device
+      sends one block a step. On two devices the two are the same kernel.
 Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
 relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair shares w).
 With DirectAGConfig.narrow_tail, a last wave of tiles that fills at most half the CTAs runs
@@ -18,6 +24,7 @@ own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -26,7 +33,7 @@ from jax import lax
 
 from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
-from commgemm.mosaic_gpu.configs import DirectAGConfig
+from commgemm.mosaic_gpu.configs import DirectAGConfig, RingAGConfig
 
 #: Tiles of a band (its first visits) that share pushing the band's rows: with one, a band's
 #: transfer had one store in flight and ran slower than the GEMM (docs/performance.md).
@@ -104,18 +111,23 @@ def all_gather_matmul(
     out_dtype=None,
     scale: jax.Array | None = None,
     split_accumulator: bool = False,
+    ring: bool = False,
     compiler_params: Mapping | None = None,
 ) -> jax.Array:
     """x [m, K] (rows sharded over axis_name), w [K, n] (local; [n, K] with w_nk) -> [P*m, n],
     all_gather(x) @ w (times `scale` [1] float32, if given) in `out_dtype` (default x's dtype),
     rows in device order. Float8 x and w (w_nk) multiply on float8 tensor cores; the rows
     travel as float8; `split_accumulator` promotes the partial sums to float32 every K-step
-    (`tiles.accumulated`). axis_name None: one device (the kernel's GEMM core)."""
+    (`tiles.accumulated`). `ring`: forward each block to the next device instead of pushing the
+    own rows to every peer (module docstring; no `spread`). axis_name None: one device (the
+    kernel's GEMM core)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
     tiles = config.kernel or DirectAGConfig()
+    if isinstance(tiles, RingAGConfig):  # the ring's tiling: no clusters, spread or narrowing
+        tiles = DirectAGConfig(**dataclasses.asdict(tiles))
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]
@@ -129,13 +141,15 @@ def all_gather_matmul(
     sms = mt.num_sms()
     lead = send_lead(tiles, m_iters, n_iters, num_senders)
     head, region = spread_plan(tiles, step_tiles, sms // tiles.cluster_size, lead)
-    if size == 1:
+    if size == 1 or ring:  # one device, or the steps in ring order
         head = region = step_tiles
     if region > step_tiles and step_tiles * step_tiles >= 2**31:
         raise ValueError(f"DirectAGConfig.spread needs fewer tiles a block, got {step_tiles}")
     num_units = size * step_tiles
-    # the own tiles (units below region) send x's rows; on one device nothing is sent
-    tail = narrow_tail(tiles, num_units, sms // tiles.cluster_size, region if size > 1 else 0)
+    # the units that send rows come before senders_end: the own tiles (units below region),
+    # in a ring every step's but the last; on one device nothing is sent
+    senders_end = (size - 1) * step_tiles if ring else region if size > 1 else 0
+    tail = narrow_tail(tiles, num_units, sms // tiles.cluster_size, senders_end)
     main_units = num_units - tail
 
     def body(x_ref, w_ref, *refs):
@@ -143,9 +157,16 @@ def all_gather_matmul(
         arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((max(size - 1, 1), bands)))
         here = mt.axis_position(axis_name)[1]
         wg = lax.axis_index("wg")
-        # the peers, in the order of their inbox slots for this device's rows
+        # the peers this device sends to, in the order of their inbox slots for its own rows
+        # (a ring: the next device only)
         peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
-                 for j in range(size - 1)]  # fmt: skip
+                 for j in range(min(size - 1, 1) if ring else size - 1)]  # fmt: skip
+
+        def destinations(step):
+            """(peer, inbox slot) pairs that the rows multiplied at `step` are sent to."""
+            if ring:
+                return [(peer, step) for peer in peers]
+            return list(zip(peers, range(size - 1), strict=True))
 
         def walk(tiling, units: int, unit_of):
             """Run `units` units in `tiling`: unit_of(i) is (lin, part), the kernel's lin-th unit
@@ -173,7 +194,8 @@ def all_gather_matmul(
             # the band's first num_senders visits push its rows: K block kk from visit
             # kk mod num_senders (a narrowed tail sends nothing: `narrow_tail`)
             rank = _visit_rank(tiles, at.m_idx, at.n_idx, n_iters)
-            sender = None if part is not None else (step == 0) & (rank < num_senders) & (wg == 0)
+            sends = step < size - 1 if ring else step == 0
+            sender = None if part is not None else sends & (rank < num_senders) & (wg == 0)
             if part is not None:
                 at = mt.narrowed_slices(tiles, at, part)
 
@@ -183,8 +205,8 @@ def all_gather_matmul(
                     @pl.when(sender)
                     def _band_sent():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
-                        for j, peer in enumerate(peers):
-                            mt.relaxed_signal(arrived.at[j, at.m_idx], device_id=peer)
+                        for peer, slot in destinations(step):
+                            mt.relaxed_signal(arrived.at[slot, at.m_idx], device_id=peer)
 
                 acc = mt.scaled(read(), scale_ref, out_dtype)
                 out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)
@@ -218,11 +240,12 @@ def all_gather_matmul(
                 @pl.when(now)
                 def _send():
                     block = pl.ds(kk * tiles.tile_k, tiles.tile_k)
-                    for j, peer in enumerate(peers):
+                    targets = destinations(step)
+                    for j, (peer, slot) in enumerate(targets):
                         plgpu.copy_smem_to_gmem(
                             a_smem,
-                            plgpu.remote_ref(inbox_ref, peer).at[j, band_rows, block],
-                            commit_group=j == size - 2,  # one group per K-step
+                            plgpu.remote_ref(inbox_ref, peer).at[slot, band_rows, block],
+                            commit_group=j == len(targets) - 1,  # one group per K-step
                         )
 
                 # a block's slot is released at the end of the next K-step (release 1), or

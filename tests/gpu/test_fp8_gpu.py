@@ -65,10 +65,13 @@ def test_ops_on_one_gpu(op):
 
 
 def _gemm_core(op, tiles, float8):
-    """The direct kernel of `op` with no mesh axis: its GEMM core on this GPU, nothing to send."""
-    from commgemm.mosaic_gpu import fused, push_gather_gemm, scatter_add_gemm
+    """The kernel of `op` and `tiles` (a direct or ring family) with no mesh axis: its GEMM
+    core on this GPU, nothing to send."""
+    from commgemm.mosaic_gpu import fused, push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
 
-    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    ring = type(tiles).__name__.startswith("Ring")
+    method = "ring_exchange" if ring else "pipeline"
+    cfg = cg.OverlapConfig(method=method, atomic_gemm=True, kernel=tiles)
     if float8:  # the ops' path: a QuantizedRhs, w stored [n, K]
         if op == "ag":
             return jax.jit(lambda a, r: fused.all_gather_matmul(a, r, None, cfg, w_transposed=True))
@@ -76,19 +79,21 @@ def _gemm_core(op, tiles, float8):
     # bf16 w laid out [n, K]: the transposed right operand
     if op == "ag":
         return jax.jit(lambda a, b: push_gather_gemm.all_gather_matmul(a, b, None, cfg, w_nk=True))
-    return jax.jit(lambda a, b: scatter_add_gemm.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
+    kernel = ring_scatter_gemm if ring else scatter_add_gemm
+    return jax.jit(lambda a, b: kernel.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="the fused kernels need jax >= 0.11")
 @pytest.mark.parametrize("k", [1024, 1088])  # 1088: not whole 128-element K-steps, 64 stay
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_direct_kernels_float8_core(op, k):
-    """The direct kernels' float8 wgmma (w [n, K], scales in the epilogue) and their bf16
-    transposed-w path agree with the float32 product of the same operands."""
-    from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig
+@pytest.mark.parametrize("family", ["direct", "ring"])
+def test_fused_kernels_float8_core(family, op, k):
+    """The direct and ring kernels' float8 wgmma (w [n, K], scales in the epilogue) and their
+    bf16 transposed-w path agree with the float32 product of the same operands."""
+    from commgemm import mosaic_gpu
 
     x, w = _operands(m=512, k=k, n=1024)
-    tiles = (DirectAGConfig if op == "ag" else DirectRSConfig)()
+    tiles = getattr(mosaic_gpu, f"{family.capitalize()}{op.upper()}Config")()
     qx = cg.quantize(x, "current_tensor_scaling")
     qw = cg.quantize(w, "current_tensor_scaling", axis=0)
     rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,

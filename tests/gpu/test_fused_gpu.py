@@ -118,9 +118,8 @@ def test_direct_ag_tilings_checked_on_one_gpu(two_gpus, spec):
 )  # fmt: skip
 def test_three_stages_alternating_inputs(two_gpus, op, spec):
     """3 stages and 16 K-steps a device, many tiles a CTA, calls alternating x and -x: with
-    one wgmma in flight the last K-step's smem slot is the next tile's first load; our direct
-    kernels await it (`tiles.await_last_step`, wrong tiles on one H200 before); jax's ring AG
-    kernel (`fused-s3` for ag) keeps one wgmma in flight too. Not yet run when written."""
+    one wgmma in flight the last K-step's smem slot is the next tile's first load; the kernels
+    await it (`tiles.await_last_step`, wrong tiles on one H200 before)."""
     size = jax.device_count()
     shape = (8192, 1024, 7168) if op == "ag" else (8192, 1024 * size, 7168)
     x, w, _ = _operands(shape, 13)
@@ -144,17 +143,16 @@ def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
 
 
 @pytest.mark.parametrize(
-    ("op", "spec"), [("ag", "fused-direct"), ("rs", "fused-direct-cm"), ("rs", "fused")]
+    ("op", "spec"),
+    [("ag", "fused-direct"), ("ag", "fused"), ("rs", "fused-direct-cm"), ("rs", "fused")],
 )
 def test_fused_kernels_on_a_mesh_with_another_axis(two_gpus, op, spec):
     """A ("data", "x") mesh of 1 x P (the layers' and the example's): the kernels address
-    peers by their coordinate on "x"; jax's ring AG kernel is refused at plan time."""
+    peers by their coordinate on "x"."""
     mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "x"))
     x, w, _ = _operands(SHAPES[0], 5)
     f = _sharded(op, mesh, parse_method(spec, op))
     assert _relative_error(f(x, w), _reference(x, w)) <= REL
-    with pytest.raises(ValueError, match="1-D mesh only"):
-        _sharded("ag", mesh, parse_method("fused", "ag"))(x, w)
 
 
 def test_fused_plan_errors(two_gpus):
@@ -468,16 +466,19 @@ def test_grouped_kernel_tiles_in_sequence(stages, narrow, dtype):
         assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(
+    ("spec", "check_vma"), [("fused-direct", True), ("fused-direct", False), ("fused", True)]
+)
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_float8_against_the_split_method(two_gpus, op, check_vma):
-    """scaling= with the direct fused kernels (float8 wgmma, float8 rows on the wire) gives the
-    split PIPELINE method's values and gradients under the same recipe, to bf16 rounding."""
+def test_fused_float8_against_the_split_method(two_gpus, op, spec, check_vma):
+    """scaling= with the direct and ring kernels (float8 wgmma, float8 rows on the wire) gives
+    the split method's values and gradients under the same recipe, to bf16 rounding."""
     x, w, g = _operands((2048, 2048, 2048), 7)
     recipe = cg.ScalingRecipe(split_accumulator=(False, True, True))
     mesh = _mesh()
     results = []
-    for cfg in (parse_method("fused-direct", op), cg.OverlapConfig(method="pipeline")):
+    split_method = "pipeline" if "direct" in spec else "ring_exchange"
+    for cfg in (parse_method(spec, op), cg.OverlapConfig(method=split_method)):
         fn = cg.all_gather_matmul if op == "ag" else cg.matmul_reduce_scatter
         specs = (P("x", None), P(None, "x")) if op == "ag" else (P(None, "x"), P("x", None))
         out_spec = P(None, "x") if op == "ag" else P("x", None)
