@@ -88,8 +88,8 @@ def test_fused_kernel_tile_divisibility(rng):
 
 
 def test_fused_clusters(rng):
-    """2-CTA clusters: the tile divisibility counts the cluster's two tiles; jax's ring
-    all-gather kernel has no clusters and the direct one pairs along M only."""
+    """2-CTA clusters: the tile divisibility counts the cluster's two tiles; the ring
+    all-gather kernel's config has no clusters and the direct one pairs along M only."""
     clustered = cg.OverlapConfig(
         method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(cluster="m")
     )
@@ -108,7 +108,7 @@ def test_fused_clusters(rng):
     ):
         mosaic_gpu.DirectAGConfig(cluster="n")
     with pytest.raises(TypeError):
-        mosaic_gpu.RingAGConfig(cluster="m")  # jax's ring kernel has no clusters
+        mosaic_gpu.RingAGConfig(cluster="m")  # the ring AG's config has no clusters
 
 
 def test_kernel_config_of_another_family_is_refused(rng):
@@ -189,9 +189,9 @@ def test_chain_tiles_needs_two_tiles_per_cta_at_plan_time(monkeypatch):
 
 @pytest.mark.parametrize("stages", [3, 4])
 def test_ring_all_gather_takes_partial_rounds_of_stages(monkeypatch, stages):
-    """jax's ring AG kernel keeps a wgmma in flight over a tile's last K-step, and computed
-    every tile right with K-steps not in whole rounds of stages (one H200, docs/performance.md): the
-    plan (GPU faked) takes 17 K-steps of 64 as it takes whole rounds."""
+    """The ring AG kernel awaits every wgmma on a tile's last K-step (`tiles.await_last_step`),
+    so K-steps need not be whole rounds of stages: the plan (GPU faked) takes 17 K-steps of 64
+    as it takes whole rounds."""
     from commgemm.mosaic_gpu import fused
 
     monkeypatch.setattr(fused, "_gpu_reason", lambda: None)

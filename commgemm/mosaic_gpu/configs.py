@@ -89,8 +89,9 @@ class _Tiling:
 
 @dataclasses.dataclass(frozen=True)
 class RingAGConfig(_Tiling):
-    """ATOMIC_GEMM_AG_P2P, jax's `all_gather_lhs_matmul`: each CTA sends the x tile it multiplies
-    to the next device; step s multiplies the block that arrived in step s-1. No clusters."""
+    """ATOMIC_GEMM_AG_P2P (`push_gather_gemm` with ring=True): each band of rows is forwarded to
+    the next device while it is multiplied; step s multiplies the block that arrived in step
+    s-1. No clusters."""
 
 
 @dataclasses.dataclass(frozen=True)
