@@ -160,12 +160,13 @@ def test_serial_path_on_the_kernel(op, scaling, check_vma, n):
         assert _rel_err(g, h.astype(jnp.float32)) < (5e-2 if scaling else 1e-2)
 
 
+@pytest.mark.parametrize("method", ["pipeline", "ring_exchange"], ids=["direct", "ring"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_float8_split_accumulation(op):
-    """The float8 core with split accumulation (each K-step's product added into a float32
-    total) against the float32 product of the same quantized operands: at least as close as
-    the fast accumulation, and within the bf16 rounding of the result; K long enough (8192)
-    for the tensor cores' narrower accumulator to show."""
+def test_float8_split_accumulation(op, method):
+    """The float8 core of the direct and ring kernels with split accumulation (each K-step's
+    product added into a float32 total) against the float32 product of the same quantized
+    operands: at least as close as the fast accumulation, and within the bf16 rounding of the
+    result; K long enough (8192) for the tensor cores' narrower accumulator to show."""
     from commgemm import scaled
 
     m, k, n = 1024, 8192, 1024
@@ -174,7 +175,7 @@ def test_float8_split_accumulation(op):
     qw = cg.quantize(w, "current_tensor_scaling", axis=0)
     ref = jnp.dot(cg.dequantize(qx), cg.dequantize(qw), precision="highest")
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
-    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+    config = cg.OverlapConfig(method=method, atomic_gemm=True)
     errors = {}
     for split in (False, True):
         rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
