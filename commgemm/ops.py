@@ -24,7 +24,6 @@ from commgemm.operands import (
 )
 from commgemm.plan import make_plan, with_dtypes
 from commgemm.quant import (
-    TENSOR_MODES,
     ScaledTensor,
     Scaling,
     ScalingRecipe,
@@ -122,10 +121,7 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
 def _fused_scaling_reason(cfg: OverlapConfig, recipe: ScalingRecipe) -> str | None:
     """Why cfg's fused kernel takes no operands quantized by `recipe`, or None."""
     if uses_tpu_kernels(cfg):
-        if recipe.mode not in TENSOR_MODES:
-            return (f"the TPU kernels take tensor-scaled float8 operands, not {recipe.mode.name} "
-                    "(the XLA methods emulate block scales)")  # fmt: skip
-        return None
+        return None  # tensor and block modes alike (`commgemm.pallas_tpu.ops`)
     from commgemm.mosaic_gpu import fused
 
     return fused.scaling_reason(cfg, recipe)

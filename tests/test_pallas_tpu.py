@@ -305,13 +305,112 @@ def test_float8_kernels(rng, size, direct):
     assert not races_found()
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("method", ["ring_exchange", "pipeline"])
-def test_quantized_ops(rng, size, op, method):
-    """The ops with scaling= (current tensor scaling) on the TPU kernels: the float64 product
-    of the same quantized operands, and the straight-through gradients (dY quantized to e5m2)
-    from the same kernels (AG <-> RS), to float32 accumulation."""
+def _block_operands(rng, mode, x_shape, w_shape):
+    """x's payload rows and w's kernel operands (float8 values [K, n], float32 block scales
+    [K / block, n]) under block mode `mode`, with their float64 dequantized values."""
+    from commgemm import scaled
+
+    qx = cg.quantize(jnp.asarray(rng.standard_normal(x_shape), jnp.float32), mode)
+    qw = cg.quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), mode, axis=0)
+    nvfp4 = qx.mode is cg.ScalingMode.NVFP4_1D_SCALING
+    blocks = gemm.Blocks(16 if nvfp4 else 32, "float8_e4m3fn" if nvfp4 else "float8_e8m0fnu")
+    x64 = np.asarray(scaled._block_values(qx, jnp.float32), np.float64)
+    w64 = np.asarray(scaled._block_values(qw, jnp.float32), np.float64)
+    w_operands = (qw.data.astype(jnp.float8_e4m3fn), qw.scale_inv.astype(jnp.float32).T)
+    return scaled.payload(qx), w_operands, blocks, x64, w64
+
+
+@pytest.mark.parametrize("mode", ["mxfp8_1d_scaling", "nvfp4_1d_scaling"])
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+def test_block_scaled_kernels(rng, direct, mode):
+    """The kernels on block-scaled operands: x's payload rows (values and block scales as
+    bytes) gathered bit for bit, each tile dequantized per block in VMEM: the float64 product
+    of the dequantized values times `scale`; RS likewise; no race."""
+    size, m, k, n = 2, 16, 64, 128
+    tiles, scale = gemm.Tiles(8, 128), np.float32(0.37)
+    rows, (w8, ws), blocks, x64, w64 = _block_operands(rng, mode, (size * m, k), (k, size * n))
+    kw = dict(direct=direct, interpret=True, race_check=True, scale=scale, out_dtype="float32",
+              blocks=blocks)  # fmt: skip
+    ag = _unchecked(
+        lambda a, b, c: gemm.all_gather_matmul(a, b, "x", tiles, w_scales=c, **kw),
+        mesh1d(size), (P("x"), P(None, "x"), P(None, "x")), (P(None, "x"), P()),
+    )  # fmt: skip
+    out, gathered = ag(rows, w8, ws)
+    assert gathered.dtype == np.uint8 and gathered.shape == rows.shape
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(rows))
+    want = scale * (x64 @ w64)  # float32 accumulation: within 1e-5 of the largest result
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rows, (w8, ws), blocks, x64, w64 = _block_operands(rng, mode, (size * m, size * k),
+                                                        (size * k, n))  # fmt: skip
+    block_cols = rows.shape[1] // size  # each device's K values and their scales, as bytes
+    local = np.concatenate([np.asarray(rows)[:, :size * k].reshape(size * m, size, k),
+                            np.asarray(rows)[:, size * k:].reshape(size * m, size, -1)],
+                           axis=2).reshape(size * m, size * block_cols)  # fmt: skip
+    rs = _unchecked(
+        lambda a, b, c: gemm.matmul_reduce_scatter(a, b, "x", tiles, w_scales=c, **kw),
+        mesh1d(size), (P(None, "x"), P("x"), P("x")), P("x"),
+    )  # fmt: skip
+    want = scale * (x64 @ w64)
+    np.testing.assert_allclose(rs(local, w8, ws), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not races_found()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+@pytest.mark.parametrize(
+    ("operands", "x64"),
+    [("bf16", False), ("bf16", True), ("float8", False), ("mxfp8", False), ("nvfp4", True)],
+)
+def test_kernels_lower_for_a_tpu(op, direct, operands, x64):
+    """The kernels lower to Mosaic TPU for a TPU target (Pallas' TPU lowering, here on the CPU:
+    what breaks before a kernel reaches a TPU), on 4 devices, 16-bit, float8 and block-scaled
+    operands, with jax's default 32-bit types and with x64 on. Mosaic's own TPU compiler does
+    not run here."""
+    size, m, k, n = 4, 256, 256, 512
+    tiles = gemm.Tiles(128, 256)
+    sds = jax.ShapeDtypeStruct
+    block = {"mxfp8": (32, "float8_e8m0fnu"), "nvfp4": (16, "float8_e4m3fn")}.get(operands)
+    kw = dict(direct=direct, out_dtype="bfloat16")
+    if operands == "bf16":
+        x_dtype = w_dtype = jnp.bfloat16
+    elif operands == "float8":
+        x_dtype = w_dtype = jnp.float8_e4m3fn
+        kw["scale"] = jnp.ones((1,), jnp.float32)
+    else:
+        x_dtype, w_dtype = jnp.uint8, jnp.float8_e4m3fn
+        kw["blocks"] = gemm.Blocks(*block)
+    width = k + k // block[0] if block else k  # a payload row's bytes
+    if op == "ag":
+        fn, specs, out = gemm.all_gather_matmul, (P("x"), P(None, "x")), (P(None, "x"), P("x"))
+        x, w, ws = (size * m, width), (k, size * n), (k // 32, size * n)
+    else:
+        fn, specs, out = gemm.matmul_reduce_scatter, (P(None, "x"), P("x")), P("x")
+        x, w, ws = (size * m, size * width), (size * k, n), (size * k // 32, n)
+    args = [sds(x, x_dtype), sds(w, w_dtype)]
+    if block:
+        ws = (ws[0] * 32 // block[0], ws[1])
+        args.append(sds(ws, jnp.float32))
+        specs = (*specs, specs[1])
+    body = lambda a, b, *c: fn(a, b, "x", tiles, w_scales=c[0] if c else None, **kw)  # noqa: E731
+    f = _unchecked(body, mesh1d(size), specs, out)
+    with jax.enable_x64(x64):
+        text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize(
+    ("size", "op", "method", "mode"),
+    [(size, op, method, mode) for size in (2, 4) for op in OPS
+     for method in ("ring_exchange", "pipeline") for mode in ("current_tensor_scaling",)]
+    + [(2, op, method, mode) for op in OPS for method in ("ring_exchange", "pipeline")
+       for mode in ("mxfp8_1d_scaling", "nvfp4_1d_scaling")]
+    + [(4, "rs", "ring_exchange", "mxfp8_1d_scaling"), (4, "ag", "pipeline", "nvfp4_1d_scaling")],
+)  # fmt: skip
+def test_quantized_ops(rng, size, op, method, mode):
+    """The ops with scaling= on the TPU kernels, tensor and block modes: the float64 product of
+    the same quantized operands, and the straight-through gradients from the same kernels
+    (AG <-> RS; dY quantized to e5m2, or in the block mode's format with W again along N), to
+    float32 accumulation (block tiles are dequantized exactly in VMEM)."""
     from test_scaled import ATOL, RTOL, _dq
 
     fn, xs, ws, os = OPS[op]
@@ -321,7 +420,6 @@ def test_quantized_ops(rng, size, op, method):
     else:
         x, w = rng.standard_normal((size * m, size * k)), rng.standard_normal((size * k, n))
     x, w = x.astype(np.float32), w.astype(np.float32)
-    mode = "current_tensor_scaling"
     cfg = cg.OverlapConfig(method=method, **TPU)
     f = shard(lambda a, b: fn(a, b, "x", config=cfg, scaling=mode), mesh1d(size), (xs, ws), os)
     y, vjp = jax.vjp(f, x, w)
@@ -329,16 +427,18 @@ def test_quantized_ops(rng, size, op, method):
     np.testing.assert_allclose(y, qx @ qw, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))
     g = rng.standard_normal(y.shape).astype(np.float32)
     dx, dw = jax.jit(vjp)(g)
-    qg = cg.dequantize(cg.quantize(jnp.asarray(g), mode, dtype=jnp.float8_e5m2), jnp.float64)
-    qg = np.asarray(qg)
-    for got, want, depth in ((dx, qg @ qw.T, w.shape[1]), (dw, qx.T @ qg, x.shape[0])):
+    tensor = mode == "current_tensor_scaling"
+    g_dtype = jnp.float8_e5m2 if tensor else jnp.float8_e4m3fn
+    qg = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(g), mode, dtype=g_dtype), jnp.float64))
+    w_dgrad = qw if tensor else _dq(w, mode, 1)
+    for got, want, depth in ((dx, qg @ w_dgrad.T, w.shape[1]), (dw, qx.T @ qg, x.shape[0])):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.sqrt(depth))
 
 
 def test_quantized_2d_case_and_choices(rng):
     """matmul_2d with scaling= on the TPU kernels (x and W's K block quantized, the fused GEMM +
-    reduce-scatter on float8); block modes asked of the kernels raise; AUTO's TPU kernel pick
-    gives way to the XLA methods for quantized operands (not run on TPU hardware)."""
+    reduce-scatter on float8); AUTO's TPU kernel pick gives way to the XLA methods for
+    quantized operands (not run on TPU hardware)."""
     from test_scaled import ATOL, RTOL, _dq
 
     from commgemm.ops import _quantized_config
@@ -355,10 +455,6 @@ def test_quantized_2d_case_and_choices(rng):
     )
     want = _dq(x, mode, -1) @ _dq(w, mode, 0)
     np.testing.assert_allclose(f(x, w), want, rtol=RTOL, atol=ATOL * np.sqrt(x.shape[1]))
-    ag = shard(lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg, scaling="mxfp8_1d_scaling"),
-               mesh1d(2), (P("x", None), P(None, "x")), P(None, "x"))  # fmt: skip
-    with pytest.raises(ValueError, match="TPU kernels take tensor-scaled float8 operands"):
-        ag(x, w)
     recipe, auto = cg.ScalingRecipe(mode), cg.OverlapConfig(method="auto", interpret=True)
     assert not _quantized_config(cfg, recipe, auto).atomic_gemm
     assert _quantized_config(cfg, recipe, cfg).atomic_gemm

@@ -85,7 +85,9 @@ def pallas_call(
 ):
     """`pl.pallas_call` of a collective kernel: the ring's coordinates first (SMEM; bound before
     `kernel(*refs)` runs), operands in HBM (`pl.ANY`) or VMEM, a barrier semaphore
-    (collective_id), and interpret mode where asked (race detection with race_check)."""
+    (collective_id), and interpret mode where asked (race detection with race_check). The
+    kernel is traced with 32-bit types whatever jax_enable_x64 says (its operands are 32-bit
+    or narrower)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -108,7 +110,13 @@ def pallas_call(
         if interpret
         else False,
     )
-    return lambda *operands: call(ring.coordinates(), *operands)
+    def run(*operands):
+        # traced with 32-bit types: under jax_enable_x64 Python ints would become i64 indices,
+        # which Pallas' TPU lowering refuses (its slices and DMAs take i32)
+        with jax.enable_x64(False):
+            return call(ring.coordinates(), *operands)
+
+    return run
 
 
 def dma(src, dst, send_sem, recv_sem, device):

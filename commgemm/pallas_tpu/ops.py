@@ -2,12 +2,14 @@
 RING_EXCHANGE) and ATOMIC_GEMM_AG / _RS (direct, method PIPELINE), on a TPU backend or, with
 `OverlapConfig(interpret=True)`, in Pallas' TPU interpret mode on any backend.
 
-Quantized operands (an op's `scaling=` with a tensor mode): x arrives as its float8 payload and
-w as a `commgemm.scaled.QuantizedRhs`; the kernels move the float8 rows (AG gathers them, half
-of bf16's bytes), widen each tile to bf16 in VMEM, multiply by the two tensor scales and store
-x's dtype (`gemm`); RS partial sums travel in that dtype. Block modes are not taken (their
-scales would have to be unpacked per block in the kernel): the XLA methods emulate them. The
-float8 path runs in interpret mode in the tests; it has not run on TPU hardware.
+Quantized operands (an op's `scaling=`): x arrives as its payload rows and w as a
+`commgemm.scaled.QuantizedRhs`. Tensor modes: the kernels move the float8 rows (AG gathers
+them, half of bf16's bytes), widen each tile to bf16 in VMEM, multiply by the two tensor scales
+and store x's dtype (`gemm`). Block modes (MXFP8, NVFP4): the rows move as values and block
+scales together (`scaled.payload`), and each tile of x and w is dequantized per block in VMEM
+(`gemm.Blocks`); NVFP4's global scales are the tensor scales. RS partial sums travel in x's
+dtype. The quantized paths run in interpret mode in the tests and lower for a TPU target; they
+have not run on TPU hardware.
 
 Interpret mode on the CPU runs each device's kernel on one of the CPU client's threads (one per
 device) and needs one more: use a mesh of fewer devices than `jax.devices()` has there (the
@@ -37,8 +39,9 @@ def generation() -> str:
 
 
 def _shapes(collective, x, w, size, w_transposed):
-    rows, k = x.shape
-    n = w.shape[0] if w_transposed else w.shape[1]
+    """(rows, K, n) of the kernel's GEMM; K from w (x's rows may carry block scales too)."""
+    rows = x.shape[0]
+    n, k = w.shape if w_transposed else w.shape[::-1]
     return (rows if collective is Collective.ALL_GATHER else rows // size), k, n
 
 
@@ -83,16 +86,25 @@ def unsupported_reason(
 
 def _kernel_args(collective: Collective, x, w, axis_name: str, config, w_transposed: bool):
     """(w [K, n], keyword arguments) for the `gemm` kernel of `collective`: w's values (a
-    QuantizedRhs's float8 data, with the two tensor scales and the result's dtype), its tiles
-    and its form."""
+    QuantizedRhs's float8 data, with the two tensor scales and the result's dtype; block
+    modes also the block format and w's float32 block scales [K / block, n]), its tiles and
+    its form."""
     from commgemm.operand_scaling import tensor_scale
+    from commgemm.quant import BLOCK, TENSOR_MODES, ScalingMode
     from commgemm.scaled import QuantizedRhs
 
     quantized = {}
     if isinstance(w, QuantizedRhs):
         scale = w.lhs_scale_inv * tensor_scale(w.w)
         quantized = dict(scale=scale, out_dtype=w.dtype)
-        w = w.w.data
+        mode, data = w.w.mode, w.w.data
+        if mode not in TENSOR_MODES:  # blocks along K: float8 values and float32 block scales
+            nvfp4 = mode is ScalingMode.NVFP4_1D_SCALING
+            scale_dtype = "float8_e4m3fn" if nvfp4 else "float8_e8m0fnu"
+            scales = w.w.scale_inv.astype(jnp.float32).T  # [n, K / block] as quantized
+            quantized.update(blocks=gemm.Blocks(BLOCK[mode], scale_dtype), w_scales=scales)
+            data = data.astype(jnp.float8_e4m3fn)  # exact for float4_e2m1fn
+        w = data
     size = jax.lax.axis_size(axis_name)
     dtype = quantized.get("out_dtype")
     tiles = tiles_for(collective, x, w, size, w_transposed, dtype)
