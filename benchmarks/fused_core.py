@@ -3,7 +3,9 @@
 The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
 run with no mesh axis: the same tiles, pipeline and epilogue, with no peer to send to (the RS
 kernel then stores its tiles, except a split tail's, which it adds into zeroed tiles as on P
-devices; "plan-whole" is the plan with its last wave left whole), on the
+devices; "plan-whole" is the plan with its last wave left whole; "ring" is the RS ring kernel,
+`ring_scatter_gemm`, whose core is one step: a plain GEMM in the ring's tiling; the AG ring is
+the direct AG kernel), on the
 whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
 Beside it, timed interleaved by device periods in one trace per shape (medians of 6 rounds):
 XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels' default tiling, the op itself on a
@@ -45,6 +47,7 @@ from commgemm.cli.specs import fused_spec  # noqa: E402
 from commgemm.mosaic_gpu import (  # noqa: E402
     DirectAGConfig,
     DirectRSConfig,
+    RingRSConfig,
     fused,
     gemm_core,
     heuristics,
@@ -86,10 +89,12 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
     problem ("plan") and the tuner's extra tilings (`heuristics.TUNING_CANDIDATES`)."""
     m, k, n = local
     if op == "ag":
-        plan = heuristics.direct_ag_config(m // size)
+        plan = heuristics.direct_ag_config(m // size, n=n)
     else:
         plan = heuristics.direct_rs_config(m, size, (m, k * size, n))
     found = {"plan": alone(plan)}
+    if op == "rs":  # the ring kernel's core (ATOMIC_GEMM_RS_P2P; the AG ring is the direct one)
+        found["ring"] = RingRSConfig()
     for tiles in map(alone, heuristics.TUNING_CANDIDATES[op]):
         if type(tiles) is type(plan) and tiles not in found.values():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
@@ -102,9 +107,11 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
                 found[f"{label}-nt"] = dataclasses.replace(found[label], narrow_tail=True)
     if op == "ag" and n % 256 and n % gemm_core.COLUMNS_192 == 0:  # 128 x 192 tiles
         for label, cluster in (("n192", None), ("n192-cm", "m")):
-            found[label] = dataclasses.replace(
+            tiles = dataclasses.replace(
                 gemm_core.tiling(n, float8=False), cluster=cluster, grid_minor_m=True
             )
+            if tiles not in found.values():  # the plan's own where N is whole 192s
+                found[label] = tiles
     return found
 
 
@@ -116,9 +123,11 @@ def alone(tiles):
 
 
 def core(op: str, tiles, *, float8: bool):
-    """The direct kernel of `op` with no mesh axis (its GEMM core), as a jitted fn(a, b): b
-    [K, N] bf16, or with float8 the QuantizedRhs of b stored [N, K] (as the ops pass it)."""
-    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    """The fused kernel of `op` and `tiles`' family with no mesh axis (its GEMM core), as a
+    jitted fn(a, b): b [K, N] bf16, or with float8 the QuantizedRhs of b stored [N, K] (as the
+    ops pass it)."""
+    method = "ring_exchange" if isinstance(tiles, RingRSConfig) else "pipeline"
+    config = cg.OverlapConfig(method=method, atomic_gemm=True, kernel=tiles)
     fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
     return jax.jit(lambda a, b: fn(a, b, None, config, w_transposed=float8))
 

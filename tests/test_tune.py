@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 from helpers import P, assert_close, mesh1d, random, reference, shard
@@ -181,6 +182,31 @@ def test_direct_ag_spreads_its_own_tiles_where_sends_outlast_their_gemm(shape, t
     assert (t_comm > t_gemm / 2) == bool(tiles.spread)
     cfg, _ = costmodel.choose(AG, shape, shape[0] // 2, 2, 2, h200, fused=True)
     assert cfg == DIRECT.replace(kernel=tiles)
+
+
+def test_direct_ag_takes_192_column_tiles_where_n_is_not_whole_256s(monkeypatch):
+    """llama13b's AG at P = 4 and 8 (N / P = 3456, 1728: whole 192s, not 256s): the cost
+    model's direct AG candidate takes 128 x 192 tiles, which the kernel runs (GPU faked) where
+    the ring's 128 x 256 do not, and AUTO's model then chooses among the fused candidates that
+    run; at P = 2 (6912) the 256-column tiles stay."""
+    from commgemm.mosaic_gpu import fused
+
+    n192 = mosaic_gpu.DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=192, grid_minor_m=True)
+    shape = (8192, 5120, 13824)
+    monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
+    for size, want in ((2, mosaic_gpu.DirectAGConfig(grid_minor_m=True, narrow_tail=True)),
+                       (4, n192), (8, n192)):  # fmt: skip
+        rows = shape[0] // size
+        found = costmodel.candidates(AG, rows, size, fused=True, shape=shape)
+        direct = [c for c in found if c.atomic_gemm and c.method is cg.Method.PIPELINE]
+        assert [c.kernel for c in direct] == [want]
+        monkeypatch.setattr(jax, "device_count", lambda size=size: size)
+        x, w = np.zeros((rows, 5120), np.float16), np.zeros((5120, shape[2] // size), np.float16)
+        runs = {c.method: auto._fused_runs(cg.OverlapConfig(), AG, x, w, size, False, c)
+                for c in found if c.atomic_gemm}  # fmt: skip
+        assert runs == {cg.Method.PIPELINE: True, cg.Method.RING_EXCHANGE: size == 2}
+    spread = heuristics.direct_ag_config(2048, spread=True, n=1728)
+    assert spread == dataclasses.replace(n192, grid_minor_m=False, spread=50, cluster="m")
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])

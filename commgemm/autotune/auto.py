@@ -7,7 +7,7 @@ import jax
 
 from commgemm.autotune import cache
 from commgemm.autotune.costmodel import choose, default_figures
-from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
+from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
 
 #: The tuner's and the cache's short names of the collectives.
 OP_NAMES = {
@@ -49,10 +49,13 @@ def resolve_auto(
     found = cache.load()
     entry = found.plans.get(cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name))
     chosen = entry.config if entry is not None else None
-    fused_ok = _fused_runs(cfg, collective, x, w, size, w_transposed)
+
+    def runs(candidate: OverlapConfig) -> bool:
+        return _fused_runs(cfg, collective, x, w, size, w_transposed, candidate)
+
     if chosen is not None and chosen.atomic_gemm:
         varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
-        if not fused_ok or varies:
+        if not runs(chosen) or varies:
             chosen = None
     if chosen is not None and chosen.local_gemm != "xla" and hopper_reason() is not None:
         chosen = chosen.replace(local_gemm="xla")  # measured on a machine with the kernel
@@ -67,7 +70,8 @@ def resolve_auto(
             size,
             x.dtype.itemsize,
             fig,
-            fused=fused_ok,
+            fused=collective is not Collective.ALL_REDUCE,
+            runs=runs,
             deterministic=cfg.deterministic,
             tpu=uses_tpu_kernels(cfg.replace(atomic_gemm=True, interpret=cfg.interpret)),
             interpret=cfg.interpret,
@@ -76,18 +80,19 @@ def resolve_auto(
     return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)
 
 
-def _fused_runs(cfg, collective, x, w, size, w_transposed) -> bool:
-    """Whether the fused kernel can run this call under cfg's dtype fields (the TPU kernels
-    on a TPU, or with cfg.interpret; else the Hopper ones)."""
+def _fused_runs(cfg, collective, x, w, size, w_transposed, candidate: OverlapConfig) -> bool:
+    """Whether the fused `candidate` (its method and kernel config) can run this call under
+    cfg's dtype fields (the TPU kernels on a TPU, or with cfg.interpret; else the Hopper
+    ones)."""
     if collective is Collective.ALL_REDUCE:
         return False
     trial = cfg.replace(
-        method=Method.RING_EXCHANGE,
+        method=candidate.method,
         num_splits=1,
         bidirectional=False,
         aggregate=False,
         atomic_gemm=True,
-        kernel=None,
+        kernel=candidate.kernel,
         chain_gemms=False,
         interpret=cfg.interpret,
     )

@@ -10,6 +10,7 @@ GEMMs in order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from commgemm.config import Collective, Method, OverlapConfig, split_requirement
 from commgemm.mosaic_gpu.heuristics import direct_ag_config, direct_rs_config
@@ -219,7 +220,8 @@ def candidates(
         tiles = direct_rs_config(rows, size, shape, deterministic=deterministic)
         out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles))
     if fused and size > 1 and collective is Collective.ALL_GATHER:
-        tiles = direct_ag_config(rows, spread=spread)
+        n = None if shape is None else shape[2] // size
+        tiles = direct_ag_config(rows, spread=spread, n=n)
         out.append(OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles))
     if fused and size > 1 and collective is not Collective.ALL_REDUCE:
         out.append(OverlapConfig(method=Method.RING_EXCHANGE, atomic_gemm=True))
@@ -243,11 +245,13 @@ def choose(
     fig: MachineFigures,
     *,
     fused: bool = False,
+    runs: Callable[[OverlapConfig], bool] | None = None,
     deterministic: bool = False,
     tpu: bool = False,
     interpret: bool = False,
 ) -> tuple[OverlapConfig, float]:
-    """The candidate with the least predicted time (the first, i.e. simplest, among equals)."""
+    """The candidate with the least predicted time (the first, i.e. simplest, among equals);
+    `runs(config)` says whether a fused candidate can run the call (None: all can)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
         collective,
@@ -260,6 +264,8 @@ def choose(
         tpu=tpu,
         interpret=interpret,
     )
+    if runs is not None:
+        options = [c for c in options if not c.atomic_gemm or runs(c)]
     scored = [
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)
     ]

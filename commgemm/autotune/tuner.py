@@ -70,18 +70,16 @@ def default_candidates(op: str, shape: tuple[int, int, int], size: int, dtype: s
 
     collective = OPS[op]
     rows = shape[0] // size if collective is Collective.ALL_GATHER else shape[0]
-    fused = collective is not Collective.ALL_REDUCE and (
-        reason_for_shape(collective, shape, size, dtype) is None
-    )
-    found = candidates(collective, rows, size, fused=fused, shape=shape)
+
+    def runs(c: OverlapConfig) -> bool:  # each fused candidate where its own kernel runs
+        return not c.atomic_gemm or reason_for_shape(collective, shape, size, dtype, c) is None
+
+    fused = collective is not Collective.ALL_REDUCE
+    found = [c for c in candidates(collective, rows, size, fused=fused, shape=shape) if runs(c)]
     if _core_runs(collective, shape, size, dtype):  # each split plan on the Hopper kernel too
         found += [c.replace(local_gemm="mosaic") for c in found if not c.atomic_gemm]
     if fused:
-        found += [
-            c
-            for c in _tuning_configs(op)
-            if c not in found and reason_for_shape(collective, shape, size, dtype, c) is None
-        ]
+        found += [c for c in _tuning_configs(op) if c not in found and runs(c)]
     return found
 
 

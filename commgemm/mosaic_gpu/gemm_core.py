@@ -29,15 +29,13 @@ import jax.numpy as jnp
 from commgemm.config import Method, OverlapConfig
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import DirectAGConfig
+from commgemm.mosaic_gpu.heuristics import COLUMNS_192
 from commgemm.quant import TENSOR_MODES
 
 #: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`);
 #: a last wave at most half full runs its tiles as half-width ones (`narrow_tail`).
 TILES = DirectAGConfig(narrow_tail=True)
 FLOAT8_TILES = DirectAGConfig(tile_k=128, narrow_tail=True)
-#: Columns of the CTA tile where N is not whole 256-column tiles but whole 192s (llama13b's
-#: N / P = 3456 and 1728): two 64 x 192 warpgroup tiles along M.
-COLUMNS_192 = 192
 
 
 def tiling(n: int, *, float8: bool) -> DirectAGConfig:

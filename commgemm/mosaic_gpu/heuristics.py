@@ -44,16 +44,27 @@ def direct_rs_config(
     return tiles
 
 
-def direct_ag_config(rows: int, *, spread: bool = False) -> DirectAGConfig:
-    """The direct AG kernel's tiling for x [rows, K] on each device: tiles walked along M, the
-    last wave narrowed where it fills at most half the CTAs (on 2xH200 3.9% and 8% faster on
-    llama70b and llama13b AG: BENCHMARKS.md); with `spread` (sending the own rows takes longer
-    than their GEMM), the own tiles spread among the peers' (50%) in 2-CTA clusters where the
-    rows allow. Where the sends take less than the own GEMM, spreading was 1 to 2% slower on
-    2xH200 (docs/performance.md)."""
+#: Columns of the direct AG kernel's CTA tile where N per device is whole 192s but not 256s
+#: (llama13b's 3456 and 1728 at P = 4, 8): two 64 x 192 warpgroup tiles along M.
+COLUMNS_192 = 192
+
+
+def direct_ag_config(rows: int, *, spread: bool = False, n: int | None = None) -> DirectAGConfig:
+    """The direct AG kernel's tiling for x [rows, K] on each device (n: w's columns there, if
+    known): tiles walked along M, the last wave narrowed where it fills at most half the CTAs
+    (on 2xH200 3.9% and 8% faster on llama70b and llama13b AG: BENCHMARKS.md); with `spread`
+    (sending the own rows takes longer than their GEMM), the own tiles spread among the peers'
+    (50%) in 2-CTA clusters where the rows allow. Where the sends take less than the own GEMM,
+    spreading was 1 to 2% slower on 2xH200 (docs/performance.md). Where n is whole 192s but
+    not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`; their core ran at 1.01x XLA's dot on
+    one H200 at N = 3456, 1.10x at 1728: BENCHMARKS.md), not narrowed."""
+    base = DirectAGConfig()
+    if n is not None and n % base.cta_n and n % COLUMNS_192 == 0:
+        base = DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=COLUMNS_192)
     if not spread:
-        return DirectAGConfig(grid_minor_m=True, narrow_tail=True)
-    tiles = DirectAGConfig(spread=50)
+        narrow = base.cta_n % 128 == 0  # narrowing halves whole 128-column tiles
+        return dataclasses.replace(base, grid_minor_m=True, narrow_tail=narrow)
+    tiles = dataclasses.replace(base, spread=50)
     if rows % dataclasses.replace(tiles, cluster="m").cluster_m == 0:
         tiles = dataclasses.replace(tiles, cluster="m")
     return tiles

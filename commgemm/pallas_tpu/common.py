@@ -110,6 +110,7 @@ def pallas_call(
         if interpret
         else False,
     )
+
     def run(*operands):
         # traced with 32-bit types: under jax_enable_x64 Python ints would become i64 indices,
         # which Pallas' TPU lowering refuses (its slices and DMAs take i32)
