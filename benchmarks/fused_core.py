@@ -103,7 +103,7 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
         found["plan-whole"] = dataclasses.replace(found["plan"], split_tail=1)
     if op == "ag":  # the last wave narrowed (DirectAGConfig.narrow_tail), as gemm_core runs it
         for label in ("plan", "default", "cm"):
-            if label in found:
+            if label in found and found[label].cta_n % 128 == 0:  # narrowing halves 128s
                 found[f"{label}-nt"] = dataclasses.replace(found[label], narrow_tail=True)
     if op == "ag" and n % 256 and n % gemm_core.COLUMNS_192 == 0:  # 128 x 192 tiles
         for label, cluster in (("n192", None), ("n192-cm", "m")):

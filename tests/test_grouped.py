@@ -84,7 +84,7 @@ def test_hopper_weight_grad_fallback(groups, rows, seed):
     _close(got, np.stack(want))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),

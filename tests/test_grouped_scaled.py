@@ -218,7 +218,7 @@ def test_dispatch_moves_quantized_tokens(rng, mode, method):
         np.testing.assert_allclose(got, expected, rtol=TOL, atol=TOL * 8)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(MODES[:2]),
     method=st.sampled_from(list(CONFIGS)),
