@@ -57,20 +57,33 @@ from commgemm.mosaic_gpu import (  # noqa: E402
 PEAK_BF16 = 989.0
 
 
-#: Extra FP8 tilings of `--fp8-sweep`, per op (128-element K-steps).
+#: The RS plan's warpgroup tiling (`heuristics.direct_rs_config`) with 128-element K-steps.
+_RS_64x256 = dict(wg_along_m=True, tile_m=64, tile_n=256, cluster="m", tile_k=128)
+#: Extra FP8 tilings of `--fp8-sweep`, per op (128-element K-steps): CTA tiles 256 x 128 (two
+#: warpgroups along M, the shape cuBLAS's FP8 kernels favour), wider and narrower grid bands,
+#: the grid along M, 2-CTA clusters, 3 stages, 64 x 256 warpgroup tiles.
 FP8_SWEEP = {
     "ag": [
         DirectAGConfig(wg_along_m=True, grid_minor_m=True, tile_k=128),
         DirectAGConfig(wg_along_m=True, grid_minor_m=True, cluster="m", tile_k=128),
         DirectAGConfig(wg_along_m=True, grid_tile_width=16, tile_k=128),
         DirectAGConfig(cluster="m", grid_tile_width=16, tile_k=128),
+        DirectAGConfig(grid_tile_width=16, tile_k=128),
+        DirectAGConfig(grid_minor_m=True, grid_tile_width=16, tile_k=128),
+        DirectAGConfig(grid_minor_m=True, cluster="m", tile_k=128),
+        DirectAGConfig(grid_minor_m=True, stages=3, tile_k=128),
+        DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=256, grid_minor_m=True, tile_k=128),
+        DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=256, cluster="m", tile_k=128),
     ],
     "rs": [
         DirectRSConfig(wg_along_m=True, tile_m=128, tile_n=128, tile_k=128),
         DirectRSConfig(wg_along_m=True, tile_m=128, tile_n=128, cluster="m", tile_k=128),
-        DirectRSConfig(
-            wg_along_m=True, tile_m=64, tile_n=256, cluster="m", tile_k=128, grid_tile_width=16
-        ),  # fmt: skip
+        DirectRSConfig(**_RS_64x256, grid_tile_width=16),
+        DirectRSConfig(**_RS_64x256, grid_tile_width=4),
+        DirectRSConfig(**_RS_64x256, grid_tile_width=32),
+        DirectRSConfig(**_RS_64x256, grid_minor_m=True),
+        DirectRSConfig(**_RS_64x256, stages=3),
+        DirectRSConfig(**_RS_64x256, chain_tiles=True),
     ],
 }
 
