@@ -23,6 +23,7 @@ SPECS = {
     "ag": ["fused", "fused-gm", "fused-direct", "fused-direct-gm", "fused-direct-cm-r50"],
     "rs": [
         "fused",
+        "fused-wgm-cm-m64-n256",  # the ring in the direct plan's tiling: 2-CTA clusters
         "fused-direct",
         "fused-direct-cm-ct",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
