@@ -56,8 +56,8 @@ def direct_ag_config(rows: int, *, spread: bool = False, n: int | None = None) -
     (sending the own rows takes longer than their GEMM), the own tiles spread among the peers'
     (50%) in 2-CTA clusters where the rows allow. Where the sends take less than the own GEMM,
     spreading was 1 to 2% slower on 2xH200 (docs/performance.md). Where n is whole 192s but
-    not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`; their core ran at 1.01x XLA's dot on
-    one H200 at N = 3456, 1.10x at 1728: BENCHMARKS.md), not narrowed."""
+    not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`; their core ran at 1.01 to 1.02x XLA's
+    dot on one H200 at N = 3456 and 1.10x at 1728, in two runs: BENCHMARKS.md), not narrowed."""
     base = DirectAGConfig()
     if n is not None and n % base.cta_n and n % COLUMNS_192 == 0:
         base = DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=COLUMNS_192)

@@ -67,8 +67,6 @@ class Blocks:
 
     def lhs(self, rows: jax.Array, k: int) -> jax.Array:
         """Payload rows [r, K + K / size] (uint8) -> their values [r, K] in bf16."""
-        from jax import lax
-
         values = lax.bitcast_convert_type(rows[:, :k], jnp.float8_e4m3fn).astype(jnp.float32)
         scales = lax.bitcast_convert_type(rows[:, k:], jnp.dtype(self.scale_dtype))
         scales = jnp.repeat(scales.astype(jnp.float32), self.size, axis=1)
