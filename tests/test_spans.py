@@ -202,3 +202,24 @@ def test_interleaved_periods_say_why():
         cg.bench.device_periods_interleaved(variants, rounds=0)
     with pytest.raises(ValueError, match="gap_s=0"):
         cg.bench.device_periods_interleaved(variants, gap_s=0)
+
+
+def test_report_periods_leave_torch_out(monkeypatch):
+    """`overlap_report`'s device periods trace the jax programs only: torch's GEMM runs no
+    kernel in jax's profiler trace, and with it in the trace every round had one batch too few
+    (no variant got a period on 2 x H200). The others' periods still give the bound."""
+    from commgemm.bench import overlap
+
+    traced = []
+
+    def fake(variants, rounds):
+        traced.extend(variants)
+        return {name: {"median": 1.0 + i} for i, name in enumerate(variants)}
+
+    monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
+    names = [*overlap.GEMM_ALONE.values(), *overlap.OTHER_GEMMS, "collective alone", "ring"]
+    timed = {name: (None, ()) for name in names}
+    out, error = overlap._periods(timed, 2, lambda _: None)
+    torch_gemm = overlap.OTHER_GEMMS[1]
+    assert torch_gemm not in traced and set(traced) == set(names) - {torch_gemm}
+    assert error is None and set(out) == set(traced)
