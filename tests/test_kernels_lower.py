@@ -535,6 +535,18 @@ def test_direct_kernels_refuse_partial_tiles(op, shape, match):
         jax.jit(lambda x, w: kernel(x, w, None, cfg)).trace(*args)
 
 
+@pytest.mark.parametrize("spec", ["fused", "fused-direct"])
+def test_rs_kernels_refuse_rows_that_do_not_split(spec):
+    """The RS kernels, called directly, refuse x's rows where they do not split evenly among
+    the devices that own them (before any tile check)."""
+    from commgemm.mosaic_gpu import fused
+
+    cfg = parse_method(spec, "rs")
+    fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
+    with pytest.raises(ValueError, match="rows=1025 must be divisible by the 2 devices"):
+        lower(fn, P(None, "x"), P("x", None), P("x", None), 2, (1025, 1024), (1024, 512))
+
+
 def test_float8_tiling():
     """Float8 calls take 128-element K-steps where K allows, keeping chained tiles only where
     K is whole rounds of stages; a tiling with K-steps of 128 or more, or a K that is not

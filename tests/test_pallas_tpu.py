@@ -356,6 +356,15 @@ def test_block_scaled_kernels(rng, direct, mode):
     assert not races_found()
 
 
+def test_tpu_block_operands_come_in_pairs():
+    """The TPU kernels' block format and w's block scales are given together or not at all."""
+    x, w = jnp.zeros((64, 66), jnp.uint8), jnp.zeros((64, 128), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="need both blocks= and w_scales="):
+        gemm._operands(x, w, jnp.ones((1,)), None, gemm.Blocks(32, "float8_e8m0fnu"))
+    with pytest.raises(ValueError, match="need both blocks= and w_scales="):
+        gemm._operands(x, w, jnp.ones((1,)), jnp.ones((2, 128)), None)
+
+
 @pytest.mark.parametrize(
     ("op", "direct", "operands", "x64"),
     [(op, direct, "bf16", False) for op in ("ag", "rs") for direct in (False, True)]

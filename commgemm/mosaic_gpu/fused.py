@@ -217,21 +217,18 @@ def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: 
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
     split = w.split_accumulator
     tiles = float8_tiling(kernel_config(collective, config), x.shape[1], split=split)
-    return _kernel(collective, config.replace(kernel=tiles))(
-        x, data, axis_name, w_nk=True, out_dtype=w.dtype, scale=scale, split_accumulator=split
-    )
+    return _run(collective, config.replace(kernel=tiles), x, data, axis_name, w_nk=True,
+                out_dtype=w.dtype, scale=scale, split_accumulator=split)  # fmt: skip
 
 
-def _kernel(collective: Collective, config: OverlapConfig):
-    """fn(x, w, axis_name, **options) running config's kernel for `collective` (options: the
-    kernels' w_nk, out_dtype, scale, split_accumulator)."""
+def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **options):
+    """config's kernel for `collective` on x and w (options: the kernels' w_nk, out_dtype,
+    scale, split_accumulator)."""
     ring = config.method is Method.RING_EXCHANGE
     if collective is Collective.REDUCE_SCATTER:
         kernel = ring_scatter_gemm if ring else scatter_add_gemm
-        return lambda x, w, axis, **kw: kernel.matmul_reduce_scatter(x, w, axis, config, **kw)
-    return lambda x, w, axis, **kw: push_gather_gemm.all_gather_matmul(
-        x, w, axis, config, ring=ring, **kw
-    )
+        return kernel.matmul_reduce_scatter(x, w, axis_name, config, **options)
+    return push_gather_gemm.all_gather_matmul(x, w, axis_name, config, ring=ring, **options)
 
 
 def _array(w) -> jax.Array:
@@ -262,7 +259,7 @@ def all_gather_matmul(
     if _is_quantized(w):
         out = _float8_call(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed)
     else:
-        out = _kernel(Collective.ALL_GATHER, config)(x, _as_kn(w, w_transposed), axis_name)
+        out = _run(Collective.ALL_GATHER, config, x, _as_kn(w, w_transposed), axis_name)
     out = varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
     return (out, None) if return_gathered else out
 
@@ -280,7 +277,7 @@ def matmul_reduce_scatter(
     if _is_quantized(w):
         out = _float8_call(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
     else:
-        out = _kernel(Collective.REDUCE_SCATTER, config)(x, _as_kn(w, w_transposed), axis_name)
+        out = _run(Collective.REDUCE_SCATTER, config, x, _as_kn(w, w_transposed), axis_name)
     return varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
 
 

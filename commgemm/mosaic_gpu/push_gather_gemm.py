@@ -130,10 +130,7 @@ def all_gather_matmul(
         tiles = DirectAGConfig(**dataclasses.asdict(tiles))
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]
-    mt.check_shape(tiles, m, k, n)
-    if split_accumulator and (reason := mt.split_reason(tiles)) is not None:
-        raise ValueError(f"{type(tiles).__name__}: {reason}")
+    m, k, n = mt.checked_shape(tiles, x, w, w_nk=w_nk, split=split_accumulator)
     m_iters, n_iters, k_iters = m // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     bands = m // tiles.cta_m
     step_tiles = m_iters * n_iters

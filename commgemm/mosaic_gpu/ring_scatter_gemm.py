@@ -52,12 +52,7 @@ def matmul_reduce_scatter(
     tiles = config.kernel or RingRSConfig()
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
-    if x.shape[0] % size:
-        raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
-    mt.check_shape(tiles, rows, k, n)
-    if split_accumulator and (reason := mt.split_reason(tiles)) is not None:
-        raise ValueError(f"{type(tiles).__name__}: {reason}")
+    rows, k, n = mt.checked_shape(tiles, x, w, w_nk=w_nk, split=split_accumulator, owners=size)
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()
     signals_per_step = 2 * sms  # each compute warpgroup of each CTA signals once a step

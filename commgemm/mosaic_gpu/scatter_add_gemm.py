@@ -14,7 +14,7 @@ device's own) along K (`tail_plan`). Partial sums are added in the output dtype,
 order where a tile gets more than two (P > 2, split tails): `OverlapConfig.deterministic`
 refuses those. On one device (axis_name None: the kernel's GEMM core) the main loop's tiles
 are stored, not added; a split tail's tiles are zeroed first, then its K-ranges added, as on P
-devices. What was tried and measured: docs/performance.md.
+devices. Measurements behind these choices: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -149,12 +149,7 @@ def matmul_reduce_scatter(
     tiles = config.kernel or DirectRSConfig()
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
-    if x.shape[0] % size:
-        raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
-    mt.check_shape(tiles, rows, k, n)
-    if split_accumulator and (reason := mt.split_reason(tiles)) is not None:
-        raise ValueError(f"{type(tiles).__name__}: {reason}")
+    rows, k, n = mt.checked_shape(tiles, x, w, w_nk=w_nk, split=split_accumulator, owners=size)
     epi = tiles.epi
     m_iters, n_iters, k_iters = rows // tiles.cluster_m, n // tiles.cluster_n, k // tiles.tile_k
     sms = mt.num_sms()

@@ -62,18 +62,16 @@ def kernel_params(sms: int, cluster: int, compiler_params: Mapping | None = None
 
 def relaxed_signal(sem, device_id=None) -> None:
     """Add 1 to semaphore `sem` (on peer `device_id`, or here) with a relaxed atomic: no
-    system-scope release fence before it, which `pl.semaphore_signal` issues and which stalls
-    the signalling warpgroup for thousands of cycles while NVLink traffic is in flight.
-    Invariant: only for a signal that says this thread's awaited TMA stores
-    (`wait_smem_to_gmem(..., wait_read_only=False)`) have landed; those writes are complete
-    before the atomic issues.
-    On jax < 0.11 (where Mosaic GPU's inline code takes no peer refs; the fused kernels run
-    on >= 0.11 only) it falls back to `pl.semaphore_signal`."""
+    system-scope release fence, which `pl.semaphore_signal` issues and which stalls the
+    warpgroup for thousands of cycles while NVLink traffic is in flight. Invariant: only for a
+    signal that says this thread's awaited TMA stores (`wait_smem_to_gmem(...,
+    wait_read_only=False)`) have landed. On jax < 0.11 (no peer refs in Mosaic GPU's inline
+    code; the fused kernels need >= 0.11) it is `pl.semaphore_signal`."""
     from jax.experimental import pallas as pl
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+    if jax.__version_info__ < (0, 11):
         pl.semaphore_signal(sem, device_id=device_id)
         return
     ref = sem if device_id is None else plgpu.remote_ref(sem, device_id)
@@ -109,18 +107,22 @@ def shape_reason(tiles: KernelConfig, m: int, k: int, n: int) -> str | None:
     return None
 
 
-def check_shape(tiles: KernelConfig, m: int, k: int, n: int) -> None:
-    """Raise ValueError where `shape_reason` finds the shape is not whole tiles."""
-    if (reason := shape_reason(tiles, m, k, n)) is not None:
-        raise ValueError(f"{type(tiles).__name__}: {reason}")
+def checked_shape(tiles: KernelConfig, x, w, *, w_nk: bool, split: bool, owners: int = 1):
+    """(rows, K, n) of each owner's block of x [owners * rows, K] @ w [K, n] ([n, K] with w_nk;
+    an RS kernel's rows have `owners`, AG's one); ValueError where the rows do not split, or
+    `shape_reason` or (with `split` accumulation) `split_reason` gives a reason."""
+    if x.shape[0] % owners:
+        raise ValueError(f"rows={x.shape[0]} must be divisible by the {owners} devices")
+    rows, k, n = x.shape[0] // owners, x.shape[1], w.shape[0 if w_nk else 1]
+    for reason in (shape_reason(tiles, rows, k, n), split_reason(tiles) if split else None):
+        if reason is not None:
+            raise ValueError(f"{type(tiles).__name__}: {reason}")
+    return rows, k, n
 
 
 def scaled(acc: jax.Array, scale_ref, dtype) -> jax.Array:
-    """A tile's float32 accumulator value times the scalar in `scale_ref` [1] (float8 operands'
-    scales; None: no scale), in `dtype`."""
-    if scale_ref is not None:
-        acc = acc * scale_ref[0]
-    return acc.astype(dtype)
+    """A tile's float32 accumulator times the scalar in `scale_ref` [1] (None: 1), in `dtype`."""
+    return (acc if scale_ref is None else acc * scale_ref[0]).astype(dtype)
 
 
 #: Most accumulator elements a compute warpgroup's tile may hold with split accumulation (a
@@ -130,24 +132,21 @@ SPLIT_TILE_ELEMENTS = 64 * 128
 
 def split_reason(tiles: KernelConfig) -> str | None:
     """Why `tiles` cannot run with split accumulation, or None."""
-    if tiles.tile_m * tiles.tile_n > SPLIT_TILE_ELEMENTS:
-        return (
-            f"split accumulation keeps two accumulators a warpgroup: its tile "
-            f"{tiles.tile_m} x {tiles.tile_n} must hold at most {SPLIT_TILE_ELEMENTS} elements"
-        )
-    return None
+    if tiles.tile_m * tiles.tile_n <= SPLIT_TILE_ELEMENTS:
+        return None
+    return (f"split accumulation keeps two accumulators a warpgroup: its tile {tiles.tile_m} "
+            f"x {tiles.tile_n} must hold at most {SPLIT_TILE_ELEMENTS} elements")  # fmt: skip
 
 
 def accumulated(tiles: KernelConfig, eval_pipeline, finish, *, split: bool) -> None:
     """Run one tile's K loop (`eval_pipeline`, whose body folds each K-step in with
     `accumulate`), then `finish(read)`, where `read()` gives the accumulator's float32 value
     (reading a wgmma accumulator awaits its last wgmma, so work before it overlaps that).
-
     Fast (split False): one wgmma accumulator across all K-steps, which float8 wgmma keeps in
     the tensor cores' narrower accumulator. Split: each K-step multiplies into a fresh
-    accumulator that is awaited and added into a float32 total in registers (the partial sums
-    promoted every K-step, as Transformer Engine's split accumulator and DeepSeek-V3's FP8
-    GEMMs do), at the cost of the wgmma in flight across K-steps (`split_reason`)."""
+    accumulator, awaited and added into a float32 total in registers (partial sums promoted
+    every K-step, as Transformer Engine's split accumulator and DeepSeek-V3's FP8 GEMMs do),
+    at the cost of the wgmma in flight across K-steps (`split_reason`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
