@@ -1,9 +1,10 @@
 """The capabilities beyond the bf16 ops, timed overlapped on all devices of one host (the
 2-GPU issue's list; the same script serves 4 and 8 GPUs): FP8 ops against bf16, the grouped
 GEMMs overlapped against their serial composition, the layers' training step against XLA's
-own sharding of the same model, and the backward pass alone. One process drives every device;
-times are device periods (interleaved rounds, medians) on GPUs, host-timed medians elsewhere
-(`--quick` on 8 virtual CPU devices is a smoke run of the script, not a measurement).
+own sharding of the same model, the backward pass alone, and a fused op's forward and backward.
+One process drives every device; times are device periods (interleaved rounds, medians) on
+GPUs, host-timed medians elsewhere (`--quick` on 8 virtual CPU devices is a smoke run of the
+script, not a measurement).
 
     PYTHONPATH=. python benchmarks/capabilities.py --out DIR [--quick]
 
@@ -13,8 +14,10 @@ Writes DIR/capabilities.json (every section's rows, as they finish).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -173,6 +176,63 @@ def backward_rows(devices, cfg) -> list[dict]:
     return rows
 
 
+def fused_backward_rows(devices, cfg) -> list[dict]:
+    """A fused op's forward and backward (the gradients of x and w), its dX on the other
+    collective's fused kernel (the library's backward) against dX on the split ring (the
+    backward before 2026-11-26, patched in here, benchmark-side), the split ring throughout,
+    and XLA's gradient of its own dot. The direct kernels in the cost model's tiling, and the
+    ring kernels."""
+    import unittest.mock
+
+    from commgemm import autodiff
+    from commgemm.mosaic_gpu import heuristics
+
+    def ring_backward(collective, cfg, x, dy, w, axis_name, w_transposed):
+        return autodiff.backward_config(cfg, x)
+
+    rows = []
+    for preset in cfg["presets"]:
+        for op in ("ag", "rs"):
+            problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
+            x, w = problem.operands()
+            m, k, n = problem.shape
+            size = len(devices)
+            dy = problem._random((m, n), problem.out_spec, 7)
+            if op == "ag":
+                tiles = heuristics.direct_ag_config(m // size, n=n // size)
+            else:
+                tiles = heuristics.direct_rs_config(m, size, (m, k, n))
+            direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+            ring_kernels = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+            configs = {
+                "split ring": METHODS["ring"],
+                "direct": direct,
+                "direct, dX ring": direct,
+                "ring kernels": ring_kernels,
+                "ring kernels, dX ring": ring_kernels,
+            }
+            variants, kernels = {}, {}
+            for name, config in [("xla", None), *configs.items()]:
+                f = problem.xla() if config is None else problem.overlapped(config)
+                loss = lambda a, b, g, f=f: jnp.sum(f(a, b) * g, dtype=jnp.float32)  # noqa: E731
+                step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+                patch = unittest.mock.patch.object(
+                    autodiff, "fused_backward_config", ring_backward
+                ) if name.endswith("dX ring") else contextlib.nullcontext()  # fmt: skip
+                try:
+                    with patch:
+                        compiled = step.lower(x, w, dy).compile()
+                except Exception as err:  # noqa: BLE001 - a row says what did not run
+                    print(f"{preset} {op} {name}: {type(err).__name__}: {err}"[:400], flush=True)
+                    continue
+                variants[name] = (compiled, (x, w, dy))
+                text = compiled.as_text()
+                kernels[name] = len(re.findall(r'custom_call_target="[^"]*mosaic[^"]*"', text))
+            rows.append({"preset": preset, "op": op, "ms": time_variants(variants),
+                         "mosaic_kernels": kernels})  # fmt: skip
+    return rows
+
+
 def layers_rows(devices, cfg) -> list[dict]:
     """One AdamW step of examples/train_transformer.py's decoder at `cfg["decoder"]`'s size,
     commgemm.nnx with each method, against `--method xla`: the same model whose GEMMs XLA's
@@ -203,7 +263,7 @@ def main() -> None:
     result = {"devices": [str(d) for d in devices], "backend": jax.default_backend(),
               "jax": jax.__version__, "quick": args.quick}  # fmt: skip
     sections = {"fp8": fp8_rows, "grouped": grouped_rows, "backward": backward_rows,
-                "layers": layers_rows}  # fmt: skip
+                "fused_backward": fused_backward_rows, "layers": layers_rows}  # fmt: skip
     for name in args.sections.split(","):
         start = time.time()
         result[name] = sections[name](devices, cfg)

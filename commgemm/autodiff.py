@@ -7,8 +7,9 @@
   GEMM + RS   forward: Y = reduce_scatter(X @ W)
               backward: dX = all_gather(dY) @ W^T            (AG + GEMM, same method; the ring
                         dW = X^T @ all_gather(dY)             also returns the gathered dY)
-  A fused forward (atomic_gemm, one kernel) has a RING_EXCHANGE backward; its AG gathers X
-  again for dW (the kernel keeps the gathered rows to itself).
+  A fused Hopper forward (atomic_gemm, one kernel) runs dX on the other collective's fused
+  kernel of its method family where that kernel takes dY's shape, else RING_EXCHANGE
+  (`fused_backward_config`); the fused AG kernel returns the rows it gathered.
   GEMM + AR   forward: Y = all_reduce(X @ W)
               backward: dP = the transpose of the all-reduce applied to dY; dX = dP @ W^T,
                         dW = X^T @ dP (both local)
@@ -89,9 +90,30 @@ def _forward(collective, x, w, axis_name, cfg, w_transposed):
     return out, (x, w, None)
 
 
+def fused_backward_config(
+    collective: Collective, cfg: OverlapConfig, x: jax.Array, dy: jax.Array, w: jax.Array,
+    axis_name: str, w_transposed: bool,
+) -> OverlapConfig:  # fmt: skip
+    """The backward config of a forward of `cfg`: for a fused Hopper forward of `collective`
+    (AG or RS), the other collective's fused kernel of the same method family where it runs
+    dY's shape (`mosaic_gpu.fused.backward_config`), else `backward_config`'s. w_transposed:
+    the forward's."""
+    back = backward_config(cfg, x)
+    fused_forward = cfg.atomic_gemm and not uses_tpu_kernels(cfg)
+    if not fused_forward or collective is Collective.ALL_REDUCE or dy.dtype != x.dtype:
+        return back
+    from commgemm.mosaic_gpu import fused
+
+    other = {Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
+             Collective.REDUCE_SCATTER: Collective.ALL_GATHER}[collective]  # fmt: skip
+    size = lax.axis_size(axis_name)
+    kernel = fused.backward_config(other, cfg, dy, w, size, w_transposed=not w_transposed)
+    return back if kernel is None else kernel
+
+
 def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
     x, w, gathered = residuals
-    back = backward_config(cfg, x)
+    back = fused_backward_config(collective, cfg, x, dy, w, axis_name, w_transposed)
     module = module_for(back)
     if collective is Collective.ALL_GATHER:
         if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them

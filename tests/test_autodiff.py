@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding
 from jax.test_util import check_grads
 
 import commgemm as cg
-from commgemm.autodiff import backward_config
 from commgemm.cli.specs import parse_method
 
 F64 = dict(accumulate_dtype="float64")
@@ -221,27 +220,27 @@ def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
 @pytest.mark.parametrize(
     ("op", "spec"), [("ag", "fused-w8"), ("rs", "fused-w8"), ("rs", "fused-direct")]
 )
-def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
-    """The fused kernels run only on Hopper GPUs (tests/gpu checks them there).
-    Here a stand-in with the kernels' contract (the ring's result; AG without the gathered x)
-    checks the plumbing around them: dispatch on atomic_gemm, a backward config without the
-    fused fields (RING_EXCHANGE), and AG's re-gather for dW."""
+def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec):
+    """The fused kernels run only on Hopper GPUs (tests/gpu checks them there). Here stand-ins
+    with the kernels' contract (the ring's result; AG's gathered x) check the plumbing around
+    them: dispatch on atomic_gemm, dX on the other collective's kernel of the same method
+    family, dW from the gathered rows, in float64 against the plain composition."""
     from commgemm.mosaic_gpu import fused
     from commgemm.xla import ring_exchange
 
+    calls = []
+
     def ag_stand_in(x, w, axis_name, config, *, w_transposed, return_gathered=False):
-        assert config.atomic_gemm and config.kernel.grid_tile_width == 8
-        out = ring_exchange.all_gather_matmul(
-            x,
-            w,
-            axis_name,
-            config.replace(atomic_gemm=False, kernel=None),
-            w_transposed=w_transposed,
+        assert config.atomic_gemm
+        calls.append(("ag", config.method, config.kernel))
+        plain_cfg = config.replace(atomic_gemm=False, kernel=None)
+        return ring_exchange.all_gather_matmul(
+            x, w, axis_name, plain_cfg, w_transposed=w_transposed, return_gathered=return_gathered
         )
-        return (out, None) if return_gathered else out
 
     def rs_stand_in(x, w, axis_name, config, *, w_transposed):
-        assert config.atomic_gemm and config.method is parse_method(spec, op).method
+        assert config.atomic_gemm
+        calls.append(("rs", config.method, config.kernel))
         plain_cfg = config.replace(atomic_gemm=False, kernel=None)
         return ring_exchange.matmul_reduce_scatter(
             x, w, axis_name, plain_cfg, w_transposed=w_transposed
@@ -256,8 +255,13 @@ def test_fused_forward_has_a_ring_backward(rng, monkeypatch, op, spec):
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
-    back = backward_config(cfg, x)
-    assert back.method is cg.Method.RING_EXCHANGE and not back.atomic_gemm
+    *forward, backward = calls  # the forward may be traced more than once
+    assert forward and all(c == (op, cfg.method, cfg.kernel) for c in forward)
+    assert backward[:2] == ("rs" if op == "ag" else "ag", cfg.method)
+    if cfg.method is cg.Method.RING_EXCHANGE:
+        assert backward[2] is None  # the ring family's default tiling
+    else:  # the cost model's tiling of the dX problem
+        assert backward[2] is not None
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -388,7 +388,7 @@ def test_capabilities_script_runs(tmp_path):
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "capabilities.py"), "--out", str(tmp_path),
-         "--quick", "--sections", "fp8,grouped,backward"],
+         "--quick", "--sections", "fp8,grouped,backward,fused_backward"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -406,6 +406,9 @@ def test_capabilities_script_runs(tmp_path):
         "expert parallel",
     ]
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
+    for row in result["fused_backward"]:  # the fused kernels do not run on CPUs
+        assert set(row["ms"]) == {"xla", "split ring", "timing"}
+        assert row["mosaic_kernels"] == {"xla": 0, "split ring": 0}
 
 
 def test_layers_profile_breakdown_and_smoke_run(tmp_path):

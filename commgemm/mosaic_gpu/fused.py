@@ -35,8 +35,13 @@ with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the 
 spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
 divide into the kernel's tiles. The kernels address a peer by its coordinate on the axis, the
 others of the mesh (size 1 where the axis spans every device) kept. Mosaic GPU itself also
-wants the mesh's devices in id order (it raises otherwise). The backward pass of a fused op
-runs the RING_EXCHANGE method.
+wants the mesh's devices in id order (it raises otherwise).
+
+Backward (bf16 / fp16): dX runs the other collective's kernel of the same method family
+(`backward_config`: an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the
+cost model's tiling for dY's shape), where it can run, else the RING_EXCHANGE method; dW reads
+the gathered rows that the AG kernel received (`push_gather_gemm.gathered_rows`). A quantized
+op's backward runs RING_EXCHANGE (commgemm.scaled).
 """
 
 from __future__ import annotations
@@ -189,10 +194,6 @@ def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
     return None
 
 
-def _as_kn(w: jax.Array, w_transposed: bool) -> jax.Array:
-    return w.T if w_transposed else w
-
-
 def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> KernelConfig:
     """`tiles` for float8 operands with K = k: K-steps of at least FLOAT8_TILE_K where k is
     whole steps of it (the faster K-step for float8 on Hopper: docs/performance.md), chained
@@ -209,26 +210,57 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     return tiles
 
 
-def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool):
+def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool, options=None):
     """The kernel of `collective` and config's method on a float8 payload x [rows, K] and a
     `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
-    epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`)."""
+    epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`); `options`:
+    more of the kernel's options."""
     data = w.w.data if w_transposed else w.w.data.T
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
     split = w.split_accumulator
     tiles = float8_tiling(kernel_config(collective, config), x.shape[1], split=split)
     return _run(collective, config.replace(kernel=tiles), x, data, axis_name, w_nk=True,
-                out_dtype=w.dtype, scale=scale, split_accumulator=split)  # fmt: skip
+                out_dtype=w.dtype, scale=scale, split_accumulator=split,
+                **(options or {}))  # fmt: skip
 
 
 def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **options):
     """config's kernel for `collective` on x and w (options: the kernels' w_nk, out_dtype,
-    scale, split_accumulator)."""
+    scale, split_accumulator, and the AG kernel's return_gathered)."""
     ring = config.method is Method.RING_EXCHANGE
     if collective is Collective.REDUCE_SCATTER:
         kernel = ring_scatter_gemm if ring else scatter_add_gemm
         return kernel.matmul_reduce_scatter(x, w, axis_name, config, **options)
     return push_gather_gemm.all_gather_matmul(x, w, axis_name, config, ring=ring, **options)
+
+
+def backward_config(
+    collective: Collective,
+    config: OverlapConfig,
+    dy: jax.Array,
+    w: jax.Array,
+    size: int,
+    *,
+    w_transposed: bool,
+) -> OverlapConfig | None:
+    """The fused config of dX = `collective`(dY @ W^T) in the backward pass of a fused forward
+    (`collective` the forward's other one): the same method family (the ring, or the direct
+    kernel), in the cost model's tiling for dY's shape, or None where that kernel cannot run
+    this call (`unsupported_reason`). dy: the 2-D view of dY; w and w_transposed as the dX GEMM
+    takes them (the forward's w, w_transposed flipped)."""
+    from commgemm.mosaic_gpu import heuristics
+
+    rows, n = dy.shape
+    out_columns = w.shape[0] if w_transposed else w.shape[1]
+    back = config.replace(kernel=None, collective=None, out_dtype=dy.dtype.name)
+    if config.method is Method.PIPELINE and collective is Collective.REDUCE_SCATTER:
+        shape = (rows, n * size, out_columns)  # the global (M, K, N) of the dX GEMM
+        tiles = heuristics.direct_rs_config(rows, size, shape, deterministic=config.deterministic)
+        back = back.replace(kernel=tiles)
+    elif config.method is Method.PIPELINE:
+        back = back.replace(kernel=heuristics.direct_ag_config(rows, n=out_columns))
+    reason = unsupported_reason(collective, dy, w, size, back, w_transposed=w_transposed)
+    return back if reason is None else None
 
 
 def _array(w) -> jax.Array:
@@ -250,18 +282,20 @@ def all_gather_matmul(
     *,
     w_transposed: bool,
     return_gathered: bool = False,
-) -> jax.Array | tuple[jax.Array, None]:
-    """x [m, K] local rows, w [K, n] -> all_gather(x) @ w [P*m, n], in one kernel.
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """x [m, K] local rows, w [K, n] ([n, K] with w_transposed) -> all_gather(x) @ w
+    [P*m, n], in one kernel.
 
-    With return_gathered the second result is None: the kernel keeps the gathered rows in its
-    own scratch, so the backward pass gathers x again (beside its dX GEMM).
+    With return_gathered also all_gather(x) [P*m, K], from the rows the kernel received.
     """
+    options = dict(return_gathered=return_gathered)
     if _is_quantized(w):
-        out = _float8_call(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed)
+        out = _float8_call(Collective.ALL_GATHER, x, w, axis_name, config, w_transposed, options)
     else:
-        out = _run(Collective.ALL_GATHER, config, x, _as_kn(w, w_transposed), axis_name)
+        out = _run(Collective.ALL_GATHER, config, x, w, axis_name, w_nk=w_transposed, **options)
+    out, gathered = out if return_gathered else (out, None)
     out = varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
-    return (out, None) if return_gathered else out
+    return (out, varying_like(gathered, x)) if return_gathered else out
 
 
 def matmul_reduce_scatter(
@@ -277,7 +311,7 @@ def matmul_reduce_scatter(
     if _is_quantized(w):
         out = _float8_call(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
     else:
-        out = _run(Collective.REDUCE_SCATTER, config, x, _as_kn(w, w_transposed), axis_name)
+        out = _run(Collective.REDUCE_SCATTER, config, x, w, axis_name, w_nk=w_transposed)
     return varying_like(out, x, _array(w))  # a Pallas result carries no varying axes of its own
 
 

@@ -112,15 +112,17 @@ def all_gather_matmul(
     scale: jax.Array | None = None,
     split_accumulator: bool = False,
     ring: bool = False,
+    return_gathered: bool = False,
     compiler_params: Mapping | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x [m, K] (rows sharded over axis_name), w [K, n] (local; [n, K] with w_nk) -> [P*m, n],
     all_gather(x) @ w (times `scale` [1] float32, if given) in `out_dtype` (default x's dtype),
     rows in device order. Float8 x and w (w_nk) multiply on float8 tensor cores; the rows
     travel as float8; `split_accumulator` promotes the partial sums to float32 every K-step
     (`tiles.accumulated`). `ring`: forward each block to the next device instead of pushing the
     own rows to every peer (module docstring; no `spread`). axis_name None: one device (the
-    kernel's GEMM core)."""
+    kernel's GEMM core). `return_gathered`: also all_gather(x) [P*m, K], in device order, from
+    the rows the kernel received (`gathered_rows`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -287,7 +289,7 @@ def all_gather_matmul(
                  lambda i: (main_units + i // 2, lax.rem(i, jnp.int32(2))))  # fmt: skip
 
     with jax.named_scope("fused_ag_gemm_push"):
-        out, _ = plgpu.kernel(
+        out, inbox = plgpu.kernel(
             body,
             out_type=[
                 jax.ShapeDtypeStruct((size * m, n), out_dtype),
@@ -295,4 +297,17 @@ def all_gather_matmul(
             ],
             **mt.kernel_params(sms, tiles.cluster_size, compiler_params),
         )(x, w, *([] if scale is None else [scale]))
+    if return_gathered:
+        return out, gathered_rows(x, inbox, axis_name)
     return out
+
+
+def gathered_rows(x: jax.Array, inbox: jax.Array, axis_name: str | None) -> jax.Array:
+    """all_gather(x) [P*m, K] in device order, from this device's rows x [m, K] and its
+    inbox [P - 1, m, K] (slot j: the rows of device (d - j - 1) mod P, direct and ring alike)."""
+    size, here = mt.axis_position(axis_name)
+    if size == 1:
+        return x
+    stack = jnp.concatenate([x[None], inbox])  # entry t: the rows of device (d - t) mod P
+    order = lax.rem(here - jnp.arange(size, dtype=jnp.int32) + size, jnp.int32(size))
+    return jnp.take(stack, order, axis=0).reshape(size * x.shape[0], x.shape[1])

@@ -1,0 +1,121 @@
+"""The backward pass of a fused Hopper op runs the other collective's fused kernel: the plan
+(`mosaic_gpu.fused.backward_config`), the gathered rows the AG kernel returns for dW, and the
+lowered program (CUDA target, on the CPU: one Mosaic GPU kernel forward, one backward, no XLA
+collective for dX). tests/gpu checks the values on Hopper GPUs."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d
+
+import commgemm as cg
+from commgemm.autodiff import fused_backward_config
+from commgemm.cli.specs import parse_method
+from commgemm.config import Collective, Method
+from commgemm.mosaic_gpu import push_gather_gemm
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The plan as it sees a Hopper GPU: CPU devices have no SM count or compute capability."""
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_gathered_rows_are_in_device_order(size):
+    """The inbox's slot j holds the rows of device (d - j - 1) mod P; `gathered_rows` puts them
+    and the own rows back in device order, equal to all_gather(x)."""
+    m, k = 3, 5
+    x = jnp.asarray(np.random.default_rng().standard_normal((size * m, k)))
+
+    def body(x):
+        everyone = jax.lax.all_gather(x, "x")  # [P, m, K]
+        d = jax.lax.axis_index("x")
+        inbox = jnp.stack([everyone[(d - j - 1) % size] for j in range(size - 1)])
+        return push_gather_gemm.gathered_rows(x, inbox, "x") - everyone.reshape(size * m, k)
+
+    diff = jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x", None), out_specs=P("x"))(x)
+    np.testing.assert_array_equal(diff, 0)
+
+
+def _plan(op: str, spec: str, size: int, rows: int, k: int, n: int, *, w_transposed=False):
+    """fused_backward_config for a forward `op` of config `spec` on x [rows, K] (local view),
+    w [K, n] local."""
+    cfg = parse_method(spec, op)
+    collective = Collective.ALL_GATHER if op == "ag" else Collective.REDUCE_SCATTER
+    out_rows = rows * size if op == "ag" else rows // size
+    w = jnp.zeros((n, k) if w_transposed else (k, n), jnp.bfloat16)
+    dy = jnp.zeros((out_rows, n), jnp.bfloat16)
+    planned = []
+
+    def body(x):
+        planned.append(fused_backward_config(collective, cfg, x, dy, w, "x", w_transposed))
+        return x
+
+    jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x"), out_specs=P("x"))(
+        jnp.zeros((rows * size, k), jnp.bfloat16)
+    )
+    return planned[0]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("spec", ["fused", "fused-direct"])
+def test_backward_runs_the_other_fused_kernel(spec, op, size, hopper, monkeypatch):
+    monkeypatch.setattr(jax, "device_count", lambda: size)
+    back = _plan(op, spec, size, 1024, 512, 1024)
+    assert back.atomic_gemm and back.collective is None and back.out_dtype == "bfloat16"
+    assert back.method is parse_method(spec, op).method
+    if spec == "fused-direct":  # the cost model's tiling of the dX problem's kernel
+        assert isinstance(back.kernel, DirectRSConfig if op == "ag" else DirectAGConfig)
+
+
+def test_backward_falls_back_to_the_ring_where_the_kernel_cannot_run(hopper, monkeypatch):
+    """dX of an AG forward reduce-scatters dY's rows [P*m, n] over K = 192 columns: not whole
+    256-column tiles of the RS kernel, so the backward runs RING_EXCHANGE; off a Hopper GPU
+    (no monkeypatch) likewise."""
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    back = _plan("ag", "fused-direct", 2, 1024, 192, 1024)
+    assert back.method is Method.RING_EXCHANGE and not back.atomic_gemm
+    monkeypatch.undo()
+    back = _plan("rs", "fused", 2, 1024, 512, 1024)
+    assert back.method is Method.RING_EXCHANGE and not back.atomic_gemm
+
+
+@pytest.mark.parametrize("w_transposed", [False, True])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("spec", ["fused", "fused-direct"])
+def test_grad_lowers_to_two_kernels(spec, op, w_transposed, hopper, monkeypatch):
+    """jax.grad of a fused op lowers (CUDA target) to its kernel and the other collective's
+    kernel for dX, with no XLA collective-permute (the ring's) and, for dW, no all-gather:
+    the AG kernel's received rows are dW's operand."""
+    size = 2
+    monkeypatch.setattr(jax, "device_count", lambda: size)
+    cfg = parse_method(spec, op)
+    fn = cg.all_gather_matmul if op == "ag" else cg.matmul_reduce_scatter
+    k, n = (512, 2048) if op == "ag" else (1024, 1024)
+    x_spec, w_spec = (P("x", None), P(None, "x")) if op == "ag" else (P(None, "x"), P("x", None))
+    if w_transposed:
+        w_spec = P(*reversed(tuple(w_spec)))
+
+    def loss(x, w):
+        y = jax.shard_map(
+            lambda x, w: fn(x, w, "x", config=cfg, w_transposed=w_transposed),
+            mesh=mesh1d(size), in_specs=(x_spec, w_spec), out_specs=x_spec,
+        )(x, w)  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    x = jax.ShapeDtypeStruct((2048, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k) if w_transposed else (k, n), jnp.bfloat16)
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 2
+    assert not re.search(r"stablehlo\.(all_gather|collective_permute|reduce_scatter)", text)
