@@ -98,10 +98,10 @@ def test_fused_outputs_and_gradients(two_gpus, op, spec, shape, w_transposed):
     def loss(fn):
         return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * g.astype(jnp.float32))
 
-    grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
-    compiled = grad.lower(x, stored).compile().as_text()
-    assert len(re.findall(r'custom_call_target="[^"]*mosaic[^"]*"', compiled)) == 2
-    got = grad(x, stored)
+    step = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1))).lower(x, stored).compile()
+    # (a gradient alone drops an RS forward's kernel: the loss is linear in its result)
+    assert len(re.findall(r'custom_call_target="[^"]*mosaic[^"]*"', step.as_text())) == 2
+    _, got = step(x, stored)
     ref_fn = lambda a, b: _reference(a, b.T if w_transposed else b)  # noqa: E731
     want = jax.jit(jax.grad(loss(ref_fn), argnums=(0, 1)))(x, stored)
     for a, b in zip(got, want, strict=True):
