@@ -51,6 +51,42 @@ def test_balanced_gemm_and_communication_picks_an_overlap(collective):
     assert serial == pytest.approx(t_gemm + t_comm, rel=1e-3)
 
 
+@pytest.mark.parametrize("collective", [AG, RS])
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_bidirectional_ring_is_faster_only_on_duplex_links(size, collective):
+    """A bidirectional split ring halves the steps; its two directions move at once only where
+    each has links of its own (TPU ICI: duplex_ring). On GPUs they share the device's links
+    and XLA's one collective in flight, so it gains at most the latency of the fewer steps."""
+    one_way = cg.OverlapConfig(method="ring_exchange")
+    both = one_way.replace(bidirectional=True)
+    shared = costmodel.MachineFigures(7e14, 2.4e10, 2e-5)  # transfers outlast the GEMMs
+    duplex = dataclasses.replace(shared, duplex_ring=True)
+    t_comm = costmodel._times(collective, SHAPE, size, 2, shared)[1]
+    ratio = {
+        fig.duplex_ring: costmodel.predict(collective, both, SHAPE, size, 2, fig)
+        / costmodel.predict(collective, one_way, SHAPE, size, 2, fig)
+        for fig in (shared, duplex)
+    }
+    assert ratio[True] < 0.8 and ratio[False] > 0.95
+    assert costmodel.predict(collective, both, SHAPE, size, 2, shared) >= t_comm
+    assert costmodel.default_figures("tpu", "TPU v5 lite").duplex_ring
+    assert not costmodel.default_figures("gpu").duplex_ring
+
+
+@pytest.mark.parametrize(("preset", "collective"), [("llama8b_mlp", RS), ("comm_heavy", AG)])
+def test_auto_on_four_gpus_picks_a_fused_kernel(preset, collective):
+    """On 4 x H200 (no tune cache) AUTO picked the bidirectional split ring for these two
+    (1.57 and 1.67 ms, where the ring kernel took 0.68 and 0.66 and serial 0.90 and 1.01):
+    with the GPU's default figures it now takes the direct fused kernel."""
+    from commgemm.bench.problems import PRESETS
+
+    shape, size = PRESETS[preset], 4
+    rows = shape[0] // size if collective is AG else shape[0]
+    fig = costmodel.default_figures("gpu")
+    cfg, _ = costmodel.choose(collective, shape, rows, size, 2, fig, fused=True)
+    assert cfg.atomic_gemm and cfg.method is cg.Method.PIPELINE
+
+
 def test_candidates_respect_divisibility():
     for cfg in costmodel.candidates(AG, rows=6, size=4):
         assert 6 % cfg.num_splits == 0

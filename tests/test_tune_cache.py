@@ -66,6 +66,19 @@ DAMAGE = {
         "flops_per_s=0",
     ),
     "machine not an object": (_file(machines={"cpu/P4": 7}).encode(), "not an object"),
+    "duplex_ring not a bool": (
+        _file(
+            machines={
+                "cpu/P4": {
+                    "flops_per_s": 1e12,
+                    "bytes_per_s": 1e9,
+                    "latency_s": 0,
+                    "duplex_ring": "yes",
+                }
+            }
+        ).encode(),
+        "duplex_ring='yes'",
+    ),
 }
 
 

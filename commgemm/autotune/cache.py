@@ -135,6 +135,8 @@ def _parse_machine(value: object) -> MachineFigures:
         v = getattr(figures, field)
         if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
             raise ValueError(f"{field}={v!r} must be a finite number >= 0")
+    if not isinstance(figures.duplex_ring, bool):
+        raise ValueError(f"duplex_ring={figures.duplex_ring!r} must be true or false")
     return figures
 
 

@@ -20,12 +20,18 @@ from commgemm.mosaic_gpu.heuristics import direct_ag_config, direct_rs_config
 class MachineFigures:
     """flops_per_s: one device's GEMM rate; bytes_per_s: what one device receives per second in
     a collective; latency_s: fixed cost of one transfer (and of one GEMM launch); interference:
-    how much slower a GEMM runs beside a transfer (they share SMs and memory bandwidth)."""
+    how much slower a GEMM runs beside a transfer (they share SMs and memory bandwidth);
+    duplex_ring: whether the two directions of a bidirectional ring move at once, each at
+    bytes_per_s, on links of their own (TPU ICI), rather than one after the other through the
+    device's one set of links (GPUs behind NVSwitch, where XLA also keeps one collective in
+    flight: on 4 x H200 the bidirectional split ring ran 2.4x slower than this model without
+    that, BENCHMARKS.md "AUTO on four GPUs")."""
 
     flops_per_s: float
     bytes_per_s: float
     latency_s: float
     interference: float = 0.25
+    duplex_ring: bool = False
 
 
 #: Defaults when nothing was measured: about what the 2xH200 suite measured (bf16 GEMM about
@@ -40,11 +46,12 @@ DEFAULT_FIGURES = {
 #: per chip (Cloud TPU docs, "TPU v5e", "TPU v5p", "TPU v6e"), one-way bandwidth of one ICI link
 #: (the TPU chapter of "How to Scale Your Model", Austin et al., 2025: 4.5e10 B/s on v5e,
 #: 9e10 B/s on v5p and v6e), which is what a device receives from one neighbour of a ring; the
-#: latency a transfer costs and the interference are assumptions (docs/tpu.md).
+#: latency a transfer costs and the interference are assumptions (docs/tpu.md); each direction of
+#: a ring has links of its own (the torus' wraparound links both ways).
 TPU_FIGURES = {
-    "v5e": MachineFigures(1.97e14, 4.5e10, 1.0e-5, 0.1),
-    "v5p": MachineFigures(4.59e14, 9.0e10, 1.0e-5, 0.1),
-    "v6e": MachineFigures(9.18e14, 9.0e10, 1.0e-5, 0.1),
+    "v5e": MachineFigures(1.97e14, 4.5e10, 1.0e-5, 0.1, duplex_ring=True),
+    "v5p": MachineFigures(4.59e14, 9.0e10, 1.0e-5, 0.1, duplex_ring=True),
+    "v6e": MachineFigures(9.18e14, 9.0e10, 1.0e-5, 0.1, duplex_ring=True),
 }
 
 
@@ -143,9 +150,11 @@ def predict(
                 gemms.append(g.add("gemm", t_gemm / s + lat, gemms[-1] if gemms else None))
                 comm = g.add("comm", t_comm / s + lat, comm, gemms[-1])
         return g.makespan()
-    # RING_EXCHANGE: steps of P-1 transfers (both ways at once when bidirectional).
+    # RING_EXCHANGE: steps of P-1 transfers (both ways, at once where fig.duplex_ring, when
+    # bidirectional).
     bidi = cfg.bidirectional or cfg.aggregate
     n_fwd, n_bwd = (size // 2, (size - 1) // 2) if bidi else (size - 1, 0)
+    link = {"fwd": "comm-fwd", "bwd": "comm-bwd" if fig.duplex_ring else "comm-fwd"}
     step_gemm = t_gemm / size / s
     if collective is Collective.ALL_GATHER:
         transfer = t_comm / (size - 1) / s
@@ -156,7 +165,7 @@ def predict(
                 for way, steps in (("fwd", n_fwd), ("bwd", n_bwd)):
                     if t < steps:
                         arrived[(t, j, way)] = g.add(
-                            f"comm-{way}", transfer + lat, arrived.get((t - 1, j, way)), last
+                            link[way], transfer + lat, arrived.get((t - 1, j, way)), last
                         )
                 last = g.add("gemm", step_gemm + lat, arrived.get((t - 1, j, "fwd")), last)
                 if 0 < t <= n_bwd:
@@ -173,7 +182,7 @@ def predict(
                 last = g.add("gemm", step_gemm + lat, last)
                 if t < steps:  # the partial sum (received + this GEMM) moves on
                     sent[(t, j, way)] = g.add(
-                        f"comm-{way}", transfer + lat, last, sent.get((t - 1, j, way))
+                        link[way], transfer + lat, last, sent.get((t - 1, j, way))
                     )
     if collective is Collective.ALL_REDUCE:
         g.add("comm-fwd", t_comm / 2 + lat, *sent.values(), last)

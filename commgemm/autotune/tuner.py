@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from commgemm.autotune import cache
-from commgemm.autotune.costmodel import DEFAULT_FIGURES, MachineFigures, candidates
+from commgemm.autotune.costmodel import MachineFigures, candidates, default_figures
 from commgemm.config import Collective, OverlapConfig
 
 OPS = {"ag": Collective.ALL_GATHER, "rs": Collective.REDUCE_SCATTER, "ar": Collective.ALL_REDUCE}
@@ -142,12 +142,13 @@ def tune(
         "rs": (size - 1) * (m // size) * n,
         "ar": 2 * (size - 1) * (m // size) * n,
     }[op]
-    default = DEFAULT_FIGURES.get(jax.default_backend(), DEFAULT_FIGURES["gpu"])
+    default = default_figures(jax.default_backend(), kind)
     machine = MachineFigures(
         flops_per_s=2.0 * m * k * n / size / (t_gemm * 1e-3),
         bytes_per_s=received * itemsize / (t_comm * 1e-3) if size > 1 else default.bytes_per_s,
         latency_s=default.latency_s,
         interference=default.interference,
+        duplex_ring=default.duplex_ring,
     )
     timing = "device periods" if by_period else "host"
     key = cache.plan_key(kind, size, op, shape, dtype)
