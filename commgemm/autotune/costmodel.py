@@ -259,8 +259,9 @@ def choose(
     tpu: bool = False,
     interpret: bool = False,
 ) -> tuple[OverlapConfig, float]:
-    """The candidate with the least predicted time (the first, i.e. simplest, among equals);
-    `runs(config)` says whether a fused candidate can run the call (None: all can)."""
+    """The candidate with the least predicted time (the first, i.e. simplest, among equals), the
+    ring AG kernel in place of the direct one on more than 2 GPUs; `runs(config)` says whether a
+    fused candidate can run the call (None: all can)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
         collective,
@@ -279,4 +280,10 @@ def choose(
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)
     ]
     best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
+    if collective is Collective.ALL_GATHER and size > 2 and not tpu and best[2].atomic_gemm:
+        # on more than 2 GPUs the ring AG kernel, where it runs: on 4 x H200 the direct one ran
+        # 16 to 30% slower on three presets (BENCHMARKS.md "AUTO on four GPUs"); the model has
+        # both at the transfers' time, and the tuner measures both
+        ring = [s for s in scored if s[2].atomic_gemm and s[2].method is Method.RING_EXCHANGE]
+        best = ring[0] if ring else best
     return best[2], best[0]
