@@ -282,7 +282,7 @@ def choose(
     best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
     if collective is Collective.ALL_GATHER and size > 2 and not tpu and best[2].atomic_gemm:
         # on more than 2 GPUs the ring AG kernel, where it runs: on 4 x H200 the direct one ran
-        # 16 to 30% slower on three presets (BENCHMARKS.md "AUTO on four GPUs"); the model has
+        # 15 to 30% slower on three presets (BENCHMARKS.md "AUTO on four GPUs"); the model has
         # both at the transfers' time, and the tuner measures both
         ring = [s for s in scored if s[2].atomic_gemm and s[2].method is Method.RING_EXCHANGE]
         best = ring[0] if ring else best
