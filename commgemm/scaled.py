@@ -242,8 +242,6 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
                        return_gathered=True)  # fmt: skip
-        if rows is None:  # a fused kernel keeps the gathered rows to itself: dW gathers again
-            rows = lax.all_gather(payload(qx), axis_name, tiled=True)
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
     like_x = x[:0]  # x's dtype, K and varying axes, as an array residual
