@@ -223,8 +223,9 @@ def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
 def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec):
     """The fused kernels run only on Hopper GPUs (tests/gpu checks them there). Here stand-ins
     with the kernels' contract (the ring's result; AG's gathered x) check the plumbing around
-    them: dispatch on atomic_gemm, dX on the other collective's kernel of the same method
-    family, dW from the gathered rows, in float64 against the plain composition."""
+    them: dispatch on atomic_gemm, dX on the other collective's kernel (the same method family;
+    an AG on the ring kernel, 4 devices here), dW from the gathered rows, in float64 against the
+    plain composition."""
     from commgemm.mosaic_gpu import fused
     from commgemm.xla import ring_exchange
 
@@ -257,8 +258,10 @@ def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
     *forward, backward = calls  # the forward may be traced more than once
     assert forward and all(c == (op, cfg.method, cfg.kernel) for c in forward)
-    assert backward[:2] == ("rs" if op == "ag" else "ag", cfg.method)
-    if cfg.method is cg.Method.RING_EXCHANGE:
+    # dX's AG on 4 devices runs the ring kernel (as AUTO on more than 2 GPUs)
+    method = cg.Method.RING_EXCHANGE if op == "rs" else cfg.method
+    assert backward[:2] == ("rs" if op == "ag" else "ag", method)
+    if method is cg.Method.RING_EXCHANGE:
         assert backward[2] is None  # the ring family's default tiling
     else:  # the cost model's tiling of the dX problem
         assert backward[2] is not None

@@ -73,9 +73,23 @@ def test_backward_runs_the_other_fused_kernel(spec, op, size, hopper, monkeypatc
     monkeypatch.setattr(jax, "device_count", lambda: size)
     back = _plan(op, spec, size, 1024, 512, 1024)
     assert back.atomic_gemm and back.collective is None and back.out_dtype == "bfloat16"
-    assert back.method is parse_method(spec, op).method
-    if spec == "fused-direct":  # the cost model's tiling of the dX problem's kernel
+    if op == "rs" and size > 2:  # dX's AG on the ring kernel on more than 2 GPUs
+        assert back.method is Method.RING_EXCHANGE and back.kernel is None
+    else:
+        assert back.method is parse_method(spec, op).method
+    if back.method is Method.PIPELINE:  # the cost model's tiling of the dX problem's kernel
         assert isinstance(back.kernel, DirectRSConfig if op == "ag" else DirectAGConfig)
+
+
+def test_dx_all_gather_on_four_gpus_takes_the_direct_kernel_where_the_ring_cannot(
+    hopper, monkeypatch
+):
+    """dX of an RS forward gathers dY into 384 columns a device: not whole 256-column tiles
+    (the ring's), whole 192s (the direct AG plan's), so the direct kernel runs it."""
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    back = _plan("rs", "fused-direct", 4, 4096, 384, 1024)
+    assert back.atomic_gemm and back.method is Method.PIPELINE
+    assert back.kernel.cta_n == 192
 
 
 def test_backward_falls_back_to_the_ring_where_the_kernel_cannot_run(hopper, monkeypatch):

@@ -39,9 +39,10 @@ wants the mesh's devices in id order (it raises otherwise).
 
 Backward (bf16 / fp16): dX runs the other collective's kernel of the same method family
 (`backward_config`: an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the
-cost model's tiling for dY's shape), where it can run, else the RING_EXCHANGE method; dW reads
-the gathered rows that the AG kernel received (`push_gather_gemm.gathered_rows`). A quantized
-op's backward runs RING_EXCHANGE (commgemm.scaled).
+cost model's tiling for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can
+run, else the RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
+(`push_gather_gemm.gathered_rows`). A quantized op's backward runs RING_EXCHANGE
+(commgemm.scaled).
 """
 
 from __future__ import annotations
@@ -245,22 +246,31 @@ def backward_config(
 ) -> OverlapConfig | None:
     """The fused config of dX = `collective`(dY @ W^T) in the backward pass of a fused forward
     (`collective` the forward's other one): the same method family (the ring, or the direct
-    kernel), in the cost model's tiling for dY's shape, or None where that kernel cannot run
-    this call (`unsupported_reason`). dy: the 2-D view of dY; w and w_transposed as the dX GEMM
-    takes them (the forward's w, w_transposed flipped)."""
+    kernel in the cost model's tiling for dY's shape), except an AG on more than 2 GPUs, which
+    runs the ring kernel where it can (as AUTO: the direct AG ran 15 to 30% slower there,
+    BENCHMARKS.md "AUTO on four GPUs"); None where no such kernel can run this call
+    (`unsupported_reason`). dy: the 2-D view of dY; w and w_transposed as the dX GEMM takes them
+    (the forward's w, w_transposed flipped)."""
     from commgemm.mosaic_gpu import heuristics
 
     rows, n = dy.shape
     out_columns = w.shape[0] if w_transposed else w.shape[1]
     back = config.replace(kernel=None, collective=None, out_dtype=dy.dtype.name)
-    if config.method is Method.PIPELINE and collective is Collective.REDUCE_SCATTER:
+    if collective is Collective.REDUCE_SCATTER:
         shape = (rows, n * size, out_columns)  # the global (M, K, N) of the dX GEMM
         tiles = heuristics.direct_rs_config(rows, size, shape, deterministic=config.deterministic)
-        back = back.replace(kernel=tiles)
-    elif config.method is Method.PIPELINE:
-        back = back.replace(kernel=heuristics.direct_ag_config(rows, n=out_columns))
-    reason = unsupported_reason(collective, dy, w, size, back, w_transposed=w_transposed)
-    return back if reason is None else None
+    else:
+        tiles = heuristics.direct_ag_config(rows, n=out_columns)
+    direct = back.replace(method=Method.PIPELINE, kernel=tiles)
+    ring = back.replace(method=Method.RING_EXCHANGE)
+    if collective is Collective.ALL_GATHER and size > 2:
+        options = [ring, direct]
+    else:
+        options = [ring if config.method is Method.RING_EXCHANGE else direct]
+    for option in options:
+        if unsupported_reason(collective, dy, w, size, option, w_transposed=w_transposed) is None:
+            return option
+    return None
 
 
 def _array(w) -> jax.Array:
