@@ -105,6 +105,23 @@ def test_fused_ag_on_more_than_two_gpus_is_the_ring_where_it_runs(size):
     assert cfg.atomic_gemm and cfg.method is cg.Method.PIPELINE
 
 
+@pytest.mark.parametrize(("size", "method"), [(2, "pipeline"), (4, "ring_exchange")])
+def test_auto_plans_the_fused_ag_by_gpu_count(tmp_path, monkeypatch, size, method):
+    """Method.AUTO end to end (no tune cache, the plan as it sees Hopper GPUs): llama8b's AG
+    on 2 GPUs runs the direct kernel, on 4 the ring kernel."""
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(jax, "device_count", lambda: size)
+    m, k, n = 8192, 4096, 14336
+    x = jax.ShapeDtypeStruct((m // size, k), np.dtype("bfloat16"))
+    w = jax.ShapeDtypeStruct((k, n // size), np.dtype("bfloat16"))
+    cfg = auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, size, w_transposed=False)
+    assert cfg.atomic_gemm and cfg.method is cg.Method(method)
+
+
 def test_candidates_respect_divisibility():
     for cfg in costmodel.candidates(AG, rows=6, size=4):
         assert 6 % cfg.num_splits == 0
