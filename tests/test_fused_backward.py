@@ -71,6 +71,9 @@ def _plan(op: str, spec: str, size: int, rows: int, k: int, n: int, *, w_transpo
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("spec", ["fused", "fused-direct"])
 def test_backward_runs_the_other_fused_kernel(spec, op, size, hopper, monkeypatch):
+    """dX of an AG forward on the RS kernel of its family, of an RS forward on the AG kernel
+    (on more than 2 GPUs the ring AG); in dY's dtype, the direct ones in the cost model's
+    tiling of dY's shape."""
     monkeypatch.setattr(jax, "device_count", lambda: size)
     back = _plan(op, spec, size, 1024, 512, 1024)
     assert back.atomic_gemm and back.collective is None and back.out_dtype == "bfloat16"
