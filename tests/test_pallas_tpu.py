@@ -414,8 +414,8 @@ def test_kernels_lower_for_a_tpu(op, direct, operands, x64):
     [(size, op, method, mode) for size in (2, 4) for op in OPS
      for method in ("ring_exchange", "pipeline") for mode in ("current_tensor_scaling",)]
     + [(2, "ag", "ring_exchange", "mxfp8_1d_scaling"), (2, "ag", "pipeline", "nvfp4_1d_scaling"),
-       (2, "rs", "ring_exchange", "nvfp4_1d_scaling"), (2, "rs", "pipeline", "mxfp8_1d_scaling"),
-       (4, "rs", "ring_exchange", "mxfp8_1d_scaling")],  # every op x method, both block modes
+       (2, "rs", "ring_exchange", "nvfp4_1d_scaling"), (2, "rs", "pipeline", "mxfp8_1d_scaling")],
+    # every op x method, both block modes
 )  # fmt: skip
 def test_quantized_ops(rng, size, op, method, mode):
     """The ops with scaling= on the TPU kernels, tensor and block modes: the float64 product of
