@@ -155,17 +155,23 @@ def grouped_rows(devices, cfg) -> list[dict]:
     return rows
 
 
+def _with_cotangent(preset: str, op: str, devices):
+    """(problem, x, w, dy) of a preset's bf16 op: random operands and a random cotangent dY (a
+    constant one would let XLA fold the collective away)."""
+    problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
+    x, w = problem.operands()
+    m, _, n = problem.shape
+    return problem, x, w, problem._random((m, n), problem.out_spec, 7)
+
+
 def backward_rows(devices, cfg) -> list[dict]:
     """The backward pass alone, dX of AG + GEMM (the RS of dY @ W^T) and of GEMM + RS (the AG of
-    dY), by cg.gemm's methods against XLA's gradient of its own dot; dY random (a constant one
-    would let XLA fold the collective away), the forward pruned (dX does not need it)."""
+    dY), by cg.gemm's methods against XLA's gradient of its own dot, dY random, the forward
+    pruned (dX does not need it)."""
     rows = []
     for preset in cfg["presets"]:
         for op in ("ag", "rs"):
-            problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
-            x, w = problem.operands()
-            m, _, n = problem.shape
-            dy = problem._random((m, n), problem.out_spec, 7)
+            problem, x, w, dy = _with_cotangent(preset, op, devices)
             variants = {}
             for name in ("xla", "none", "ring", "auto"):
                 f = problem.xla() if name == "xla" else problem.overlapped(METHODS[name])
@@ -193,11 +199,8 @@ def fused_backward_rows(devices, cfg) -> list[dict]:
     rows = []
     for preset in cfg["presets"]:
         for op in ("ag", "rs"):
-            problem = make_problem(op, SHAPES[preset], "bfloat16", devices)
-            x, w = problem.operands()
-            m, k, n = problem.shape
-            size = len(devices)
-            dy = problem._random((m, n), problem.out_spec, 7)
+            problem, x, w, dy = _with_cotangent(preset, op, devices)
+            (m, k, n), size = problem.shape, len(devices)
             if op == "ag":
                 tiles = heuristics.direct_ag_config(m // size, n=n // size)
             else:

@@ -217,10 +217,11 @@ def test_sgd_mlp_sequence_parallel_matches_unsharded(rng):
     np.testing.assert_allclose(sharded_losses, plain_losses, rtol=1e-10)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize(
     ("op", "spec"), [("ag", "fused-w8"), ("rs", "fused-w8"), ("rs", "fused-direct")]
 )
-def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec):
+def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec, check_vma):
     """The fused kernels run only on Hopper GPUs (tests/gpu checks them there). Here stand-ins
     with the kernels' contract (the ring's result; AG's gathered x) check the plumbing around
     them: dispatch on atomic_gemm, dX on the other collective's kernel (the same method family;
@@ -252,7 +253,7 @@ def test_fused_forward_and_backward_plumbing(rng, monkeypatch, op, spec):
     monkeypatch.setattr(fused, "matmul_reduce_scatter", rs_stand_in)
     cfg = parse_method(spec, op).replace(**F64)
     x, w, b = _data(rng, 4)
-    got = jax.grad(_loss(sharded(op, cfg, 4, None)), argnums=(0, 1))(x, w, b)
+    got = jax.grad(_loss(sharded(op, cfg, 4, None, check_vma)), argnums=(0, 1))(x, w, b)
     want = jax.grad(_loss(lambda x, w, b: plain(x, w, b, None)), argnums=(0, 1))(x, w, b)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)

@@ -109,11 +109,12 @@ def test_backward_falls_back_to_the_ring_where_the_kernel_cannot_run(hopper, mon
 
 
 @pytest.mark.parametrize(
-    ("spec", "op", "w_transposed"),
-    [("fused", "ag", False), ("fused", "rs", True), ("fused-direct", "ag", True),
-     ("fused-direct", "rs", False)],
+    ("spec", "op", "w_transposed", "check_vma"),
+    [("fused", "ag", False, True), ("fused", "rs", True, True), ("fused-direct", "ag", True, True),
+     ("fused-direct", "rs", False, True), ("fused", "ag", True, False),
+     ("fused-direct", "rs", True, False)],
 )  # fmt: skip
-def test_grad_lowers_to_two_kernels(spec, op, w_transposed, hopper, monkeypatch):
+def test_grad_lowers_to_two_kernels(spec, op, w_transposed, check_vma, hopper, monkeypatch):
     """jax.grad of a fused op lowers (CUDA target) to its kernel and the other collective's
     kernel for dX, with no XLA collective-permute (the ring's) and, for dW, no all-gather:
     the AG kernel's received rows are dW's operand."""
@@ -129,7 +130,7 @@ def test_grad_lowers_to_two_kernels(spec, op, w_transposed, hopper, monkeypatch)
     def loss(x, w):
         y = jax.shard_map(
             lambda x, w: fn(x, w, "x", config=cfg, w_transposed=w_transposed),
-            mesh=mesh1d(size), in_specs=(x_spec, w_spec), out_specs=x_spec,
+            mesh=mesh1d(size), in_specs=(x_spec, w_spec), out_specs=x_spec, check_vma=check_vma,
         )(x, w)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) ** 2)
 

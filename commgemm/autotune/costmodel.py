@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from commgemm.config import Collective, Method, OverlapConfig, split_requirement
-from commgemm.mosaic_gpu.heuristics import direct_ag_config, direct_rs_config
+from commgemm.mosaic_gpu.heuristics import direct_ag_config, direct_rs_config, ring_ag_first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +260,8 @@ def choose(
     interpret: bool = False,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals), the
-    ring AG kernel in place of the direct one on more than 2 GPUs; `runs(config)` says whether a
-    fused candidate can run the call (None: all can)."""
+    ring AG kernel in place of the direct one where `heuristics.ring_ag_first`; `runs(config)`
+    says whether a fused candidate can run the call (None: all can)."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
         collective,
@@ -280,10 +280,9 @@ def choose(
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)
     ]
     best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
-    if collective is Collective.ALL_GATHER and size > 2 and not tpu and best[2].atomic_gemm:
-        # on more than 2 GPUs the ring AG kernel, where it runs: on 4 x H200 the direct one ran
-        # 15 to 30% slower on three presets (BENCHMARKS.md "AUTO on four GPUs"); the model has
-        # both at the transfers' time, and the tuner measures both
+    hopper_ag = collective is Collective.ALL_GATHER and not tpu
+    if hopper_ag and best[2].atomic_gemm and ring_ag_first(size):
+        # the model has both AG kernels at the transfers' time; the tuner measures both
         ring = [s for s in scored if s[2].atomic_gemm and s[2].method is Method.RING_EXCHANGE]
         best = ring[0] if ring else best
     return best[2], best[0]

@@ -246,9 +246,9 @@ def backward_config(
 ) -> OverlapConfig | None:
     """The fused config of dX = `collective`(dY @ W^T) in the backward pass of a fused forward
     (`collective` the forward's other one): the same method family (the ring, or the direct
-    kernel in the cost model's tiling for dY's shape), except an AG on more than 2 GPUs, which
-    runs the ring kernel where it can (as AUTO: the direct AG ran 15 to 30% slower there,
-    BENCHMARKS.md "AUTO on four GPUs"); None where no such kernel can run this call
+    kernel in the cost model's tiling for dY's shape), except an AG where
+    `heuristics.ring_ag_first` (more than 2 GPUs), which runs the ring kernel where it can, as
+    AUTO does; None where no such kernel can run this call
     (`unsupported_reason`). dy: the 2-D view of dY; w and w_transposed as the dX GEMM takes them
     (the forward's w, w_transposed flipped)."""
     from commgemm.mosaic_gpu import heuristics
@@ -263,7 +263,7 @@ def backward_config(
         tiles = heuristics.direct_ag_config(rows, n=out_columns)
     direct = back.replace(method=Method.PIPELINE, kernel=tiles)
     ring = back.replace(method=Method.RING_EXCHANGE)
-    if collective is Collective.ALL_GATHER and size > 2:
+    if collective is Collective.ALL_GATHER and heuristics.ring_ag_first(size):
         options = [ring, direct]
     else:
         options = [ring if config.method is Method.RING_EXCHANGE else direct]

@@ -44,6 +44,13 @@ def direct_rs_config(
     return tiles
 
 
+def ring_ag_first(size: int) -> bool:
+    """Whether the ring AG kernel is the preferred fused AG on `size` devices (over the direct
+    one, where both run): on more than 2 GPUs the direct AG ran 15 to 30% slower than the ring
+    on three presets (4 x H200, BENCHMARKS.md "AUTO on four GPUs"); on 2 the direct plan won."""
+    return size > 2
+
+
 #: Columns of the direct AG kernel's CTA tile where N per device is whole 192s but not 256s
 #: (llama13b's 3456 and 1728 at P = 4, 8): two 64 x 192 warpgroup tiles along M.
 COLUMNS_192 = 192
