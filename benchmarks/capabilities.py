@@ -182,16 +182,64 @@ def backward_rows(devices, cfg) -> list[dict]:
     return rows
 
 
-def fused_backward_rows(devices, cfg) -> list[dict]:
-    """A fused op's forward and backward (the gradients of x and w), its dX on the other
-    collective's fused kernel (the library's backward) against dX on the split ring (the
-    backward before 2026-11-26, patched in here, benchmark-side), the split ring throughout,
-    and XLA's gradient of its own dot. The direct kernels in the cost model's tiling, and the
-    ring kernels."""
+def _fused_plans(problem, op: str, size: int):
+    """(the direct fused config in the cost model's tiling, the ring kernels' config) of a
+    problem."""
+    from commgemm.mosaic_gpu import heuristics
+
+    m, k, n = problem.shape
+    if op == "ag":
+        tiles = heuristics.direct_ag_config(m // size, n=n // size)
+    else:
+        tiles = heuristics.direct_rs_config(m, size, (m, k, n))
+    direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    return direct, cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
+
+
+def _bf16_backward_variants(problem, op: str, size: int) -> dict:
+    """The bf16 rows: the split ring throughout, the direct and the ring kernels with the
+    library's backward and with dX on the split ring."""
+    direct, ring_kernels = _fused_plans(problem, op, size)
+    return {
+        "split ring": (METHODS["ring"], None),
+        "direct": (direct, None),
+        "direct, dX ring": (direct, None),
+        "ring kernels": (ring_kernels, None),
+        "ring kernels, dX ring": (ring_kernels, None),
+    }
+
+
+def _fp8_backward_variants(problem, op: str, size: int) -> dict:
+    """The float8 rows (current tensor scaling): the split ring throughout, the direct kernels
+    with the default recipe (dgrad promoted: split accumulation in the kernel) and with fast
+    dgrad, each with the library's backward and with dX on the split ring; bf16 direct."""
+    direct, _ = _fused_plans(problem, op, size)
+    default, fast = cg.ScalingRecipe(), cg.ScalingRecipe(split_accumulator=(False, False, True))
+    return {
+        "bf16 direct": (direct, None),
+        "fp8 split ring": (METHODS["ring"], default),
+        "fp8 direct": (direct, default),
+        "fp8 direct, dX ring": (direct, default),
+        "fp8 direct fast dgrad": (direct, fast),
+        "fp8 direct fast dgrad, dX ring": (direct, fast),
+    }
+
+
+def _relative(a: jax.Array, b: jax.Array) -> float:
+    """max |a - b| / max |b|, in float32."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+def _backward_step_rows(devices, cfg, variants_of) -> list[dict]:
+    """A fused op's forward and backward (the gradients of x and w) per preset and op, in the
+    configs `variants_of(problem, op, size)` gives ({name: (config, scaling)}; a name ending
+    in "dX ring" runs dX on the split ring, the backward before 2026-11-26, patched in here,
+    benchmark-side), and XLA's gradient of its own dot; each compiled program's Mosaic GPU
+    kernels counted; float8 rows' gradients against the first float8 row's."""
     import unittest.mock
 
     from commgemm import autodiff
-    from commgemm.mosaic_gpu import heuristics
 
     def ring_backward(collective, cfg, x, dy, w, axis_name, w_transposed):
         return autodiff.backward_config(cfg, x)
@@ -200,23 +248,13 @@ def fused_backward_rows(devices, cfg) -> list[dict]:
     for preset in cfg["presets"]:
         for op in ("ag", "rs"):
             problem, x, w, dy = _with_cotangent(preset, op, devices)
-            (m, k, n), size = problem.shape, len(devices)
-            if op == "ag":
-                tiles = heuristics.direct_ag_config(m // size, n=n // size)
-            else:
-                tiles = heuristics.direct_rs_config(m, size, (m, k, n))
-            direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
-            ring_kernels = cg.OverlapConfig(method="ring_exchange", atomic_gemm=True)
-            configs = {
-                "split ring": METHODS["ring"],
-                "direct": direct,
-                "direct, dX ring": direct,
-                "ring kernels": ring_kernels,
-                "ring kernels, dX ring": ring_kernels,
-            }
-            variants, kernels = {}, {}
-            for name, config in [("xla", None), *configs.items()]:
-                f = problem.xla() if config is None else problem.overlapped(config)
+            variants, kernels, grads = {}, {}, {}
+            configs = variants_of(problem, op, len(devices))
+            for name, (config, scaling) in [("xla", (None, None)), *configs.items()]:
+                if config is None:
+                    f = problem.xla()
+                else:
+                    f = problem.overlapped(config, scaling=scaling)
                 loss = lambda a, b, g, f=f: jnp.sum(f(a, b) * g, dtype=jnp.float32)  # noqa: E731
                 step = jax.jit(jax.value_and_grad(loss, (0, 1)))
                 patch = unittest.mock.patch.object(
@@ -226,15 +264,36 @@ def fused_backward_rows(devices, cfg) -> list[dict]:
                 try:
                     with patch:
                         compiled = step.lower(x, w, dy).compile()
+                        if scaling is not None:
+                            grads[name] = compiled(x, w, dy)[1]
                 except Exception as err:  # noqa: BLE001 - a row says what did not run
                     print(f"{preset} {op} {name}: {type(err).__name__}: {err}"[:400], flush=True)
                     continue
                 variants[name] = (compiled, (x, w, dy))
                 text = compiled.as_text()
                 kernels[name] = len(re.findall(r'custom_call_target="[^"]*mosaic[^"]*"', text))
-            rows.append({"preset": preset, "op": op, "ms": time_variants(variants),
-                         "mosaic_kernels": kernels})  # fmt: skip
+            row = {"preset": preset, "op": op, "ms": time_variants(variants),
+                   "mosaic_kernels": kernels}  # fmt: skip
+            if grads:
+                first = next(iter(grads.values()))
+                row["grad_error_vs_first_fp8"] = {
+                    name: [_relative(a, b) for a, b in zip(g, first, strict=True)]
+                    for name, g in grads.items()
+                }
+            rows.append(row)
     return rows
+
+
+def fused_backward_rows(devices, cfg) -> list[dict]:
+    """bf16: the direct kernels (cost model's tiling) and the ring kernels, each with its dX on
+    the other collective's fused kernel (the library's backward) and on the split ring."""
+    return _backward_step_rows(devices, cfg, _bf16_backward_variants)
+
+
+def fused_backward_fp8_rows(devices, cfg) -> list[dict]:
+    """float8 (current tensor scaling): the direct kernels with dX on the fused kernel (e5m2 dY
+    x e4m3 W) and on the split ring, dgrad promoted (the default) and fast."""
+    return _backward_step_rows(devices, cfg, _fp8_backward_variants)
 
 
 def layers_rows(devices, cfg) -> list[dict]:
@@ -261,13 +320,17 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     parser.add_argument("--sections", default="fp8,grouped,backward,layers")
+    parser.add_argument("--presets", help="comma-separated presets (default: all of the size)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cfg, devices = (QUICK if args.quick else FULL), jax.devices()
+    if args.presets:
+        cfg = dict(cfg, presets=args.presets.split(","))
     result = {"devices": [str(d) for d in devices], "backend": jax.default_backend(),
               "jax": jax.__version__, "quick": args.quick}  # fmt: skip
     sections = {"fp8": fp8_rows, "grouped": grouped_rows, "backward": backward_rows,
-                "fused_backward": fused_backward_rows, "layers": layers_rows}  # fmt: skip
+                "fused_backward": fused_backward_rows,
+                "fused_backward_fp8": fused_backward_fp8_rows, "layers": layers_rows}  # fmt: skip
     for name in args.sections.split(","):
         start = time.time()
         result[name] = sections[name](devices, cfg)

@@ -27,7 +27,10 @@ Backward (straight-through, as the reference system's): dY is quantized by curre
 `grad_dtype` (float8_e5m2 by default; block modes use their own format), with its amax over the
 axis; dX runs the forward's complementary collective with the forward's method, on the
 quantized dY and W (block modes quantize W again with blocks along N, dX's contracting
-dimension); dW multiplies the quantized X (the gathered payload, for AG) by the quantized dY.
+dimension); a fused forward's dX runs the other collective's fused kernel, as a bf16 op's does
+(`autodiff.fused_backward_config`), e5m2 dY times e4m3 W on the float8 tensor cores,
+accumulated as the recipe's dgrad flag asks, and the AG kernel returns the float8 dY rows it
+gathered for dW; dW multiplies the quantized X (the gathered payload, for AG) by the quantized dY.
 Block modes' dW is emulated on the row-wise blocks (the hardware would want blocks along the
 rows, dW's contracting dimension). Delayed scaling with a `dy_state` scales dY by that state's
 scale instead and returns the advanced state as the state's cotangent (`dy_quantized`).
@@ -248,14 +251,24 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     return out, (rows, tensor_scale(qx), w, qw, like_x, dy_state)
 
 
+def _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode):
+    """The config of dX's collective GEMM: for a tensor mode's AG or RS, as the bf16 op's
+    (`autodiff.fused_backward_config`: a fused forward's dX on the other collective's fused
+    kernel, float8 wgmma on the quantized dY and W); else `autodiff.backward_config`."""
+    from commgemm.autodiff import backward_config, fused_backward_config
+
+    if mode in TENSOR_MODES and collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return fused_backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed)
+    return backward_config(cfg, like_x)
+
+
 def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
-    from commgemm.autodiff import backward_config
     from commgemm.xla import module_for
 
     rows, x_scale, w, qw, like_x, dy_state = residuals
     x_dtype, k = like_x.dtype, like_x.shape[1]
     mode, grad_dtype, split = fmt
-    back = backward_config(cfg, like_x)
+    back = _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode)
     if collective is Collective.ALL_REDUCE:
         dy = all_reduce_transpose(dy, axis_name)
     n = dy.shape[1]

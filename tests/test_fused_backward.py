@@ -21,6 +21,10 @@ from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
+#: dY's float8 format in the float8 lowering tests: e5m2 (the default recipe's) where Mosaic GPU
+#: takes e5m2 x e4m3 wgmma (jax >= 0.11), else e4m3.
+DY_FLOAT8 = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"
+
 
 @pytest.fixture
 def hopper(monkeypatch):
@@ -109,15 +113,25 @@ def test_backward_falls_back_to_the_ring_where_the_kernel_cannot_run(hopper, mon
 
 
 @pytest.mark.parametrize(
-    ("spec", "op", "w_transposed", "check_vma"),
-    [("fused", "ag", False, True), ("fused", "rs", True, True), ("fused-direct", "ag", True, True),
-     ("fused-direct", "rs", False, True), ("fused", "ag", True, False),
-     ("fused-direct", "rs", True, False)],
+    ("spec", "op", "w_transposed", "check_vma", "scaling"),
+    [("fused", "ag", False, True, None), ("fused", "rs", True, True, None),
+     ("fused-direct", "ag", True, True, None), ("fused-direct", "rs", False, True, None),
+     ("fused", "ag", True, False, None), ("fused-direct", "rs", True, False, None),
+     ("fused", "ag", False, True, "current_tensor_scaling"),
+     ("fused-direct", "rs", True, True, "current_tensor_scaling"),
+     ("fused-direct", "ag", True, False, "current_tensor_scaling"),
+     ("fused", "rs", False, True, "current_tensor_scaling")],
 )  # fmt: skip
-def test_grad_lowers_to_two_kernels(spec, op, w_transposed, check_vma, hopper, monkeypatch):
+def test_grad_lowers_to_two_kernels(
+    spec, op, w_transposed, check_vma, scaling, hopper, monkeypatch
+):
     """jax.grad of a fused op lowers (CUDA target) to its kernel and the other collective's
     kernel for dX, with no XLA collective-permute (the ring's) and, for dW, no all-gather:
-    the AG kernel's received rows are dW's operand."""
+    the AG kernel's received rows are dW's operand. Under tensor scaling both kernels take
+    float8 operands (dX: e5m2 dY, e4m3 W) and the only XLA collectives left are the amaxes'
+    all-reduces."""
+    if scaling is not None:  # dY in e5m2 where this jax's Mosaic GPU takes mixed float8 wgmma
+        scaling = cg.ScalingRecipe(scaling, grad_dtype=DY_FLOAT8)
     size = 2
     monkeypatch.setattr(jax, "device_count", lambda: size)
     cfg = parse_method(spec, op)
@@ -129,7 +143,7 @@ def test_grad_lowers_to_two_kernels(spec, op, w_transposed, check_vma, hopper, m
 
     def loss(x, w):
         y = jax.shard_map(
-            lambda x, w: fn(x, w, "x", config=cfg, w_transposed=w_transposed),
+            lambda x, w: fn(x, w, "x", config=cfg, w_transposed=w_transposed, scaling=scaling),
             mesh=mesh1d(size), in_specs=(x_spec, w_spec), out_specs=x_spec, check_vma=check_vma,
         )(x, w)  # fmt: skip
         return jnp.sum(y.astype(jnp.float32) ** 2)
@@ -140,3 +154,37 @@ def test_grad_lowers_to_two_kernels(spec, op, w_transposed, check_vma, hopper, m
     text = text.as_text()
     assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 2
     assert not re.search(r"stablehlo\.(all_gather|collective_permute|reduce_scatter)", text)
+    if scaling is not None:
+        kernels = re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\((.*)", text)
+        assert all("f8E4M3FN" in line for line in kernels)
+        dy_type = {"float8_e5m2": "f8E5M2", "float8_e4m3fn": "f8E4M3FN"}[DY_FLOAT8]
+        assert sum(dy_type in line for line in kernels) >= 1
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_quantized_backward_plan(op, hopper, monkeypatch):
+    """A tensor-scaled fused op's dX takes the bf16 op's fused plan (the float8 operands are
+    the kernel's concern); a block mode's, which the fused kernels do not take, the ring."""
+    from commgemm import scaled
+    from commgemm.quant import ScalingMode
+
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    cfg, size, rows, k, n = parse_method("fused-direct", op), 2, 1024, 512, 1024
+    collective = Collective.ALL_GATHER if op == "ag" else Collective.REDUCE_SCATTER
+    out_rows = rows * size if op == "ag" else rows // size
+    w, dy = jnp.zeros((k, n), jnp.bfloat16), jnp.zeros((out_rows, n), jnp.bfloat16)
+    planned = {}
+
+    def body(x):
+        for mode in (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.MXFP8_1D_SCALING):
+            planned[mode] = scaled._backward_config(collective, cfg, x[:0], dy, w, "x", False, mode)
+        planned["bf16"] = fused_backward_config(collective, cfg, x, dy, w, "x", False)
+        return x
+
+    jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x"), out_specs=P("x"))(
+        jnp.zeros((rows * size, k), jnp.bfloat16)
+    )
+    assert planned[ScalingMode.CURRENT_TENSOR_SCALING] == planned["bf16"]
+    assert planned["bf16"].atomic_gemm and planned["bf16"].method is Method.PIPELINE
+    block = planned[ScalingMode.MXFP8_1D_SCALING]
+    assert block.method is Method.RING_EXCHANGE and not block.atomic_gemm

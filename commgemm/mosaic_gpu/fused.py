@@ -37,12 +37,13 @@ divide into the kernel's tiles. The kernels address a peer by its coordinate on 
 others of the mesh (size 1 where the axis spans every device) kept. Mosaic GPU itself also
 wants the mesh's devices in id order (it raises otherwise).
 
-Backward (bf16 / fp16): dX runs the other collective's kernel of the same method family
-(`backward_config`: an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the
-cost model's tiling for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can
-run, else the RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
-(`push_gather_gemm.gathered_rows`). A quantized op's backward runs RING_EXCHANGE
-(commgemm.scaled).
+Backward: dX runs the other collective's kernel of the same method family (`backward_config`:
+an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the cost model's tiling
+for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can run, else the
+RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
+(`push_gather_gemm.gathered_rows`). A tensor-scaled op's dX multiplies its float8_e5m2 dY by
+the float8_e4m3fn W (read as stored, [K, n]: K-major for dX's GEMM) in the same kernels,
+accumulated as the recipe's dgrad flag asks (commgemm.scaled).
 """
 
 from __future__ import annotations

@@ -489,14 +489,18 @@ def test_grouped_kernel_tiles_in_sequence(stages, narrow, dtype):
 
 
 @pytest.mark.parametrize(
-    ("spec", "check_vma"), [("fused-direct", True), ("fused-direct", False), ("fused", True)]
-)
+    ("spec", "check_vma", "dgrad_split"),
+    [("fused-direct", True, True), ("fused-direct", False, False), ("fused", True, True),
+     ("fused", True, False)],
+)  # fmt: skip
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_float8_against_the_split_method(two_gpus, op, spec, check_vma):
+def test_fused_float8_against_the_split_method(two_gpus, op, spec, check_vma, dgrad_split):
     """scaling= with the direct and ring kernels (float8 wgmma, float8 rows on the wire) gives
-    the split method's values and gradients under the same recipe, to bf16 rounding."""
+    the split method's values and gradients under the same recipe, to bf16 rounding; dX runs
+    the other collective's fused kernel on e5m2 dY and e4m3 W (two Mosaic GPU kernels in the
+    compiled value and gradient), its partial sums promoted or fast as the recipe asks."""
     x, w, g = _operands((2048, 2048, 2048), 7)
-    recipe = cg.ScalingRecipe(split_accumulator=(False, True, True))
+    recipe = cg.ScalingRecipe(split_accumulator=(False, dgrad_split, True))
     mesh = _mesh()
     results = []
     split_method = "pipeline" if "direct" in spec else "ring_exchange"
@@ -507,7 +511,12 @@ def test_fused_float8_against_the_split_method(two_gpus, op, spec, check_vma):
         body = lambda a, b, c=cfg, fn=fn: fn(a, b, "x", config=c, scaling=recipe)  # noqa: E731
         f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=check_vma)
         loss = lambda a, b, f=f: jnp.sum(f(a, b).astype(jnp.float32) * g.astype(jnp.float32))  # noqa: E501, E731
-        results.append((jax.jit(f)(x, w), *jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile()
+        if cfg.atomic_gemm:
+            text = step.as_text()
+            assert len(re.findall(r'custom_call_target="[^"]*mosaic[^"]*"', text)) == 2
+            assert "f8e5m2" in text
+        results.append((jax.jit(f)(x, w), *step(x, w)[1]))
     for a, b in zip(*results, strict=True):
         assert _relative_error(a, b) <= REL
 
