@@ -280,6 +280,7 @@ def _backward_step_rows(devices, cfg, variants_of) -> list[dict]:
                     name: [_relative(a, b) for a, b in zip(g, first, strict=True)]
                     for name, g in grads.items()
                 }
+            print(json.dumps(row), flush=True)  # the rows so far, should a timeout stop the run
             rows.append(row)
     return rows
 
