@@ -275,7 +275,9 @@ class ScalingRecipe:
     which the forward's default lets AUTO pick, had 1.9 to 3x the error of the promoted GEMM on
     the presets' P = 2 shapes (at most 8.8e-3 of max |ref|); their split form has XLA's error
     but ran 7 to 51% slower than XLA's FP8 GEMM (one H100, BENCHMARKS.md "Split accumulation
-    in the fused kernels"). Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
+    in the fused kernels"). Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on
+the fused kernels (commgemm.scaled); with the default it runs the split ring on XLA's promoted
+GEMMs. Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and

@@ -27,10 +27,13 @@ Backward (straight-through, as the reference system's): dY is quantized by curre
 `grad_dtype` (float8_e5m2 by default; block modes use their own format), with its amax over the
 axis; dX runs the forward's complementary collective with the forward's method, on the
 quantized dY and W (block modes quantize W again with blocks along N, dX's contracting
-dimension); a fused forward's dX runs the other collective's fused kernel, as a bf16 op's does
-(`autodiff.fused_backward_config`), e5m2 dY times e4m3 W on the float8 tensor cores,
-accumulated as the recipe's dgrad flag asks, and the AG kernel returns the float8 dY rows it
-gathered for dW; dW multiplies the quantized X (the gathered payload, for AG) by the quantized dY.
+dimension). With fast dgrad (`ScalingRecipe.split_accumulator[1]` False) a fused forward's
+dX runs the other collective's fused kernel, as a bf16 op's does
+(`autodiff.fused_backward_config`), e5m2 dY times e4m3 W on the float8 tensor cores, and the
+AG kernel returns the float8 dY rows it gathered for dW; with promoted dgrad (the default) it
+runs RING_EXCHANGE, on XLA's promoted FP8 GEMMs, which the kernels' split form was not faster
+than (BENCHMARKS.md "A float8 op's backward"). dW multiplies the quantized X (the gathered
+payload, for AG) by the quantized dY.
 Block modes' dW is emulated on the row-wise blocks (the hardware would want blocks along the
 rows, dW's contracting dimension). Delayed scaling with a `dy_state` scales dY by that state's
 scale instead and returns the advanced state as the state's cotangent (`dy_quantized`).
@@ -251,13 +254,16 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     return out, (rows, tensor_scale(qx), w, qw, like_x, dy_state)
 
 
-def _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode):
-    """The config of dX's collective GEMM: for a tensor mode's AG or RS, as the bf16 op's
-    (`autodiff.fused_backward_config`: a fused forward's dX on the other collective's fused
-    kernel, float8 wgmma on the quantized dY and W); else `autodiff.backward_config`."""
+def _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode, split):
+    """The config of dX's collective GEMM: for a tensor mode's AG or RS with fast dgrad (`split`
+    False), as the bf16 op's (`autodiff.fused_backward_config`: a fused forward's dX on the
+    other collective's fused kernel, float8 wgmma on the quantized dY and W); else
+    `autodiff.backward_config` (a fused forward's dX on RING_EXCHANGE, whose XLA GEMMs promote
+    faster than the kernels' split form: BENCHMARKS.md "A float8 op's backward")."""
     from commgemm.autodiff import backward_config, fused_backward_config
 
-    if mode in TENSOR_MODES and collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+    fused_kernels = collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+    if mode in TENSOR_MODES and fused_kernels and not split:
         return fused_backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed)
     return backward_config(cfg, like_x)
 
@@ -268,7 +274,8 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     rows, x_scale, w, qw, like_x, dy_state = residuals
     x_dtype, k = like_x.dtype, like_x.shape[1]
     mode, grad_dtype, split = fmt
-    back = _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode)
+    back = _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode,
+                            split[1])  # fmt: skip
     if collective is Collective.ALL_REDUCE:
         dy = all_reduce_transpose(dy, axis_name)
     n = dy.shape[1]

@@ -127,11 +127,13 @@ def test_grad_lowers_to_two_kernels(
 ):
     """jax.grad of a fused op lowers (CUDA target) to its kernel and the other collective's
     kernel for dX, with no XLA collective-permute (the ring's) and, for dW, no all-gather:
-    the AG kernel's received rows are dW's operand. Under tensor scaling both kernels take
-    float8 operands (dX: e5m2 dY, e4m3 W) and the only XLA collectives left are the amaxes'
-    all-reduces."""
-    if scaling is not None:  # dY in e5m2 where this jax's Mosaic GPU takes mixed float8 wgmma
-        scaling = cg.ScalingRecipe(scaling, grad_dtype=DY_FLOAT8)
+    the AG kernel's received rows are dW's operand. Under tensor scaling with fast dgrad both
+    kernels take float8 operands (dX: e5m2 dY, e4m3 W) and the only XLA collectives left are
+    the amaxes' all-reduces."""
+    if scaling is not None:  # dY in e5m2 where this jax's Mosaic GPU takes mixed float8 wgmma;
+        # fast dgrad, which runs dX on the fused kernel
+        scaling = cg.ScalingRecipe(scaling, grad_dtype=DY_FLOAT8,
+                                   split_accumulator=(False, False, True))  # fmt: skip
     size = 2
     monkeypatch.setattr(jax, "device_count", lambda: size)
     cfg = parse_method(spec, op)
@@ -163,8 +165,9 @@ def test_grad_lowers_to_two_kernels(
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_quantized_backward_plan(op, hopper, monkeypatch):
-    """A tensor-scaled fused op's dX takes the bf16 op's fused plan (the float8 operands are
-    the kernel's concern); a block mode's, which the fused kernels do not take, the ring."""
+    """A tensor-scaled fused op's dX with fast dgrad takes the bf16 op's fused plan (the
+    float8 operands are the kernel's concern); with promoted dgrad (the default), or under a
+    block mode (which the fused kernels do not take), the ring."""
     from commgemm import scaled
     from commgemm.quant import ScalingMode
 
@@ -173,18 +176,21 @@ def test_quantized_backward_plan(op, hopper, monkeypatch):
     collective = Collective.ALL_GATHER if op == "ag" else Collective.REDUCE_SCATTER
     out_rows = rows * size if op == "ag" else rows // size
     w, dy = jnp.zeros((k, n), jnp.bfloat16), jnp.zeros((out_rows, n), jnp.bfloat16)
+    tensor, block = ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.MXFP8_1D_SCALING
     planned = {}
 
     def body(x):
-        for mode in (ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.MXFP8_1D_SCALING):
-            planned[mode] = scaled._backward_config(collective, cfg, x[:0], dy, w, "x", False, mode)
+        for mode, split in ((tensor, False), (tensor, True), (block, False)):
+            planned[mode, split] = scaled._backward_config(
+                collective, cfg, x[:0], dy, w, "x", False, mode, split
+            )
         planned["bf16"] = fused_backward_config(collective, cfg, x, dy, w, "x", False)
         return x
 
     jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x"), out_specs=P("x"))(
         jnp.zeros((rows * size, k), jnp.bfloat16)
     )
-    assert planned[ScalingMode.CURRENT_TENSOR_SCALING] == planned["bf16"]
+    assert planned[tensor, False] == planned["bf16"]
     assert planned["bf16"].atomic_gemm and planned["bf16"].method is Method.PIPELINE
-    block = planned[ScalingMode.MXFP8_1D_SCALING]
-    assert block.method is Method.RING_EXCHANGE and not block.atomic_gemm
+    for ring in (planned[tensor, True], planned[block, False]):
+        assert ring.method is Method.RING_EXCHANGE and not ring.atomic_gemm

@@ -41,9 +41,9 @@ Backward: dX runs the other collective's kernel of the same method family (`back
 an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the cost model's tiling
 for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can run, else the
 RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
-(`push_gather_gemm.gathered_rows`). A tensor-scaled op's dX multiplies its float8_e5m2 dY by
-the float8_e4m3fn W (read as stored, [K, n]: K-major for dX's GEMM) in the same kernels,
-accumulated as the recipe's dgrad flag asks (commgemm.scaled).
+(`push_gather_gemm.gathered_rows`). A tensor-scaled op with fast dgrad multiplies its
+float8_e5m2 dY by the float8_e4m3fn W (read as stored, [K, n]: K-major for dX's GEMM) in the
+same kernels; with promoted dgrad its dX runs RING_EXCHANGE (commgemm.scaled).
 """
 
 from __future__ import annotations
