@@ -276,8 +276,12 @@ class ScalingRecipe:
     the presets' P = 2 shapes (at most 8.8e-3 of max |ref|); their split form has XLA's error
     but ran 7 to 51% slower than XLA's FP8 GEMM (one H100, BENCHMARKS.md "Split accumulation
     in the fused kernels"). Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on
-the fused kernels (commgemm.scaled); with the default it runs the split ring on XLA's promoted
-GEMMs. Elsewhere the GEMMs accumulate in float32 and the flag does nothing.
+    the fused kernels (commgemm.scaled); with the default it runs the split ring on XLA's
+    promoted GEMMs. On the presets' dX GEMMs the largest error against the bf16 operands'
+    product was the same either way, dY's e5m2 rounding outweighing the accumulation's
+    (BENCHMARKS.md "Promoted or fast accumulation for dgrad"); whether fast accumulation biases
+    long sums in training was not measured, so the default stays the reference's. Elsewhere
+    the GEMMs accumulate in float32 and the flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and

@@ -475,7 +475,7 @@ def test_grouped_kernel_lowers(w_nk, row_tiles, narrow):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("spec", ["fused-direct", "fused"])
 @pytest.mark.parametrize(  # size None: no mesh axis, the kernel's GEMM core
-    ("size", "split"), [(None, True), (2, False), (4, False)]
+    ("size", "split"), [(None, True), (2, False), (2, True), (4, False)]
 )
 def test_fused_kernels_lower_on_float8(spec, op, size, split):
     """The ops' quantized path into the direct and ring kernels: float8 x and w ([n, K]) reach
@@ -567,6 +567,23 @@ def test_float8_tiling():
     ) == mosaic_gpu.DirectAGConfig(tile_m=64, tile_n=128, wg_along_m=True, tile_k=128)
     small = mosaic_gpu.DirectRSConfig(tile_m=64, tile_n=128, tile_k=128)
     assert float8_tiling(small, 1024, split=True) == small
+
+
+def test_split_tiling():
+    """The fused kernels' split form takes 256-element K-steps in at most 3 stages where K is
+    whole steps of them (chained tiles kept only where K is whole rounds of stages), else the
+    split form of `float8_tiling`."""
+    from commgemm.mosaic_gpu.fused import float8_tiling, split_tiling
+
+    plain = mosaic_gpu.DirectAGConfig()
+    assert split_tiling(plain, 1024) == mosaic_gpu.DirectAGConfig(
+        tile_m=64, tile_n=128, wg_along_m=True, tile_k=256, stages=3
+    )
+    assert split_tiling(plain, 640) == float8_tiling(plain, 640, split=True)  # 2.5 steps
+    chained = mosaic_gpu.DirectRSConfig(chain_tiles=True, stages=2)
+    assert split_tiling(chained, 1024).chain_tiles  # 4 steps, 2 stages
+    assert not split_tiling(chained, 768).chain_tiles  # 3 steps
+    assert split_tiling(chained, 768).tile_k == 256
 
 
 def test_split_accumulation_needs_small_warpgroup_tiles():

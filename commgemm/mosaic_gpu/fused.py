@@ -212,15 +212,36 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     return tiles
 
 
+#: K-steps of the fused kernels' split form, in 3 stages (the shared memory of 4 of 128): one
+#: promotion per 256 products, half the awaits of 128-element steps, 6 to 8% faster at the same
+#: error (BENCHMARKS.md "Promoted or fast accumulation for dgrad").
+SPLIT_TILE_K, SPLIT_STAGES = 256, 3
+
+
+def split_tiling(tiles: KernelConfig, k: int) -> KernelConfig:
+    """`float8_tiling(tiles, k, split=True)` with K-steps of SPLIT_TILE_K where k is whole steps
+    of it and the tiling's are shorter, in at most SPLIT_STAGES stages (chained tiles kept only
+    where K is still whole rounds of them)."""
+    tiles = float8_tiling(tiles, k, split=True)
+    if tiles.tile_k >= SPLIT_TILE_K or k % SPLIT_TILE_K:
+        return tiles
+    tiles = dataclasses.replace(tiles, tile_k=SPLIT_TILE_K, stages=min(tiles.stages, SPLIT_STAGES))
+    if getattr(tiles, "chain_tiles", False) and (k // SPLIT_TILE_K) % tiles.stages:
+        tiles = dataclasses.replace(tiles, chain_tiles=False)
+    return tiles
+
+
 def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool, options=None):
     """The kernel of `collective` and config's method on a float8 payload x [rows, K] and a
     `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
-    epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`); `options`:
-    more of the kernel's options."""
+    epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`; with split
+    accumulation `split_tiling`); `options`: more of the kernel's options."""
     data = w.w.data if w_transposed else w.w.data.T
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
     split = w.split_accumulator
-    tiles = float8_tiling(kernel_config(collective, config), x.shape[1], split=split)
+    tiles = kernel_config(collective, config)
+    k = x.shape[1]
+    tiles = split_tiling(tiles, k) if split else float8_tiling(tiles, k)
     return _run(collective, config.replace(kernel=tiles), x, data, axis_name, w_nk=True,
                 out_dtype=w.dtype, scale=scale, split_accumulator=split,
                 **(options or {}))  # fmt: skip

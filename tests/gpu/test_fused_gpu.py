@@ -489,18 +489,22 @@ def test_grouped_kernel_tiles_in_sequence(stages, narrow, dtype):
 
 
 @pytest.mark.parametrize(
-    ("spec", "check_vma", "dgrad_split"),
-    [("fused-direct", True, True), ("fused-direct", False, False), ("fused", True, True),
-     ("fused", True, False)],
+    ("spec", "check_vma", "dgrad_split", "forward_split"),
+    [("fused-direct", True, True, False), ("fused-direct", False, False, False),
+     ("fused", True, True, False), ("fused", True, False, False),
+     ("fused-direct", True, False, True), ("fused", True, True, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_float8_against_the_split_method(two_gpus, op, spec, check_vma, dgrad_split):
+def test_fused_float8_against_the_split_method(
+    two_gpus, op, spec, check_vma, dgrad_split, forward_split
+):
     """scaling= with the direct and ring kernels (float8 wgmma, float8 rows on the wire) gives
     the split method's values and gradients under the same recipe, to bf16 rounding; with
     fast dgrad dX runs the other collective's fused kernel on e5m2 dY and e4m3 W (two Mosaic
-    GPU kernels in the compiled value and gradient), with promoted dgrad the ring (one)."""
+    GPU kernels in the compiled value and gradient), with promoted dgrad the ring (one); a
+    promoted forward runs the kernels' split form (`fused.split_tiling`)."""
     x, w, g = _operands((2048, 2048, 2048), 7)
-    recipe = cg.ScalingRecipe(split_accumulator=(False, dgrad_split, True))
+    recipe = cg.ScalingRecipe(split_accumulator=(forward_split, dgrad_split, True))
     mesh = _mesh()
     results = []
     split_method = "pipeline" if "direct" in spec else "ring_exchange"
