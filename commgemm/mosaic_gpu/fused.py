@@ -25,9 +25,10 @@ Quantized operands (an op's `scaling=` with a tensor mode): every kernel takes f
 on the float8 tensor cores, the rows on the wire float8. They accumulate as the recipe's
 forward flag asks (ScalingRecipe.split_accumulator[0]): in the tensor cores' accumulator
 across all K-steps (fast), or with each K-step's product added into a float32 total (split,
-in 64 x 128 warpgroup tiles and 256-element K-steps: `tiles.accumulated`, `split_tiling`). The epilogue multiplies the accumulator by
-the two tensor scales (one number: shards share them) and stores the result in x's dtype, so
-RS partial sums add already scaled. Block modes take no float8 operands here
+in 64 x 128 warpgroup tiles and 256-element K-steps: `tiles.accumulated`, `split_tiling`).
+The epilogue multiplies the accumulator by the two tensor scales (one number: shards share
+them) and stores the result in x's dtype, so RS partial sums add already scaled. Block modes
+take no float8 operands here
 (`scaling_reason`).
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
