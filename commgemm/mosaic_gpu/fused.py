@@ -28,8 +28,7 @@ across all K-steps (fast), or with each K-step's product added into a float32 to
 in 64 x 128 warpgroup tiles and 256-element K-steps: `tiles.accumulated`, `split_tiling`).
 The epilogue multiplies the accumulator by the two tensor scales (one number: shards share
 them) and stores the result in x's dtype, so RS partial sums add already scaled. Block modes
-take no float8 operands here
-(`scaling_reason`).
+take no float8 operands here (`scaling_reason`).
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
 with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
