@@ -211,18 +211,43 @@ def _bf16_backward_variants(problem, op: str, size: int) -> dict:
 
 def _fp8_backward_variants(problem, op: str, size: int) -> dict:
     """The float8 rows (current tensor scaling): the split ring throughout, the direct kernels
-    with the default recipe (dgrad promoted: split accumulation in the kernel) and with fast
-    dgrad, each with the library's backward and with dX on the split ring; bf16 direct."""
+    with the default recipe (promoted dgrad: the library runs dX on the split ring; "dX fused"
+    forces it onto the fused kernel's split form) and with fast dgrad, each with the library's
+    backward and with dX on the split ring; bf16 direct."""
     direct, _ = _fused_plans(problem, op, size)
     default, fast = cg.ScalingRecipe(), cg.ScalingRecipe(split_accumulator=(False, False, True))
     return {
         "bf16 direct": (direct, None),
         "fp8 split ring": (METHODS["ring"], default),
         "fp8 direct": (direct, default),
-        "fp8 direct, dX ring": (direct, default),
+        "fp8 direct, dX fused": (direct, default),
         "fp8 direct fast dgrad": (direct, fast),
         "fp8 direct fast dgrad, dX ring": (direct, fast),
     }
+
+
+def _patched_backward(name: str):
+    """The benchmark-side patch of a variant named "..., dX ring" (dX on the split ring, the
+    backward before 2026-11-26) or "..., dX fused" (a float8 op's dX on the fused kernel
+    whatever the dgrad flag), else none."""
+    import unittest.mock
+
+    from commgemm import autodiff, scaled
+
+    if name.endswith("dX ring"):
+
+        def ring(collective, cfg, x, dy, w, axis_name, w_transposed):
+            return autodiff.backward_config(cfg, x)
+
+        return unittest.mock.patch.object(autodiff, "fused_backward_config", ring)
+    if name.endswith("dX fused"):
+
+        def fused(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode, split):
+            return autodiff.fused_backward_config(collective, cfg, like_x, dy, w, axis_name,
+                                                  w_transposed)  # fmt: skip
+
+        return unittest.mock.patch.object(scaled, "_backward_config", fused)
+    return contextlib.nullcontext()
 
 
 def _relative(a: jax.Array, b: jax.Array) -> float:
@@ -234,16 +259,9 @@ def _relative(a: jax.Array, b: jax.Array) -> float:
 def _backward_step_rows(devices, cfg, variants_of) -> list[dict]:
     """A fused op's forward and backward (the gradients of x and w) per preset and op, in the
     configs `variants_of(problem, op, size)` gives ({name: (config, scaling)}; a name ending
-    in "dX ring" runs dX on the split ring, the backward before 2026-11-26, patched in here,
-    benchmark-side), and XLA's gradient of its own dot; each compiled program's Mosaic GPU
-    kernels counted; float8 rows' gradients against the first float8 row's."""
-    import unittest.mock
-
-    from commgemm import autodiff
-
-    def ring_backward(collective, cfg, x, dy, w, axis_name, w_transposed):
-        return autodiff.backward_config(cfg, x)
-
+    in "dX ring" or "dX fused" is patched: `_patched_backward`), and XLA's gradient of its own
+    dot; each compiled program's Mosaic GPU kernels counted; float8 rows' gradients against
+    the first float8 row's."""
     rows = []
     for preset in cfg["presets"]:
         for op in ("ag", "rs"):
@@ -257,12 +275,9 @@ def _backward_step_rows(devices, cfg, variants_of) -> list[dict]:
                     f = problem.overlapped(config, scaling=scaling)
                 loss = lambda a, b, g, f=f: jnp.sum(f(a, b) * g, dtype=jnp.float32)  # noqa: E731
                 step = jax.jit(jax.value_and_grad(loss, (0, 1)))
-                patch = unittest.mock.patch.object(
-                    autodiff, "fused_backward_config", ring_backward
-                ) if name.endswith("dX ring") else contextlib.nullcontext()  # fmt: skip
                 jax.clear_caches()  # or the patched variant reuses the other's backward
                 try:
-                    with patch:
+                    with _patched_backward(name):
                         compiled = step.lower(x, w, dy).compile()
                         if scaling is not None:
                             grads[name] = compiled(x, w, dy)[1]
