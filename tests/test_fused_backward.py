@@ -51,9 +51,12 @@ def test_gathered_rows_are_in_device_order(size):
     np.testing.assert_array_equal(diff, 0)
 
 
-def _plan(op: str, spec: str, size: int, rows: int, k: int, n: int, *, w_transposed=False):
-    """fused_backward_config for a forward `op` of config `spec` on x [rows, K] (local view),
-    w [K, n] local."""
+def _plan(
+    op: str, spec: str, size: int, rows: int, k: int, n: int, *, w_transposed=False,
+    planner=fused_backward_config,
+):  # fmt: skip
+    """`planner` (default fused_backward_config) for a forward `op` of config `spec` on x
+    [rows, K] (local view), w [K, n] local, inside shard_map over `size` devices."""
     cfg = parse_method(spec, op)
     collective = Collective.ALL_GATHER if op == "ag" else Collective.REDUCE_SCATTER
     out_rows = rows * size if op == "ag" else rows // size
@@ -62,7 +65,7 @@ def _plan(op: str, spec: str, size: int, rows: int, k: int, n: int, *, w_transpo
     planned = []
 
     def body(x):
-        planned.append(fused_backward_config(collective, cfg, x, dy, w, "x", w_transposed))
+        planned.append(planner(collective, cfg, x, dy, w, "x", w_transposed))
         return x
 
     jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x"), out_specs=P("x"))(
@@ -172,25 +175,19 @@ def test_quantized_backward_plan(op, hopper, monkeypatch):
     from commgemm.quant import ScalingMode
 
     monkeypatch.setattr(jax, "device_count", lambda: 2)
-    cfg, size, rows, k, n = parse_method("fused-direct", op), 2, 1024, 512, 1024
-    collective = Collective.ALL_GATHER if op == "ag" else Collective.REDUCE_SCATTER
-    out_rows = rows * size if op == "ag" else rows // size
-    w, dy = jnp.zeros((k, n), jnp.bfloat16), jnp.zeros((out_rows, n), jnp.bfloat16)
-    tensor, block = ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.MXFP8_1D_SCALING
-    planned = {}
 
-    def body(x):
-        for mode, split in ((tensor, False), (tensor, True), (block, False)):
-            planned[mode, split] = scaled._backward_config(
-                collective, cfg, x[:0], dy, w, "x", False, mode, split
+    def plan(mode=None, split=False):
+        def planner(collective, cfg, x, dy, w, axis_name, w_transposed):
+            return scaled._backward_config(
+                collective, cfg, x[:0], dy, w, axis_name, w_transposed, mode, split
             )
-        planned["bf16"] = fused_backward_config(collective, cfg, x, dy, w, "x", False)
-        return x
 
-    jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x"), out_specs=P("x"))(
-        jnp.zeros((rows * size, k), jnp.bfloat16)
-    )
-    assert planned[tensor, False] == planned["bf16"]
-    assert planned["bf16"].atomic_gemm and planned["bf16"].method is Method.PIPELINE
-    for ring in (planned[tensor, True], planned[block, False]):
+        return _plan(op, "fused-direct", 2, 1024, 512, 1024,
+                     planner=fused_backward_config if mode is None else planner)  # fmt: skip
+
+    tensor, block = ScalingMode.CURRENT_TENSOR_SCALING, ScalingMode.MXFP8_1D_SCALING
+    bf16 = plan()
+    assert bf16.atomic_gemm and bf16.method is Method.PIPELINE
+    assert plan(tensor, split=False) == bf16
+    for ring in (plan(tensor, split=True), plan(block)):
         assert ring.method is Method.RING_EXCHANGE and not ring.atomic_gemm
