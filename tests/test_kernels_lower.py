@@ -766,3 +766,38 @@ def test_float8_grouped_backward_lowers(grad_dtype, split, delayed, monkeypatch)
     float8 = [c for c in calls if c.rsplit(" : (", 1)[1].count("f8E") == 2]
     assert len(calls) == 2 and len(float8) == 1, calls
     assert ") -> tensor<1024x512xbf16>" in float8[0], float8
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["ag", "dispatch"])
+def test_collective_grouped_float8_lowers(op, check_vma, monkeypatch):
+    """The collective grouped ops' forward under tensor scaling (as on a Hopper GPU): one float8
+    kernel per block of rows, each taking the block's float8 payload as it travelled and the
+    experts' float8 values [G, N, K] (both operands f8, the scales one f32 operand), a bf16
+    result; no dequantized copy reaches a kernel."""
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    size, m, groups = 2, 256, 4
+    ring = cg.OverlapConfig(method="ring_exchange")
+
+    def body(x, w, sizes):
+        if op == "ag":
+            return cg.all_gather_grouped_matmul(x, w, sizes[0], "x", config=ring,
+                                                scaling="current_tensor_scaling")  # fmt: skip
+        return cg.all_to_all_grouped_matmul(x, w, sizes[0], "x", config=ring,
+                                            scaling="current_tensor_scaling")[0]  # fmt: skip
+
+    w_spec, out_spec = (P(None, None, "x"), P(None, "x")) if op == "ag" else (P("x"), P("x"))
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), w_spec, P("x")),
+                      out_specs=out_spec, check_vma=check_vma)  # fmt: skip
+    sds = jax.ShapeDtypeStruct
+    sizes = sds((size, groups), jnp.int32)  # dispatch: 2 of the 4 experts on each shard
+    args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, 512), jnp.bfloat16), sizes)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == size, calls
+    n = 512 // size if op == "ag" else 512
+    for call in calls:
+        operands, result = call.rsplit(" : (", 1)[1].split(") -> ", 1)
+        assert operands.count("f8E4M3FN") == 2 and "tensor<1xf32>" in operands, operands
+        assert f"tensor<{m}x256xf8E4M3FN>" in operands and f"x{n}x256xf8E4M3FN>" in operands
+        assert result.startswith(f"tensor<{m}x{n}xbf16>"), result

@@ -15,8 +15,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method, OverlapConfig
-from commgemm.grouped.local import check_grouped, grouped_matmul, sizes_in_rows
-from commgemm.grouped.scaling import Rows, carry, quantized_operands, with_quantized_cotangent
+from commgemm.grouped.local import check_grouped, sizes_in_rows
+from commgemm.grouped.scaling import (
+    Float8Experts,
+    Rows,
+    block_matmul,
+    carry,
+    quantized_operands,
+    row_block,
+    with_quantized_cotangent,
+)
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.registry import resolve
@@ -74,21 +82,24 @@ def all_gather_grouped_matmul(
       x: [m, K] this shard's rows, sorted by group.
       w: [G, K, n], the experts' column shard.
       group_sizes: [G] this shard's counts (summing to at most m).
-      scaling: quantized operands, emulated (commgemm.grouped.scaling); x's rows travel
-        quantized.
+      scaling: quantized operands (commgemm.grouped.scaling); x's rows travel quantized. On a
+        Hopper GPU with tensor scaling each block's forward GEMM multiplies the rows' float8
+        payload on the tensor cores (`grouped.scaling.block_matmul`); otherwise emulated.
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
     check_weight_scaling("all_gather_grouped_matmul", w, scaling)
     check_grouped(x, w, group_sizes)
-    x, w, recipe, rows = quantized_operands(x, w, scaling, axis_name)
-    out = _all_gather_grouped(x, w, group_sizes, axis_name, config, rows)
+    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
+    out = _all_gather_grouped(x, w, group_sizes, axis_name, config, rows, experts)
     return with_quantized_cotangent(out, recipe, axis_name)
 
 
-def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None) -> jax.Array:
+def _all_gather_grouped(
+    x, w, group_sizes, axis_name, config, rows: Rows | None, experts: Float8Experts | None
+) -> jax.Array:
     """`all_gather_grouped_matmul` on x's (quantized) values, its rows moving as `rows` where
-    they are quantized."""
+    they are quantized (multiplied on float8 tensor cores with `experts`)."""
     size, m = axis_size(axis_name), x.shape[0]
     cfg = resolve_grouped(config, "all_gather_grouped_matmul", size)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
@@ -103,7 +114,7 @@ def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None)
             nxt = None
             if t < size - 1:  # pass the block on while multiplying it (held after the last GEMM)
                 nxt = (*carry(hop, block, rows, last), hop(after(sizes, last)))
-            last = grouped_matmul(block, w, sizes, out_dtype=dtype)
+            last = block_matmul(block, w, sizes, rows, experts, dtype)
             src = lax.rem(me + jnp.int32(size - t), jnp.int32(size))
             out = lax.dynamic_update_slice_in_dim(out, last, src * m, axis=0)
             if nxt is not None:
@@ -116,9 +127,10 @@ def _all_gather_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None)
         lo, hi = c * chunk, (c + 1) * chunk
         part_rows = None if rows is None else dataclasses.replace(rows, payload=rows.payload[lo:hi])
         sizes = sizes_in_rows(group_sizes, lo, hi)
-        gathered, _ = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
+        gathered, moved = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
-        outs = [grouped_matmul(gathered[s], w, all_sizes[s], out_dtype=dtype) for s in range(size)]
+        outs = [block_matmul(gathered[s], w, all_sizes[s], row_block(moved, s), experts, dtype)
+                for s in range(size)]  # fmt: skip
         chunks.append(jnp.stack(outs))  # [P, rows, n]
         previous = gathered
     return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
@@ -139,16 +151,25 @@ def grouped_matmul_reduce_scatter(
       x: [M, k], this shard's K-slice, rows sorted by group (the same rows on every shard).
       w: [G, k, N], this shard's K-slice of the experts.
       group_sizes: [G], the same on every shard.
-      scaling: quantized operands, emulated (commgemm.grouped.scaling).
+      scaling: quantized operands (commgemm.grouped.scaling), the partial sums reduced in
+        the output (or reduce) dtype. On a Hopper GPU with tensor scaling the forward's GEMMs
+        multiply float8 operands on the tensor cores (`grouped.scaling.block_matmul`) where
+        their result is 16-bit; otherwise emulated.
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
     """
     check_weight_scaling("grouped_matmul_reduce_scatter", w, scaling)
     check_grouped(x, w, group_sizes)
-    if scaling is not None:  # emulated: commgemm.grouped.scaling
-        x, w, recipe, _ = quantized_operands(x, w, scaling, axis_name)
-        out = grouped_matmul_reduce_scatter(x, w, group_sizes, axis_name, config=config)
-        return with_quantized_cotangent(out, recipe, axis_name)
+    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
+    out = _grouped_reduce_scatter(x, w, group_sizes, axis_name, config, rows, experts)
+    return with_quantized_cotangent(out, recipe, axis_name)
+
+
+def _grouped_reduce_scatter(
+    x, w, group_sizes, axis_name, config, rows: Rows | None, experts: Float8Experts | None
+) -> jax.Array:
+    """`grouped_matmul_reduce_scatter` on x's (quantized) values (`rows`, `experts`: as in
+    `_all_gather_grouped`)."""
     size, rows_total = axis_size(axis_name), x.shape[0]
     cfg = resolve_grouped(config, "grouped_matmul_reduce_scatter", size)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
@@ -159,8 +180,11 @@ def grouped_matmul_reduce_scatter(
     wide = jnp.promote_types(x.dtype, jnp.float32)  # the running sums' dtype
 
     def partial(lo: int | jax.Array, count: int) -> jax.Array:
-        rows = lax.dynamic_slice_in_dim(x, lo, count, axis=0)
-        return grouped_matmul(rows, w, sizes_in_rows(group_sizes, lo, lo + count), out_dtype=travel)
+        block = lax.dynamic_slice_in_dim(x, lo, count, axis=0)
+        quantized = None if rows is None else dataclasses.replace(
+            rows, payload=lax.dynamic_slice_in_dim(rows.payload, lo, count, axis=0))  # fmt: skip
+        sizes = sizes_in_rows(group_sizes, lo, lo + count)
+        return block_matmul(block, w, sizes, quantized, experts, travel)
 
     if cfg.method is Method.RING_EXCHANGE:
         me = lax.axis_index(axis_name)

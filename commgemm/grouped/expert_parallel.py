@@ -20,8 +20,16 @@ from jax import lax
 
 from commgemm.config import Method
 from commgemm.grouped.collective import resolve_grouped
-from commgemm.grouped.local import check_grouped, grouped_matmul
-from commgemm.grouped.scaling import Rows, carry, quantized_operands, with_quantized_cotangent
+from commgemm.grouped.local import check_grouped
+from commgemm.grouped.scaling import (
+    Float8Experts,
+    Rows,
+    block_matmul,
+    carry,
+    quantized_operands,
+    row_block,
+    with_quantized_cotangent,
+)
 from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
@@ -69,18 +77,23 @@ def all_to_all_grouped_matmul(
     Returns:
       (y [P, m, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
       order, zeros past their count; recv_sizes [P, e]: those counts), the input of
-      `grouped_matmul_all_to_all`. `scaling`: quantized operands, emulated
-      (commgemm.grouped.scaling); the tokens travel quantized.
+      `grouped_matmul_all_to_all`. `scaling`: quantized operands (commgemm.grouped.scaling);
+      the tokens travel quantized. On a Hopper GPU with tensor scaling the forward multiplies
+      the tokens' float8 payload as it arrived on the tensor cores
+      (`grouped.scaling.block_matmul`); otherwise emulated.
     """
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
-    x, w, recipe, rows = quantized_operands(x, w, scaling, axis_name)
-    y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows)
+    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
+    y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows, experts)
     return with_quantized_cotangent(y, recipe, axis_name), recv
 
 
-def _dispatch_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None):
+def _dispatch_grouped(
+    x, w, group_sizes, axis_name, config, rows: Rows | None, experts: Float8Experts | None
+):
     """`all_to_all_grouped_matmul` on x's (quantized) values, the tokens travelling as `rows`
-    (their quantized payload) where they are quantized."""
+    (their quantized payload) where they are quantized (multiplied on float8 tensor cores with
+    `experts`)."""
     size, e = axis_size(axis_name), w.shape[0]
     check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
     if group_sizes.shape[0] != size * e:
@@ -105,15 +118,15 @@ def _dispatch_grouped(x, w, group_sizes, axis_name, config, rows: Rows | None):
     def send(t: int, previous):
         block, sent, count = outgoing(t)
         shift = functools.partial(_exchange, axis_name=axis_name, size=size, shift=t)
-        return carry(shift, block, sent, previous)[0], shift(count)
+        return *carry(shift, block, sent, previous), shift(count)
 
     received, last = [], None
     for t in range(size):  # NONE: every exchange at once; the ring: each after the one before
         received.append(send(t, last if method is Method.RING_EXCHANGE else None))
         last = received[-1][0]
     outs, recv_sizes = [None] * size, [None] * size
-    for t, (block, count) in enumerate(received):  # from shard me - t
-        outs[t] = grouped_matmul(block, w, count)
+    for t, (block, arrived, count) in enumerate(received):  # from shard me - t
+        outs[t] = block_matmul(block, w, count, arrived, experts)
         recv_sizes[t] = count
     # order by source shard: source s arrived at step (me - s) mod P
     by_step_y, by_step_sizes = jnp.stack(outs), jnp.stack(recv_sizes)
@@ -140,15 +153,21 @@ def grouped_matmul_all_to_all(
       recv_sizes: [P, e] the counts that came with y.
       group_sizes: [E] this shard's own token counts per global expert (where its tokens'
         results go back to).
-      scaling: quantized operands, emulated (commgemm.grouped.scaling).
+      scaling: quantized operands (commgemm.grouped.scaling); on a Hopper GPU with tensor
+        scaling the forward's GEMMs multiply float8 operands on the tensor cores
+        (`grouped.scaling.block_matmul`), otherwise emulated.
     Returns:
       [m, N] in this shard's token order (zeros past the tokens' count).
     """
     check_weight_scaling("grouped_matmul_all_to_all", w, scaling)
-    if scaling is not None:
-        y, w, recipe, _ = quantized_operands(y, w, scaling, axis_name)
-        out = grouped_matmul_all_to_all(y, w, recv_sizes, group_sizes, axis_name, config=config)
-        return with_quantized_cotangent(out, recipe, axis_name)
+    y, w, recipe, rows, experts = quantized_operands(y, w, scaling, axis_name)
+    out = _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts)
+    return with_quantized_cotangent(out, recipe, axis_name)
+
+
+def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts):
+    """`grouped_matmul_all_to_all` on y's (quantized) values (`rows`, `experts`: as in
+    `_dispatch_grouped`)."""
     size, m = axis_size(axis_name), y.shape[1]
     method = _method(config, "grouped_matmul_all_to_all", size)
     check_grouped(y[0], w, recv_sizes[0])
@@ -158,13 +177,13 @@ def grouped_matmul_all_to_all(
     last = None
     for t in range(size):  # results for shard me - t's tokens go back by shift -t
         src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
-        z = grouped_matmul(y[src], w, recv_sizes[src])
+        z = block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
         back = _exchange(z if method is Method.NONE else after(z, last), axis_name, size, -t)
         last = back
         # what came back is from shard me + t: rows for that shard's experts, to their place
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
-        rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+        index = jnp.arange(m, dtype=jnp.int32)[:, None]
         placed = jnp.roll(_window(back, 0, counts[dest]), starts[dest], axis=0)
-        inside = (rows >= starts[dest]) & (rows < starts[dest] + counts[dest])
+        inside = (index >= starts[dest]) & (index < starts[dest] + counts[dest])
         out = jnp.where(inside, placed, out)
     return out

@@ -156,7 +156,7 @@ def grouped_matmul(
     if recipe is not None and not float8:
         from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 
-        x, w, recipe, _ = quantized_operands(x, w, scaling)
+        x, w, recipe, _, _ = quantized_operands(x, w, scaling)
         out = grouped_matmul(x, w, group_sizes, bias=bias, out_dtype=out_dtype,
                              hopper_tiles=hopper_tiles)  # fmt: skip
         return with_quantized_cotangent(out, recipe)

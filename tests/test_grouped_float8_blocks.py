@@ -1,0 +1,172 @@
+"""The collective grouped ops' float8 forward (`commgemm.grouped.scaling.block_matmul`): on a
+Hopper GPU with tensor scaling each block of rows is multiplied as it travelled (its float8
+payload) by the experts' float8 values [G, N, K] in commgemm's grouped kernel. Here the kernel
+is replaced by a float32 product of the same float8 operands (the GPU tests run the kernel
+itself), so the CPU checks the wiring: which payload, scales and group sizes each block's GEMM
+gets, for every op and method, against the float64 product of the quantized operands; that the
+gradients are the emulated path's; and that block modes and float32 results stay emulated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, shard
+from test_grouped import random_sizes, reference
+
+import commgemm as cg
+from commgemm.grouped import scaling
+from commgemm.mosaic_gpu import grouped_kernel
+
+# the kernel's bf16 result against the float64 product: bf16 rounding (2^-8) of values summed
+# over K = 128 products of float8 operands
+TOL = 2e-2
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Hopper's float8 path on the CPU: the experts as the kernel reads them (no Hopper check),
+    and the kernel a float32 ragged dot of its float8 operands; returns the calls' list of
+    (x dtype, w shape, result dtype)."""
+    calls = []
+
+    def experts(recipe, qw):
+        if recipe.mode not in scaling.TENSOR_MODES:
+            return None
+        data = jnp.swapaxes(qw.data, 1, 2)
+        return scaling.Float8Experts(data, qw.scale_inv, recipe.split_accumulator[0])
+
+    def kernel(x, w, sizes, tiles=None, *, w_nk, scale, out_dtype, split_accumulator):
+        assert w_nk and x.dtype == w.dtype == jnp.float8_e4m3fn and sizes.dtype == jnp.int32
+        calls.append((x.shape, w.shape, jnp.dtype(out_dtype).name))
+        wide = jnp.float32
+        out = jax.lax.ragged_dot(x.astype(wide), jnp.swapaxes(w, 1, 2).astype(wide), sizes)
+        return (out * scale[0]).astype(out_dtype)
+
+    monkeypatch.setattr(scaling, "float8_experts", experts)
+    monkeypatch.setattr(grouped_kernel, "grouped_matmul", kernel)
+    return calls
+
+
+def _dq(a, axis):
+    mode = "current_tensor_scaling"
+    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _config(method: str) -> cg.OverlapConfig:
+    return cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
+
+
+def _grads(op, args):
+    """The gradients of <op('current_tensor_scaling')(*args), dY> for a fixed random dY (op
+    may also be `_emulated`'s)."""
+    fn = op if getattr(op, "emulated", False) else op("current_tensor_scaling")
+    out, vjp = jax.vjp(fn, *args)
+    return vjp(jax.random.normal(jax.random.key(0), out.shape, out.dtype))
+
+
+def _same_gradients(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("size", "method", "check_vma"),
+    [(2, "none", True), (2, "pipeline", True), (2, "ring_exchange", True),
+     (4, "ring_exchange", True), (2, "ring_exchange", False), (4, "pipeline", False)],
+)  # fmt: skip
+def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
+    m, groups = 256, 3
+    x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
+    sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))
+    specs = (P("x"), P(None, None, "x"), P("x"))
+
+    def op(mode):
+        body = lambda a, b, s: cg.all_gather_grouped_matmul(  # noqa: E731
+            a, b, s[0], "x", config=_config(method), scaling=mode)  # fmt: skip
+        f = shard(body, mesh1d(size), specs, P(None, "x"), check_vma=check_vma)
+        return lambda a, b: f(a, b, sizes)
+
+    out = op("current_tensor_scaling")(x, w)
+    assert len(kernel_calls) == size * (2 if method == "pipeline" else 1), kernel_calls
+    qx, qw = _dq(np.float32(x), -1), _dq(np.float32(w), 1)
+    want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
+    kernel_calls.clear()
+    # block scaling has no Hopper tensor-core path: emulated, the kernel never called
+    op("mxfp8_1d_scaling")(x, w)
+    assert not kernel_calls
+    _same_gradients(_grads(op, (x, w)), _grads(_emulated(op), (x, w)))
+
+
+def _emulated(op):
+    """op('current_tensor_scaling') with the block GEMMs emulated (no float8 experts)."""
+
+    def run(*args):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(scaling, "float8_experts", lambda *_: None)
+            return op("current_tensor_scaling")(*args)
+
+    run.emulated = True
+    return run
+
+
+@pytest.mark.parametrize(
+    ("method", "reduce_dtype"),
+    [("none", None), ("pipeline", None), ("ring_exchange", None), ("ring_exchange", "float32")],
+)
+def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
+    size, rows, groups = 2, 1024, 4
+    x, w = _bf16(rng, (rows, 128 * size)), _bf16(rng, (groups, 128 * size, 256))
+    sizes = jnp.asarray(random_sizes(rng, groups, rows))
+    cfg = _config(method).replace(reduce_dtype=reduce_dtype)
+
+    def op(mode):
+        body = lambda a, b: cg.grouped_matmul_reduce_scatter(  # noqa: E731
+            a, b, sizes, "x", config=cfg, scaling=mode)  # fmt: skip
+        return shard(body, mesh1d(size), (P(None, "x"), P(None, "x", None)), P("x"))
+
+    out = op("current_tensor_scaling")(x, w)
+    # partial sums of 512-row blocks; a float32 reduce asks the kernel for float32: emulated
+    per_call = 2 if method == "pipeline" else 1
+    assert len(kernel_calls) == (0 if reduce_dtype else size * per_call), kernel_calls
+    want = reference(_dq(np.float32(x), -1), _dq(np.float32(w), 1), sizes)
+    np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
+    _same_gradients(_grads(op, (x, w)), _grads(_emulated(op), (x, w)))
+
+
+@pytest.mark.parametrize("method", ["none", "ring_exchange"])
+def test_expert_parallel_blocks(rng, kernel_calls, method):
+    """Dispatch, experts, return: both GEMMs of each of the P blocks on the kernel."""
+    size, m, per_shard = 2, 256, 2
+    experts = size * per_shard
+    x = _bf16(rng, (size * m, 128))
+    w1, w2 = _bf16(rng, (experts, 128, 256)), _bf16(rng, (experts, 256, 128 * 2))
+    tokens = [rng.integers(0, experts, size=m) for _ in range(size)]
+    sizes = np.stack([np.bincount(t, minlength=experts) for t in tokens]).astype(np.int32)
+    cfg = _config(method)
+
+    def op(mode):
+        def body(a, b, c, g):
+            y, got = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg, scaling=mode)
+            return cg.grouped_matmul_all_to_all(y, c, got, g[0], "x", config=cfg, scaling=mode)
+
+        f = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"))
+        return lambda a, b, c: f(a, b, c, sizes)
+
+    out = op("current_tensor_scaling")(x, w1, w2)
+    assert len(kernel_calls) == 2 * size, kernel_calls
+    qx, q1, q2 = _dq(np.float32(x), -1), _dq(np.float32(w1), 1), _dq(np.float32(w2), 1)
+    hidden = np.concatenate([reference(qx[s * m : (s + 1) * m], q1, sizes[s]) for s in range(size)])
+    # the second op quantizes the bf16 hidden activation, all shards sharing a scale
+    qh = _dq(np.float32(jnp.asarray(hidden, jnp.bfloat16)), -1)
+    want = np.concatenate([reference(qh[s * m : (s + 1) * m], q2, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
+    (dx, dw1, dw2), (ex, ew1, ew2) = _grads(op, (x, w1, w2)), _grads(_emulated(op), (x, w1, w2))
+    _same_gradients((dx, dw1), (ex, ew1))
+    # dW2 multiplies the hidden activation quantized again: its float8 rounding follows the
+    # first GEMM's result, whose last bits differ between the kernel and the emulation
+    np.testing.assert_allclose(np.float32(dw2), np.float32(ew2), atol=0.1 * np.abs(ew2).max())
