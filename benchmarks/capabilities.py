@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import pathlib
 import re
@@ -152,6 +153,80 @@ def grouped_rows(devices, cfg) -> list[dict]:
             mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp")), out_specs=P("tp"))),
             (x, w_ep, ep_sizes_d))  # fmt: skip
     rows.append({"method": "expert parallel", "ms": time_variants(variants)})
+    return rows
+
+
+@contextlib.contextmanager
+def _emulated_blocks():
+    """The collective grouped ops' float8 forward emulated (dequantized values on the 16-bit
+    kernels), as it ran before `grouped.scaling.block_matmul`: a benchmark-side patch."""
+    from commgemm.grouped import scaling
+
+    saved, scaling.float8_experts = scaling.float8_experts, lambda *_: None
+    try:
+        yield
+    finally:
+        scaling.float8_experts = saved
+
+
+#: (label, scaling, patch) of `grouped_fp8_rows`' variants.
+GROUPED_FP8_VARIANTS = (
+    ("bf16", None, contextlib.nullcontext),
+    ("fp8 kernel", "current_tensor_scaling", contextlib.nullcontext),
+    ("fp8 emulated", "current_tensor_scaling", _emulated_blocks),
+)
+
+
+def grouped_fp8_rows(devices, cfg) -> list[dict]:
+    """The collective grouped ops under current tensor scaling: the forward and a forward and
+    backward, bf16 against float8 with each block's GEMM on the float8 kernel and float8
+    emulated (`_emulated_blocks`); errors against the bf16 op."""
+    size, g = len(devices), cfg["grouped"]
+    mesh = Mesh(np.array(devices), ("tp",))
+    rng = np.random.default_rng(0)
+    m, k, n, e = g["tokens"] // size, g["hidden"], g["ffn"], g["experts"]
+    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, spec))  # noqa: E731
+    sizes = np.stack([np.bincount(rng.integers(0, e, m), minlength=e) for _ in range(size)])
+    sizes_d = jax.device_put(sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
+    x = put(rng.standard_normal((size * m, k)), P("tp"))
+    w_col = put(rng.standard_normal((e, k, n)) / k**0.5, P(None, None, "tp"))
+    w_ep = put(rng.standard_normal((e, k, n // size)) / k**0.5, P("tp"))
+    ops = {
+        "ag+grouped ring": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
+            a, b, s[0], "tp", config=METHODS["ring"], scaling=sc),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col),
+        "ag+grouped none": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
+            a, b, s[0], "tp", config=METHODS["none"], scaling=sc),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col),
+        "all-to-all+grouped ring": (lambda a, b, s, sc: cg.all_to_all_grouped_matmul(
+            a, b, s[0], "tp", config=METHODS["ring"], scaling=sc)[0],
+            (P("tp"), P("tp"), P("tp")), P("tp"), w_ep),
+    }  # fmt: skip
+    rows = []
+    for name, (body, in_specs, out_spec, w) in ops.items():
+        variants, outs = {}, {}
+        for label, scaling, patch in GROUPED_FP8_VARIANTS:
+            f = jax.shard_map(functools.partial(body, sc=scaling), mesh=mesh,
+                              in_specs=in_specs, out_specs=out_spec)  # fmt: skip
+
+            def traced(*args, f=f, patch=patch):
+                with patch():
+                    return f(*args)
+
+            def step(a, b, s, f=traced):
+                out, vjp = jax.vjp(lambda a, b: f(a, b, s), a, b)
+                return vjp(out)  # a cotangent that is not a constant
+
+            variants[f"{label} forward"] = (jax.jit(traced), (x, w, sizes_d))
+            variants[f"{label} forward+backward"] = (jax.jit(step), (x, w, sizes_d))
+            outs[label] = variants[f"{label} forward"][0](x, w, sizes_d).astype(jnp.float32)
+        scale = float(jnp.abs(outs["bf16"]).max())
+        errors = {label: float(jnp.abs(o - outs["bf16"]).max()) / scale for label, o in outs.items()
+                  if label != "bf16"}  # fmt: skip
+        errors["kernel vs emulated"] = float(
+            jnp.abs(outs["fp8 kernel"] - outs["fp8 emulated"]).max()) / scale  # fmt: skip
+        rows.append({"op": name, "ms": time_variants(variants), "rel_error_vs_bf16": errors})
+        print(name, rows[-1], flush=True)
     return rows
 
 
@@ -344,7 +419,8 @@ def main() -> None:
         cfg = dict(cfg, presets=args.presets.split(","))
     result = {"devices": [str(d) for d in devices], "backend": jax.default_backend(),
               "jax": jax.__version__, "quick": args.quick}  # fmt: skip
-    sections = {"fp8": fp8_rows, "grouped": grouped_rows, "backward": backward_rows,
+    sections = {"fp8": fp8_rows, "grouped": grouped_rows, "grouped_fp8": grouped_fp8_rows,
+                "backward": backward_rows,
                 "fused_backward": fused_backward_rows,
                 "fused_backward_fp8": fused_backward_fp8_rows, "layers": layers_rows}  # fmt: skip
     for name in args.sections.split(","):

@@ -148,3 +148,63 @@ def test_weight_quantized_once(op):
     assert abs(float(v1) - float(v2)) <= 1e-6 * abs(float(v1))
     d1, d2 = d1.astype(jnp.float32), d2.astype(jnp.float32)
     assert float(jnp.abs(d1 - d2).max()) <= 1e-6 * float(jnp.abs(d1).max())
+
+
+@pytest.mark.parametrize("method", ["none", "ring_exchange"])
+@pytest.mark.parametrize("op", ["ag", "rs", "dispatch"])
+def test_collective_grouped_float8_blocks(op, method):
+    """The collective grouped ops under tensor scaling, on every GPU of the machine: each
+    block's forward GEMM runs commgemm's float8 grouped kernel on the rows as they travelled
+    (f8 operands in the compiled program), within float8 accumulation of the emulated path
+    (the same quantized values on the 16-bit kernels); the gradients are the emulated ones."""
+    from commgemm.grouped import scaling
+
+    devices = jax.devices()
+    size, m, groups = len(devices), 1024, 4
+    mesh = Mesh(np.array(devices), ("x",))
+    rng = np.random.default_rng(1)
+    cfg = cg.OverlapConfig(method=method)
+    normal = lambda shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, jnp.bfloat16)  # noqa: E731
+    if op == "ag":
+        x, w = normal((size * m, 512)), normal((groups, 512, 256 * size), 512**-0.5)
+        sizes = jnp.asarray(np.stack([np.bincount(rng.integers(0, groups, m), minlength=groups)
+                                      for _ in range(size)]), jnp.int32)  # fmt: skip
+        body = lambda a, b, s, sc: cg.all_gather_grouped_matmul(a, b, s[0], "x", config=cfg,  # noqa: E731
+                                                                scaling=sc)  # fmt: skip
+        specs, out_spec = (P("x"), P(None, None, "x"), P("x")), P(None, "x")
+    elif op == "rs":
+        x, w = normal((size * m, 256 * size)), normal((groups, 256 * size, 512), 512**-0.5)
+        sizes = jnp.asarray(np.bincount(rng.integers(0, groups, size * m), minlength=groups),
+                            jnp.int32)[None].repeat(size, 0)  # fmt: skip
+        body = lambda a, b, s, sc: cg.grouped_matmul_reduce_scatter(  # noqa: E731
+            a, b, s[0], "x", config=cfg, scaling=sc)  # fmt: skip
+        specs, out_spec = (P(None, "x"), P(None, "x", None), P("x")), P("x")
+    else:
+        experts = groups * size
+        x, w = normal((size * m, 512)), normal((experts, 512, 512), 512**-0.5)
+        sizes = jnp.asarray(np.stack([np.bincount(rng.integers(0, experts, m), minlength=experts)
+                                      for _ in range(size)]), jnp.int32)  # fmt: skip
+        body = lambda a, b, s, sc: cg.all_to_all_grouped_matmul(  # noqa: E731
+            a, b, s[0], "x", config=cfg, scaling=sc)[0]  # fmt: skip
+        specs, out_spec = (P("x"), P("x"), P("x")), P("x")
+
+    def run(emulated: bool):
+        f = jax.shard_map(lambda a, b, s: body(a, b, s, "current_tensor_scaling"), mesh=mesh,
+                          in_specs=specs, out_specs=out_spec)  # fmt: skip
+        loss = lambda a, b: jnp.sum(f(a, b, sizes).astype(jnp.float32) ** 2)  # noqa: E731
+        with pytest.MonkeyPatch.context() as patch:
+            if emulated:
+                patch.setattr(scaling, "float8_experts", lambda *_: None)
+            fwd = jax.jit(lambda a, b: f(a, b, sizes))
+            text = fwd.lower(x, w).compile().as_text()
+            return fwd(x, w), jax.jit(jax.grad(loss, (0, 1)))(x, w), text
+
+    out, grads, text = run(False)
+    want, want_grads, emulated_text = run(True)
+    assert "f8e4m3fn" in text and "mosaic" in text
+    rel = float(jnp.abs(out.astype(jnp.float32) - want).max() / jnp.abs(want).max())
+    assert rel < 2e-2, rel  # the kernel's fast accumulation and bf16 result
+    for g, e in zip(grads, want_grads, strict=True):
+        # dW's product follows the forward's result (the loss squares it): float8 noise
+        err = float(jnp.abs(g.astype(jnp.float32) - e).max() / jnp.abs(e).max())
+        assert err < 5e-2, err
