@@ -190,20 +190,24 @@ def grouped_fp8_rows(devices, cfg) -> list[dict]:
     sizes_d = jax.device_put(sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
     x = put(rng.standard_normal((size * m, k)), P("tp"))
     w_col = put(rng.standard_normal((e, k, n)) / k**0.5, P(None, None, "tp"))
-    w_ep = put(rng.standard_normal((e, k, n // size)) / k**0.5, P("tp"))
+    experts_ep = max(e // size, 1) * size  # whole experts a device
+    w_ep = put(rng.standard_normal((experts_ep, k, n // size)) / k**0.5, P("tp"))
+    ep_sizes = np.stack([np.bincount(rng.integers(0, experts_ep, m), minlength=experts_ep)
+                         for _ in range(size)])  # fmt: skip
+    ep_sizes_d = jax.device_put(ep_sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
     ops = {
         "ag+grouped ring": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["ring"], scaling=sc),
-            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d),
         "ag+grouped none": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["none"], scaling=sc),
-            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d),
         "all-to-all+grouped ring": (lambda a, b, s, sc: cg.all_to_all_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["ring"], scaling=sc)[0],
-            (P("tp"), P("tp"), P("tp")), P("tp"), w_ep),
+            (P("tp"), P("tp"), P("tp")), P("tp"), w_ep, ep_sizes_d),
     }  # fmt: skip
     rows = []
-    for name, (body, in_specs, out_spec, w) in ops.items():
+    for name, (body, in_specs, out_spec, w, sizes_d) in ops.items():
         variants, outs = {}, {}
         for label, scaling, patch in GROUPED_FP8_VARIANTS:
             f = jax.shard_map(functools.partial(body, sc=scaling), mesh=mesh,

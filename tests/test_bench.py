@@ -378,7 +378,7 @@ def test_one_spelling_of_methods_and_dtypes():
 def test_capabilities_script_runs(tmp_path):
     """benchmarks/capabilities.py (the multi-GPU run's script) end to end on 8 virtual CPU
     devices with tiny shapes: every section but the layers' (the training example's own test
-    covers that model), rows for every variant."""
+    covers that model) and the float8 fused backward's, rows for every variant."""
     import os
     import pathlib
     import subprocess
@@ -388,7 +388,7 @@ def test_capabilities_script_runs(tmp_path):
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "capabilities.py"), "--out", str(tmp_path),
-         "--quick", "--sections", "fp8,grouped,backward,fused_backward"],
+         "--quick", "--sections", "fp8,grouped,grouped_fp8,backward,fused_backward"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -406,6 +406,10 @@ def test_capabilities_script_runs(tmp_path):
         "expert parallel",
     ]
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
+    assert [r["op"] for r in result["grouped_fp8"]] == [
+        "ag+grouped ring", "ag+grouped none", "all-to-all+grouped ring"]  # fmt: skip
+    for row in result["grouped_fp8"]:  # on CPUs the float8 blocks are emulated either way
+        assert len(row["ms"]) == 7 and row["rel_error_vs_bf16"]["kernel vs emulated"] == 0
     for row in result["fused_backward"]:  # the fused kernels do not run on CPUs
         assert set(row["ms"]) == {"xla", "split ring", "timing"}
         assert row["mosaic_kernels"] == {"xla": 0, "split ring": 0}
