@@ -159,7 +159,7 @@ def grouped_rows(devices, cfg) -> list[dict]:
 @contextlib.contextmanager
 def _emulated_blocks():
     """The collective grouped ops' float8 forward emulated (dequantized values on the 16-bit
-    kernels), as it ran before `grouped.scaling.block_matmul`: a benchmark-side patch."""
+    kernels), as it ran before `grouped.blocks.block_matmul`: a benchmark-side patch."""
     from commgemm.grouped import scaling
 
     saved, scaling.float8_experts = scaling.float8_experts, lambda *_: None

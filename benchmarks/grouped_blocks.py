@@ -2,9 +2,10 @@
 all-gather or a dispatch brings, each with its own group sizes) faster in one launch than in
 P? On one GPU, bf16, the same rows and experts: P launches of `cg.grouped_matmul` (what the ops
 run), one launch over P x G virtual groups (the experts' weights repeated P times, prepared
-outside the timed call: the work of a kernel that maps virtual groups to experts), one launch
-of G groups over all rows (the same work without the blocks' boundaries), and XLA's dense GEMM
-of the same FLOPs. Writes OUT/grouped_blocks.json.
+outside the timed call: the work of a kernel that maps virtual groups to experts), the blocks
+regrouped into one GEMM of G groups (`grouped.blocks.merged_matmul`, what the ops' methods
+other than the ring run since), one launch of G groups over all rows (that GEMM without the
+regrouping's gathers), and XLA's dense GEMM of the same FLOPs. Writes OUT/grouped_blocks.json.
 
     PYTHONPATH=. python benchmarks/grouped_blocks.py --out DIR [--blocks 2,4] [--n 7168]
 """
@@ -21,6 +22,7 @@ import numpy as np
 from grouped_gemm import timed, uneven_sizes
 
 import commgemm as cg
+from commgemm.grouped.blocks import merged_matmul
 from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
 
@@ -47,6 +49,9 @@ def variants_for(blocks: int, groups: int, m: int, k: int, n: int) -> tuple[dict
         f"{blocks} launches": (jax.jit(launches), (x, w, sizes_d)),
         f"{blocks} launches, commgemm kernel": (
             jax.jit(lambda a, b, s: launches(a, b, s, GroupedConfig())), (x, w, sizes_d)),
+        f"{blocks} blocks regrouped (merged_matmul)": (
+            jax.jit(lambda a, b, s: merged_matmul(a.reshape(blocks, rows, k), b, s, None, None)),
+            (x, w, sizes_d)),
         f"one launch, {blocks * groups} virtual groups": (
             jax.jit(cg.grouped_matmul), (x, w_virtual, flat)),
         f"one launch, {groups} groups": (jax.jit(cg.grouped_matmul), (x, w, total)),

@@ -249,3 +249,37 @@ def test_moe_example_matches_its_unsharded_twin():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.check(jax.devices()[:4], tokens=16, hidden=8, ffn=12) < 1e-4
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    blocks=st.integers(1, 4), groups=st.integers(1, 5), rows=st.integers(1, 24),
+    seed=st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_merged_blocks(blocks, groups, rows, seed):
+    """P blocks' grouped GEMMs in one (`grouped.blocks.merged_matmul`): the rows regrouped by a
+    permutation (each group's rows contiguous, in block order, the rows in no group last), the
+    result every block's own grouped GEMM (zero past its sum), values and gradients."""
+    from commgemm.grouped.blocks import merged_matmul, merged_rows
+
+    rng = np.random.default_rng(seed)
+    sizes = np.stack([random_sizes(rng, groups, rows) for _ in range(blocks)])
+    dest, merged = merged_rows(jnp.asarray(sizes), rows)
+    assert sorted(np.asarray(dest).tolist()) == list(range(blocks * rows))
+    np.testing.assert_array_equal(merged, sizes.sum(0))
+    x = rng.standard_normal((blocks, rows, 8))
+    w = rng.standard_normal((groups, 8, 5))
+    got = merged_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), None, None)
+    want = np.stack([reference(x[p], w, sizes[p]) for p in range(blocks)])
+    _close(got, want)
+
+    def each(a, b):
+        return jnp.stack([cg.grouped_matmul(a[p], b, sizes[p]) for p in range(blocks)])
+
+    def loss(f):
+        return jax.grad(lambda a, b: jnp.sum(f(a, b) * jnp.arange(5.0)), (0, 1))(x, w)
+
+    got_g = loss(lambda a, b: merged_matmul(a, b, jnp.asarray(sizes), None, None))
+    want_g = loss(each)
+    for g, e in zip(got_g, want_g, strict=True):
+        _close(g, e)

@@ -1,4 +1,4 @@
-"""The collective grouped ops' float8 forward (`commgemm.grouped.scaling.block_matmul`): on a
+"""The collective grouped ops' float8 forward (`commgemm.grouped.blocks.block_matmul`): on a
 Hopper GPU with tensor scaling each block of rows is multiplied as it travelled (its float8
 payload) by the experts' float8 values [G, N, K] in commgemm's grouped kernel. Here the kernel
 is replaced by a float32 product of the same float8 operands (the GPU tests run the kernel
@@ -91,7 +91,11 @@ def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
         return lambda a, b: f(a, b, sizes)
 
     out = op("current_tensor_scaling")(x, w)
-    assert len(kernel_calls) == size * (2 if method == "pipeline" else 1), kernel_calls
+    # the ring multiplies each block as it arrives; the others every gathered block (of each
+    # chunk) in one GEMM, regrouped (`grouped.blocks.merged_matmul`)
+    calls = {"ring_exchange": size, "none": 1, "pipeline": 2}[method]
+    assert len(kernel_calls) == calls, kernel_calls
+    assert all(c[0][0] == m * size // calls for c in kernel_calls), kernel_calls
     qx, qw = _dq(np.float32(x), -1), _dq(np.float32(w), 1)
     want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
@@ -130,9 +134,10 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
         return shard(body, mesh1d(size), (P(None, "x"), P(None, "x", None)), P("x"))
 
     out = op("current_tensor_scaling")(x, w)
-    # partial sums of 512-row blocks; a float32 reduce asks the kernel for float32: emulated
-    per_call = 2 if method == "pipeline" else 1
-    assert len(kernel_calls) == (0 if reduce_dtype else size * per_call), kernel_calls
+    # the ring's partial sums of 512-row blocks, one GEMM over x (none) or over each chunk's
+    # rows (pipeline); a float32 reduce asks the kernel for float32: emulated
+    calls = {"ring_exchange": size, "none": 1, "pipeline": 2}[method]
+    assert len(kernel_calls) == (0 if reduce_dtype else calls), kernel_calls
     want = reference(_dq(np.float32(x), -1), _dq(np.float32(w), 1), sizes)
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
     _same_gradients(_grads(op, (x, w)), _grads(_emulated(op), (x, w)))
@@ -140,7 +145,7 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
 
 @pytest.mark.parametrize("method", ["none", "ring_exchange"])
 def test_expert_parallel_blocks(rng, kernel_calls, method):
-    """Dispatch, experts, return: both GEMMs of each of the P blocks on the kernel."""
+    """Dispatch, experts, return: both ways' GEMMs on the kernel."""
     size, m, per_shard = 2, 256, 2
     experts = size * per_shard
     x = _bf16(rng, (size * m, 128))
@@ -158,7 +163,8 @@ def test_expert_parallel_blocks(rng, kernel_calls, method):
         return lambda a, b, c: f(a, b, c, sizes)
 
     out = op("current_tensor_scaling")(x, w1, w2)
-    assert len(kernel_calls) == 2 * size, kernel_calls
+    # the ring: each block's GEMMs; none: one GEMM over every block, each way
+    assert len(kernel_calls) == 2 * (size if method == "ring_exchange" else 1), kernel_calls
     qx, q1, q2 = _dq(np.float32(x), -1), _dq(np.float32(w1), 1), _dq(np.float32(w2), 1)
     hidden = np.concatenate([reference(qx[s * m : (s + 1) * m], q1, sizes[s]) for s in range(size)])
     # the second op quantizes the bf16 hidden activation, all shards sharing a scale

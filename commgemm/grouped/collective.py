@@ -15,14 +15,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method, OverlapConfig
+from commgemm.grouped.blocks import block_matmul, merged_matmul
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
     Rows,
-    block_matmul,
     carry,
     quantized_operands,
-    row_block,
     with_quantized_cotangent,
 )
 from commgemm.operands import axis_size, check_divisible
@@ -84,7 +83,7 @@ def all_gather_grouped_matmul(
       group_sizes: [G] this shard's counts (summing to at most m).
       scaling: quantized operands (commgemm.grouped.scaling); x's rows travel quantized. On a
         Hopper GPU with tensor scaling each block's forward GEMM multiplies the rows' float8
-        payload on the tensor cores (`grouped.scaling.block_matmul`); otherwise emulated.
+        payload on the tensor cores (`grouped.blocks.block_matmul`); otherwise emulated.
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
@@ -129,9 +128,7 @@ def _all_gather_grouped(
         sizes = sizes_in_rows(group_sizes, lo, hi)
         gathered, moved = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
-        outs = [block_matmul(gathered[s], w, all_sizes[s], row_block(moved, s), experts, dtype)
-                for s in range(size)]  # fmt: skip
-        chunks.append(jnp.stack(outs))  # [P, rows, n]
+        chunks.append(merged_matmul(gathered, w, all_sizes, moved, experts, dtype))  # [P, rows, n]
         previous = gathered
     return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
 
@@ -153,7 +150,7 @@ def grouped_matmul_reduce_scatter(
       group_sizes: [G], the same on every shard.
       scaling: quantized operands (commgemm.grouped.scaling), the partial sums reduced in
         the output (or reduce) dtype. On a Hopper GPU with tensor scaling the forward's GEMMs
-        multiply float8 operands on the tensor cores (`grouped.scaling.block_matmul`) where
+        multiply float8 operands on the tensor cores (`grouped.blocks.block_matmul`) where
         their result is 16-bit; otherwise emulated.
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
@@ -201,8 +198,19 @@ def _grouped_reduce_scatter(
     sub = r // splits
     outs, previous = [], None
     for c in range(splits):
-        pieces = [partial(b * r + c * sub, sub) for b in range(size)]
-        chunk = after(jnp.concatenate(pieces), previous)
+        if splits == 1:  # every shard's rows: one GEMM over x
+            chunk = partial(0, rows_total)
+        else:  # sub-chunk c of each shard's rows: one GEMM over them, regrouped
+            starts = [b * r + c * sub for b in range(size)]
+            blocks = jnp.stack([x[lo : lo + sub] for lo in starts])
+            block_sizes = jnp.stack([sizes_in_rows(group_sizes, lo, lo + sub) for lo in starts])
+            quantized = None
+            if rows is not None:
+                payload = jnp.stack([rows.payload[lo : lo + sub] for lo in starts])
+                quantized = dataclasses.replace(rows, payload=payload)
+            merged = merged_matmul(blocks, w, block_sizes, quantized, experts, travel)
+            chunk = merged.reshape(size * sub, -1)
+        chunk = after(chunk, previous)
         outs.append(lax.psum_scatter(chunk, axis_name, scatter_dimension=0, tiled=True))
         previous = outs[-1]
     return jnp.concatenate(outs).astype(dtype)

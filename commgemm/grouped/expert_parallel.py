@@ -19,15 +19,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
+from commgemm.grouped.blocks import block_matmul, merged_matmul, row_block
 from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped
 from commgemm.grouped.scaling import (
     Float8Experts,
     Rows,
-    block_matmul,
     carry,
     quantized_operands,
-    row_block,
     with_quantized_cotangent,
 )
 from commgemm.operands import axis_size, check_divisible
@@ -80,7 +79,7 @@ def all_to_all_grouped_matmul(
       `grouped_matmul_all_to_all`. `scaling`: quantized operands (commgemm.grouped.scaling);
       the tokens travel quantized. On a Hopper GPU with tensor scaling the forward multiplies
       the tokens' float8 payload as it arrived on the tensor cores
-      (`grouped.scaling.block_matmul`); otherwise emulated.
+      (`grouped.blocks.block_matmul`); otherwise emulated.
     """
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
     x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
@@ -124,12 +123,16 @@ def _dispatch_grouped(
     for t in range(size):  # NONE: every exchange at once; the ring: each after the one before
         received.append(send(t, last if method is Method.RING_EXCHANGE else None))
         last = received[-1][0]
-    outs, recv_sizes = [None] * size, [None] * size
-    for t, (block, arrived, count) in enumerate(received):  # from shard me - t
-        outs[t] = block_matmul(block, w, count, arrived, experts)
-        recv_sizes[t] = count
+    blocks, arrived, counts = zip(*received, strict=True)  # step t: from shard me - t
+    by_step_sizes = jnp.stack(counts)
+    if method is Method.RING_EXCHANGE:  # each block's GEMM as it arrives
+        parts = zip(blocks, arrived, counts, strict=True)
+        by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
+    else:  # every block has arrived: one GEMM over them, regrouped
+        stacked = None if rows is None else dataclasses.replace(
+            rows, payload=jnp.stack([q.payload for q in arrived]))  # fmt: skip
+        by_step_y = merged_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
     # order by source shard: source s arrived at step (me - s) mod P
-    by_step_y, by_step_sizes = jnp.stack(outs), jnp.stack(recv_sizes)
     step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
     return by_step_y[step_of], by_step_sizes[step_of]
 
@@ -155,7 +158,7 @@ def grouped_matmul_all_to_all(
         results go back to).
       scaling: quantized operands (commgemm.grouped.scaling); on a Hopper GPU with tensor
         scaling the forward's GEMMs multiply float8 operands on the tensor cores
-        (`grouped.scaling.block_matmul`), otherwise emulated.
+        (`grouped.blocks.block_matmul`), otherwise emulated.
     Returns:
       [m, N] in this shard's token order (zeros past the tokens' count).
     """
@@ -174,10 +177,15 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size)
     out = jnp.zeros((m, w.shape[2]), y.dtype)
-    last = None
+    last, every = None, None
+    if method is Method.NONE:  # one GEMM over every source's tokens, regrouped
+        every = merged_matmul(y, w, recv_sizes, rows, experts)
     for t in range(size):  # results for shard me - t's tokens go back by shift -t
         src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
-        z = block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
+        if every is not None:
+            z = every[src]
+        else:
+            z = block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
         back = _exchange(z if method is Method.NONE else after(z, last), axis_name, size, -t)
         last = back
         # what came back is from shard me + t: rows for that shard's experts, to their place

@@ -11,7 +11,8 @@ operands here). The exceptions, on a Hopper GPU with tensor scaling (current or 
 local op multiplies float8 operands on the tensor cores in its forward and dX
 (`mosaic_gpu.grouped.float8_ragged_dot`), and the collective ops' forward multiplies each block
 of rows as it travelled (its float8 payload) by the experts' float8 values
-(`block_matmul`), with the same quantized values; their backward stays emulated."""
+(`grouped.blocks.block_matmul`), with the same quantized values; their backward stays
+emulated."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.grouped.local import grouped_matmul
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
@@ -41,7 +41,6 @@ from commgemm.quant import (
     dequantize,
 )
 from commgemm.scaled import payload, unpack_rows
-from commgemm.vma import varying_like
 from commgemm.xla.common import after
 
 
@@ -87,70 +86,6 @@ def float8_experts(recipe: ScalingRecipe, qw: ScaledTensor) -> Float8Experts | N
     return Float8Experts(jnp.swapaxes(qw.data, 1, 2), qw.scale_inv, recipe.split_accumulator[0])
 
 
-def block_matmul(
-    values: jax.Array,
-    w: jax.Array,
-    sizes: jax.Array,
-    rows: Rows | None,
-    experts: Float8Experts | None,
-    out_dtype=None,
-) -> jax.Array:
-    """`grouped_matmul(values, w, sizes)` for a block of x's rows [r, K] whose quantized form
-    is `rows` (a payload [r, K], as it travelled), w [G, K, N] the experts' quantized values.
-    With `experts` (Hopper, tensor scaling) and a shape and result dtype the float8 kernel
-    takes (`float8_block_reason`), the forward multiplies the payload's float8 values by the
-    experts' on the tensor cores, the two scales in the kernel's epilogue (no dequantized
-    copy of either operand), and the gradient is the emulated one: `grouped_matmul`'s own on
-    the values. Elsewhere `grouped_matmul` on the values."""
-    out_dtype = out_dtype or values.dtype.name
-    if float8_block_reason(rows, experts, out_dtype) is not None:
-        return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
-    return _float8_block(values, w, sizes, rows.payload, rows.scale, experts, out_dtype)
-
-
-def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dtype) -> str | None:
-    """Why `block_matmul` emulates the GEMM of `rows` by `experts` into `out_dtype`, or None."""
-    from commgemm.mosaic_gpu import grouped_kernel
-    from commgemm.mosaic_gpu.configs import GroupedConfig
-
-    if rows is None or experts is None:
-        return "no float8 operands for Hopper's tensor cores (block modes, or another backend)"
-    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
-    (m, k), n = rows.payload.shape, experts.data.shape[1]
-    return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True,
-                                       split=experts.split)  # fmt: skip
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
-    """The float8 kernel's product of a block (`block_matmul`); values and w only carry the
-    gradient."""
-    from commgemm.mosaic_gpu import grouped_kernel
-
-    scale = (x_scale * experts.scale_inv).astype(jnp.float32).reshape(1)
-    out = grouped_kernel.grouped_matmul(
-        payload_rows, experts.data, sizes.astype(jnp.int32), w_nk=True, scale=scale,
-        out_dtype=out_dtype, split_accumulator=experts.split,
-    )  # fmt: skip
-    return varying_like(out, values, w)  # a Pallas result carries no varying axes
-
-
-def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
-    out = _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype)
-    return out, (values, w, sizes)
-
-
-def _float8_block_bwd(out_dtype, residuals, dy):
-    values, w, sizes = residuals
-    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=out_dtype)
-    dx, dw = jax.vjp(product, values, w)[1](dy)
-    return dx, dw, None, None, None, None
-
-
-_float8_block.defvjp(_float8_block_fwd, _float8_block_bwd)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -174,11 +109,6 @@ class Rows:
             if self.mode is ScalingMode.NVFP4_1D_SCALING:
                 t = dataclasses.replace(t, global_scale_inv=self.scale)
         return dequantize(t, self.dtype).reshape(*lead, self.k)
-
-
-def row_block(rows: Rows | None, index) -> Rows | None:
-    """Block `index` of quantized rows whose payload is stacked [blocks, r, K], or None."""
-    return None if rows is None else dataclasses.replace(rows, payload=rows.payload[index])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,0 +1,139 @@
+"""The grouped GEMMs of the collective grouped ops' blocks of rows (the blocks an all-gather
+or an expert-parallel dispatch brings, each sorted by group with counts of its own): one block
+(`block_matmul`: on Hopper's float8 tensor cores where its quantized rows allow), or all blocks
+in one GEMM (`merged_matmul`): their rows regrouped so that each group's rows, from every
+block, are contiguous, multiplied once, and put back. Merging costs a gather of the rows and
+of the result; it pays because a grouped GEMM's cost grows with its group boundaries, and P
+blocks of G groups have P times as many as G groups over the same rows (on one H100, M 8192,
+K 4096, N 7168, 8 groups: two blocks' GEMMs 1.12 ms, the merged rows' 0.98, four blocks' 1.31
+against 0.96: BENCHMARKS.md "One grouped GEMM over the blocks")."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from commgemm.grouped.local import grouped_matmul
+from commgemm.grouped.scaling import Float8Experts, Rows
+from commgemm.vma import varying_like
+
+
+def merged_rows(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """How P blocks of `rows` rows, each sorted by group with counts block_sizes [P, G] (each
+    block's summing to at most `rows`), become one group-sorted block of P * rows rows:
+    (dest [P * rows] int32, where row p * rows + i goes; group_sizes [G] of the merged rows).
+    Within a group the rows keep their blocks' order; the rows past a block's sum (in no
+    group) go last, in order."""
+    sizes = block_sizes.astype(jnp.int32)
+    blocks, groups = sizes.shape
+    total = jnp.sum(sizes, axis=0)
+    group_start = jnp.cumsum(total) - total  # [G], in the merged rows
+    earlier = jnp.cumsum(sizes, axis=0) - sizes  # [P, G]: the group's rows in earlier blocks
+    local_end = jnp.cumsum(sizes, axis=1)
+    local_start = local_end - sizes
+    index = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.sum(index[None, :, None] >= local_end[:, None, :], axis=2, dtype=jnp.int32)
+    inside = group < groups  # [P, rows]
+    group = jnp.minimum(group, groups - 1)
+    at = functools.partial(jnp.take_along_axis, indices=group, axis=1)
+    dest = group_start[group] + at(earlier) + index[None, :] - at(local_start)
+    outside = ~inside.reshape(-1)
+    rank = jnp.cumsum(outside, dtype=jnp.int32) - 1  # among the rows in no group
+    dest = jnp.where(inside.reshape(-1), dest.reshape(-1), jnp.sum(total) + rank)
+    return dest, total
+
+
+def merged_matmul(
+    blocks: jax.Array,
+    w: jax.Array,
+    block_sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    out_dtype=None,
+) -> jax.Array:
+    """The grouped GEMM of each of P blocks [P, r, K] (block p's rows sorted by group, counts
+    block_sizes[p]) by w [G, K, N], in one GEMM: [P, r, N], block p's result at [p] (zero past
+    its sum), as `block_matmul` of each block gives it. `rows`: the blocks' quantized rows
+    (payload [P, r, K]), regrouped the same way for `block_matmul`."""
+    count, r = blocks.shape[0], blocks.shape[1]
+    dest, sizes = merged_rows(block_sizes, r)
+    source = jnp.zeros_like(dest).at[dest].set(jnp.arange(count * r, dtype=jnp.int32),
+                                                unique_indices=True)  # fmt: skip
+    flat = blocks.reshape(count * r, -1)[source]
+    if rows is not None:
+        payload = rows.payload.reshape(count * r, -1)[source]
+        rows = dataclasses.replace(rows, payload=payload)
+    out = block_matmul(flat, w, sizes, rows, experts, out_dtype)
+    return out[dest].reshape(count, r, -1)
+
+
+def row_block(rows: Rows | None, index) -> Rows | None:
+    """Block `index` of quantized rows whose payload is stacked [blocks, r, K], or None."""
+    return None if rows is None else dataclasses.replace(rows, payload=rows.payload[index])
+
+
+def block_matmul(
+    values: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    out_dtype=None,
+) -> jax.Array:
+    """`grouped_matmul(values, w, sizes)` for a block of x's rows [r, K] whose quantized form
+    is `rows` (a payload [r, K], as it travelled), w [G, K, N] the experts' quantized values.
+    With `experts` (Hopper, tensor scaling) and a shape and result dtype the float8 kernel
+    takes (`float8_block_reason`), the forward multiplies the payload's float8 values by the
+    experts' on the tensor cores, the two scales in the kernel's epilogue (no dequantized
+    copy of either operand), and the gradient is the emulated one: `grouped_matmul`'s own on
+    the values. Elsewhere `grouped_matmul` on the values."""
+    out_dtype = out_dtype or values.dtype.name
+    if float8_block_reason(rows, experts, out_dtype) is not None:
+        return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
+    return _float8_block(values, w, sizes, rows.payload, rows.scale, experts, out_dtype)
+
+
+def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dtype) -> str | None:
+    """Why `block_matmul` emulates the GEMM of `rows` by `experts` into `out_dtype`, or None."""
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
+
+    if rows is None or experts is None:
+        return "no float8 operands for Hopper's tensor cores (block modes, or another backend)"
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
+    (m, k), n = rows.payload.shape, experts.data.shape[1]
+    return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True,
+                                       split=experts.split)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
+    """The float8 kernel's product of a block (`block_matmul`); values and w only carry the
+    gradient."""
+    from commgemm.mosaic_gpu import grouped_kernel
+
+    scale = (x_scale * experts.scale_inv).astype(jnp.float32).reshape(1)
+    out = grouped_kernel.grouped_matmul(
+        payload_rows, experts.data, sizes.astype(jnp.int32), w_nk=True, scale=scale,
+        out_dtype=out_dtype, split_accumulator=experts.split,
+    )  # fmt: skip
+    return varying_like(out, values, w)  # a Pallas result carries no varying axes
+
+
+def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
+    out = _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype)
+    return out, (values, w, sizes)
+
+
+def _float8_block_bwd(out_dtype, residuals, dy):
+    values, w, sizes = residuals
+    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=out_dtype)
+    dx, dw = jax.vjp(product, values, w)[1](dy)
+    return dx, dw, None, None, None, None
+
+
+_float8_block.defvjp(_float8_block_fwd, _float8_block_bwd)
