@@ -153,7 +153,42 @@ def grouped_rows(devices, cfg) -> list[dict]:
             mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp")), out_specs=P("tp"))),
             (x, w_ep, ep_sizes_d))  # fmt: skip
     rows.append({"method": "expert parallel", "ms": time_variants(variants)})
+    # method none's blocks in one regrouped GEMM or block by block, whatever the defaults
+    ag = lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "tp")  # noqa: E731
+    dispatch = lambda a, b, s: cg.all_to_all_grouped_matmul(a, b, s[0], "tp")[0]  # noqa: E731
+    variants = {}
+    for merge in (True, False):
+        how = "regrouped" if merge else "block by block"
+        for name, body, specs, out, args in (
+            ("ag+grouped", ag, (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"),
+             (x, w_col, sizes_d)),
+            ("all-to-all+grouped", dispatch, (P("tp"), P("tp"), P("tp")), P("tp"),
+             (x, w_ep, ep_sizes_d)),
+        ):  # fmt: skip
+            f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
+
+            def traced(*a, f=f, merge=merge):
+                with _merging(merge):
+                    return f(*a)
+
+            variants[f"{name} none, {how}"] = (jax.jit(traced), args)
+    rows.append({"method": "none: regrouped or block by block", "ms": time_variants(variants)})
     return rows
+
+
+@contextlib.contextmanager
+def _merging(merge: bool):
+    """Method none of the grouped ops with every block in one regrouped GEMM (`merge`) or
+    block by block, whatever `grouped.collective.MERGE_FROM_BLOCKS` and
+    `grouped.expert_parallel.MERGE_BLOCKS` say: a benchmark-side patch."""
+    from commgemm.grouped import collective, expert_parallel
+
+    saved = collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS
+    collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS = (2 if merge else 1 << 30), merge
+    try:
+        yield
+    finally:
+        collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS = saved
 
 
 @contextlib.contextmanager

@@ -404,7 +404,9 @@ def test_capabilities_script_runs(tmp_path):
         "pipeline:4",
         "ring",
         "expert parallel",
+        "none: regrouped or block by block",
     ]
+    assert len(result["grouped"][-1]["ms"]) == 5
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
     assert [r["op"] for r in result["grouped_fp8"]] == [
         "ag+grouped ring", "ag+grouped none", "all-to-all+grouped ring"]  # fmt: skip

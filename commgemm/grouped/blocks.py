@@ -21,6 +21,25 @@ from commgemm.grouped.scaling import Float8Experts, Rows
 from commgemm.vma import varying_like
 
 
+def blocks_matmul(
+    blocks: jax.Array,
+    w: jax.Array,
+    block_sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    out_dtype=None,
+    *,
+    merge: bool,
+) -> jax.Array:
+    """The grouped GEMM of each of P blocks [P, r, K] (counts block_sizes [P, G]) by w: [P, r,
+    N]; in one regrouped GEMM (`merged_matmul`) with `merge`, else block by block
+    (`block_matmul`)."""
+    if merge:
+        return merged_matmul(blocks, w, block_sizes, rows, experts, out_dtype)
+    return jnp.stack([block_matmul(blocks[p], w, block_sizes[p], row_block(rows, p), experts,
+                                   out_dtype) for p in range(blocks.shape[0])])  # fmt: skip
+
+
 def merged_rows(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """How P blocks of `rows` rows, each sorted by group with counts block_sizes [P, G] (each
     block's summing to at most `rows`), become one group-sorted block of P * rows rows:

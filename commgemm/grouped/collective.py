@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method, OverlapConfig
-from commgemm.grouped.blocks import block_matmul, merged_matmul
+from commgemm.grouped.blocks import block_matmul, blocks_matmul
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
@@ -41,6 +41,14 @@ AUTO_METHOD = {
     "all_to_all_grouped_matmul": Method.RING_EXCHANGE,
     "grouped_matmul_all_to_all": Method.RING_EXCHANGE,
 }
+
+
+#: Blocks from which the all-gather form's methods other than the ring multiply the gathered
+#: blocks in one GEMM, their rows regrouped (`grouped.blocks.merged_matmul`), instead of block
+#: by block: on one H100 (8192 rows, K 4096, N 7168, 8 groups) regrouping 2 blocks took 5%
+#: longer than their 2 GEMMs, regrouping 4 blocks 10% less than 4 (BENCHMARKS.md, "One
+#: grouped GEMM over the blocks").
+MERGE_FROM_BLOCKS = 3
 
 
 def resolve_grouped(config: ConfigLike, op: str, size: int) -> OverlapConfig:
@@ -128,7 +136,8 @@ def _all_gather_grouped(
         sizes = sizes_in_rows(group_sizes, lo, hi)
         gathered, moved = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
-        chunks.append(merged_matmul(gathered, w, all_sizes, moved, experts, dtype))  # [P, rows, n]
+        merge = size >= MERGE_FROM_BLOCKS
+        chunks.append(blocks_matmul(gathered, w, all_sizes, moved, experts, dtype, merge=merge))
         previous = gathered
     return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
 
@@ -208,8 +217,10 @@ def _grouped_reduce_scatter(
             if rows is not None:
                 payload = jnp.stack([rows.payload[lo : lo + sub] for lo in starts])
                 quantized = dataclasses.replace(rows, payload=payload)
-            merged = merged_matmul(blocks, w, block_sizes, quantized, experts, travel)
-            chunk = merged.reshape(size * sub, -1)
+            merge = size >= MERGE_FROM_BLOCKS
+            products = blocks_matmul(blocks, w, block_sizes, quantized, experts, travel,
+                                     merge=merge)  # fmt: skip
+            chunk = products.reshape(size * sub, -1)
         chunk = after(chunk, previous)
         outs.append(lax.psum_scatter(chunk, axis_name, scatter_dimension=0, tiled=True))
         previous = outs[-1]
