@@ -179,16 +179,15 @@ def grouped_rows(devices, cfg) -> list[dict]:
 @contextlib.contextmanager
 def _merging(merge: bool):
     """Method none of the grouped ops with every block in one regrouped GEMM (`merge`) or
-    block by block, whatever `grouped.collective.MERGE_FROM_BLOCKS` and
-    `grouped.expert_parallel.MERGE_BLOCKS` say: a benchmark-side patch."""
-    from commgemm.grouped import collective, expert_parallel
+    block by block (`grouped.blocks.MERGE_BLOCKS`), whatever the default: a benchmark-side
+    patch."""
+    from commgemm.grouped import blocks
 
-    saved = collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS
-    collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS = (2 if merge else 1 << 30), merge
+    saved, blocks.MERGE_BLOCKS = blocks.MERGE_BLOCKS, merge
     try:
         yield
     finally:
-        collective.MERGE_FROM_BLOCKS, expert_parallel.MERGE_BLOCKS = saved
+        blocks.MERGE_BLOCKS = saved
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from helpers import P, mesh1d, shard
 from test_grouped import random_sizes, reference
 
 import commgemm as cg
-from commgemm.grouped import collective, scaling
+from commgemm.grouped import scaling
 from commgemm.mosaic_gpu import grouped_kernel
 
 # the kernel's bf16 result against the float64 product: bf16 rounding (2^-8) of values summed
@@ -91,11 +91,9 @@ def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
         return lambda a, b: f(a, b, sizes)
 
     out = op("current_tensor_scaling")(x, w)
-    # the ring multiplies each block as it arrives; the others, from 3 blocks, every gathered
-    # block (of each chunk) in one GEMM, regrouped (`grouped.blocks.merged_matmul`)
-    splits = 2 if method == "pipeline" else 1
-    merged = method != "ring_exchange" and size >= collective.MERGE_FROM_BLOCKS
-    calls = splits if merged else size * splits
+    # the ring multiplies each block as it arrives; the others every gathered block (of each
+    # chunk) in one GEMM, regrouped (`grouped.blocks.merged_matmul`)
+    calls = {"ring_exchange": size, "none": 1, "pipeline": 2}[method]
     assert len(kernel_calls) == calls, kernel_calls
     assert all(c[0][0] == m * size // calls for c in kernel_calls), kernel_calls
     qx, qw = _dq(np.float32(x), -1), _dq(np.float32(w), 1)
@@ -136,10 +134,9 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
         return shard(body, mesh1d(size), (P(None, "x"), P(None, "x", None)), P("x"))
 
     out = op("current_tensor_scaling")(x, w)
-    # the ring's partial sums of 512-row blocks, one GEMM over x (none), a GEMM per block of
-    # each chunk's rows (pipeline, 2 blocks); a float32 reduce asks the kernel for float32:
-    # emulated
-    calls = {"ring_exchange": size, "none": 1, "pipeline": 2 * size}[method]
+    # the ring's partial sums of 512-row blocks, one GEMM over x (none) or over each chunk's
+    # rows, regrouped (pipeline); a float32 reduce asks the kernel for float32: emulated
+    calls = {"ring_exchange": size, "none": 1, "pipeline": 2}[method]
     assert len(kernel_calls) == (0 if reduce_dtype else calls), kernel_calls
     want = reference(_dq(np.float32(x), -1), _dq(np.float32(w), 1), sizes)
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())

@@ -2,11 +2,14 @@
 or an expert-parallel dispatch brings, each sorted by group with counts of its own): one block
 (`block_matmul`: on Hopper's float8 tensor cores where its quantized rows allow), or all blocks
 in one GEMM (`merged_matmul`): their rows regrouped so that each group's rows, from every
-block, are contiguous, multiplied once, and put back. Merging costs a gather of the rows and
+block, are contiguous, multiplied once, and put back. Regrouping costs a gather of the rows and
 of the result; it pays because a grouped GEMM's cost grows with its group boundaries, and P
-blocks of G groups have P times as many as G groups over the same rows (on one H100, M 8192,
-K 4096, N 7168, 8 groups: two blocks' GEMMs 1.12 ms, the merged rows' 0.98, four blocks' 1.31
-against 0.96: BENCHMARKS.md "One grouped GEMM over the blocks")."""
+blocks of G groups have P times as many as G groups over the same rows. On 2 x H100 (8192
+tokens, 8 experts, K 4096, N 7168 a GPU) method none of the all-gather form took 1.302 ms
+regrouped against 1.343 block by block, the expert-parallel dispatch 1.448 against 1.804
+(each block a source's tokens, then padding), the all-gather's float8 forward 1.234 against
+1.424 and its 4-chunk pipeline 1.556 against 2.034 (BENCHMARKS.md, "One grouped GEMM over the
+blocks"). The ring multiplies each block as it arrives (`block_matmul`)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ from commgemm.grouped.local import grouped_matmul
 from commgemm.grouped.scaling import Float8Experts, Rows
 from commgemm.vma import varying_like
 
+#: Whether `blocks_matmul` regroups the blocks into one GEMM (the measured choice, module
+#: docstring) or multiplies them block by block: a switch for benchmarks' A/B runs.
+MERGE_BLOCKS = True
+
 
 def blocks_matmul(
     blocks: jax.Array,
@@ -28,13 +35,11 @@ def blocks_matmul(
     rows: Rows | None,
     experts: Float8Experts | None,
     out_dtype=None,
-    *,
-    merge: bool,
 ) -> jax.Array:
-    """The grouped GEMM of each of P blocks [P, r, K] (counts block_sizes [P, G]) by w: [P, r,
-    N]; in one regrouped GEMM (`merged_matmul`) with `merge`, else block by block
-    (`block_matmul`)."""
-    if merge:
+    """The grouped GEMM of each of P blocks [P, r, K] (counts block_sizes [P, G]; quantized
+    `rows`, payload [P, r, K], or None) by w: [P, r, N], in one regrouped GEMM
+    (`merged_matmul`; block by block where MERGE_BLOCKS is off)."""
+    if MERGE_BLOCKS:
         return merged_matmul(blocks, w, block_sizes, rows, experts, out_dtype)
     return jnp.stack([block_matmul(blocks[p], w, block_sizes[p], row_block(rows, p), experts,
                                    out_dtype) for p in range(blocks.shape[0])])  # fmt: skip

@@ -32,23 +32,18 @@ from commgemm.xla.common import after, send_one
 ConfigLike = OverlapConfig | int | None
 
 
-#: What AUTO runs for each grouped op: the faster method of a 2 x H200 run (BENCHMARKS.md,
-#: "Grouped GEMMs, the backward alone and the layers' training step": the ring gained 3% and
-#: 2% on the AG and the all-to-all, and lost 1% on the RS; column chunks lost about 50%).
+#: What AUTO runs for each grouped op: the faster method of a 2 x H100 run (BENCHMARKS.md,
+#: "One grouped GEMM over the blocks"; 8192 tokens, 8 experts, K 4096, N 7168 a GPU): the AG's
+#: ring 1.254 ms against 1.302 for none (its blocks regrouped), the RS's none 1.116 against
+#: 1.212 for the ring, the dispatch's none (regrouped) 1.457 against 1.820 for the ring; the
+#: return, whose blocks are the dispatch's, follows the dispatch (not timed alone). Column
+#: chunks (pipeline:4) were the slowest of all.
 AUTO_METHOD = {
     "all_gather_grouped_matmul": Method.RING_EXCHANGE,
     "grouped_matmul_reduce_scatter": Method.NONE,
-    "all_to_all_grouped_matmul": Method.RING_EXCHANGE,
-    "grouped_matmul_all_to_all": Method.RING_EXCHANGE,
+    "all_to_all_grouped_matmul": Method.NONE,
+    "grouped_matmul_all_to_all": Method.NONE,
 }
-
-
-#: Blocks from which the all-gather form's methods other than the ring multiply the gathered
-#: blocks in one GEMM, their rows regrouped (`grouped.blocks.merged_matmul`), instead of block
-#: by block: on one H100 (8192 rows, K 4096, N 7168, 8 groups) regrouping 2 blocks took 5%
-#: longer than their 2 GEMMs, regrouping 4 blocks 10% less than 4 (BENCHMARKS.md, "One
-#: grouped GEMM over the blocks").
-MERGE_FROM_BLOCKS = 3
 
 
 def resolve_grouped(config: ConfigLike, op: str, size: int) -> OverlapConfig:
@@ -136,8 +131,7 @@ def _all_gather_grouped(
         sizes = sizes_in_rows(group_sizes, lo, hi)
         gathered, moved = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
-        merge = size >= MERGE_FROM_BLOCKS
-        chunks.append(blocks_matmul(gathered, w, all_sizes, moved, experts, dtype, merge=merge))
+        chunks.append(blocks_matmul(gathered, w, all_sizes, moved, experts, dtype))  # regrouped
         previous = gathered
     return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
 
@@ -217,9 +211,7 @@ def _grouped_reduce_scatter(
             if rows is not None:
                 payload = jnp.stack([rows.payload[lo : lo + sub] for lo in starts])
                 quantized = dataclasses.replace(rows, payload=payload)
-            merge = size >= MERGE_FROM_BLOCKS
-            products = blocks_matmul(blocks, w, block_sizes, quantized, experts, travel,
-                                     merge=merge)  # fmt: skip
+            products = blocks_matmul(blocks, w, block_sizes, quantized, experts, travel)
             chunk = products.reshape(size * sub, -1)
         chunk = after(chunk, previous)
         outs.append(lax.psum_scatter(chunk, axis_name, scatter_dimension=0, tiled=True))

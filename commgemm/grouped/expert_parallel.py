@@ -33,13 +33,6 @@ from commgemm.operands import axis_size, check_divisible
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
 
-#: Whether method NONE multiplies the blocks of every source in one GEMM, their rows regrouped
-#: by expert (`grouped.blocks.merged_matmul`), instead of block by block: each block is a
-#: source's tokens followed by padding, and one GEMM over all of them (the padding last) ran
-#: the dispatch on 2 GPUs at 1.49 ms against the ring's 1.82 (BENCHMARKS.md, "One grouped GEMM
-#: over the blocks").
-MERGE_BLOCKS = True
-
 
 def _starts(group_sizes: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """(first row, count) of each shard's tokens in a shard's expert-sorted rows."""
@@ -135,11 +128,10 @@ def _dispatch_grouped(
     if method is Method.RING_EXCHANGE:  # each block's GEMM as it arrives
         parts = zip(blocks, arrived, counts, strict=True)
         by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
-    else:  # every block has arrived: one GEMM over them, regrouped (MERGE_BLOCKS)
+    else:  # every block has arrived: one GEMM over them, regrouped
         stacked = None if rows is None else dataclasses.replace(
             rows, payload=jnp.stack([q.payload for q in arrived]))  # fmt: skip
-        by_step_y = blocks_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts,
-                                  merge=MERGE_BLOCKS)  # fmt: skip
+        by_step_y = blocks_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
     # order by source shard: source s arrived at step (me - s) mod P
     step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
     return by_step_y[step_of], by_step_sizes[step_of]
@@ -186,8 +178,8 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
     starts, counts = _starts(group_sizes, size)
     out = jnp.zeros((m, w.shape[2]), y.dtype)
     last, every = None, None
-    if method is Method.NONE:  # one GEMM over every source's tokens, regrouped (MERGE_BLOCKS)
-        every = blocks_matmul(y, w, recv_sizes, rows, experts, merge=MERGE_BLOCKS)
+    if method is Method.NONE:  # one GEMM over every source's tokens, regrouped
+        every = blocks_matmul(y, w, recv_sizes, rows, experts)
     for t in range(size):  # results for shard me - t's tokens go back by shift -t
         src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
         if every is not None:
