@@ -75,8 +75,8 @@ def _same_gradients(got, want):
 
 @pytest.mark.parametrize(
     ("size", "method", "check_vma"),
-    [(2, "none", True), (2, "pipeline", True), (2, "ring_exchange", True),
-     (4, "ring_exchange", True), (2, "ring_exchange", False), (4, "pipeline", False)],
+    [(2, "none", True), (4, "pipeline", True), (4, "ring_exchange", True),
+     (2, "ring_exchange", False)],
 )  # fmt: skip
 def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
     m, groups = 256, 3
@@ -120,7 +120,7 @@ def _emulated(op):
 
 @pytest.mark.parametrize(
     ("method", "reduce_dtype"),
-    [("none", None), ("pipeline", None), ("ring_exchange", None), ("ring_exchange", "float32")],
+    [("none", None), ("pipeline", None), ("ring_exchange", "float32")],
 )
 def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
     size, rows, groups = 2, 1024, 4

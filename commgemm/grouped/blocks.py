@@ -86,12 +86,32 @@ def merged_matmul(
     dest, sizes = merged_rows(block_sizes, r)
     source = jnp.zeros_like(dest).at[dest].set(jnp.arange(count * r, dtype=jnp.int32),
                                                 unique_indices=True)  # fmt: skip
-    flat = blocks.reshape(count * r, -1)[source]
-    if rows is not None:
+    flat = permuted(blocks.reshape(count * r, -1), source, dest)
+    if rows is not None:  # no gradient: a gather is enough
         payload = rows.payload.reshape(count * r, -1)[source]
         rows = dataclasses.replace(rows, payload=payload)
     out = block_matmul(flat, w, sizes, rows, experts, out_dtype)
-    return out[dest].reshape(count, r, -1)
+    return permuted(out, dest, source).reshape(count, r, -1)
+
+
+@jax.custom_vjp
+def permuted(a: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """The rows of a [R, ...] in the order `index` (a permutation of range(R); `inverse` its
+    inverse): a gather whose gradient is the inverse gather, not the scatter-add a gather's
+    transpose is in general."""
+    return a[index]
+
+
+def _permuted_fwd(a, index, inverse):
+    return a[index], (index, inverse)
+
+
+def _permuted_bwd(residuals, ct):
+    index, inverse = residuals
+    return ct[inverse], None, None
+
+
+permuted.defvjp(_permuted_fwd, _permuted_bwd)
 
 
 def row_block(rows: Rows | None, index) -> Rows | None:
