@@ -176,3 +176,26 @@ def test_expert_parallel_blocks(rng, kernel_calls, method):
     # dW2 multiplies the hidden activation quantized again: its float8 rounding follows the
     # first GEMM's result, whose last bits differ between the kernel and the emulation
     np.testing.assert_allclose(np.float32(dw2), np.float32(ew2), atol=0.1 * np.abs(ew2).max())
+
+
+def test_delayed_scaling_blocks(rng, kernel_calls):
+    """Delayed tensor scaling (the scales from the recipe's states) takes the float8 blocks
+    too: the all-gather ring's result against its emulated blocks, the same quantized values."""
+    size, m, groups = 2, 256, 3
+    x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
+    sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))
+    state = cg.ScalingState.create()
+    state = jax.tree.map(lambda a: a + 4.0 if a.dtype == jnp.float32 else a, state)  # amax 4
+    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
+
+    def op(mode):
+        body = lambda a, b, s: cg.all_gather_grouped_matmul(  # noqa: E731
+            a, b, s[0], "x", config=_config("ring_exchange"), scaling=recipe)  # fmt: skip
+        f = shard(body, mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"))
+        return lambda a, b: f(a, b, sizes)
+
+    out = op(None)(x, w)
+    assert len(kernel_calls) == size, kernel_calls
+    want = _emulated(op)(x, w)
+    scale = float(jnp.abs(want.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.float32(out), np.float32(want), atol=TOL * scale)

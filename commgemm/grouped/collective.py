@@ -1,9 +1,10 @@
 """Grouped GEMMs with their collective overlapped, per shard inside `jax.shard_map`, for
 tensor-parallel experts: all-gather + grouped GEMM (experts' columns sharded) and grouped GEMM
 + reduce-scatter (experts' rows, K, sharded). Methods NONE, PIPELINE (num_splits chunks of rows)
-and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO (`AUTO_METHOD`);
-differentiable through
-JAX's own transposes of the collectives and of `ragged_dot`."""
+and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO (`AUTO_METHOD`).
+The ring multiplies each block of rows as it arrives; the others multiply all the blocks of a
+chunk in one grouped GEMM, their rows regrouped by group (`grouped.blocks`). Differentiable
+through JAX's own transposes of the collectives and of the grouped GEMMs."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ expert; group_sizes [E] are its counts. Shapes stay static: what shard s sends s
 block of m rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
 RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at step t - 1, so
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
-block first (one all-to-all), then multiplies. AUTO runs `collective.AUTO_METHOD`'s choice.
+block first (one all-to-all), then multiplies all of them in one grouped GEMM, their rows
+regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO runs
+`collective.AUTO_METHOD`'s choice (NONE: on two GPUs it was 1.25x faster than the ring).
 """
 
 from __future__ import annotations
