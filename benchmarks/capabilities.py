@@ -178,16 +178,25 @@ def grouped_rows(devices, cfg) -> list[dict]:
 
 @contextlib.contextmanager
 def _merging(merge: bool):
-    """Method none of the grouped ops with every block in one regrouped GEMM (`merge`) or
-    block by block (`grouped.blocks.MERGE_BLOCKS`), whatever the default: a benchmark-side
-    patch."""
-    from commgemm.grouped import blocks
+    """Method none of the grouped ops with every block in one regrouped GEMM (`merge`, the
+    library's way: `grouped.blocks.merged_matmul`) or block by block (as before it): a
+    benchmark-side patch of the ops' `merged_matmul`."""
+    from commgemm.grouped import blocks, collective, expert_parallel
 
-    saved, blocks.MERGE_BLOCKS = blocks.MERGE_BLOCKS, merge
+    def block_by_block(stacked, w, block_sizes, rows, experts, out_dtype=None):
+        return jnp.stack([blocks.block_matmul(stacked[p], w, block_sizes[p],
+                                              blocks.row_block(rows, p), experts, out_dtype)
+                          for p in range(stacked.shape[0])])  # fmt: skip
+
+    modules = (collective, expert_parallel)
+    saved = [m.merged_matmul for m in modules]
+    for m in modules:
+        m.merged_matmul = blocks.merged_matmul if merge else block_by_block
     try:
         yield
     finally:
-        blocks.MERGE_BLOCKS = saved
+        for m, fn in zip(modules, saved, strict=True):
+            m.merged_matmul = fn
 
 
 @contextlib.contextmanager

@@ -23,27 +23,6 @@ from commgemm.grouped.local import grouped_matmul
 from commgemm.grouped.scaling import Float8Experts, Rows
 from commgemm.vma import varying_like
 
-#: Whether `blocks_matmul` regroups the blocks into one GEMM (the measured choice, module
-#: docstring) or multiplies them block by block: a switch for benchmarks' A/B runs.
-MERGE_BLOCKS = True
-
-
-def blocks_matmul(
-    blocks: jax.Array,
-    w: jax.Array,
-    block_sizes: jax.Array,
-    rows: Rows | None,
-    experts: Float8Experts | None,
-    out_dtype=None,
-) -> jax.Array:
-    """The grouped GEMM of each of P blocks [P, r, K] (counts block_sizes [P, G]; quantized
-    `rows`, payload [P, r, K], or None) by w: [P, r, N], in one regrouped GEMM
-    (`merged_matmul`; block by block where MERGE_BLOCKS is off)."""
-    if MERGE_BLOCKS:
-        return merged_matmul(blocks, w, block_sizes, rows, experts, out_dtype)
-    return jnp.stack([block_matmul(blocks[p], w, block_sizes[p], row_block(rows, p), experts,
-                                   out_dtype) for p in range(blocks.shape[0])])  # fmt: skip
-
 
 def merged_rows(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """How P blocks of `rows` rows, each sorted by group with counts block_sizes [P, G] (each

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method, OverlapConfig
-from commgemm.grouped.blocks import block_matmul, blocks_matmul
+from commgemm.grouped.blocks import block_matmul, merged_matmul
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
@@ -132,7 +132,7 @@ def _all_gather_grouped(
         sizes = sizes_in_rows(group_sizes, lo, hi)
         gathered, moved = carry(gather, x[lo:hi], part_rows, previous)  # [P, chunk, K]
         all_sizes = gather(sizes)  # [P, G]
-        chunks.append(blocks_matmul(gathered, w, all_sizes, moved, experts, dtype))  # regrouped
+        chunks.append(merged_matmul(gathered, w, all_sizes, moved, experts, dtype))  # regrouped
         previous = gathered
     return jnp.concatenate(chunks, axis=1).reshape(size * m, w.shape[2])
 
@@ -212,7 +212,7 @@ def _grouped_reduce_scatter(
             if rows is not None:
                 payload = jnp.stack([rows.payload[lo : lo + sub] for lo in starts])
                 quantized = dataclasses.replace(rows, payload=payload)
-            products = blocks_matmul(blocks, w, block_sizes, quantized, experts, travel)
+            products = merged_matmul(blocks, w, block_sizes, quantized, experts, travel)
             chunk = products.reshape(size * sub, -1)
         chunk = after(chunk, previous)
         outs.append(lax.psum_scatter(chunk, axis_name, scatter_dimension=0, tiled=True))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
-from commgemm.grouped.blocks import block_matmul, blocks_matmul, row_block
+from commgemm.grouped.blocks import block_matmul, merged_matmul, row_block
 from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped
 from commgemm.grouped.scaling import (
@@ -133,7 +133,7 @@ def _dispatch_grouped(
     else:  # every block has arrived: one GEMM over them, regrouped
         stacked = None if rows is None else dataclasses.replace(
             rows, payload=jnp.stack([q.payload for q in arrived]))  # fmt: skip
-        by_step_y = blocks_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
+        by_step_y = merged_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
     # order by source shard: source s arrived at step (me - s) mod P
     step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
     return by_step_y[step_of], by_step_sizes[step_of]
@@ -181,7 +181,7 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
     out = jnp.zeros((m, w.shape[2]), y.dtype)
     last, every = None, None
     if method is Method.NONE:  # one GEMM over every source's tokens, regrouped
-        every = blocks_matmul(y, w, recv_sizes, rows, experts)
+        every = merged_matmul(y, w, recv_sizes, rows, experts)
     for t in range(size):  # results for shard me - t's tokens go back by shift -t
         src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
         if every is not None:
