@@ -134,7 +134,9 @@ def grouped_matmul(
         transposed ragged dot; elsewhere XLA's ragged dot (on H200 4 to 23 times slower for 8
         to 64 groups, its dW 6.6 to 18 times slower on H100: BENCHMARKS.md).
     Returns:
-      [M, N]. Differentiable in x, w and bias.
+      [M, N]. Differentiable in x, w and bias. Not batchable with `jax.vmap` where x, w and
+      group_sizes are not all batched along axis 0: `lax.ragged_dot` raises
+      NotImplementedError there (jax 0.10, 0.11); `lax.map` over the batch works.
     """
     from commgemm.quant import ScaledTensor
 
