@@ -104,9 +104,9 @@ def fp8_rows(devices, cfg) -> list[dict]:
     return rows
 
 
-def grouped_rows(devices, cfg) -> list[dict]:
-    """Tensor-parallel experts (AG + grouped GEMM, grouped GEMM + RS) and expert parallelism
-    (all-to-all + grouped GEMM and back), each method against the serial one (method none)."""
+def _grouped_setup(devices, cfg):
+    """(mesh, rng, put, (P, m, K, N, E), (x, w_col, sizes)) of the grouped sections: x's rows
+    and the experts' columns sharded over "tp", each shard's uneven counts per expert."""
     size, g = len(devices), cfg["grouped"]
     mesh = Mesh(np.array(devices), ("tp",))
     rng = np.random.default_rng(0)
@@ -116,6 +116,13 @@ def grouped_rows(devices, cfg) -> list[dict]:
     sizes_d = jax.device_put(sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
     x = put(rng.standard_normal((size * m, k)), P("tp"))
     w_col = put(rng.standard_normal((e, k, n)) / k**0.5, P(None, None, "tp"))
+    return mesh, rng, put, (size, m, k, n, e), (x, w_col, sizes_d)
+
+
+def grouped_rows(devices, cfg) -> list[dict]:
+    """Tensor-parallel experts (AG + grouped GEMM, grouped GEMM + RS) and expert parallelism
+    (all-to-all + grouped GEMM and back), each method against the serial one (method none)."""
+    mesh, rng, put, (size, m, k, n, e), (x, w_col, sizes_d) = _grouped_setup(devices, cfg)
     w_row = put(rng.standard_normal((e, n, k)) / n**0.5, P(None, "tp", None))
     h = put(rng.standard_normal((size * m, n)), P(None, "tp"))
     one = jnp.asarray(np.bincount(rng.integers(0, e, size * m), minlength=e), jnp.int32)
@@ -224,15 +231,7 @@ def grouped_fp8_rows(devices, cfg) -> list[dict]:
     """The collective grouped ops under current tensor scaling: the forward and a forward and
     backward, bf16 against float8 with each block's GEMM on the float8 kernel and float8
     emulated (`_emulated_blocks`); errors against the bf16 op."""
-    size, g = len(devices), cfg["grouped"]
-    mesh = Mesh(np.array(devices), ("tp",))
-    rng = np.random.default_rng(0)
-    m, k, n, e = g["tokens"] // size, g["hidden"], g["ffn"], g["experts"]
-    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, spec))  # noqa: E731
-    sizes = np.stack([np.bincount(rng.integers(0, e, m), minlength=e) for _ in range(size)])
-    sizes_d = jax.device_put(sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
-    x = put(rng.standard_normal((size * m, k)), P("tp"))
-    w_col = put(rng.standard_normal((e, k, n)) / k**0.5, P(None, None, "tp"))
+    mesh, rng, put, (size, m, k, n, e), (x, w_col, sizes_d) = _grouped_setup(devices, cfg)
     experts_ep = max(e // size, 1) * size  # whole experts a device
     w_ep = put(rng.standard_normal((experts_ep, k, n // size)) / k**0.5, P("tp"))
     ep_sizes = np.stack([np.bincount(rng.integers(0, experts_ep, m), minlength=experts_ep)

@@ -91,10 +91,17 @@ def all_gather_grouped_matmul(
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
-    check_weight_scaling("all_gather_grouped_matmul", w, scaling)
+    args = (x, w, group_sizes, axis_name, config, scaling)
+    return _quantized_call("all_gather_grouped_matmul", _all_gather_grouped, *args)
+
+
+def _quantized_call(name: str, impl, x, w, group_sizes, axis_name, config, scaling):
+    """`name`'s checks, then impl on the operands' (quantized) values, x's quantized rows and
+    the float8 experts (`quantized_operands`), its cotangent quantized as the recipe says."""
+    check_weight_scaling(name, w, scaling)
     check_grouped(x, w, group_sizes)
     x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
-    out = _all_gather_grouped(x, w, group_sizes, axis_name, config, rows, experts)
+    out = impl(x, w, group_sizes, axis_name, config, rows, experts)
     return with_quantized_cotangent(out, recipe, axis_name)
 
 
@@ -159,11 +166,8 @@ def grouped_matmul_reduce_scatter(
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
     """
-    check_weight_scaling("grouped_matmul_reduce_scatter", w, scaling)
-    check_grouped(x, w, group_sizes)
-    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
-    out = _grouped_reduce_scatter(x, w, group_sizes, axis_name, config, rows, experts)
-    return with_quantized_cotangent(out, recipe, axis_name)
+    args = (x, w, group_sizes, axis_name, config, scaling)
+    return _quantized_call("grouped_matmul_reduce_scatter", _grouped_reduce_scatter, *args)
 
 
 def _grouped_reduce_scatter(
