@@ -204,12 +204,7 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     (`tiles.split_reason`)."""
     if split and mosaic_tiles.split_reason(tiles) is not None:
         tiles = dataclasses.replace(tiles, tile_m=64, tile_n=128, wg_along_m=True)
-    if tiles.tile_k >= FLOAT8_TILE_K or k % FLOAT8_TILE_K:
-        return tiles
-    tiles = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K)
-    if getattr(tiles, "chain_tiles", False) and (k // FLOAT8_TILE_K) % tiles.stages:
-        tiles = dataclasses.replace(tiles, chain_tiles=False)
-    return tiles
+    return _longer_steps(tiles, k, FLOAT8_TILE_K, tiles.stages)
 
 
 #: K-steps of the fused kernels' split form, in 3 stages (the shared memory of 4 of 128): one
@@ -223,10 +218,17 @@ def split_tiling(tiles: KernelConfig, k: int) -> KernelConfig:
     of it and the tiling's are shorter, in at most SPLIT_STAGES stages (chained tiles kept only
     where K is still whole rounds of them)."""
     tiles = float8_tiling(tiles, k, split=True)
-    if tiles.tile_k >= SPLIT_TILE_K or k % SPLIT_TILE_K:
+    return _longer_steps(tiles, k, SPLIT_TILE_K, min(tiles.stages, SPLIT_STAGES))
+
+
+def _longer_steps(tiles: KernelConfig, k: int, tile_k: int, stages: int) -> KernelConfig:
+    """`tiles` with K-steps of `tile_k` in `stages` stages where its steps are shorter and k is
+    whole steps of tile_k, chained tiles only where K is still whole rounds of stages; else
+    `tiles` as it is."""
+    if tiles.tile_k >= tile_k or k % tile_k:
         return tiles
-    tiles = dataclasses.replace(tiles, tile_k=SPLIT_TILE_K, stages=min(tiles.stages, SPLIT_STAGES))
-    if getattr(tiles, "chain_tiles", False) and (k // SPLIT_TILE_K) % tiles.stages:
+    tiles = dataclasses.replace(tiles, tile_k=tile_k, stages=stages)
+    if getattr(tiles, "chain_tiles", False) and (k // tile_k) % tiles.stages:
         tiles = dataclasses.replace(tiles, chain_tiles=False)
     return tiles
 
