@@ -219,38 +219,63 @@ def _emulated_blocks():
         scaling.float8_experts = saved
 
 
+@contextlib.contextmanager
+def _emulated_dx():
+    """The float8 blocks' dX emulated (16-bit kernels on dY's and w's dequantized values) while
+    their forward runs on the float8 kernel, as before dX took the kernel: a benchmark-side
+    patch of `grouped.blocks.float8_dx_reason`."""
+    from commgemm.grouped import blocks
+
+    saved = blocks.float8_dx_reason
+    blocks.float8_dx_reason = lambda *_: "emulated (benchmark)"
+    try:
+        yield
+    finally:
+        blocks.float8_dx_reason = saved
+
+
 #: (label, scaling, patch) of `grouped_fp8_rows`' variants.
 GROUPED_FP8_VARIANTS = (
     ("bf16", None, contextlib.nullcontext),
     ("fp8 kernel", "current_tensor_scaling", contextlib.nullcontext),
+    ("fp8 kernel, dX emulated", "current_tensor_scaling", _emulated_dx),
     ("fp8 emulated", "current_tensor_scaling", _emulated_blocks),
 )
 
 
 def grouped_fp8_rows(devices, cfg) -> list[dict]:
     """The collective grouped ops under current tensor scaling: the forward and a forward and
-    backward, bf16 against float8 with each block's GEMM on the float8 kernel and float8
-    emulated (`_emulated_blocks`); errors against the bf16 op."""
+    backward, bf16 against float8 with each block's GEMMs on the float8 kernel (forward and
+    dX; also with dX emulated, `_emulated_dx`) and float8 emulated (`_emulated_blocks`);
+    errors against the bf16 op, and the kernel path's gradients against the emulated one's."""
     mesh, rng, put, (size, m, k, n, e), (x, w_col, sizes_d) = _grouped_setup(devices, cfg)
     experts_ep = max(e // size, 1) * size  # whole experts a device
     w_ep = put(rng.standard_normal((experts_ep, k, n // size)) / k**0.5, P("tp"))
     ep_sizes = np.stack([np.bincount(rng.integers(0, experts_ep, m), minlength=experts_ep)
                          for _ in range(size)])  # fmt: skip
     ep_sizes_d = jax.device_put(ep_sizes.astype(np.int32), NamedSharding(mesh, P("tp")))
+    # grouped + RS: K (the FFN's N) sharded, every shard's counts the same
+    h = put(rng.standard_normal((size * m, n)), P(None, "tp"))
+    w_row = put(rng.standard_normal((e, n, k)) / n**0.5, P(None, "tp", None))
+    one = np.bincount(rng.integers(0, e, size * m), minlength=e).astype(np.int32)
+    rs_sizes_d = jax.device_put(np.tile(one, (size, 1)), NamedSharding(mesh, P("tp")))
     ops = {
         "ag+grouped ring": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["ring"], scaling=sc),
-            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d, x),
         "ag+grouped none": (lambda a, b, s, sc: cg.all_gather_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["none"], scaling=sc),
-            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d),
+            (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"), w_col, sizes_d, x),
         "all-to-all+grouped ring": (lambda a, b, s, sc: cg.all_to_all_grouped_matmul(
             a, b, s[0], "tp", config=METHODS["ring"], scaling=sc)[0],
-            (P("tp"), P("tp"), P("tp")), P("tp"), w_ep, ep_sizes_d),
+            (P("tp"), P("tp"), P("tp")), P("tp"), w_ep, ep_sizes_d, x),
+        "grouped+rs none": (lambda a, b, s, sc: cg.grouped_matmul_reduce_scatter(
+            a, b, s[0], "tp", config=METHODS["none"], scaling=sc),
+            (P(None, "tp"), P(None, "tp", None), P("tp")), P("tp"), w_row, rs_sizes_d, h),
     }  # fmt: skip
     rows = []
-    for name, (body, in_specs, out_spec, w, sizes_d) in ops.items():
-        variants, outs = {}, {}
+    for name, (body, in_specs, out_spec, w, sizes_d, x_op) in ops.items():
+        variants, outs, grads = {}, {}, {}
         for label, scaling, patch in GROUPED_FP8_VARIANTS:
             f = jax.shard_map(functools.partial(body, sc=scaling), mesh=mesh,
                               in_specs=in_specs, out_specs=out_spec)  # fmt: skip
@@ -259,18 +284,26 @@ def grouped_fp8_rows(devices, cfg) -> list[dict]:
                 with patch():
                     return f(*args)
 
-            def step(a, b, s, f=traced):
-                out, vjp = jax.vjp(lambda a, b: f(a, b, s), a, b)
-                return vjp(out)  # a cotangent that is not a constant
+            def step(a, b, s, f=traced, patch=patch):
+                with patch():  # the backward is traced here too
+                    out, vjp = jax.vjp(lambda a, b: f(a, b, s), a, b)
+                    return vjp(out)  # a cotangent that is not a constant
 
-            variants[f"{label} forward"] = (jax.jit(traced), (x, w, sizes_d))
-            variants[f"{label} forward+backward"] = (jax.jit(step), (x, w, sizes_d))
-            outs[label] = variants[f"{label} forward"][0](x, w, sizes_d).astype(jnp.float32)
+            args = (x_op, w, sizes_d)
+            if patch is not _emulated_dx:  # its forward is the kernel's
+                variants[f"{label} forward"] = (jax.jit(traced), args)
+                outs[label] = jax.jit(traced)(*args).astype(jnp.float32)
+            variants[f"{label} forward+backward"] = (jax.jit(step), args)
+            grads[label] = jax.jit(step)(*args)
         scale = float(jnp.abs(outs["bf16"]).max())
         errors = {label: float(jnp.abs(o - outs["bf16"]).max()) / scale for label, o in outs.items()
                   if label != "bf16"}  # fmt: skip
         errors["kernel vs emulated"] = float(
             jnp.abs(outs["fp8 kernel"] - outs["fp8 emulated"]).max()) / scale  # fmt: skip
+        # the gradients (dX, dW) of the float8 kernel path against the fully emulated one
+        errors["gradients, kernel vs emulated"] = [
+            _relative(g, e) for g, e in zip(grads["fp8 kernel"], grads["fp8 emulated"], strict=True)
+        ]
         rows.append({"op": name, "ms": time_variants(variants), "rel_error_vs_bf16": errors})
         print(name, rows[-1], flush=True)
     return rows

@@ -409,9 +409,12 @@ def test_capabilities_script_runs(tmp_path):
     assert len(result["grouped"][-1]["ms"]) == 5
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
     assert [r["op"] for r in result["grouped_fp8"]] == [
-        "ag+grouped ring", "ag+grouped none", "all-to-all+grouped ring"]  # fmt: skip
+        "ag+grouped ring", "ag+grouped none", "all-to-all+grouped ring", "grouped+rs none",
+    ]  # fmt: skip
     for row in result["grouped_fp8"]:  # on CPUs the float8 blocks are emulated either way
-        assert len(row["ms"]) == 7 and row["rel_error_vs_bf16"]["kernel vs emulated"] == 0
+        errors = row["rel_error_vs_bf16"]
+        assert len(row["ms"]) == 8 and errors["kernel vs emulated"] == 0
+        assert errors["gradients, kernel vs emulated"] == [0, 0]
     for row in result["fused_backward"]:  # the fused kernels do not run on CPUs
         assert set(row["ms"]) == {"xla", "split ring", "timing"}
         assert row["mosaic_kernels"] == {"xla": 0, "split ring": 0}

@@ -22,22 +22,33 @@ from commgemm.mosaic_gpu import grouped_kernel
 TOL = 2e-2
 
 
+class Calls(list):
+    """The fake kernel's calls, (x shape, w shape, result dtype, x dtype) each, and the scales
+    its calls on float8_e5m2 (dX's) were given, as each device saw them."""
+
+    def __init__(self):
+        super().__init__()
+        self.dx_scales = []
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Hopper's float8 path on the CPU: the experts as the kernel reads them (no Hopper check),
-    and the kernel a float32 ragged dot of its float8 operands; returns the calls' list of
-    (x dtype, w shape, result dtype)."""
-    calls = []
+    and the kernel a float32 ragged dot of its float8 operands; returns its `Calls`."""
+    calls = Calls()
 
     def experts(recipe, qw):
         if recipe.mode not in scaling.TENSOR_MODES:
             return None
-        data = jnp.swapaxes(qw.data, 1, 2)
-        return scaling.Float8Experts(data, qw.scale_inv, recipe.split_accumulator[0])
+        return scaling.Float8Experts.of(recipe, qw)
 
     def kernel(x, w, sizes, tiles=None, *, w_nk, scale, out_dtype, split_accumulator):
-        assert w_nk and x.dtype == w.dtype == jnp.float8_e4m3fn and sizes.dtype == jnp.int32
-        calls.append((x.shape, w.shape, jnp.dtype(out_dtype).name))
+        # the forward's x (e4m3) or dX's dY (e5m2) by the experts' e4m3 values
+        assert w_nk and w.dtype == jnp.float8_e4m3fn and sizes.dtype == jnp.int32
+        assert x.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2), x.dtype
+        calls.append((x.shape, w.shape, jnp.dtype(out_dtype).name, x.dtype.name))
+        if x.dtype == jnp.float8_e5m2:
+            jax.debug.callback(lambda s: calls.dx_scales.append(float(s[0])), scale)
         wide = jnp.float32
         out = jax.lax.ragged_dot(x.astype(wide), jnp.swapaxes(w, 1, 2).astype(wide), sizes)
         return (out * scale[0]).astype(out_dtype)
@@ -60,12 +71,46 @@ def _config(method: str) -> cg.OverlapConfig:
     return cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
 
 
-def _grads(op, args):
-    """The gradients of <op('current_tensor_scaling')(*args), dY> for a fixed random dY (op
-    may also be `_emulated`'s)."""
+def _grads(op, args, dy=None):
+    """(the gradients of <op('current_tensor_scaling')(*args), dY>, dY) for a fixed random dY
+    (op may also be `_emulated`'s)."""
     fn = op if getattr(op, "emulated", False) else op("current_tensor_scaling")
     out, vjp = jax.vjp(fn, *args)
-    return vjp(jax.random.normal(jax.random.key(0), out.shape, out.dtype))
+    dy = jax.random.normal(jax.random.key(0), out.shape, out.dtype) if dy is None else dy
+    grads = vjp(dy)
+    jax.effects_barrier()
+    return grads, dy
+
+
+# dX from float8 dY and w on the kernel against dX from their bf16 dequantized values (the
+# emulated backward): the same float8 values, each of the emulation's operands within 2^-9 of
+# its exact value, both results rounded to bf16 (2^-8): a few bf16 steps of the largest value.
+# A wrong scale for dY shows in the scales checked beside it.
+DX_TOL = 2e-2
+
+
+def _float8_backward(op, args, calls, blocks, dx_scale=None):
+    """The float8 path's gradients against the emulated path's for one random dY: the backward
+    multiplies dY (e5m2) on the kernel once for each of the forward's `blocks` GEMMs; dX (of
+    args[0]) agrees within DX_TOL of its largest value, dW (the rest) equals the emulation's.
+    dx_scale(dY): the scale each dX call must get (dY's tensor scale times the experts')."""
+    calls.clear()
+    calls.dx_scales.clear()
+    (dx, *dws), dy = _grads(op, args)
+    assert [c[3] for c in calls].count("float8_e5m2") == blocks, calls
+    (ex, *ews), _ = _grads(_emulated(op), args, dy)
+    scale = float(np.abs(np.float32(ex)).max())
+    np.testing.assert_allclose(np.float32(dx), np.float32(ex), atol=DX_TOL * scale)
+    _same_gradients(dws, ews)
+    if dx_scale is not None:
+        np.testing.assert_allclose(calls.dx_scales, float(dx_scale(dy)), rtol=1e-6)
+
+
+def _current_scales(w):
+    """dx_scale for current scaling: dY's global amax (e5m2) times the experts' w (e4m3)."""
+    w_scale = cg.quantize(w, "current_tensor_scaling", axis=1).scale_inv
+    return lambda dy: w_scale * cg.quantize(dy, "current_tensor_scaling",
+                                            dtype=jnp.float8_e5m2).scale_inv  # fmt: skip
 
 
 def _same_gradients(got, want):
@@ -103,7 +148,7 @@ def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
     # block scaling has no Hopper tensor-core path: emulated, the kernel never called
     op("mxfp8_1d_scaling")(x, w)
     assert not kernel_calls
-    _same_gradients(_grads(op, (x, w)), _grads(_emulated(op), (x, w)))
+    _float8_backward(op, (x, w), kernel_calls, calls, _current_scales(w))
 
 
 def _emulated(op):
@@ -140,7 +185,12 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
     assert len(kernel_calls) == (0 if reduce_dtype else calls), kernel_calls
     want = reference(_dq(np.float32(x), -1), _dq(np.float32(w), 1), sizes)
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
-    _same_gradients(_grads(op, (x, w)), _grads(_emulated(op), (x, w)))
+    if reduce_dtype is None:
+        _float8_backward(op, (x, w), kernel_calls, calls, _current_scales(w))
+    else:  # emulated both ways
+        kernel_calls.clear()
+        _same_gradients(_grads(op, (x, w))[0], _grads(_emulated(op), (x, w))[0])
+        assert not kernel_calls
 
 
 @pytest.mark.parametrize("method", ["none", "ring_exchange"])
@@ -171,22 +221,37 @@ def test_expert_parallel_blocks(rng, kernel_calls, method):
     qh = _dq(np.float32(jnp.asarray(hidden, jnp.bfloat16)), -1)
     want = np.concatenate([reference(qh[s * m : (s + 1) * m], q2, sizes[s]) for s in range(size)])
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
-    (dx, dw1, dw2), (ex, ew1, ew2) = _grads(op, (x, w1, w2)), _grads(_emulated(op), (x, w1, w2))
-    _same_gradients((dx, dw1), (ex, ew1))
-    # dW2 multiplies the hidden activation quantized again: its float8 rounding follows the
-    # first GEMM's result, whose last bits differ between the kernel and the emulation
-    np.testing.assert_allclose(np.float32(dw2), np.float32(ew2), atol=0.1 * np.abs(ew2).max())
+    kernel_calls.clear()
+    kernel_calls.dx_scales.clear()
+    (dx, dw1, dw2), dy = _grads(op, (x, w1, w2))
+    # each way's dX on the kernel too, one call a forward GEMM; the return's (half of them) by
+    # the test's dY's scale
+    blocks = 2 * (size if method == "ring_exchange" else 1)
+    assert [c[3] for c in kernel_calls].count("float8_e5m2") == blocks, kernel_calls
+    returned = np.isclose(kernel_calls.dx_scales, float(_current_scales(w2)(dy)), rtol=1e-6)
+    assert 2 * returned.sum() == len(kernel_calls.dx_scales) > 0, kernel_calls.dx_scales
+    (ex, ew1, ew2), _ = _grads(_emulated(op), (x, w1, w2), dy)
+    # the dispatch's dY is the return's dX, quantized again: where the float8 and the emulated
+    # dX differ in their last bits, its float8 rounding flips a step (e5m2: 12.5%) now and
+    # then, and so through dX and dW1; dW2 multiplies the hidden activation quantized again,
+    # whose rounding follows the first GEMM's last bits alike
+    for got, want in ((dx, ex), (dw1, ew1), (dw2, ew2)):
+        scale = np.abs(np.float32(want)).max()
+        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=0.1 * scale)
 
 
 def test_delayed_scaling_blocks(rng, kernel_calls):
     """Delayed tensor scaling (the scales from the recipe's states) takes the float8 blocks
-    too: the all-gather ring's result against its emulated blocks, the same quantized values."""
+    too: the all-gather ring's result and gradients against its emulated blocks, the same
+    quantized values."""
     size, m, groups = 2, 256, 3
     x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
     sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))
     state = cg.ScalingState.create()
     state = jax.tree.map(lambda a: a + 4.0 if a.dtype == jnp.float32 else a, state)  # amax 4
-    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=state, w_state=state)
+    recipe = cg.ScalingRecipe(
+        "delayed_tensor_scaling", x_state=state, w_state=state, dy_state=state
+    )
 
     def op(mode):
         body = lambda a, b, s: cg.all_gather_grouped_matmul(  # noqa: E731
@@ -199,3 +264,5 @@ def test_delayed_scaling_blocks(rng, kernel_calls):
     want = _emulated(op)(x, w)
     scale = float(jnp.abs(want.astype(jnp.float32)).max())
     np.testing.assert_allclose(np.float32(out), np.float32(want), atol=TOL * scale)
+    # the backward: dY quantized by dy_state's scale (5), w by w_state's (5)
+    _float8_backward(op, (x, w), kernel_calls, size, lambda dy: 1 / 25)

@@ -801,3 +801,40 @@ def test_collective_grouped_float8_lowers(op, check_vma, monkeypatch):
         assert operands.count("f8E4M3FN") == 2 and "tensor<1xf32>" in operands, operands
         assert f"tensor<{m}x256xf8E4M3FN>" in operands and f"x{n}x256xf8E4M3FN>" in operands
         assert result.startswith(f"tensor<{m}x{n}xbf16>"), result
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
+    """The gradient of the all-gather ring's float8 blocks (as on a Hopper GPU): per block, the
+    forward's float8 kernel, dX on the float8 kernel (dY's float8 values times the experts' as
+    quantized, [G, K, n]: both operands f8, [m, K] out) and dW on jax's 16-bit transposed
+    kernel; no 16-bit dX kernel beside the float8 one. dY in e4m3 under jax 0.10 (e5m2 against
+    e4m3 weights needs jax >= 0.11's wgmma)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
+    size, m, groups, n = 2, 256, 4, 1024
+    grad_dtype = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"
+    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype)
+    ring = cg.OverlapConfig(method="ring_exchange")
+
+    def body(x, w, sizes):
+        return cg.all_gather_grouped_matmul(x, w, sizes[0], "x", config=ring, scaling=recipe)
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), P(None, None, "x"), P("x")),
+                      out_specs=P(None, "x"), check_vma=check_vma)  # fmt: skip
+    loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) ** 2)  # noqa: E731
+    sds = jax.ShapeDtypeStruct
+    args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, n), jnp.bfloat16),
+            sds((size, groups), jnp.int32))  # fmt: skip
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
+    calls = [ln for ln in text.as_text().splitlines()
+             if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
+    operands = [c.rsplit(" : (", 1)[1].split(") -> ", 1) for c in calls]
+    float8 = [(o, r) for o, r in operands if o.count("f8E") == 2]
+    dx = [(o, r) for o, r in float8 if r.startswith(f"tensor<{m}x256xbf16>")]
+    assert len(calls) == 3 * size and len(float8) == 2 * size and len(dx) == size, calls
+    f8 = "f8E5M2" if grad_dtype == "float8_e5m2" else "f8E4M3FN"
+    for o, _ in dx:  # dY [m, n] (float8) times w [G, K, n] as quantized
+        assert f"tensor<{m}x{n // size}x{f8}>" in o and f"x256x{n // size}xf8E4M3FN>" in o, o

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from commgemm.grouped.local import grouped_matmul
 from commgemm.grouped.scaling import Float8Experts, Rows
-from commgemm.vma import varying_like
+from commgemm.vma import like_primal, varying_like
 
 
 def merged_rows(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -111,12 +111,18 @@ def block_matmul(
     With `experts` (Hopper, tensor scaling) and a shape and result dtype the float8 kernel
     takes (`float8_block_reason`), the forward multiplies the payload's float8 values by the
     experts' on the tensor cores, the two scales in the kernel's epilogue (no dequantized
-    copy of either operand), and the gradient is the emulated one: `grouped_matmul`'s own on
-    the values. Elsewhere `grouped_matmul` on the values."""
+    copy of either operand), and so does dX in the backward: dY's rows requantized by dY's
+    tensor scale (which reaches the block through its tag, `Float8Experts.tags`) times the
+    experts' float8 values, where the kernel takes dX's shape (`float8_dx_reason`). dW is the
+    16-bit product of the values and dY. Elsewhere `grouped_matmul` on the values."""
     out_dtype = out_dtype or values.dtype.name
     if float8_block_reason(rows, experts, out_dtype) is not None:
         return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
-    return _float8_block(values, w, sizes, rows.payload, rows.scale, experts, out_dtype)
+    how = (jnp.dtype(out_dtype).name, experts.split, experts.grad_dtype)
+    out, tag = _float8_block(values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn,
+                             experts.scale_inv, how)  # fmt: skip
+    experts.tags.append(tag)
+    return out
 
 
 def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dtype) -> str | None:
@@ -128,35 +134,63 @@ def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dt
         return "no float8 operands for Hopper's tensor cores (block modes, or another backend)"
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
-    (m, k), n = rows.payload.shape, experts.data.shape[1]
+    (m, k), n = rows.payload.shape, experts.nk.shape[1]
     return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True,
-                                       split=experts.split)  # fmt: skip
+                                       split=experts.split[0])  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
-    """The float8 kernel's product of a block (`block_matmul`); values and w only carry the
-    gradient."""
+def float8_dx_reason(dy: jax.Array, kn: jax.Array, values: jax.Array, how) -> str | None:
+    """Why a float8 block's dX = dY [r, N] @ w^T (kn [G, K, N]) is emulated, or None."""
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
+
+    if values.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"the kernel's result is bf16 or fp16, and x is {values.dtype}"
+    (m, n), k = dy.shape, kn.shape[1]
+    return grouped_kernel.shape_reason(GroupedConfig(), m, n, k, jnp.dtype(how[2]), w_nk=True,
+                                       split=how[1][1])  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
+    """The float8 kernel's product of a block (`block_matmul`) and its tag (a zero scalar);
+    values and w only carry the gradient. how: (result dtype, split accumulation of the forward
+    and dX, dY's float8 dtype)."""
     from commgemm.mosaic_gpu import grouped_kernel
 
-    scale = (x_scale * experts.scale_inv).astype(jnp.float32).reshape(1)
+    out_dtype, split, _ = how
+    scale = (x_scale * w_scale).astype(jnp.float32).reshape(1)
     out = grouped_kernel.grouped_matmul(
-        payload_rows, experts.data, sizes.astype(jnp.int32), w_nk=True, scale=scale,
-        out_dtype=out_dtype, split_accumulator=experts.split,
+        payload_rows, nk, sizes.astype(jnp.int32), w_nk=True, scale=scale, out_dtype=out_dtype,
+        split_accumulator=split[0],
     )  # fmt: skip
-    return varying_like(out, values, w)  # a Pallas result carries no varying axes
+    out = varying_like(out, values, w)  # a Pallas result carries no varying axes
+    return out, varying_like(jnp.zeros((), jnp.float32), out)
 
 
-def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, experts, out_dtype):
-    out = _float8_block(values, w, sizes, payload_rows, x_scale, experts, out_dtype)
-    return out, (values, w, sizes)
+def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
+    out = _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how)
+    return out, (values, w, sizes, kn, w_scale)
 
 
-def _float8_block_bwd(out_dtype, residuals, dy):
-    values, w, sizes = residuals
-    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=out_dtype)
-    dx, dw = jax.vjp(product, values, w)[1](dy)
-    return dx, dw, None, None, None, None
+def _float8_block_bwd(how, residuals, cotangents):
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.quant import quantize_by
+
+    values, w, sizes, kn, w_scale = residuals
+    dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
+    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how[0])
+    dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
+    if float8_dx_reason(dy, kn, values, how) is not None:
+        dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]
+    else:  # dY's float8 values (as the op quantized them) times the experts', on the kernel
+        qdy = quantize_by(dy, dy_scale, how[2])
+        scale = (dy_scale * w_scale).astype(jnp.float32).reshape(1)
+        dx = grouped_kernel.grouped_matmul(qdy.data, kn, sizes.astype(jnp.int32), w_nk=True,
+                                           scale=scale, out_dtype=values.dtype,
+                                           split_accumulator=how[1][1])  # fmt: skip
+        dx = like_primal(varying_like(dx, dy, kn), values)
+    return dx, dw, None, None, None, None, None, None
 
 
 _float8_block.defvjp(_float8_block_fwd, _float8_block_bwd)

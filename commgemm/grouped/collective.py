@@ -102,7 +102,7 @@ def _quantized_call(name: str, impl, x, w, group_sizes, axis_name, config, scali
     check_grouped(x, w, group_sizes)
     x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
     out = impl(x, w, group_sizes, axis_name, config, rows, experts)
-    return with_quantized_cotangent(out, recipe, axis_name)
+    return with_quantized_cotangent(out, recipe, axis_name, experts)
 
 
 def _all_gather_grouped(

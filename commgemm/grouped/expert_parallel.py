@@ -86,7 +86,7 @@ def all_to_all_grouped_matmul(
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
     x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
     y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows, experts)
-    return with_quantized_cotangent(y, recipe, axis_name), recv
+    return with_quantized_cotangent(y, recipe, axis_name, experts), recv
 
 
 def _dispatch_grouped(
@@ -167,7 +167,7 @@ def grouped_matmul_all_to_all(
     check_weight_scaling("grouped_matmul_all_to_all", w, scaling)
     y, w, recipe, rows, experts = quantized_operands(y, w, scaling, axis_name)
     out = _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts)
-    return with_quantized_cotangent(out, recipe, axis_name)
+    return with_quantized_cotangent(out, recipe, axis_name, experts)
 
 
 def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts):

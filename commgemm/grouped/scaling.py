@@ -41,6 +41,7 @@ from commgemm.quant import (
     dequantize,
 )
 from commgemm.scaled import payload, unpack_rows
+from commgemm.vma import varying_like
 from commgemm.xla.common import after
 
 
@@ -63,27 +64,47 @@ def quantized_operands(
     return straight_through(x, qx), straight_through(w, qw), recipe, rows, experts
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Float8Experts:
     """The experts' weights as commgemm's grouped kernel multiplies them on Hopper's float8
-    tensor cores: their float8 values laid out [G, N, K] (K-major, transposed once per op
-    call, not per block), their tensor scale, and whether the forward accumulates split (the
-    recipe's first `split_accumulator` flag)."""
+    tensor cores, for one call of a collective grouped op: their float8 values laid out
+    [G, N, K] for the forward (`nk`, transposed once per call, not per block) and as quantized,
+    [G, K, N], for dX (`kn`: K-major for dX's contraction over N), their tensor scale, whether
+    the forward and dX accumulate split (the recipe's first two `split_accumulator` flags),
+    and dY's float8 format.
 
-    data: jax.Array
+    `tags`: one zero scalar from each block that multiplied on the kernel. The op hands their
+    sum to `with_quantized_cotangent`, whose backward gives it dY's tensor scale as its
+    cotangent; so every block's backward gets that scale with its rows of dY, requantizes
+    them to the float8 values the whole dY was quantized to, and runs dX on the kernel too."""
+
+    nk: jax.Array
+    kn: jax.Array
     scale_inv: jax.Array
-    split: bool = dataclasses.field(metadata=dict(static=True))
+    split: tuple[bool, bool]
+    grad_dtype: str
+    tags: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @staticmethod
+    def of(recipe: ScalingRecipe, qw: ScaledTensor) -> Float8Experts:
+        """qw [G, K, N], tensor-scaled by `recipe`, as the kernel reads it."""
+        split = tuple(recipe.split_accumulator[:2])
+        return Float8Experts(jnp.swapaxes(qw.data, 1, 2), qw.data, qw.scale_inv, split,
+                             jnp.dtype(recipe.grad_dtype).name)  # fmt: skip
+
+    def link(self) -> jax.Array | None:
+        """The sum of the blocks' tags (None where no block ran on the kernel)."""
+        return functools.reduce(jnp.add, self.tags) if self.tags else None
 
 
 def float8_experts(recipe: ScalingRecipe, qw: ScaledTensor) -> Float8Experts | None:
-    """qw [G, K, N] as `Float8Experts`, or None where the collective grouped ops' forward
-    stays emulated: block modes, and backends other than a Hopper GPU."""
+    """qw [G, K, N] as `Float8Experts`, or None where the collective grouped ops' GEMMs stay
+    emulated: block modes, and backends other than a Hopper GPU."""
     from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
     if recipe.mode not in TENSOR_MODES or mosaic_tiles.hopper_reason() is not None:
         return None
-    return Float8Experts(jnp.swapaxes(qw.data, 1, 2), qw.scale_inv, recipe.split_accumulator[0])
+    return Float8Experts.of(recipe, qw)
 
 
 @jax.tree_util.register_dataclass
@@ -143,31 +164,41 @@ def carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array,
     return moved(fn, block, held)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _quantized_cotangent(y: jax.Array, state, mode: ScalingMode, grad_dtype: str, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _quantized_cotangent(y: jax.Array, link, state, mode: ScalingMode, grad_dtype: str, axis_name):
     return y
 
 
-def _fwd(y, state, mode, grad_dtype, axis_name):
-    return y, state
+def _fwd(y, link, state, mode, grad_dtype, axis_name):
+    return y, (state, link)
 
 
-def _bwd(mode, grad_dtype, axis_name, state, dy):
+def _bwd(mode, grad_dtype, axis_name, residuals, dy):
     # dy_quantized: by the current amax over the axis (block modes by blocks), or by the
     # delayed state's scale, the state's cotangent then the advanced state
+    state, link = residuals
     names = () if axis_name is None else axis_name
     q, new = dy_quantized(dy, mode, grad_dtype, names, state)
-    return lax.stop_gradient(dequantize(q, dy.dtype)), new
+    scale = None  # the link's cotangent: dY's tensor scale, for the blocks' float8 dX
+    if link is not None:
+        scale = varying_like(q.scale_inv.astype(jnp.float32).reshape(link.shape), link)
+    return lax.stop_gradient(dequantize(q, dy.dtype)), scale, new
 
 
 _quantized_cotangent.defvjp(_fwd, _bwd)
 
 
-def with_quantized_cotangent(y: jax.Array, recipe: ScalingRecipe | None, axis_name=None):
+def with_quantized_cotangent(
+    y: jax.Array, recipe: ScalingRecipe | None, axis_name=None, experts: Float8Experts | None = None
+):
     """y itself; its cotangent quantized as `recipe` quantizes dY (nothing without a recipe):
     by its current amax over `axis_name` (tensor modes; block modes by blocks), or with the
     recipe's `dy_state` by that state's scale, the state's cotangent then the state advanced by
-    dY's amax over every device (`operand_scaling.dy_quantized`: "overwrite with gradient")."""
+    dY's amax over every device (`operand_scaling.dy_quantized`: "overwrite with gradient").
+    `experts`: those of the op's call, whose blocks' tags (`Float8Experts.tags`) get dY's
+    tensor scale as their cotangent."""
     if recipe is None:
         return y
-    return _quantized_cotangent(y, recipe.dy_state, recipe.mode, recipe.grad_dtype, axis_name)
+    link = None if experts is None else experts.link()
+    return _quantized_cotangent(y, link, recipe.dy_state, recipe.mode, recipe.grad_dtype,
+                                axis_name)  # fmt: skip

@@ -156,7 +156,9 @@ def test_collective_grouped_float8_blocks(op, method):
     """The collective grouped ops under tensor scaling, on every GPU of the machine: each
     block's forward GEMM runs commgemm's float8 grouped kernel on the rows as they travelled
     (f8 operands in the compiled program), within float8 accumulation of the emulated path
-    (the same quantized values on the 16-bit kernels); the gradients are the emulated ones."""
+    (the same quantized values on the 16-bit kernels); dX runs on the float8 kernel too (e5m2
+    dY beside e4m3 w in a Mosaic GPU call of the gradient's program), the gradients within
+    float8 noise of the emulated ones."""
     from commgemm.grouped import scaling
 
     devices = jax.devices()
@@ -197,11 +199,16 @@ def test_collective_grouped_float8_blocks(op, method):
                 patch.setattr(scaling, "float8_experts", lambda *_: None)
             fwd = jax.jit(lambda a, b: f(a, b, sizes))
             text = fwd.lower(x, w).compile().as_text()
-            return fwd(x, w), jax.jit(jax.grad(loss, (0, 1)))(x, w), text
+            grad = jax.jit(jax.grad(loss, (0, 1)))
+            lines = grad.lower(x, w).compile().as_text().splitlines()
+            dx_calls = [ln for ln in lines if "custom-call" in ln and "mosaic" in ln
+                        and "f8e5m2[" in ln and "f8e4m3fn[" in ln]  # fmt: skip
+            return fwd(x, w), grad(x, w), text, dx_calls
 
-    out, grads, text = run(False)
-    want, want_grads, emulated_text = run(True)
+    out, grads, text, dx_calls = run(False)
+    want, want_grads, emulated_text, emulated_dx = run(True)
     assert "f8e4m3fn" in text and "mosaic" in text
+    assert dx_calls and not emulated_dx, (dx_calls, emulated_dx)
     rel = float(jnp.abs(out.astype(jnp.float32) - want).max() / jnp.abs(want).max())
     assert rel < 2e-2, rel  # the kernel's fast accumulation and bf16 result
     for g, e in zip(grads, want_grads, strict=True):
