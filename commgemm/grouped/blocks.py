@@ -1,6 +1,7 @@
 """The grouped GEMMs of the collective grouped ops' blocks of rows (the blocks an all-gather
 or an expert-parallel dispatch brings, each sorted by group with counts of its own): one block
-(`block_matmul`: on Hopper's float8 tensor cores where its quantized rows allow), or all blocks
+(`block_matmul`: on Hopper's float8 tensor cores where its quantized rows allow, forward and
+dX), or all blocks
 in one GEMM (`merged_matmul`): their rows regrouped so that each group's rows, from every
 block, are contiguous, multiplied once, and put back. Regrouping costs a gather of the rows and
 of the result; it pays because a grouped GEMM's cost grows with its group boundaries, and P

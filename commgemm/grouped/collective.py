@@ -87,7 +87,8 @@ def all_gather_grouped_matmul(
       group_sizes: [G] this shard's counts (summing to at most m).
       scaling: quantized operands (commgemm.grouped.scaling); x's rows travel quantized. On a
         Hopper GPU with tensor scaling each block's forward GEMM multiplies the rows' float8
-        payload on the tensor cores (`grouped.blocks.block_matmul`); otherwise emulated.
+        payload on the tensor cores, and its dX the quantized dY's rows
+        (`grouped.blocks.block_matmul`); otherwise emulated.
     Returns:
       [P*m, n]: shard s's rows at [s*m, (s+1)*m), zero past each shard's sum.
     """
@@ -161,8 +162,8 @@ def grouped_matmul_reduce_scatter(
       group_sizes: [G], the same on every shard.
       scaling: quantized operands (commgemm.grouped.scaling), the partial sums reduced in
         the output (or reduce) dtype. On a Hopper GPU with tensor scaling the forward's GEMMs
-        multiply float8 operands on the tensor cores (`grouped.blocks.block_matmul`) where
-        their result is 16-bit; otherwise emulated.
+        and their dX multiply float8 operands on the tensor cores
+        (`grouped.blocks.block_matmul`) where their result is 16-bit; otherwise emulated.
     Returns:
       [M/P, N]: rows [d*M/P, (d+1)*M/P) of the sum over shards, for shard d.
     """

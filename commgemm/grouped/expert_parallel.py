@@ -80,7 +80,7 @@ def all_to_all_grouped_matmul(
       order, zeros past their count; recv_sizes [P, e]: those counts), the input of
       `grouped_matmul_all_to_all`. `scaling`: quantized operands (commgemm.grouped.scaling);
       the tokens travel quantized. On a Hopper GPU with tensor scaling the forward multiplies
-      the tokens' float8 payload as it arrived on the tensor cores
+      the tokens' float8 payload as it arrived on the tensor cores, and dX the quantized dY
       (`grouped.blocks.block_matmul`); otherwise emulated.
     """
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
@@ -159,7 +159,7 @@ def grouped_matmul_all_to_all(
       group_sizes: [E] this shard's own token counts per global expert (where its tokens'
         results go back to).
       scaling: quantized operands (commgemm.grouped.scaling); on a Hopper GPU with tensor
-        scaling the forward's GEMMs multiply float8 operands on the tensor cores
+        scaling the forward's GEMMs and their dX multiply float8 operands on the tensor cores
         (`grouped.blocks.block_matmul`), otherwise emulated.
     Returns:
       [m, N] in this shard's token order (zeros past the tokens' count).

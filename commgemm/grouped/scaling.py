@@ -9,10 +9,10 @@ the gradients travel back in x's dtype, as JAX's transposes of the same collecti
 What is emulated: the GEMMs are not FP8 tensor-core GEMMs (XLA's ragged dot takes no float8
 operands here). The exceptions, on a Hopper GPU with tensor scaling (current or delayed): the
 local op multiplies float8 operands on the tensor cores in its forward and dX
-(`mosaic_gpu.grouped.float8_ragged_dot`), and the collective ops' forward multiplies each block
-of rows as it travelled (its float8 payload) by the experts' float8 values
-(`grouped.blocks.block_matmul`), with the same quantized values; their backward stays
-emulated."""
+(`mosaic_gpu.grouped.float8_ragged_dot`), and the collective ops multiply each block of rows
+as it travelled (its float8 payload) by the experts' float8 values, and each block's rows of
+the quantized dY by them in dX (`grouped.blocks.block_matmul`), with the same quantized
+values; dW stays 16-bit."""
 
 from __future__ import annotations
 
