@@ -17,7 +17,7 @@ METHODS = {
     "none": cg.OverlapConfig(),
     "pipeline2": cg.OverlapConfig(method="pipeline", num_splits=2),
     "ring": cg.OverlapConfig(method="ring_exchange"),
-    "auto": cg.OverlapConfig(method="auto"),  # AUTO_METHOD's choice per op
+    "auto": cg.OverlapConfig(method="auto"),  # AUTO_RING_SIZES' choice per op and size
 }
 
 
@@ -142,15 +142,20 @@ def test_grouped_matmul_reduce_scatter(check_vma, size, method, groups, r, seed)
 
 
 def test_auto_resolves_per_op():
-    """AUTO runs each grouped op's measured method (one device: the serial one), one-way and
-    unsplit whatever else the config says; an explicit method stays as it is."""
-    from commgemm.grouped.collective import AUTO_METHOD, resolve_grouped
+    """AUTO runs each grouped op's measured method for the axis size (one device: the serial
+    one), one-way and unsplit whatever else the config says; an explicit method stays as it
+    is. As measured on 2 and 4 GPUs: the all-gather's ring on two, NONE elsewhere."""
+    from commgemm.grouped.collective import resolve_grouped
 
     auto = cg.OverlapConfig(method="auto", num_splits=4, bidirectional=True)
-    for op, method in AUTO_METHOD.items():
-        cfg = resolve_grouped(auto, op, 4)
-        assert (cfg.method, cfg.num_splits, cfg.bidirectional) == (method, 1, False)
-        assert resolve_grouped(auto, op, 1).method is cg.Method.NONE
+    ops = ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter",
+           "all_to_all_grouped_matmul", "grouped_matmul_all_to_all")  # fmt: skip
+    for op in ops:
+        for size in (1, 2, 4, 8):
+            cfg = resolve_grouped(auto, op, size)
+            ring = size == 2 and op == "all_gather_grouped_matmul"
+            method = cg.Method.RING_EXCHANGE if ring else cg.Method.NONE
+            assert (cfg.method, cfg.num_splits, cfg.bidirectional) == (method, 1, False)
         assert resolve_grouped(METHODS["pipeline2"], op, 4) == METHODS["pipeline2"]
 
 

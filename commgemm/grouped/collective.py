@@ -1,7 +1,8 @@
 """Grouped GEMMs with their collective overlapped, per shard inside `jax.shard_map`, for
 tensor-parallel experts: all-gather + grouped GEMM (experts' columns sharded) and grouped GEMM
 + reduce-scatter (experts' rows, K, sharded). Methods NONE, PIPELINE (num_splits chunks of rows)
-and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO (`AUTO_METHOD`).
+and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO
+(`AUTO_RING_SIZES`).
 The ring multiplies each block of rows as it arrives; the others multiply all the blocks of a
 chunk in one grouped GEMM, their rows regrouped by group (`grouped.blocks`). Differentiable
 through JAX's own transposes of the collectives and of the grouped GEMMs."""
@@ -33,27 +34,25 @@ from commgemm.xla.common import after, send_one
 ConfigLike = OverlapConfig | int | None
 
 
-#: What AUTO runs for each grouped op: the faster method of a 2 x H100 run (BENCHMARKS.md,
-#: "One grouped GEMM over the blocks"; 8192 tokens, 8 experts, K 4096, N 7168 a GPU): the AG's
-#: ring 1.254 ms against 1.302 for none (its blocks regrouped), the RS's none 1.116 against
-#: 1.212 for the ring, the dispatch's none (regrouped) 1.457 against 1.820 for the ring; the
-#: return, whose blocks are the dispatch's, follows the dispatch (not timed alone). Column
-#: chunks (pipeline:4) were the slowest of all.
-AUTO_METHOD = {
-    "all_gather_grouped_matmul": Method.RING_EXCHANGE,
-    "grouped_matmul_reduce_scatter": Method.NONE,
-    "all_to_all_grouped_matmul": Method.NONE,
-    "grouped_matmul_all_to_all": Method.NONE,
-}
+#: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE); at the others it
+#: runs NONE, every block in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096,
+#: N 14336 sharded (BENCHMARKS.md, "One grouped GEMM over the blocks" and "The grouped ops on
+#: four GPUs"): on 2 x H100 the AG's ring took 1.254 ms against 1.302 for none, while the RS's
+#: none (1.116 against 1.212) and the dispatch's (1.457 against 1.820) won; on 4 x H100 none
+#: won everywhere, the AG's 0.800 against 1.050 for its ring (the ring's P blocks each bring
+#: their G group boundaries). The return, whose blocks are the dispatch's, follows it (not
+#: timed alone). Column chunks (pipeline:4) were never the fastest.
+AUTO_RING_SIZES = {"all_gather_grouped_matmul": frozenset({2})}
 
 
 def resolve_grouped(config: ConfigLike, op: str, size: int) -> OverlapConfig:
-    """config as a grouped op runs it: AUTO becomes `AUTO_METHOD[op]` (NONE on one device),
-    one-way and unsplit."""
+    """config as a grouped op runs it on an axis of `size` devices: AUTO becomes the ring where
+    `AUTO_RING_SIZES` says so, else NONE, one-way and unsplit."""
     cfg, _ = resolve(config)
     if cfg.method is not Method.AUTO:
         return cfg
-    method = AUTO_METHOD[op] if size > 1 else Method.NONE
+    ring = size in AUTO_RING_SIZES.get(op, ())
+    method = Method.RING_EXCHANGE if ring else Method.NONE
     return cfg.replace(method=method, num_splits=1, bidirectional=False, aggregate=False)
 
 
