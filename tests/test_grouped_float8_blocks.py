@@ -149,6 +149,11 @@ def test_all_gather_blocks(rng, kernel_calls, size, method, check_vma):
     op("mxfp8_1d_scaling")(x, w)
     assert not kernel_calls
     _float8_backward(op, (x, w), kernel_calls, calls, _current_scales(w))
+    if method == "ring_exchange":  # under remat: the same gradients, dX still on the kernel
+        kernel_calls.clear()
+        remat = _grads(lambda mode: jax.checkpoint(op(mode)), (x, w))[0]
+        assert [c[3] for c in kernel_calls].count("float8_e5m2") == calls, kernel_calls
+        _same_gradients(remat, _grads(op, (x, w))[0])
 
 
 def _emulated(op):

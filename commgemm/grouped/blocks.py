@@ -1,21 +1,23 @@
-"""The grouped GEMMs of the collective grouped ops' blocks of rows (the blocks an all-gather
-or an expert-parallel dispatch brings, each sorted by group with counts of its own): one block
-(`block_matmul`: on Hopper's float8 tensor cores where its quantized rows allow, forward and
-dX), or all blocks
-in one GEMM (`merged_matmul`): their rows regrouped so that each group's rows, from every
-block, are contiguous, multiplied once, and put back. Regrouping costs a gather of the rows and
-of the result; it pays because a grouped GEMM's cost grows with its group boundaries, and P
-blocks of G groups have P times as many as G groups over the same rows. On 2 x H100 (8192
-tokens, 8 experts, K 4096, N 7168 a GPU) method none of the all-gather form took 1.302 ms
-regrouped against 1.343 block by block, the expert-parallel dispatch 1.448 against 1.804
-(each block a source's tokens, then padding), the all-gather's float8 forward 1.234 against
-1.424 and its 4-chunk pipeline 1.556 against 2.034 (BENCHMARKS.md, "One grouped GEMM over the
-blocks"). The ring multiplies each block as it arrives (`block_matmul`)."""
+"""The grouped GEMMs of the collective grouped ops' blocks of rows (the blocks an all-gather or an
+expert-parallel dispatch brings, each sorted by group with counts of its own): one block
+(`block_matmul`: its forward and dX on Hopper's float8 tensor cores where its quantized rows
+allow), or all blocks in one GEMM (`merged_matmul`): their rows regrouped so that each group's
+rows, from every block, are contiguous, multiplied once, and put back. Regrouping costs a gather
+of the rows and of the result; it pays because a grouped GEMM's cost grows with its group
+boundaries, and P blocks of G groups have P times as many as G groups over the same rows. On 2 x
+H100 (8192 tokens, 8 experts, K 4096, N 7168 a GPU) method none of the all-gather form took
+1.302 ms regrouped against 1.343 block by block, the expert-parallel dispatch 1.448 against
+1.804 (each block a source's tokens, then padding), the all-gather's float8 forward 1.234
+against 1.424 and its 4-chunk pipeline 1.556 against 2.034 (BENCHMARKS.md, "One grouped GEMM
+over the blocks"); on 4 x H100 the all-gather 0.804 against 0.872, the dispatch 1.201 against
+1.538 ("The grouped ops on four GPUs"). The ring multiplies each block as it arrives
+(`block_matmul`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +121,7 @@ def block_matmul(
     out_dtype = out_dtype or values.dtype.name
     if float8_block_reason(rows, experts, out_dtype) is not None:
         return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
-    how = (jnp.dtype(out_dtype).name, experts.split, experts.grad_dtype)
+    how = Float8Block(jnp.dtype(out_dtype).name, experts.split, experts.grad_dtype)
     out, tag = _float8_block(values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn,
                              experts.scale_inv, how)  # fmt: skip
     experts.tags.append(tag)
@@ -140,7 +142,18 @@ def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dt
                                        split=experts.split[0])  # fmt: skip
 
 
-def float8_dx_reason(dy: jax.Array, kn: jax.Array, values: jax.Array, how) -> str | None:
+class Float8Block(NamedTuple):
+    """How a block multiplies on the float8 kernel (static): its result's dtype, split
+    accumulation in the forward and in dX, and dY's float8 dtype."""
+
+    out_dtype: str
+    split: tuple[bool, bool]
+    grad_dtype: str
+
+
+def float8_dx_reason(
+    dy: jax.Array, kn: jax.Array, values: jax.Array, how: Float8Block
+) -> str | None:
     """Why a float8 block's dX = dY [r, N] @ w^T (kn [G, K, N]) is emulated, or None."""
     from commgemm.mosaic_gpu import grouped_kernel
     from commgemm.mosaic_gpu.configs import GroupedConfig
@@ -148,22 +161,20 @@ def float8_dx_reason(dy: jax.Array, kn: jax.Array, values: jax.Array, how) -> st
     if values.dtype not in (jnp.bfloat16, jnp.float16):
         return f"the kernel's result is bf16 or fp16, and x is {values.dtype}"
     (m, n), k = dy.shape, kn.shape[1]
-    return grouped_kernel.shape_reason(GroupedConfig(), m, n, k, jnp.dtype(how[2]), w_nk=True,
-                                       split=how[1][1])  # fmt: skip
+    return grouped_kernel.shape_reason(GroupedConfig(), m, n, k, jnp.dtype(how.grad_dtype),
+                                       w_nk=True, split=how.split[1])  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
     """The float8 kernel's product of a block (`block_matmul`) and its tag (a zero scalar);
-    values and w only carry the gradient. how: (result dtype, split accumulation of the forward
-    and dX, dY's float8 dtype)."""
+    values and w only carry the gradient."""
     from commgemm.mosaic_gpu import grouped_kernel
 
-    out_dtype, split, _ = how
     scale = (x_scale * w_scale).astype(jnp.float32).reshape(1)
     out = grouped_kernel.grouped_matmul(
-        payload_rows, nk, sizes.astype(jnp.int32), w_nk=True, scale=scale, out_dtype=out_dtype,
-        split_accumulator=split[0],
+        payload_rows, nk, sizes.astype(jnp.int32), w_nk=True, scale=scale,
+        out_dtype=how.out_dtype, split_accumulator=how.split[0],
     )  # fmt: skip
     out = varying_like(out, values, w)  # a Pallas result carries no varying axes
     return out, varying_like(jnp.zeros((), jnp.float32), out)
@@ -180,16 +191,16 @@ def _float8_block_bwd(how, residuals, cotangents):
 
     values, w, sizes, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
-    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how[0])
+    product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
     if float8_dx_reason(dy, kn, values, how) is not None:
         dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]
     else:  # dY's float8 values (as the op quantized them) times the experts', on the kernel
-        qdy = quantize_by(dy, dy_scale, how[2])
+        qdy = quantize_by(dy, dy_scale, how.grad_dtype)
         scale = (dy_scale * w_scale).astype(jnp.float32).reshape(1)
         dx = grouped_kernel.grouped_matmul(qdy.data, kn, sizes.astype(jnp.int32), w_nk=True,
                                            scale=scale, out_dtype=values.dtype,
-                                           split_accumulator=how[1][1])  # fmt: skip
+                                           split_accumulator=how.split[1])  # fmt: skip
         dx = like_primal(varying_like(dx, dy, kn), values)
     return dx, dw, None, None, None, None, None, None
 
