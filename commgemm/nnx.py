@@ -30,8 +30,9 @@ statistics), and scales dY by its current amax; or, where the recipe has a `dy_s
 state of its own kept in a `Float8GradState` variable, which the backward advances and returns
 as its gradient: take gradients with respect to `Float8GradState` too
 (`nnx.DiffState(0, (nnx.Param, Float8GradState))`) and write them back with
-`apply_float8_grads`, which returns the parameters' gradients. `ParallelMoE` takes stateless
-scaling only.
+`apply_float8_grads`, which returns the parameters' gradients. `ParallelMoE` keeps such states
+for each of its two grouped GEMMs ("up": the tokens by w1, "down": the hidden activation by
+w2).
 """
 
 from __future__ import annotations
@@ -81,6 +82,23 @@ def _delayed(scaling) -> ScalingRecipe | None:
     return None
 
 
+def _float8_variables(delayed: ScalingRecipe, parts=None):
+    """(Float8State, Float8GradState or None, the recipe's static fields) of a layer under
+    delayed scaling: x's and w's states (per GEMM in `parts`, e.g. ("up", "down")), and dY's
+    where the recipe has a dy_state."""
+    per = lambda state: state if parts is None else dict.fromkeys(parts, state)  # noqa: E731
+    float8 = Float8State(per({"x": delayed.x_state, "w": delayed.w_state}))
+    dy = None if delayed.dy_state is None else Float8GradState(per(delayed.dy_state))
+    return float8, dy, (delayed.dtype, delayed.grad_dtype, delayed.split_accumulator)
+
+
+def _delayed_recipe(static, states: dict, dy_state) -> ScalingRecipe:
+    """The delayed recipe of a GEMM: the layer's static fields and its current states."""
+    dtype, grad_dtype, split = static
+    return ScalingRecipe(ScalingMode.DELAYED_TENSOR_SCALING, dtype, grad_dtype, split,
+                         x_state=states["x"], w_state=states["w"], dy_state=dy_state)  # fmt: skip
+
+
 def _param(rngs: nnx.Rngs, init, shape, dtype, spec, mesh) -> nnx.Param:
     value = init(rngs.params(), shape, dtype)
     return nnx.Param(value, out_sharding=spec, mesh=mesh)
@@ -104,10 +122,7 @@ class _Parallel(nnx.Module):
         self.sequence_parallel, self.config = sequence_parallel, config
         float8 = float8_dy = None
         if delayed is not None:  # the states live in variables; the recipe's static fields here
-            float8 = Float8State({"x": delayed.x_state, "w": delayed.w_state})
-            if delayed.dy_state is not None:
-                float8_dy = Float8GradState(delayed.dy_state)
-            scaling = (delayed.dtype, delayed.grad_dtype, delayed.split_accumulator)
+            float8, float8_dy, scaling = _float8_variables(delayed)
         self.float8, self.float8_dy, self.scaling = float8, float8_dy, scaling
 
     def _gemm(self, x, kernel, bias, sharded_features: bool, activation) -> jax.Array:
@@ -134,13 +149,10 @@ class _Parallel(nnx.Module):
     def _delayed_gemm(self, x, kernel, bias, sharded_features: bool, activation, sharding):
         """`_gemm` under delayed scaling: the GEMM with the layer's states (cg.gemm told the
         operands' specs, which delayed scaling needs), then x's and w's states advanced."""
-        dtype, grad_dtype, split = self.scaling
+        dtype = self.scaling[0]
         states = self.float8.get_value()
         dy_state = None if self.float8_dy is None else self.float8_dy.get_value()
-        recipe = ScalingRecipe(
-            ScalingMode.DELAYED_TENSOR_SCALING, dtype, grad_dtype, split,
-            x_state=states["x"], w_state=states["w"], dy_state=dy_state,
-        )  # fmt: skip
+        recipe = _delayed_recipe(self.scaling, states, dy_state)
         tp = self.axis_name
         x_spec = self.activation_sharding(sharded_features=not sharded_features).spec
         w_spec = P(None, tp) if sharded_features else P(tp, None)
@@ -285,26 +297,35 @@ def top_k_routing(logits: jax.Array, k: int):
     return experts.reshape(-1), gates.reshape(-1), tokens
 
 
-def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu"):
+def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu",
+                  amax_over=None):  # fmt: skip
     """The MoE block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H]
     (experts sharded over `axis_name`): route, sort the k copies of each token by expert,
-    dispatch them to their experts' shards while the expert GEMMs run, back, combine."""
+    dispatch them to their experts' shards while the expert GEMMs run, back, combine.
+    `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down). With `amax_over`
+    (the mesh axes the tokens are sharded over) also returns each GEMM's operands' amax over
+    the whole tensors ({"up": {"x", "w"}, "down": {"x", "w"}}: delayed scaling's next states)."""
     from commgemm.grouped.expert_parallel import (
         all_to_all_grouped_matmul,
         grouped_matmul_all_to_all,
     )
 
+    up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, e = jax.lax.axis_size(axis_name), w1.shape[0]
     expert, gate, token = top_k_routing(x @ router.astype(x.dtype), k)
     order = jnp.argsort(expert, stable=True)
     counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
     y, received = all_to_all_grouped_matmul(x[token[order]], w1, counts, axis_name,
-                                            config=config, scaling=scaling)  # fmt: skip
+                                            config=config, scaling=up)  # fmt: skip
     y = jax.nn.gelu(y, approximate=activation == "gelu_tanh")
     out = grouped_matmul_all_to_all(y, w2, received, counts, axis_name, config=config,
-                                    scaling=scaling)  # fmt: skip
+                                    scaling=down)  # fmt: skip
     weighted = out * gate[order][:, None].astype(out.dtype)
-    return jnp.zeros_like(x).at[token[order]].add(weighted.astype(x.dtype))
+    out = jnp.zeros_like(x).at[token[order]].add(weighted.astype(x.dtype))
+    if amax_over is None:
+        return out
+    seen = lambda a: amax(jax.lax.stop_gradient(a), amax_over)  # noqa: E731
+    return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
 
 
 class ParallelMoE(nnx.Module):
@@ -314,7 +335,8 @@ class ParallelMoE(nnx.Module):
     (`cg.grouped_matmul_all_to_all`) and the gated combine. [B, S, H] -> [B, S, H] (no residual),
     the experts split over `axis_name` (num_experts divisible by its size); tokens stay where
     they are, sequence-parallel as the other layers keep them: [B/D, S/P, H] on each shard (B
-    divisible by the data axis' size, S by the tensor axis')."""
+    divisible by the data axis' size, S by the tensor axis'). `scaling`: both grouped GEMMs'
+    (FP8); under delayed scaling each keeps its own states ("up", "down"; module docstring)."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, *, mesh, rngs: nnx.Rngs,
                  top_k: int = 2, axis_name: str = "tp", data_axis: str | None = None,
@@ -326,11 +348,10 @@ class ParallelMoE(nnx.Module):
                 f"num_experts={num_experts} must be a multiple of the axis' size {size}, and "
                 f"top_k={top_k} between 1 and num_experts"
             )
-        if _delayed(scaling) is not None:
-            raise ValueError(
-                "ParallelMoE takes a stateless scaling (a ScalingMode or a recipe without "
-                "states): its experts' GEMMs would never advance delayed scaling's states"
-            )
+        float8 = float8_dy = None
+        if (delayed := _delayed(scaling)) is not None:  # states per GEMM: up, down
+            float8, float8_dy, scaling = _float8_variables(delayed, ("up", "down"))
+        self.float8, self.float8_dy = float8, float8_dy
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.top_k, self.config, self.scaling = top_k, config, scaling
         self.dtype, self.activation = dtype, activation
@@ -346,21 +367,34 @@ class ParallelMoE(nnx.Module):
         # each shard's own tokens [B/D, S/P, H], where the sequence-parallel layers keep them
         tokens = P(self.data_axis, self.axis_name, None)
         experts = P(self.axis_name)
+        delayed = self.float8 is not None
+        states = self.float8.get_value() if delayed else None
+        dy = None if self.float8_dy is None else self.float8_dy.get_value()
+        axes = tuple(a for a in (self.data_axis, self.axis_name) if a is not None)
 
-        def body(a, router, w1, w2):
+        def body(a, router, w1, w2, states, dy):
+            scaling, over = self.scaling, axes if delayed else None
+            if delayed:  # each GEMM's recipe from its states (dY's too, with a dy_state)
+                scaling = tuple(
+                    _delayed_recipe(self.scaling, states[part], None if dy is None else dy[part])
+                    for part in ("up", "down")
+                )
             out = moe_per_shard(a.reshape(-1, a.shape[-1]), router, w1, w2, k=self.top_k,
-                                axis_name=self.axis_name, config=self.config,
-                                scaling=self.scaling, activation=self.activation)  # fmt: skip
-            return out.reshape(a.shape)
+                                axis_name=self.axis_name, config=self.config, scaling=scaling,
+                                activation=self.activation, amax_over=over)  # fmt: skip
+            out, seen = out if delayed else (out, None)
+            return out.reshape(a.shape), seen
 
-        return jax.shard_map(
-            body, mesh=self.mesh, in_specs=(tokens, P(), experts, experts), out_specs=tokens
-        )(  # fmt: skip
-            x.astype(dtype),
-            self.router[...],
-            self.w1[...].astype(dtype),
-            self.w2[...].astype(dtype),
-        )
+        out, seen = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(tokens, P(), experts, experts, P(), P()),
+            out_specs=(tokens, P()),
+        )(x.astype(dtype), self.router[...], self.w1[...].astype(dtype),
+          self.w2[...].astype(dtype), states, dy)  # fmt: skip
+        if delayed:  # the states advanced by the operands' amax, as the linear layers do
+            self.float8.set_value({part: {k: v.update(seen[part][k], self.scaling[0])
+                                          for k, v in states[part].items()}
+                                   for part in states})  # fmt: skip
+        return out
 
 
 def create_sharded(factory: Callable[[], nnx.Module], mesh) -> nnx.Module:

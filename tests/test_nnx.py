@@ -131,8 +131,6 @@ def test_bad_input():
         cgnnx.ColumnParallelLinear(8, 8, mesh=mesh, axis_name="model", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads of the tensor axis"):
         cgnnx.ParallelAttentionProjections(24, 6, mesh=mesh, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="stateless scaling"):
-        cgnnx.ParallelMoE(8, 16, 4, mesh=mesh, scaling="delayed_tensor_scaling", rngs=nnx.Rngs(0))
     # the unquantized baseline would drop the scaling silently
     with pytest.raises(ValueError, match="config=None"):
         cgnnx.RowParallelLinear(8, 8, mesh=mesh, config=None, scaling="current_tensor_scaling",
@@ -230,6 +228,59 @@ def test_parallel_moe(rng, method, top_k):
     )
     for got, r in zip((grads.router, grads.w1, grads.w2), ref, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_moe_delayed_scaling(rng):
+    """Delayed scaling in the MoE block: each call quantizes its two grouped GEMMs' operands by
+    their own states (the tokens and w1: "up"; the hidden activation and w2: "down"; the output
+    against the float64 product of the operands so quantized), then advances each state by its
+    operand's amax over the whole mesh; dY's states come back as gradients, advanced by the
+    cotangents' amax (the return's dY: the output's cotangent times each copy's gate)."""
+    mesh, k = _mesh(), 2
+    start = cg.ScalingState.create(history=2)
+    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=start, w_state=start,
+                              dy_state=start)  # fmt: skip
+    moe = cgnnx.create_sharded(
+        lambda: cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(2), top_k=k,
+                                  data_axis="data", config=METHODS["ring"], scaling=recipe),
+        mesh,
+    )  # fmt: skip
+    x = rng.standard_normal((4, 16, 16)).astype(np.float32) * 3
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", "tp", None)))
+    router, w1, w2 = (_value(p) for p in (moe.router, moe.w1, moe.w2))
+    flat = x.reshape(-1, 16).astype(np.float64)
+    expert, gate, token = (np.asarray(a) for a in cgnnx.top_k_routing(flat @ router, k))
+    run = nnx.jit(lambda m, a: m(a))
+    before = dict.fromkeys([("up", "x"), ("up", "w"), ("down", "x"), ("down", "w")], 0.0)
+    for _ in range(2):
+        states = moe.float8.get_value()
+        up, down = states["up"], states["down"]
+        h = np.einsum("th,thf->tf", _dq_delayed(flat[token], up["x"]),
+                      _dq_delayed(w1, up["w"])[expert])  # fmt: skip
+        h = np.asarray(jax.nn.gelu(h.astype(np.float32), approximate=False), np.float64)
+        z = np.einsum("tf,tfh->th", _dq_delayed(h, down["x"]), _dq_delayed(w2, down["w"])[expert])
+        want = np.zeros_like(flat)
+        np.add.at(want, token, z * gate[:, None])
+        got = np.asarray(run(moe, xd)).reshape(-1, 16)
+        # the hidden activation's float8 rounding follows its float32 last bits
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+        new = moe.float8.get_value()
+        seen = {"up": {"x": x, "w": w1}, "down": {"x": h, "w": w2}}
+        for part, kind in before:  # the hidden activation's amax follows the "up" states
+            history = np.asarray(new[part][kind].amax_history)
+            want_amax = np.abs(seen[part][kind]).max()
+            np.testing.assert_allclose(history, [want_amax, before[part, kind]], rtol=1e-3)
+            before[part, kind] = history[0]
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    gd = jax.device_put(g, NamedSharding(mesh, P("data", "tp", None)))
+    diff = nnx.DiffState(0, (nnx.Param, cgnnx.Float8GradState))
+    grads = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a) * gd), argnums=diff))(moe, xd)
+    params = cgnnx.apply_float8_grads(moe, grads)
+    assert {path[0] for path, _ in params.flat_state()} == {"router", "w1", "w2"}, params
+    dy = moe.float8_dy.get_value()
+    want_dy = np.abs(g.reshape(-1, 16)[token] * gate[:, None]).max()
+    np.testing.assert_allclose(dy["down"].amax_history, [want_dy, 0.0], rtol=1e-5)
+    assert dy["up"].amax_history[0] > 0 and dy["up"].amax_history[1] == 0, dy["up"]
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
