@@ -215,3 +215,54 @@ def test_collective_grouped_float8_blocks(op, method):
         # dW's product follows the forward's result (the loss squares it): float8 noise
         err = float(jnp.abs(g.astype(jnp.float32) - e).max() / jnp.abs(e).max())
         assert err < 5e-2, err
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="the float8 kernel needs jax >= 0.11")
+def test_parallel_moe_delayed_float8():
+    """`nnx.ParallelMoE` on every GPU of the machine under delayed scaling (dY's states too):
+    its grouped GEMMs on commgemm's float8 kernel, forward and dX (f8e4m3fn and f8e5m2 operands
+    of Mosaic GPU calls in the gradient's program); after two training steps every state has
+    advanced, dY's written back from the gradients, and the output is within float8 rounding
+    of the same block in bf16."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from commgemm import nnx as cgnnx
+
+    devices = jax.devices()
+    size = len(devices)
+    mesh = Mesh(np.array(devices), ("tp",))
+    start = cg.ScalingState.create(history=4)
+    recipe = cg.ScalingRecipe("delayed_tensor_scaling", x_state=start, w_state=start,
+                              dy_state=start)  # fmt: skip
+
+    def make(scaling):
+        return cgnnx.create_sharded(
+            lambda: cgnnx.ParallelMoE(512, 512, 2 * size, mesh=mesh, rngs=nnx.Rngs(0),
+                                      config=cg.OverlapConfig(method="none"), scaling=scaling,
+                                      dtype=jnp.bfloat16),
+            mesh,
+        )  # fmt: skip
+
+    moe, bf16 = make(recipe), make(None)
+    x = jax.random.normal(jax.random.key(1), (2, 256 * size, 512), jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, P(None, "tp", None)))
+    loss = lambda m, a: jnp.sum(m(a).astype(jnp.float32) ** 2)  # noqa: E731
+    graphdef, state = nnx.split(moe)
+    text = jax.jit(jax.grad(lambda s, a: loss(nnx.merge(graphdef, s), a)))
+    lines = text.lower(state, x).compile().as_text().splitlines()
+    calls = [ln for ln in lines if "custom-call" in ln and "mosaic" in ln]
+    assert any("f8e5m2[" in ln for ln in calls) and any("f8e4m3fn[" in ln for ln in calls), calls
+    diff = nnx.DiffState(0, (nnx.Param, cgnnx.Float8GradState))
+    step = nnx.jit(nnx.grad(loss, argnums=diff))
+    for _ in range(2):
+        params = cgnnx.apply_float8_grads(moe, step(moe, x))
+        assert all(bool(jnp.isfinite(p[...]).all()) for _, p in params.flat_state())
+    run = nnx.jit(lambda m, a: m(a))
+    out, want = run(moe, x).astype(jnp.float32), run(bf16, x).astype(jnp.float32)
+    err = float(jnp.abs(out - want).max() / jnp.abs(want).max())
+    assert err < 0.1, err  # two GEMMs' e4m3 operands (3.7e-2 each on the grouped ops)
+    states, dy = moe.float8.get_value(), moe.float8_dy.get_value()
+    for part in ("up", "down"):
+        assert all(float(s.amax_history[0]) > 0 for s in states[part].values()), states[part]
+        assert float(dy[part].amax_history[0]) > 0 and float(dy[part].amax_history[1]) > 0
