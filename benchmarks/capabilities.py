@@ -228,15 +228,16 @@ def _emulated_blocks():
 def _emulated_dx():
     """The float8 blocks' dX emulated (16-bit kernels on dY's and w's dequantized values) while
     their forward runs on the float8 kernel, as before dX took the kernel: a benchmark-side
-    patch of `grouped.blocks.float8_dx_reason`."""
-    from commgemm.grouped import blocks
+    patch of `mosaic_gpu.grouped.float8_dx` (the float8 dX of the local grouped op too, which
+    this section does not run)."""
+    from commgemm.mosaic_gpu import grouped as hopper
 
-    saved = blocks.float8_dx_reason
-    blocks.float8_dx_reason = lambda *_: "emulated (benchmark)"
+    saved = hopper.float8_dx
+    hopper.float8_dx = lambda *_: None
     try:
         yield
     finally:
-        blocks.float8_dx_reason = saved
+        hopper.float8_dx = saved
 
 
 #: (label, scaling, patch) of `grouped_fp8_rows`' variants.

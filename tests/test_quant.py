@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from commgemm.quant import (
     E8M0,
@@ -13,6 +15,7 @@ from commgemm.quant import (
     ScalingState,
     dequantize,
     quantize,
+    quantize_by,
     swizzle_block_scales,
     unswizzle_block_scales,
 )
@@ -108,3 +111,22 @@ def test_bad_input():
         quantize(jnp.ones((4, 4)), "fp3")
     with pytest.raises(ValueError, match="history=0"):
         ScalingState.create(history=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(["float8_e4m3fn", "float8_e5m2"]),
+    log_scale=st.floats(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quantize_by_recovers_the_float8_values(dtype, log_scale, seed):
+    """Values quantized by a tensor scale and dequantized to bf16, quantized again by that scale
+    (`quantize_by`), give back the very same float8 values (what the collective grouped ops'
+    float8 dX relies on), subnormals and the format's largest values included."""
+    x = np.random.default_rng(seed).standard_normal(4096) * 2.0**log_scale
+    x[:3] = [0.0, 2.0**log_scale * 1e-6, -(2.0**log_scale) * 1e3]  # a zero, tiny and huge values
+    q = quantize(jnp.asarray(x, jnp.float32), "current_tensor_scaling", dtype=dtype)
+    again = quantize_by(dequantize(q, jnp.bfloat16), q.scale_inv, dtype)
+    as_f32 = lambda t: np.asarray(t.data, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(as_f32(again), as_f32(q))
+    assert again.scale_inv == q.scale_inv

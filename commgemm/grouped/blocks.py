@@ -116,8 +116,8 @@ def block_matmul(
     experts' on the tensor cores, the two scales in the kernel's epilogue (no dequantized
     copy of either operand), and so does dX in the backward: dY's rows requantized by dY's
     tensor scale (which reaches the block through its tag, `Float8Experts.tags`) times the
-    experts' float8 values, where the kernel takes dX's shape (`float8_dx_reason`). dW is the
-    16-bit product of the values and dY. Elsewhere `grouped_matmul` on the values."""
+    experts' float8 values, where the kernel takes dX's shape (`mosaic_gpu.grouped.float8_dx`).
+    dW is the 16-bit product of the values and dY. Elsewhere `grouped_matmul` on the values."""
     out_dtype = out_dtype or values.dtype.name
     if float8_block_reason(rows, experts, out_dtype) is not None:
         return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
@@ -151,20 +151,6 @@ class Float8Block(NamedTuple):
     grad_dtype: str
 
 
-def float8_dx_reason(
-    dy: jax.Array, kn: jax.Array, values: jax.Array, how: Float8Block
-) -> str | None:
-    """Why a float8 block's dX = dY [r, N] @ w^T (kn [G, K, N]) is emulated, or None."""
-    from commgemm.mosaic_gpu import grouped_kernel
-    from commgemm.mosaic_gpu.configs import GroupedConfig
-
-    if values.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"the kernel's result is bf16 or fp16, and x is {values.dtype}"
-    (m, n), k = dy.shape, kn.shape[1]
-    return grouped_kernel.shape_reason(GroupedConfig(), m, n, k, jnp.dtype(how.grad_dtype),
-                                       w_nk=True, split=how.split[1])  # fmt: skip
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
     """The float8 kernel's product of a block (`block_matmul`) and its tag (a zero scalar);
@@ -186,23 +172,21 @@ def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, 
 
 
 def _float8_block_bwd(how, residuals, cotangents):
-    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu import grouped as hopper
     from commgemm.quant import quantize_by
 
     values, w, sizes, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
-    if float8_dx_reason(dy, kn, values, how) is not None:
-        dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]
-    else:  # dY's float8 values (as the op quantized them) times the experts', on the kernel
+    dx = None
+    if values.dtype in (jnp.bfloat16, jnp.float16):  # the kernel's result is 16-bit
+        # dY's float8 values (as the op quantized them) times the experts', on the kernel
         qdy = quantize_by(dy, dy_scale, how.grad_dtype)
-        scale = (dy_scale * w_scale).astype(jnp.float32).reshape(1)
-        dx = grouped_kernel.grouped_matmul(qdy.data, kn, sizes.astype(jnp.int32), w_nk=True,
-                                           scale=scale, out_dtype=values.dtype,
-                                           split_accumulator=how.split[1])  # fmt: skip
-        dx = like_primal(varying_like(dx, dy, kn), values)
-    return dx, dw, None, None, None, None, None, None
+        dx = hopper.float8_dx(qdy, kn, w_scale, sizes, values.dtype, how.split[1])
+    if dx is None:  # emulated: the 16-bit product of dY and the experts' quantized values
+        dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]
+    return like_primal(dx, values), dw, None, None, None, None, None, None
 
 
 _float8_block.defvjp(_float8_block_fwd, _float8_block_bwd)

@@ -261,17 +261,8 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
     mode = ScalingMode.DELAYED_TENSOR_SCALING if dy_state is not None else qx.mode
     qdy, new_state = dy_quantized(dy, mode, plan.grad_dtype, (), dy_state)
     dy16 = dequantize(qdy, dy.dtype)
-    (m, n), k = dy.shape, qw.data.shape[1]
-    kernel_takes = grouped_kernel.shape_reason(
-        GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True, split=plan.split[1]
-    ) is None  # fmt: skip
-    if kernel_takes:  # dY [M, N] (float8) times w [G, K (out), N] (float8, as quantized)
-        scale = (qdy.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
-        dx = grouped_kernel.grouped_matmul(qdy.data, qw.data, sizes, w_nk=True, scale=scale,
-                                           out_dtype=dy.dtype,
-                                           split_accumulator=plan.split[1])  # fmt: skip
-        dx = varying_like(dx, qdy.data, qw.data)
-    else:
+    dx = float8_dx(qdy, qw.data, qw.scale_inv, sizes, dy.dtype, plan.split[1])
+    if dx is None:
         dx = product(dy16, dequantize(qw, dy.dtype), sizes, None, transpose_rhs=True)
     x16 = dequantize(qx, dy.dtype)
     dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
@@ -281,6 +272,22 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
 
 
 float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)
+
+
+def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
+    """dX = dY @ w[g]^T for each row's group g on commgemm's float8 kernel: qdy [M, N] (a
+    tensor-scaled float8 `ScaledTensor`) times w_kn [G, K, N] (the float8 values as quantized
+    along K, K-major for this contraction over N), the two scales in the epilogue -> [M, K] in
+    `out_dtype` (16-bit); None where the kernel does not take the shape (the caller emulates)."""
+    (m, n), k = qdy.data.shape, w_kn.shape[1]
+    if grouped_kernel.shape_reason(GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True,
+                                   split=split) is not None:  # fmt: skip
+        return None
+    scale = (qdy.scale_inv * w_scale_inv).astype(jnp.float32).reshape(1)
+    dx = grouped_kernel.grouped_matmul(qdy.data, w_kn, sizes.astype(jnp.int32), w_nk=True,
+                                       scale=scale, out_dtype=out_dtype,
+                                       split_accumulator=split)  # fmt: skip
+    return varying_like(dx, qdy.data, w_kn)  # a Pallas result carries no varying axes
 
 
 def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
