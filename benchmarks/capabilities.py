@@ -249,11 +249,9 @@ GROUPED_FP8_VARIANTS = (
 )
 
 
-def grouped_fp8_rows(devices, cfg) -> list[dict]:
-    """The collective grouped ops under current tensor scaling: the forward and a forward and
-    backward, bf16 against float8 with each block's GEMMs on the float8 kernel (forward and
-    dX; also with dX emulated, `_emulated_dx`) and float8 emulated (`_emulated_blocks`);
-    errors against the bf16 op, and the kernel path's gradients against the emulated one's."""
+def _grouped_fp8_ops(devices, cfg):
+    """(mesh, {name: (body(x, w, sizes, scaling), in_specs, out_spec, w, sizes, x)}) of the
+    grouped float8 sections: the all-gather (ring, none), the dispatch's ring and grouped + RS."""
     mesh, rng, put, (size, m, k, n, e), (x, w_col, sizes_d) = _grouped_setup(devices, cfg)
     experts_ep = max(e // size, 1) * size  # whole experts a device
     w_ep = put(rng.standard_normal((experts_ep, k, n // size)) / k**0.5, P("tp"))
@@ -279,6 +277,15 @@ def grouped_fp8_rows(devices, cfg) -> list[dict]:
             a, b, s[0], "tp", config=METHODS["none"], scaling=sc),
             (P(None, "tp"), P(None, "tp", None), P("tp")), P("tp"), w_row, rs_sizes_d, h),
     }  # fmt: skip
+    return mesh, ops
+
+
+def grouped_fp8_rows(devices, cfg) -> list[dict]:
+    """The collective grouped ops under current tensor scaling: the forward and a forward and
+    backward, bf16 against float8 with each block's GEMMs on the float8 kernel (forward and
+    dX; also with dX emulated, `_emulated_dx`) and float8 emulated (`_emulated_blocks`);
+    errors against the bf16 op, and the kernel path's gradients against the emulated one's."""
+    mesh, ops = _grouped_fp8_ops(devices, cfg)
     rows = []
     for name, (body, in_specs, out_spec, w, sizes_d, x_op) in ops.items():
         variants, outs, grads = {}, {}, {}
@@ -311,6 +318,53 @@ def grouped_fp8_rows(devices, cfg) -> list[dict]:
             _relative(g, e) for g, e in zip(grads["fp8 kernel"], grads["fp8 emulated"], strict=True)
         ]
         rows.append({"op": name, "ms": time_variants(variants), "rel_error_vs_bf16": errors})
+        print(name, rows[-1], flush=True)
+    return rows
+
+
+def _transposed_spec(spec: P) -> P:
+    """The PartitionSpec of an array whose last two dimensions are swapped."""
+    parts = (*spec, *([None] * (3 - len(spec))))
+    return P(*parts[:-2], parts[-1], parts[-2])
+
+
+def grouped_fp8_weights_rows(devices, cfg) -> list[dict]:
+    """The collective grouped ops' forward with the experts quantized before the call (a
+    `QuantizedWeight` as the forward program's argument, as for serving), with and without the
+    float8 values kept transposed (`keep_transposed`), against bf16 and against the op
+    quantizing the experts itself (current tensor scaling); the kept copy's result against
+    the other's (bit for bit on the same quantized values)."""
+    mesh, ops = _grouped_fp8_ops(devices, cfg)
+    mode = cg.ScalingMode.CURRENT_TENSOR_SCALING
+    rows = []
+    for name, (body, in_specs, out_spec, w, sizes_d, x_op) in ops.items():
+        w_spec = in_specs[1]
+        variants, outs = {}, {}
+        for label, scaling in (("bf16", None), ("fp8 quantizing w", mode)):
+            f = jax.shard_map(functools.partial(body, sc=scaling), mesh=mesh, in_specs=in_specs,
+                              out_specs=out_spec)  # fmt: skip
+            variants[label] = (jax.jit(f), (x_op, w, sizes_d))
+        for keep in (False, True):
+            quantized = cg.ScaledTensor(w_spec, P(), mode=mode, axis=1)
+            kept = _transposed_spec(w_spec) if keep else None
+            specs = cg.QuantizedWeight(w_spec, quantized, kept)
+            quantize = jax.shard_map(
+                lambda b, keep=keep: cg.quantize_weight(b, mode, axis=1, axis_name="tp",
+                                                        keep_transposed=keep),
+                mesh=mesh, in_specs=w_spec, out_specs=specs)  # fmt: skip
+            qw = jax.jit(quantize)(w)
+            f = jax.shard_map(
+                functools.partial(body, sc=mode),
+                mesh=mesh,
+                in_specs=(in_specs[0], specs, in_specs[2]),
+                out_specs=out_spec,
+            )
+            label = "fp8 quantized before, kept transposed" if keep else "fp8 quantized before"
+            variants[label] = (jax.jit(f), (x_op, qw, sizes_d))
+            outs[label] = np.float32(jax.jit(f)(x_op, qw, sizes_d))
+        kept, plain = outs.values()
+        errors = {"kept vs not, max abs": float(np.abs(kept - plain).max())}
+        rows.append({"op": name, "ms": time_variants(variants), "errors": errors})
         print(name, rows[-1], flush=True)
     return rows
 
@@ -505,6 +559,7 @@ def main() -> None:
     result = {"devices": [str(d) for d in devices], "backend": jax.default_backend(),
               "jax": jax.__version__, "quick": args.quick}  # fmt: skip
     sections = {"fp8": fp8_rows, "grouped": grouped_rows, "grouped_fp8": grouped_fp8_rows,
+                "grouped_fp8_weights": grouped_fp8_weights_rows,
                 "backward": backward_rows,
                 "fused_backward": fused_backward_rows,
                 "fused_backward_fp8": fused_backward_fp8_rows, "layers": layers_rows}  # fmt: skip

@@ -62,6 +62,7 @@ def quantize_weight(
     *,
     axis: int = -2,
     axis_name: str | tuple[str, ...] | None = None,
+    keep_transposed: bool = False,
 ) -> QuantizedWeight:
     """w quantized once for the calls that take it with the same `scaling` (`QuantizedWeight`):
     the values and scales each of those ops would compute itself, so the results and gradients
@@ -76,15 +77,28 @@ def quantize_weight(
       axis_name: inside shard_map, the op's mesh axis (for `matmul_2d` both of its axes): the
         tensor scale comes from the whole weight's amax over it, one scale on every shard, as
         the op's own quantization takes it. Outside shard_map: None.
+      keep_transposed: also keep the float8 values with w's last two dimensions swapped
+        (`QuantizedWeight.transposed`, as much memory again; tensor scaling only): the grouped
+        ops' float8 kernel on Hopper reads the experts' weights [G, N, K] in the forward, and
+        transposes them in each call without it. The other ops ignore it.
     Returns:
       A QuantizedWeight (a pytree) whose gradient flows to w (straight-through).
     """
     recipe = as_recipe(scaling)
     if recipe is None:
         raise ValueError("quantize_weight needs a scaling mode or recipe, not None or NO_SCALING")
+    if keep_transposed and (recipe.mode not in TENSOR_MODES or w.ndim < 2):
+        raise ValueError(
+            f"keep_transposed keeps one tensor's float8 values in a second layout: it needs "
+            f"tensor scaling and w of at least 2 dimensions, got {recipe.mode.name} and "
+            f"shape {w.shape}"
+        )
     names = () if axis_name is None else axis_name
-    q = quantize_operand(lax.stop_gradient(w), recipe, axis % w.ndim, names, recipe.w_state)
-    return QuantizedWeight(w, lax.stop_gradient(q))
+    q = lax.stop_gradient(
+        quantize_operand(lax.stop_gradient(w), recipe, axis % w.ndim, names, recipe.w_state)
+    )
+    transposed = jnp.swapaxes(q.data, -1, -2) if keep_transposed else None
+    return QuantizedWeight(w, q, transposed)
 
 
 def weight_operand(
@@ -110,6 +124,7 @@ def weight_operand(
             f"dimension {k_dim % ndim}: quantize_weight(w, ..., axis={k_dim % ndim})"
         )
     check_scales("w", q)
+    check_transposed(w)
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
     spread = [a for a in names if checks_vma(a) and a in varying_axes(tensor_scale(q))]
     if spread:
@@ -119,6 +134,21 @@ def weight_operand(
             "weight, as the op's own quantization takes it"
         )
     return w.value, q
+
+
+def check_transposed(w: QuantizedWeight) -> None:
+    """A `QuantizedWeight`'s transposed values, where it has them, are its float8 values with
+    the last two dimensions swapped (their shape and dtype; `quantize_weight` makes them)."""
+    t, data = w.transposed, w.quantized.data
+    if t is None:
+        return
+    swapped = (*data.shape[:-2], data.shape[-1], data.shape[-2])
+    if w.quantized.mode not in TENSOR_MODES or tuple(t.shape) != swapped or t.dtype != data.dtype:
+        raise ValueError(
+            f"w's transposed values ({tuple(t.shape)}, {t.dtype}) must be its tensor-scaled "
+            f"float8 values ({tuple(data.shape)}, {data.dtype}) with the last two dimensions "
+            "swapped: quantize_weight(..., keep_transposed=True) makes them"
+        )
 
 
 def dy_quantized(

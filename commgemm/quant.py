@@ -69,10 +69,17 @@ class QuantizedWeight:
     Passed as an op's `w` with `scaling=` (the recipe it was quantized by), the op multiplies
     `quantized` instead of quantizing `value` again, and the gradient flows to `value`
     (straight-through, as under the op's own quantization): a step quantizes each weight once,
-    however many calls use it. `shape`, `dtype` and `ndim` are the weight's."""
+    however many calls use it. `shape`, `dtype` and `ndim` are the weight's.
+
+    `transposed` (tensor scaling; `quantize_weight(..., keep_transposed=True)`): the float8
+    values of `quantized` with their last two dimensions swapped ([G, N, K] of a [G, K, N]
+    weight), the layout in which Hopper's float8 tensor cores read w for the forward (both
+    operands K-major): the grouped ops then multiply it as it is instead of transposing every
+    expert's values in each call. None: made by each call that needs it."""
 
     value: jax.Array
     quantized: ScaledTensor
+    transposed: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

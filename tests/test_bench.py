@@ -388,7 +388,8 @@ def test_capabilities_script_runs(tmp_path):
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "capabilities.py"), "--out", str(tmp_path),
-         "--quick", "--sections", "fp8,grouped,grouped_fp8,backward,fused_backward"],
+         "--quick", "--sections",
+         "fp8,grouped,grouped_fp8,grouped_fp8_weights,backward,fused_backward"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -415,6 +416,10 @@ def test_capabilities_script_runs(tmp_path):
         errors = row["rel_error_vs_bf16"]
         assert len(row["ms"]) == 8 and errors["kernel vs emulated"] == 0
         assert errors["gradients, kernel vs emulated"] == [0, 0]
+    for row in result["grouped_fp8_weights"]:  # the same quantized values, kept or not
+        assert set(row["ms"]) == {"bf16", "fp8 quantizing w", "fp8 quantized before",
+                                  "fp8 quantized before, kept transposed", "timing"}  # fmt: skip
+        assert row["errors"] == {"kept vs not, max abs": 0.0}
     for row in result["fused_backward"]:  # the fused kernels do not run on CPUs
         assert set(row["ms"]) == {"xla", "split ring", "timing"}
         assert row["mosaic_kernels"] == {"xla": 0, "split ring": 0}

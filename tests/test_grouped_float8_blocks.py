@@ -6,6 +6,8 @@ itself), so the CPU checks the wiring: which payload, scales and group sizes eac
 gets, for every op and method, against the float64 product of the quantized operands; that the
 gradients are the emulated path's; and that block modes and float32 results stay emulated."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +39,10 @@ def kernel_calls(monkeypatch):
     and the kernel a float32 ragged dot of its float8 operands; returns its `Calls`."""
     calls = Calls()
 
-    def experts(recipe, qw):
+    def experts(recipe, qw, nk=None):
         if recipe.mode not in scaling.TENSOR_MODES:
             return None
-        return scaling.Float8Experts.of(recipe, qw)
+        return scaling.Float8Experts.of(recipe, qw, nk)
 
     def kernel(x, w, sizes, tiles=None, *, w_nk, scale, out_dtype, split_accumulator):
         # the forward's x (e4m3) or dX's dY (e5m2) by the experts' e4m3 values
@@ -271,3 +273,52 @@ def test_delayed_scaling_blocks(rng, kernel_calls):
     np.testing.assert_allclose(np.float32(out), np.float32(want), atol=TOL * scale)
     # the backward: dY quantized by dy_state's scale (5), w by w_state's (5)
     _float8_backward(op, (x, w), kernel_calls, size, lambda dy: 1 / 25)
+
+
+@pytest.mark.parametrize(
+    ("op", "method"),
+    [("ag", "ring_exchange"), ("ag", "none"), ("rs", "none"), ("dispatch", "ring_exchange")],
+)
+def test_kept_transposed_experts(rng, kernel_calls, op, method):
+    """A `QuantizedWeight` whose float8 values are kept transposed (`keep_transposed=True`):
+    the forward's kernel reads that copy (marked here by negating it, which negates the result
+    exactly, while dX, which reads the values as quantized, is unchanged); unmarked, results
+    and gradients equal the op quantizing w itself."""
+    size, m, groups, mode = 2, 256, 4, "current_tensor_scaling"
+    cfg = _config(method)
+    if op == "rs":
+        x, w = _bf16(rng, (m, 128 * size)), _bf16(rng, (groups, 128 * size, 256))
+        sizes = np.tile(random_sizes(rng, groups, m), (size, 1))
+        specs, out_spec = (P(None, "x"), P(None, "x", None), P("x")), P("x")
+    else:
+        x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
+        if op == "dispatch":  # 2 of the 4 experts on each device
+            tokens = [rng.integers(0, groups, size=m) for _ in range(size)]
+            sizes = np.stack([np.bincount(t, minlength=groups) for t in tokens])
+            specs, out_spec = (P("x"), P("x"), P("x")), P("x")
+        else:
+            sizes = np.stack([random_sizes(rng, groups, m) for _ in range(size)])
+            specs, out_spec = (P("x"), P(None, None, "x"), P("x")), P(None, "x")
+    call = {"ag": cg.all_gather_grouped_matmul, "rs": cg.grouped_matmul_reduce_scatter,
+            "dispatch": lambda *a, **kw: cg.all_to_all_grouped_matmul(*a, **kw)[0]}[op]  # fmt: skip
+
+    def run(how):
+        def body(a, b, s):
+            if how != "per call":
+                b = cg.quantize_weight(b, mode, axis=1, axis_name="x", keep_transposed=True)
+                if how == "marked":
+                    b = dataclasses.replace(b, transposed=-b.transposed)
+            return call(a, b, s[0], "x", config=cfg, scaling=mode)
+
+        f = shard(body, mesh1d(size), specs, out_spec)
+        return lambda a, b: f(a, b, jnp.asarray(sizes, jnp.int32))
+
+    kernel_calls.clear()
+    out = run("kept")(x, w)
+    assert kernel_calls, "the blocks ran emulated"
+    np.testing.assert_array_equal(np.float32(out), np.float32(run("per call")(x, w)))
+    np.testing.assert_array_equal(np.float32(run("marked")(x, w)), -np.float32(out))
+    kept, dy = _grads(lambda _: run("kept"), (x, w))
+    _same_gradients(kept, _grads(lambda _: run("per call"), (x, w), dy)[0])
+    marked = _grads(lambda _: run("marked"), (x, w), dy)[0]
+    _same_gradients(marked[0], kept[0])  # dX reads the experts as quantized

@@ -3,6 +3,8 @@ traces and compiles to Mosaic GPU's MLIR, for several meshes and tilings. They o
 Hopper GPUs (tests/gpu checks their outputs there); this catches what breaks
 before a kernel is ever launched."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -838,3 +840,45 @@ def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
     f8 = "f8E5M2" if grad_dtype == "float8_e5m2" else "f8E4M3FN"
     for o, _ in dx:  # dY [m, n] (float8) times w [G, K, n] as quantized
         assert f"tensor<{m}x{n // size}x{f8}>" in o and f"x256x{n // size}xf8E4M3FN>" in o, o
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("op", ["local", "ag"])
+def test_kept_transposed_experts_lower(op, keep, monkeypatch):
+    """A `QuantizedWeight` of the experts with its values kept transposed
+    (`quantize_weight(..., keep_transposed=True)`) reaches the float8 kernel as it is: the
+    forward's program (the local op, and the all-gather ring's blocks, as on a Hopper GPU) has
+    no transpose of float8 experts; without the kept copy it transposes them."""
+    from commgemm.quant import ScaledTensor
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    size, m, groups, k, n = 2, 256, 4, 256, 512
+    mode, ring = cg.ScalingMode.CURRENT_TENSOR_SCALING, cg.OverlapConfig(method="ring_exchange")
+    sds = jax.ShapeDtypeStruct
+
+    def weight(value, data, scale, transposed):
+        return cg.QuantizedWeight(value, ScaledTensor(data, scale, mode=mode, axis=1), transposed)
+
+    if op == "local":
+        f = lambda x, w, s: cg.grouped_matmul(x, w, s, scaling=mode)  # noqa: E731
+        rows, cols = 1024, n
+    else:
+        body = lambda x, w, s: cg.all_gather_grouped_matmul(  # noqa: E731
+            x, w, s[0], "x", config=ring, scaling=mode)  # fmt: skip
+        w_spec = weight(P(None, None, "x"), P(None, None, "x"), P(), P(None, "x") if keep else None)
+        f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), w_spec, P("x")),
+                          out_specs=P(None, "x"))  # fmt: skip
+        rows, cols = size * m, n
+    f8 = jnp.float8_e4m3fn
+    kept = sds((groups, cols, k), f8) if keep else None
+    w = weight(sds((groups, k, cols), jnp.bfloat16), sds((groups, k, cols), f8),
+               sds((), jnp.float32), kept)  # fmt: skip
+    sizes = sds((groups,) if op == "local" else (size, groups), jnp.int32)
+    text = jax.jit(f).trace(sds((rows, k), jnp.bfloat16), w, sizes)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    experts = re.compile(r"\(tensor<\d+x\d+x\d+xf8E4M3FN>\)")  # a 3-D float8 operand
+    transposes = [ln for ln in text.splitlines()
+                  if "stablehlo.transpose" in ln and experts.search(ln)]  # fmt: skip
+    calls = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
+    assert calls and all(c.rsplit(" : (", 1)[1].count("f8E4M3FN") == 2 for c in calls), calls
+    assert bool(transposes) is not keep, transposes

@@ -282,6 +282,17 @@ def test_mismatches_refused(rng):
         cg.grouped_matmul(x, bad, one_group, scaling=CUR)
     with pytest.raises(ValueError, match="grouped_matmul: w is a QuantizedWeight"):
         cg.grouped_matmul(x, cg.quantize_weight(w3, CUR), one_group)
+    # the kept transposed values: tensor scaling only, and they must be the values swapped
+    with pytest.raises(ValueError, match="keep_transposed .* needs tensor scaling"):
+        cg.quantize_weight(w3, MX, axis=1, keep_transposed=True)
+    kept = cg.quantize_weight(w3, CUR, axis=1, keep_transposed=True)
+    assert kept.transposed.shape == (1, 64, 64) and kept.transposed.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.float32(kept.transposed),
+                                  np.float32(jnp.swapaxes(kept.quantized.data, 1, 2)))  # fmt: skip
+    for damaged in (kept.transposed[:, :32], kept.transposed.astype(jnp.float8_e5m2)):
+        bad = cg.QuantizedWeight(kept.value, kept.quantized, damaged)
+        with pytest.raises(ValueError, match="transposed values .* must be its tensor-scaled"):
+            cg.grouped_matmul(x, bad, one_group, scaling=CUR)
     mesh = mesh1d(2)
     with pytest.raises(TypeError, match="gemm takes w itself"):
         cg.gemm(x, cg.quantize_weight(w, CUR), out_sharding=jax.NamedSharding(mesh, P(None, "x")),

@@ -126,7 +126,9 @@ def grouped_matmul(
         commgemm.grouped.scaling.
       x, w may instead be `ScaledTensor`s quantized by the caller: forward only, see
         `prequantized_matmul`. With `scaling`, w may be a `QuantizedWeight` (quantized once
-        for several calls by `cg.quantize_weight(w, scaling, axis=1)`): differentiable.
+        for several calls by `cg.quantize_weight(w, scaling, axis=1)`; with
+        `keep_transposed=True` Hopper's float8 forward reads its values as kept, [G, N, K],
+        instead of transposing them in each call): differentiable.
       hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
         `GroupedTiles` (jax's ragged dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
@@ -168,11 +170,13 @@ def grouped_matmul(
 
     if float8:  # Hopper's float8 tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`)
         from commgemm.operand_scaling import weight_operand
+        from commgemm.quant import QuantizedWeight
 
+        nk = w.transposed if isinstance(w, QuantizedWeight) else None
         w, qw = weight_operand(w, recipe, 1, ())
         plan = hopper.Float8Plan.of(recipe, hopper_tiles)
         states = (recipe.x_state, recipe.dy_state)
-        out = hopper.float8_ragged_dot(x, w, sizes, qw, states, plan)  # quantizes dY itself
+        out = hopper.float8_ragged_dot(x, w, sizes, qw, nk, states, plan)  # quantizes dY itself
     elif hopper.unsupported_reason(x, w, hopper_tiles) is None:
         out = hopper.ragged_dot(x, w, sizes, hopper_tiles)
     elif jnp.dtype(out_dtype).itemsize == 2 and acc == jnp.float32:

@@ -12,7 +12,9 @@ local op multiplies float8 operands on the tensor cores in its forward and dX
 (`mosaic_gpu.grouped.float8_ragged_dot`), and the collective ops multiply each block of rows
 as it travelled (its float8 payload) by the experts' float8 values, and each block's rows of
 the quantized dY by them in dX (`grouped.blocks.block_matmul`), with the same quantized
-values; dW stays 16-bit."""
+values; dW stays 16-bit. The forward reads the experts' float8 values [G, N, K]: a
+`QuantizedWeight`'s kept copy (`quantize_weight(..., keep_transposed=True)`), else transposed
+once per call."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from commgemm.operand_scaling import (
 )
 from commgemm.quant import (
     TENSOR_MODES,
+    QuantizedWeight,
     ScaledTensor,
     Scaling,
     ScalingMode,
@@ -59,8 +62,9 @@ def quantized_operands(
     names = () if axis_name is None else axis_name
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
+    nk = w.transposed if isinstance(w, QuantizedWeight) else None
     w, qw = weight_operand(w, recipe, 1, names)
-    experts = float8_experts(recipe, qw)
+    experts = float8_experts(recipe, qw, nk)
     return straight_through(x, qx), straight_through(w, qw), recipe, rows, experts
 
 
@@ -68,7 +72,8 @@ def quantized_operands(
 class Float8Experts:
     """The experts' weights as commgemm's grouped kernel multiplies them on Hopper's float8
     tensor cores, for one call of a collective grouped op: their float8 values laid out
-    [G, N, K] for the forward (`nk`, transposed once per call, not per block) and as quantized,
+    [G, N, K] for the forward (`nk`: a `QuantizedWeight`'s `transposed`, else transposed once
+    per call, not per block) and as quantized,
     [G, K, N], for dX (`kn`: K-major for dX's contraction over N), their tensor scale, whether
     the forward and dX accumulate split (the recipe's first two `split_accumulator` flags),
     and dY's float8 format.
@@ -86,25 +91,29 @@ class Float8Experts:
     tags: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
-    def of(recipe: ScalingRecipe, qw: ScaledTensor) -> Float8Experts:
-        """qw [G, K, N], tensor-scaled by `recipe`, as the kernel reads it."""
+    def of(recipe: ScalingRecipe, qw: ScaledTensor, nk: jax.Array | None = None) -> Float8Experts:
+        """qw [G, K, N], tensor-scaled by `recipe`, as the kernel reads it; `nk`: its values
+        transposed already ([G, N, K]), or None."""
         split = tuple(recipe.split_accumulator[:2])
-        return Float8Experts(jnp.swapaxes(qw.data, 1, 2), qw.data, qw.scale_inv, split,
-                             jnp.dtype(recipe.grad_dtype).name)  # fmt: skip
+        nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
+        return Float8Experts(nk, qw.data, qw.scale_inv, split, jnp.dtype(recipe.grad_dtype).name)
 
     def link(self) -> jax.Array | None:
         """The sum of the blocks' tags (None where no block ran on the kernel)."""
         return functools.reduce(jnp.add, self.tags) if self.tags else None
 
 
-def float8_experts(recipe: ScalingRecipe, qw: ScaledTensor) -> Float8Experts | None:
-    """qw [G, K, N] as `Float8Experts`, or None where the collective grouped ops' GEMMs stay
-    emulated: block modes, and backends other than a Hopper GPU."""
+def float8_experts(
+    recipe: ScalingRecipe, qw: ScaledTensor, nk: jax.Array | None = None
+) -> Float8Experts | None:
+    """qw [G, K, N] (`nk`: its values transposed already, or None) as `Float8Experts`, or None
+    where the collective grouped ops' GEMMs stay emulated: block modes, and backends other
+    than a Hopper GPU."""
     from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
     if recipe.mode not in TENSOR_MODES or mosaic_tiles.hopper_reason() is not None:
         return None
-    return Float8Experts.of(recipe, qw)
+    return Float8Experts.of(recipe, qw, nk)
 
 
 @jax.tree_util.register_dataclass

@@ -214,14 +214,15 @@ class Float8Plan:
                           tiles)  # fmt: skip
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def float8_ragged_dot(
-    x: jax.Array, w: jax.Array, sizes: jax.Array, qw, states, plan: Float8Plan
+    x: jax.Array, w: jax.Array, sizes: jax.Array, qw, nk, states, plan: Float8Plan
 ) -> jax.Array:
     """`ragged_dot` on float8 operands (`float8_reason` must be None): x [M, K] quantized to
     plan.dtype with one scale (its current amax, or delayed: `states`' x_state), times qw, w
     [G, K, N] quantized along K (a `ScaledTensor`; its values transposed to [G, N, K], K-major,
-    in one pass), multiplied on the float8 tensor cores by commgemm's kernel, the scales
+    in one pass, unless `nk` holds them so already: a `QuantizedWeight`'s `transposed`),
+    multiplied on the float8 tensor cores by commgemm's kernel, the scales
     applied in its epilogue -> [M, N] in x's dtype. `states`: (x_state, dy_state), the delayed
     recipe's `ScalingState`s (None: current scaling).
 
@@ -233,10 +234,10 @@ def float8_ragged_dot(
     the 16-bit kernel on the dequantized values); dW = x^T dY is the 16-bit product of the
     dequantized x and dY (jax's transposed kernel takes no float8). The residuals are the
     float8 operands, not dequantized copies. qw gets no gradient."""
-    return _float8_forward(x, w, sizes, qw, states, plan)[0]
+    return _float8_forward(x, w, sizes, qw, nk, states, plan)[0]
 
 
-def _float8_forward(x, w, sizes, qw, states, plan: Float8Plan):
+def _float8_forward(x, w, sizes, qw, nk, states, plan: Float8Plan):
     from commgemm.quant import ScalingMode, quantize
 
     x_state, dy_state = states
@@ -245,7 +246,7 @@ def _float8_forward(x, w, sizes, qw, states, plan: Float8Plan):
     else:
         qx = quantize(x, ScalingMode.DELAYED_TENSOR_SCALING, dtype=plan.dtype, state=x_state)[0]
     scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
-    w_nk = jnp.swapaxes(qw.data, 1, 2)
+    w_nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
     out = grouped_kernel.grouped_matmul(
         qx.data, w_nk, sizes, plan.tiles, w_nk=True, scale=scale, out_dtype=x.dtype,
         split_accumulator=plan.split[0],
@@ -268,7 +269,7 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
     dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
     # inside shard_map: dW summed over the axes the tokens vary over and w does not (the
     # quantized values vary as the operands do)
-    return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None, (None, new_state)
+    return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None, None, (None, new_state)
 
 
 float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)

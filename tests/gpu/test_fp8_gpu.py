@@ -150,6 +150,54 @@ def test_weight_quantized_once(op):
     assert float(jnp.abs(d1 - d2).max()) <= 1e-6 * float(jnp.abs(d1).max())
 
 
+@pytest.mark.parametrize("op", ["grouped", "ag"])
+def test_kept_transposed_experts(op):
+    """Experts quantized once with their float8 values kept transposed (`keep_transposed=True`,
+    as for serving: the weight an argument of the forward's program) give the forward of the
+    same weight without the kept copy, bit for bit, and its compiled program makes no float8
+    [G, N, K] array (the per-call transpose), which the program without the copy does."""
+    devices = jax.devices()
+    size, m, k, groups, mode = len(devices), 1024, 512, 4, "current_tensor_scaling"
+    n = 768 if op == "grouped" else 256 * size
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((size * m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((groups, k, n)) / k**0.5, jnp.bfloat16)
+    counts = [np.bincount(rng.integers(0, groups, m), minlength=groups) for _ in range(size)]
+    sizes = jnp.asarray(np.stack(counts), jnp.int32)
+    mesh = Mesh(np.array(devices), ("x",))
+
+    def run(keep: bool):
+        if op == "grouped":
+            qw = cg.quantize_weight(w, mode, axis=1, keep_transposed=keep)
+            f = jax.jit(lambda a, b: cg.grouped_matmul(a, b, sizes[0], scaling=mode))
+            return f, x[:m], qw, n
+        spec = P(None, None, "x")
+        t_spec = P(None, "x", None) if keep else None
+        quantized = cg.ScaledTensor(spec, P(), mode=cg.ScalingMode(mode), axis=1)
+        specs = cg.QuantizedWeight(spec, quantized, t_spec)
+        quantize = jax.shard_map(
+            lambda b: cg.quantize_weight(b, mode, axis=1, axis_name="x", keep_transposed=keep),
+            mesh=mesh, in_specs=spec, out_specs=specs)  # fmt: skip
+        f = jax.shard_map(
+            lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "x", scaling=mode),
+            mesh=mesh,
+            in_specs=(P("x"), specs, P("x")),
+            out_specs=P(None, "x"),
+        )
+        return jax.jit(lambda a, b: f(a, b, sizes)), x, jax.jit(quantize)(w), n // size
+
+    outs = []
+    for keep in (False, True):
+        f, a, qw, n_local = run(keep)
+        text = f.lower(a, qw).compile().as_text()
+        made = [ln for ln in text.splitlines() if f"= f8e4m3fn[{groups},{n_local},{k}]" in ln
+                and "parameter(" not in ln]  # fmt: skip
+        assert bool(made) is not keep, made
+        assert "mosaic" in text
+        outs.append(np.float32(f(a, qw)))
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("method", ["none", "ring_exchange"])
 @pytest.mark.parametrize("op", ["ag", "rs", "dispatch"])
 def test_collective_grouped_float8_blocks(op, method):
