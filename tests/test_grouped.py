@@ -144,7 +144,8 @@ def test_grouped_matmul_reduce_scatter(check_vma, size, method, groups, r, seed)
 def test_auto_resolves_per_op():
     """AUTO runs each grouped op's measured method for the axis size (one device: the serial
     one), one-way and unsplit whatever else the config says; an explicit method stays as it
-    is. As measured on 2 and 4 GPUs: the all-gather's ring on two, NONE elsewhere."""
+    is. As measured on 2 and 4 GPUs: the all-gather's ring on two, NONE elsewhere and with
+    float8 blocks."""
     from commgemm.grouped.collective import resolve_grouped
 
     auto = cg.OverlapConfig(method="auto", num_splits=4, bidirectional=True)
@@ -156,7 +157,10 @@ def test_auto_resolves_per_op():
             ring = size == 2 and op == "all_gather_grouped_matmul"
             method = cg.Method.RING_EXCHANGE if ring else cg.Method.NONE
             assert (cfg.method, cfg.num_splits, cfg.bidirectional) == (method, 1, False)
+            # blocks on the float8 kernel: NONE at every size (measured on 2 GPUs)
+            assert resolve_grouped(auto, op, size, float8=True).method is cg.Method.NONE
         assert resolve_grouped(METHODS["pipeline2"], op, 4) == METHODS["pipeline2"]
+        assert resolve_grouped(METHODS["pipeline2"], op, 4, float8=True) == METHODS["pipeline2"]
 
 
 @pytest.mark.parametrize(

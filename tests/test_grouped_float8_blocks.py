@@ -322,3 +322,19 @@ def test_kept_transposed_experts(rng, kernel_calls, op, method):
     _same_gradients(kept, _grads(lambda _: run("per call"), (x, w), dy)[0])
     marked = _grads(lambda _: run("marked"), (x, w), dy)[0]
     _same_gradients(marked[0], kept[0])  # dX reads the experts as quantized
+
+
+def test_auto_runs_none_on_the_float8_kernel(rng, kernel_calls):
+    """AUTO's all-gather on two devices runs the ring on 16-bit blocks but NONE, one regrouped
+    GEMM, where the blocks multiply on the float8 kernel (faster there: `AUTO_RING_SIZES`)."""
+    size, m, groups = 2, 256, 3
+    x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
+    sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))
+    auto = cg.OverlapConfig(method="auto")
+    body = lambda a, b, s: cg.all_gather_grouped_matmul(  # noqa: E731
+        a, b, s[0], "x", config=auto, scaling="current_tensor_scaling")  # fmt: skip
+    out = shard(body, mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"))(x, w, sizes)
+    assert len(kernel_calls) == 1 and kernel_calls[0][0][0] == size * m, kernel_calls
+    qx, qw = _dq(np.float32(x), -1), _dq(np.float32(w), 1)
+    want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
+    np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())

@@ -34,24 +34,31 @@ from commgemm.xla.common import after, send_one
 ConfigLike = OverlapConfig | int | None
 
 
-#: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE); at the others it
-#: runs NONE, every block in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096,
-#: N 14336 sharded (BENCHMARKS.md, "One grouped GEMM over the blocks" and "The grouped ops on
-#: four GPUs"): on 2 x H100 the AG's ring took 1.254 ms against 1.302 for none, while the RS's
-#: none (1.116 against 1.212) and the dispatch's (1.457 against 1.820) won; on 4 x H100 none
-#: won everywhere, the AG's 0.800 against 1.050 for its ring (the ring's P blocks each bring
-#: their G group boundaries). The return, whose blocks are the dispatch's, follows it (not
-#: timed alone). Column chunks (pipeline:4) were never the fastest.
+#: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE) on 16-bit blocks; at
+#: the others, and wherever the blocks multiply on the float8 kernel, it runs NONE, every block
+#: in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096, N 14336 sharded
+#: (BENCHMARKS.md, "One grouped GEMM over the blocks", "The grouped ops on four GPUs" and "The
+#: experts' float8 values kept transposed"): on 2 x H100 the AG's ring took 1.254 ms against
+#: 1.302 for none, while the RS's none (1.116 against 1.212) and the dispatch's (1.457 against
+#: 1.820) won; on 4 x H100 none won everywhere, the AG's 0.800 against 1.050 for its ring (the
+#: ring's P blocks each bring their G group boundaries). In float8 on 2 x H100 the AG's none
+#: won too: forward 0.814 against 1.042 ms (experts quantized before), 1.236 against 1.496
+#: (quantized in the call), forward and backward 3.465 against 4.456. The return, whose
+#: blocks are the dispatch's, follows it (not timed alone). Column chunks (pipeline:4) were
+#: never the fastest.
 AUTO_RING_SIZES = {"all_gather_grouped_matmul": frozenset({2})}
 
 
-def resolve_grouped(config: ConfigLike, op: str, size: int) -> OverlapConfig:
+def resolve_grouped(
+    config: ConfigLike, op: str, size: int, *, float8: bool = False
+) -> OverlapConfig:
     """config as a grouped op runs it on an axis of `size` devices: AUTO becomes the ring where
-    `AUTO_RING_SIZES` says so, else NONE, one-way and unsplit."""
+    `AUTO_RING_SIZES` says so and the blocks are not multiplied on the float8 kernel
+    (`float8`: the op has `Float8Experts`), else NONE; one-way and unsplit."""
     cfg, _ = resolve(config)
     if cfg.method is not Method.AUTO:
         return cfg
-    ring = size in AUTO_RING_SIZES.get(op, ())
+    ring = not float8 and size in AUTO_RING_SIZES.get(op, ())
     method = Method.RING_EXCHANGE if ring else Method.NONE
     return cfg.replace(method=method, num_splits=1, bidirectional=False, aggregate=False)
 
@@ -111,7 +118,7 @@ def _all_gather_grouped(
     """`all_gather_grouped_matmul` on x's (quantized) values, its rows moving as `rows` where
     they are quantized (multiplied on float8 tensor cores with `experts`)."""
     size, m = axis_size(axis_name), x.shape[0]
-    cfg = resolve_grouped(config, "all_gather_grouped_matmul", size)
+    cfg = resolve_grouped(config, "all_gather_grouped_matmul", size, float8=experts is not None)
     splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
     cfg = _config(cfg, m, splits, "all_gather_grouped_matmul")
     dtype = cfg.out_dtype or x.dtype.name
