@@ -78,9 +78,11 @@ def quantize_weight(
         tensor scale comes from the whole weight's amax over it, one scale on every shard, as
         the op's own quantization takes it. Outside shard_map: None.
       keep_transposed: also keep the float8 values with w's last two dimensions swapped
-        (`QuantizedWeight.transposed`, as much memory again; tensor scaling only): the grouped
-        ops' float8 kernel on Hopper reads the experts' weights [G, N, K] in the forward, and
-        transposes them in each call without it. The other ops ignore it.
+        (`QuantizedWeight.transposed`, as much memory again; tensor scaling only). Float8
+        GEMMs on Hopper read both operands K-major: the grouped ops' forward reads the experts
+        [G, N, K], the dense ops' GEMMs w [n, K] (the forward of w [K, n], dX of w [n, K] with
+        w_transposed); each call transposes w's values for them without the kept copy.
+        `matmul_2d` does not use it.
     Returns:
       A QuantizedWeight (a pytree) whose gradient flows to w (straight-through).
     """

@@ -72,10 +72,10 @@ class QuantizedWeight:
     however many calls use it. `shape`, `dtype` and `ndim` are the weight's.
 
     `transposed` (tensor scaling; `quantize_weight(..., keep_transposed=True)`): the float8
-    values of `quantized` with their last two dimensions swapped ([G, N, K] of a [G, K, N]
-    weight), the layout in which Hopper's float8 tensor cores read w for the forward (both
-    operands K-major): the grouped ops then multiply it as it is instead of transposing every
-    expert's values in each call. None: made by each call that needs it."""
+    values of `quantized` with their last two dimensions swapped ([N, K] of a [K, N] weight,
+    [G, N, K] of the experts' [G, K, N]), the other layout Hopper's float8 GEMMs read (both
+    operands K-major): the ops multiply it as it is instead of transposing w's values in each
+    call. None: transposed by each call that needs it."""
 
     value: jax.Array
     quantized: ScaledTensor

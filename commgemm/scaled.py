@@ -61,6 +61,7 @@ from commgemm.operands import dot
 from commgemm.quant import (
     E8M0,
     TENSOR_MODES,
+    QuantizedWeight,
     ScaledTensor,
     Scaling,
     ScalingMode,
@@ -125,17 +126,28 @@ def _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype, split: bo
 class QuantizedRhs:
     """W as the XLA methods' local GEMM sees it under `scaling`: quantized, with the scale of
     the left operand's tensor and how to read the left operand's payload rows. The methods
-    pass it where they pass w (commgemm.xla.common.matmul calls `matmul` on it)."""
+    pass it where they pass w (commgemm.xla.common.matmul calls `matmul` on it).
+    `transposed`: w's float8 values with the two dimensions swapped, where the caller kept
+    them (`QuantizedWeight.transposed`), else None."""
 
     w: ScaledTensor
     lhs_scale_inv: jax.Array
     lhs_k: int = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
     split_accumulator: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    transposed: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.w.data.shape
+
+    def k_major(self, w_transposed: bool) -> jax.Array:
+        """W's float8 values [n, K] (tensor modes), K-major as Hopper's float8 GEMMs read both
+        operands: the values themselves where w is [n, K] (`w_transposed`), else the kept
+        transposed copy, else the values transposed (a copy XLA makes in each call)."""
+        if w_transposed:
+            return self.w.data
+        return self.w.data.T if self.transposed is None else self.transposed
 
     def matmul(
         self, rows: jax.Array, w_transposed: bool, accumulate_dtype: str, result_dtype
@@ -143,12 +155,12 @@ class QuantizedRhs:
         """payload rows [r, K(+scales)] @ W -> [r, n], scaled back, in `result_dtype`."""
         mode = self.w.mode
         scale = self.lhs_scale_inv * tensor_scale(self.w)
-        if mode in TENSOR_MODES:
-            lhs, rhs = rows, self.w.data
+        if mode in TENSOR_MODES:  # K-major: no transpose where w's is kept
+            lhs, rhs, dims = rows, self.k_major(w_transposed), ((1,), (1,))
         else:
             lhs = _block_values(unpack_rows(rows, mode, self.lhs_k), self.dtype)
             rhs = _block_values(self.w, self.dtype)
-        dims = ((1,), (1 if w_transposed else 0,))
+            dims = ((1,), (1 if w_transposed else 0,))
         return _scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, result_dtype,
                            self.split_accumulator)  # fmt: skip
 
@@ -184,9 +196,11 @@ def collective_matmul(
     check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
     k_dim = 1 if w_transposed else 0
+    kept = w.transposed if isinstance(w, QuantizedWeight) else None
     w, qw = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
-    return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, recipe.dy_state)
+    return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, recipe.dy_state,
+                   kept)  # fmt: skip
 
 
 def prequantized_matmul(
@@ -228,22 +242,25 @@ def _scaled(
     qx: ScaledTensor,
     qw: ScaledTensor,
     dy_state: ScalingState | None,
+    kept: jax.Array | None = None,
 ) -> jax.Array:
     """The 2-D collective GEMM on quantized operands qx (x's rows, blocks along K) and qw (w,
-    blocks along K); x and w are what gradients flow to (straight-through); dy_state's
-    cotangent is its advanced state (`dy_quantized`)."""
-    return _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state)[0]
+    blocks along K; `kept`: its values transposed, or None); x and w are what gradients flow
+    to (straight-through); dy_state's cotangent is its advanced state (`dy_quantized`)."""
+    return _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state,
+                    kept)[0]  # fmt: skip
 
 
-def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state=None):
+def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_state=None,
+             kept=None):  # fmt: skip
     from commgemm.autodiff import FN_NAMES
     from commgemm.xla import module_for
 
     k = x.shape[1]
-    rhs = QuantizedRhs(qw, tensor_scale(qx), k, x.dtype.name, fmt[2][0])
+    rhs = QuantizedRhs(qw, tensor_scale(qx), k, x.dtype.name, fmt[2][0], kept)
     if collective is Collective.NONE:  # a local GEMM
         out = rhs.matmul(payload(qx), w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
-        return out, (payload(qx), tensor_scale(qx), w, qw, x[:0], dy_state)
+        return out, (payload(qx), tensor_scale(qx), w, qw, x[:0], dy_state, kept)
     fn = getattr(module_for(cfg), FN_NAMES[collective])
     if collective is Collective.ALL_GATHER:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed,
@@ -251,7 +268,7 @@ def _forward(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, dy_sta
     else:
         out, rows = fn(payload(qx), rhs, axis_name, cfg, w_transposed=w_transposed), payload(qx)
     like_x = x[:0]  # x's dtype, K and varying axes, as an array residual
-    return out, (rows, tensor_scale(qx), w, qw, like_x, dy_state)
+    return out, (rows, tensor_scale(qx), w, qw, like_x, dy_state, kept)
 
 
 def _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode, split):
@@ -271,7 +288,7 @@ def _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mo
 def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     from commgemm.xla import module_for
 
-    rows, x_scale, w, qw, like_x, dy_state = residuals
+    rows, x_scale, w, qw, like_x, dy_state, kept = residuals
     x_dtype, k = like_x.dtype, like_x.shape[1]
     mode, grad_dtype, split = fmt
     back = _backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode,
@@ -283,8 +300,8 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     qdy, new_state = dy_quantized(dy, mode, grad_dtype, names, dy_state)
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         n_dim = 0 if w_transposed else 1
-        qw = quantize(w, mode, axis=n_dim, amax=amax(w, names))
-    rhs = QuantizedRhs(qw, tensor_scale(qdy), n, x_dtype.name, split[1])
+        qw, kept = quantize(w, mode, axis=n_dim, amax=amax(w, names)), None
+    rhs = QuantizedRhs(qw, tensor_scale(qdy), n, x_dtype.name, split[1], kept)
     if collective is Collective.ALL_GATHER:
         dx = module_for(back).matmul_reduce_scatter(
             payload(qdy), rhs, axis_name, back, w_transposed=not w_transposed
@@ -301,7 +318,7 @@ def _backward(collective, axis_name, cfg, w_transposed, fmt, residuals, dy):
     dw = _weight_grad(
         rows, x_scale, d_rows, tensor_scale(qdy), fmt, k, n, w_transposed, cfg, w.dtype
     )
-    return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None, new_state
+    return like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w), None, None, new_state, None
 
 
 _scaled.defvjp(_forward, _backward)

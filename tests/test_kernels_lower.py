@@ -882,3 +882,31 @@ def test_kept_transposed_experts_lower(op, keep, monkeypatch):
     calls = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
     assert calls and all(c.rsplit(" : (", 1)[1].count("f8E4M3FN") == 2 for c in calls), calls
     assert bool(transposes) is not keep, transposes
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("spec", ["none", "fused-direct"])
+def test_kept_transposed_dense_lowers(spec, keep, monkeypatch):
+    """The all-gather's float8 forward on a QuantizedWeight [K, n] passed in (quantized before,
+    as for serving), on XLA's GEMM and on the direct fused kernel (as on a Hopper GPU):
+    without the kept copy the program transposes w's float8 values to [n, K], with it none."""
+    from commgemm.quant import ScaledTensor
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    sds, spec_w, mode = jax.ShapeDtypeStruct, P(None, "x"), cg.ScalingMode.CURRENT_TENSOR_SCALING
+    specs = cg.QuantizedWeight(spec_w, ScaledTensor(spec_w, P(), mode=mode),
+                               P("x", None) if keep else None)  # fmt: skip
+    cfg = parse_method(spec, "ag")
+    f = jax.shard_map(lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg, scaling=mode),
+                      mesh=mesh1d(8), in_specs=(P("x"), specs), out_specs=P(None, "x"))  # fmt: skip
+    f8 = jnp.float8_e4m3fn  # per device: 256 rows, K 512, n 256 (the fused kernels' whole mesh)
+    qw = cg.QuantizedWeight(sds((512, 2048), jnp.bfloat16),
+                            ScaledTensor(sds((512, 2048), f8), sds((), jnp.float32), mode=mode),
+                            sds((2048, 512), f8) if keep else None)  # fmt: skip
+    text = jax.jit(f).trace(sds((2048, 512), jnp.bfloat16), qw)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    transposes = [ln for ln in text.splitlines()
+                  if "stablehlo.transpose" in ln and "xf8E4M3FN>) ->" in ln]  # fmt: skip
+    assert bool(transposes) is not keep, transposes
+    kernels = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
+    assert len(kernels) == (spec != "none"), kernels

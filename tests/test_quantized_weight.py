@@ -4,6 +4,8 @@ themselves (the same quantization, so equal to float32 rounding), against the fl
 of the quantized operands too; the program quantizes w once however many calls use it; and
 the mismatches between the weight and the call are refused."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,3 +299,45 @@ def test_mismatches_refused(rng):
     with pytest.raises(TypeError, match="gemm takes w itself"):
         cg.gemm(x, cg.quantize_weight(w, CUR), out_sharding=jax.NamedSharding(mesh, P(None, "x")),
                 x_spec=P("x"), w_spec=P(None, "x"), scaling=CUR)  # fmt: skip
+
+
+@pytest.mark.parametrize("w_transposed", [False, True])
+@pytest.mark.parametrize("op,method", [("ag", "none"), ("ag", "ring_exchange"),
+                                       ("rs", "pipeline"), ("ar", "none")])  # fmt: skip
+def test_kept_transposed_dense(rng, op, method, w_transposed):
+    """A QuantizedWeight with its values kept transposed (`keep_transposed=True`) in the dense
+    ops: values and gradients as without it; the float8 GEMM that would transpose w's values
+    reads the kept copy instead (marked here by negating it): the forward where w is [K, n],
+    dX where it is [n, K] (`w_transposed`)."""
+    size = 2
+    fn, (x_spec, w_spec), out_spec = OPS[op]
+    w_spec = P(*reversed(w_spec)) if w_transposed else w_spec
+    cfg = cg.OverlapConfig(method=method, num_splits=2 if method == "pipeline" else 1)
+    m, k, n = 8 * size, 64 * size, 64 * size
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k) if w_transposed else (k, n)).astype(np.float32)
+    g = rng.standard_normal((m, n)).astype(np.float32)
+
+    def run(how):
+        def body(a, b, c):
+            def loss(a, b):
+                qb = cg.quantize_weight(b, CUR, axis=1 if w_transposed else 0, axis_name="x",
+                                        keep_transposed=how != "plain")  # fmt: skip
+                if how == "marked":
+                    qb = dataclasses.replace(qb, transposed=-qb.transposed)
+                y = fn(a, qb, "x", config=cfg, w_transposed=w_transposed, scaling=CUR)
+                return jax.lax.psum(jnp.sum(y * c), "x"), y
+
+            return jax.grad(loss, (0, 1), has_aux=True)(a, b)
+
+        f = shard(body, mesh1d(size), (x_spec, w_spec, out_spec), ((x_spec, w_spec), out_spec))
+        (dx, dw), y = f(x, w, g)
+        return np.asarray(y), np.asarray(dx), np.asarray(dw)
+
+    plain, kept, marked = run("plain"), run("kept"), run("marked")
+    for a, b in zip(plain, kept, strict=True):
+        np.testing.assert_array_equal(a, b)
+    y, dx, dw = marked
+    np.testing.assert_array_equal(y, plain[0] if w_transposed else -plain[0])
+    np.testing.assert_array_equal(dx, -plain[1] if w_transposed else plain[1])
+    np.testing.assert_array_equal(dw, plain[2])  # dW reads no w

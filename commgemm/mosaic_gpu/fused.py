@@ -238,7 +238,7 @@ def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: 
     `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
     epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`; with split
     accumulation `split_tiling`); `options`: more of the kernel's options."""
-    data = w.w.data if w_transposed else w.w.data.T
+    data = w.k_major(w_transposed)  # [n, K]: the kept transposed values where w has them
     scale = (w.lhs_scale_inv * w.w.scale_inv).astype(jnp.float32).reshape(1)
     split = w.split_accumulator
     tiles = kernel_config(collective, config)

@@ -198,6 +198,34 @@ def test_kept_transposed_experts(op):
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("local_gemm", ["xla", "mosaic"])
+def test_kept_transposed_dense(local_gemm):
+    """A dense op's float8 forward on w [K, n] quantized before (passed in, as for serving),
+    on one GPU (XLA's FP8 GEMM, or commgemm's Mosaic GEMM): with the values kept transposed
+    the compiled program moves no float8 operand (no transpose or copy), without them it
+    does; the results are equal bit for bit."""
+    import re
+
+    m, k, n, mode = 1024, 512, 768, "current_tensor_scaling"
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    cfg = cg.OverlapConfig(local_gemm=local_gemm)
+    outs = []
+    for keep in (False, True):
+        qw = cg.quantize_weight(w, mode, keep_transposed=keep)
+        specs = jax.tree.map(lambda _: P(), qw)
+        f = jax.jit(jax.shard_map(
+            lambda a, b: cg.all_gather_matmul(a, b, "x", config=cfg, scaling=mode),
+            mesh=mesh, in_specs=(P("x"), specs), out_specs=P("x")))  # fmt: skip
+        text = f.lower(x, qw).compile().as_text()
+        moved = re.findall(r"= f8e4m3fn\[[^\]]*\][^ ]* (?:transpose|copy)\(", text)
+        assert bool(moved) is not keep, moved
+        assert ("mosaic" if local_gemm == "mosaic" else "cublas$lt$matmul$f8") in text
+        outs.append(np.float32(f(x, qw)))
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("method", ["none", "ring_exchange"])
 @pytest.mark.parametrize("op", ["ag", "rs", "dispatch"])
 def test_collective_grouped_float8_blocks(op, method):
