@@ -105,12 +105,14 @@ def quantize_weight(
 
 def weight_operand(
     w: jax.Array | QuantizedWeight, recipe: ScalingRecipe, k_dim: int, axis_names
-) -> tuple[jax.Array, ScaledTensor]:
-    """(the weight the gradient flows to, the weight quantized along its dimension k_dim): a
-    `QuantizedWeight`'s own (checked against `recipe`, the op's K dimension and its mesh
-    axes), else w quantized now with its scale shared over `axis_names`."""
+) -> tuple[jax.Array, ScaledTensor, jax.Array | None]:
+    """(the weight the gradient flows to, the weight quantized along its dimension k_dim, its
+    float8 values kept transposed or None): a `QuantizedWeight`'s own (checked against
+    `recipe`, the op's K dimension and its mesh axes), else w quantized now with its scale
+    shared over `axis_names` (and nothing kept)."""
     if not isinstance(w, QuantizedWeight):
-        return w, quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_names, recipe.w_state)
+        q = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_names, recipe.w_state)
+        return w, q, None
     q, ndim = w.quantized, w.value.ndim
     if q.mode is not recipe.mode:
         raise ValueError(f"w was quantized as {q.mode.name}, but scaling= asks {recipe.mode.name}")
@@ -135,7 +137,7 @@ def weight_operand(
             f"it with quantize_weight(..., axis_name={axis_names!r}), one scale for the whole "
             "weight, as the op's own quantization takes it"
         )
-    return w.value, q
+    return w.value, q, w.transposed
 
 
 def check_transposed(w: QuantizedWeight) -> None:

@@ -61,7 +61,6 @@ from commgemm.operands import dot
 from commgemm.quant import (
     E8M0,
     TENSOR_MODES,
-    QuantizedWeight,
     ScaledTensor,
     Scaling,
     ScalingMode,
@@ -196,8 +195,7 @@ def collective_matmul(
     check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
     k_dim = 1 if w_transposed else 0
-    kept = w.transposed if isinstance(w, QuantizedWeight) else None
-    w, qw = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
+    w, qw, kept = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
     return _scaled(collective, axis_name, cfg, w_transposed, fmt, x, w, qx, qw, recipe.dy_state,
                    kept)  # fmt: skip

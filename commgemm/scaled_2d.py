@@ -64,7 +64,7 @@ def matmul_2d(
     check_blocks(recipe, w.shape[0], w.shape[1])  # W's own rows are quantized where they are
     axes = (row_axis, k_axis)
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axes, recipe.x_state)
-    w, qw = weight_operand(w, recipe, 0, axes)
+    w, qw, _ = weight_operand(w, recipe, 0, axes)  # its GEMMs take w's blocks as quantized
     fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
     return _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, recipe.dy_state)
 

@@ -35,7 +35,6 @@ from commgemm.operand_scaling import (
 )
 from commgemm.quant import (
     TENSOR_MODES,
-    QuantizedWeight,
     ScaledTensor,
     Scaling,
     ScalingMode,
@@ -62,8 +61,7 @@ def quantized_operands(
     names = () if axis_name is None else axis_name
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
-    nk = w.transposed if isinstance(w, QuantizedWeight) else None
-    w, qw = weight_operand(w, recipe, 1, names)
+    w, qw, nk = weight_operand(w, recipe, 1, names)
     experts = float8_experts(recipe, qw, nk)
     return straight_through(x, qx), straight_through(w, qw), recipe, rows, experts
 
