@@ -333,10 +333,15 @@ def grouped_fp8_weights_rows(devices, cfg) -> list[dict]:
     `QuantizedWeight` as the forward program's argument, as for serving), with and without the
     float8 values kept transposed (`keep_transposed`), against bf16 and against the op
     quantizing the experts itself (current tensor scaling); the kept copy's result against
-    the other's (bit for bit on the same quantized values)."""
+    the other's (bit for bit on the same quantized values); the dispatch with method none too,
+    and the local grouped op on one device (`_local_fp8_weights_row`)."""
     mesh, ops = _grouped_fp8_ops(devices, cfg)
+    _, *rest = ops["all-to-all+grouped ring"]
+    ops["all-to-all+grouped none"] = (lambda a, b, s, sc: cg.all_to_all_grouped_matmul(
+        a, b, s[0], "tp", config=METHODS["none"], scaling=sc)[0], *rest)  # fmt: skip
     mode = cg.ScalingMode.CURRENT_TENSOR_SCALING
-    rows = []
+    rows = [_local_fp8_weights_row(devices[0], cfg, mode)]
+    print(rows[-1], flush=True)
     for name, (body, in_specs, out_spec, w, sizes_d, x_op) in ops.items():
         w_spec = in_specs[1]
         variants, outs = {}, {}
@@ -367,6 +372,37 @@ def grouped_fp8_weights_rows(devices, cfg) -> list[dict]:
         rows.append({"op": name, "ms": time_variants(variants), "errors": errors})
         print(name, rows[-1], flush=True)
     return rows
+
+
+def _local_fp8_weights_row(device, cfg, mode) -> dict:
+    """`grouped_weights_rows`' local row: `cg.grouped_matmul` on one device, tokens x hidden
+    times experts of hidden x ffn / experts (the grouped GEMM issue's shape: 8192 x 4096 times
+    8 experts of 4096 x 1792), uneven counts, in bf16 and in float8 as the section's variants."""
+    g = cfg["grouped"]
+    m, k, e = g["tokens"], g["hidden"], g["experts"]
+    rng = np.random.default_rng(1)
+    put = lambda a: jax.device_put(jnp.asarray(a, jnp.bfloat16), device)  # noqa: E731
+    x, w = (
+        put(rng.standard_normal((m, k))),
+        put(rng.standard_normal((e, k, g["ffn"] // e)) / k**0.5),
+    )
+    sizes = jax.device_put(np.bincount(rng.integers(0, e, m), minlength=e).astype(np.int32), device)
+    call = lambda sc: jax.jit(lambda a, b, s: cg.grouped_matmul(a, b, s, scaling=sc))  # noqa: E731
+    variants = {
+        "bf16": (call(None), (x, w, sizes)),
+        "fp8 quantizing w": (call(mode), (x, w, sizes)),
+    }
+    outs = {}
+    for keep in (False, True):
+        qw = jax.jit(
+            lambda b, keep=keep: cg.quantize_weight(b, mode, axis=1, keep_transposed=keep)
+        )(w)
+        label = "fp8 quantized before, kept transposed" if keep else "fp8 quantized before"
+        variants[label] = (call(mode), (x, qw, sizes))
+        outs[label] = np.float32(call(mode)(x, qw, sizes))
+    kept, plain = outs.values()
+    errors = {"kept vs not, max abs": float(np.abs(kept - plain).max())}
+    return {"op": "grouped (local, one device)", "ms": time_variants(variants), "errors": errors}
 
 
 def _with_cotangent(preset: str, op: str, devices):

@@ -416,6 +416,10 @@ def test_capabilities_script_runs(tmp_path):
         errors = row["rel_error_vs_bf16"]
         assert len(row["ms"]) == 8 and errors["kernel vs emulated"] == 0
         assert errors["gradients, kernel vs emulated"] == [0, 0]
+    assert [r["op"] for r in result["grouped_fp8_weights"]] == [
+        "grouped (local, one device)", "ag+grouped ring", "ag+grouped none",
+        "all-to-all+grouped ring", "grouped+rs none", "all-to-all+grouped none",
+    ]  # fmt: skip
     for row in result["grouped_fp8_weights"]:  # the same quantized values, kept or not
         assert set(row["ms"]) == {"bf16", "fp8 quantizing w", "fp8 quantized before",
                                   "fp8 quantized before, kept transposed", "timing"}  # fmt: skip
