@@ -338,3 +338,32 @@ def test_auto_runs_none_on_the_float8_kernel(rng, kernel_calls):
     qx, qw = _dq(np.float32(x), -1), _dq(np.float32(w), 1)
     want = np.concatenate([reference(qx[s * m : (s + 1) * m], qw, sizes[s]) for s in range(size)])
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
+
+
+def test_moe_block_with_experts_quantized_once(rng, kernel_calls):
+    """The MoE block's function (`commgemm.nnx.moe_per_shard`) on experts quantized before the
+    call and kept transposed (`cg.quantize_weight(..., keep_transposed=True)`, as for serving):
+    both grouped GEMMs on the kernel, the same result as the block quantizing them itself."""
+    pytest.importorskip("flax")
+    from commgemm.nnx import moe_per_shard
+
+    size, m, hidden, ffn, experts, mode = 2, 128, 256, 256, 4, "current_tensor_scaling"
+    x = _bf16(rng, (size * m, hidden))
+    router = _bf16(rng, (hidden, experts))
+    w1, w2 = _bf16(rng, (experts, hidden, ffn)), _bf16(rng, (experts, ffn, hidden))
+    cfg = _config("ring_exchange")
+
+    def run(before: bool):
+        def body(a, r, b, c):
+            if before:
+                b, c = (cg.quantize_weight(v, mode, axis=1, axis_name="x", keep_transposed=True)
+                        for v in (b, c))  # fmt: skip
+            return moe_per_shard(a, r, b, c, k=2, axis_name="x", config=cfg, scaling=mode)
+
+        f = shard(body, mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"))
+        return np.float32(f(x, router, w1, w2))
+
+    kernel_calls.clear()
+    once = run(True)
+    assert len(kernel_calls) == 2 * size, kernel_calls  # each way's blocks on the kernel
+    np.testing.assert_array_equal(once, run(False))
