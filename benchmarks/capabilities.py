@@ -375,7 +375,7 @@ def grouped_fp8_weights_rows(devices, cfg) -> list[dict]:
 
 
 def _local_fp8_weights_row(device, cfg, mode) -> dict:
-    """`grouped_weights_rows`' local row: `cg.grouped_matmul` on one device, tokens x hidden
+    """`grouped_fp8_weights_rows`' local row: `cg.grouped_matmul` on one device, tokens x hidden
     times experts of hidden x ffn / experts (the grouped GEMM issue's shape: 8192 x 4096 times
     8 experts of 4096 x 1792), uneven counts, in bf16 and in float8 as the section's variants."""
     g = cfg["grouped"]
