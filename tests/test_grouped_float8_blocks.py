@@ -276,10 +276,11 @@ def test_delayed_scaling_blocks(rng, kernel_calls):
 
 
 @pytest.mark.parametrize(
-    ("op", "method"),
-    [("ag", "ring_exchange"), ("ag", "none"), ("rs", "none"), ("dispatch", "ring_exchange")],
-)
-def test_kept_transposed_experts(rng, kernel_calls, op, method):
+    ("op", "method", "check_vma"),
+    [("ag", "ring_exchange", True), ("ag", "none", True), ("rs", "none", True),
+     ("dispatch", "ring_exchange", True), ("ag", "ring_exchange", False)],
+)  # fmt: skip
+def test_kept_transposed_experts(rng, kernel_calls, op, method, check_vma):
     """A `QuantizedWeight` whose float8 values are kept transposed (`keep_transposed=True`):
     the forward's kernel reads that copy (marked here by negating it, which negates the result
     exactly, while dX, which reads the values as quantized, is unchanged); unmarked, results
@@ -310,7 +311,7 @@ def test_kept_transposed_experts(rng, kernel_calls, op, method):
                     b = dataclasses.replace(b, transposed=-b.transposed)
             return call(a, b, s[0], "x", config=cfg, scaling=mode)
 
-        f = shard(body, mesh1d(size), specs, out_spec)
+        f = shard(body, mesh1d(size), specs, out_spec, check_vma=check_vma)
         return lambda a, b: f(a, b, jnp.asarray(sizes, jnp.int32))
 
     kernel_calls.clear()

@@ -155,14 +155,11 @@ class Float8Block(NamedTuple):
 def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
     """The float8 kernel's product of a block (`block_matmul`) and its tag (a zero scalar);
     values and w only carry the gradient."""
-    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu import grouped as hopper
 
-    scale = (x_scale * w_scale).astype(jnp.float32).reshape(1)
-    out = grouped_kernel.grouped_matmul(
-        payload_rows, nk, sizes.astype(jnp.int32), w_nk=True, scale=scale,
-        out_dtype=how.out_dtype, split_accumulator=how.split[0],
-    )  # fmt: skip
-    out = varying_like(out, values, w)  # a Pallas result carries no varying axes
+    out = hopper.float8_matmul(payload_rows, x_scale, nk, w_scale, sizes, how.out_dtype,
+                               split=how.split[0])  # fmt: skip
+    out = varying_like(out, values, w)
     return out, varying_like(jnp.zeros((), jnp.float32), out)
 
 

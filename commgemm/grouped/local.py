@@ -51,9 +51,7 @@ def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arr
     (`mosaic_gpu.grouped.prequantized_reason`); elsewhere XLA's ragged dot of the dequantized
     values in float32."""
     from commgemm.mosaic_gpu import grouped as hopper
-    from commgemm.mosaic_gpu import grouped_kernel
     from commgemm.quant import ScaledTensor, dequantize
-    from commgemm.vma import varying_like
 
     if not (isinstance(x, ScaledTensor) and isinstance(w, ScaledTensor)):
         raise TypeError("grouped_matmul: quantize both x and w (cg.quantize), or pass scaling=")
@@ -71,10 +69,7 @@ def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arr
     sizes = group_sizes.astype(jnp.int32)
     if hopper.prequantized_reason(x, w, w_nk, out_dtype) is None:
         data = w.data if w_nk else jnp.swapaxes(w.data, 1, 2)
-        scale = (x.scale_inv * w.scale_inv).astype(jnp.float32).reshape(1)
-        out = grouped_kernel.grouped_matmul(x.data, data, sizes, w_nk=True, scale=scale,
-                                            out_dtype=out_dtype)  # fmt: skip
-        return varying_like(out, x.data, w.data)  # a Pallas result carries no varying axes
+        return hopper.float8_matmul(x.data, x.scale_inv, data, w.scale_inv, sizes, out_dtype)
     xs, ws = dequantize(x, jnp.float32), dequantize(w, jnp.float32)
     ws = jnp.swapaxes(ws, 1, 2) if w_nk else ws
     return lax.ragged_dot(xs, ws, sizes, preferred_element_type=jnp.float32).astype(out_dtype)

@@ -245,12 +245,9 @@ def _float8_forward(x, w, sizes, qw, nk, states, plan: Float8Plan):
         qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.dtype)
     else:
         qx = quantize(x, ScalingMode.DELAYED_TENSOR_SCALING, dtype=plan.dtype, state=x_state)[0]
-    scale = (qx.scale_inv * qw.scale_inv).astype(jnp.float32).reshape(1)
     w_nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
-    out = grouped_kernel.grouped_matmul(
-        qx.data, w_nk, sizes, plan.tiles, w_nk=True, scale=scale, out_dtype=x.dtype,
-        split_accumulator=plan.split[0],
-    )  # fmt: skip
+    out = float8_matmul(qx.data, qx.scale_inv, w_nk, qw.scale_inv, sizes, x.dtype,
+                        split=plan.split[0], tiles=plan.tiles)  # fmt: skip
     return varying_like(out, x, w), (qx, qw, sizes, dy_state)
 
 
@@ -275,20 +272,29 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
 float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)
 
 
+def float8_matmul(a, a_scale_inv, b_nk, b_scale_inv, sizes, out_dtype, *, split: bool = False,
+                  tiles: GroupedConfig | None = None) -> jax.Array:  # fmt: skip
+    """Rows of a [M, K] (float8, sorted by group) times their group's b_nk[g]^T ([G, N, K],
+    float8, K-major) on commgemm's grouped kernel, the two tensor scales (`*_scale_inv`, the
+    factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit). The
+    shape must be the kernel's (`grouped_kernel.shape_reason`)."""
+    scale = (a_scale_inv * b_scale_inv).astype(jnp.float32).reshape(1)
+    out = grouped_kernel.grouped_matmul(a, b_nk, sizes.astype(jnp.int32), tiles, w_nk=True,
+                                        scale=scale, out_dtype=out_dtype,
+                                        split_accumulator=split)  # fmt: skip
+    return varying_like(out, a, b_nk)  # a Pallas result carries no varying axes
+
+
 def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
-    """dX = dY @ w[g]^T for each row's group g on commgemm's float8 kernel: qdy [M, N] (a
-    tensor-scaled float8 `ScaledTensor`) times w_kn [G, K, N] (the float8 values as quantized
-    along K, K-major for this contraction over N), the two scales in the epilogue -> [M, K] in
-    `out_dtype` (16-bit); None where the kernel does not take the shape (the caller emulates)."""
+    """dX = dY @ w[g]^T for each row's group g on commgemm's float8 kernel (`float8_matmul`):
+    qdy [M, N] (a tensor-scaled float8 `ScaledTensor`) times w_kn [G, K, N] (the float8 values
+    as quantized along K, K-major for this contraction over N) -> [M, K] in `out_dtype`
+    (16-bit); None where the kernel does not take the shape (the caller emulates)."""
     (m, n), k = qdy.data.shape, w_kn.shape[1]
     if grouped_kernel.shape_reason(GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True,
                                    split=split) is not None:  # fmt: skip
         return None
-    scale = (qdy.scale_inv * w_scale_inv).astype(jnp.float32).reshape(1)
-    dx = grouped_kernel.grouped_matmul(qdy.data, w_kn, sizes.astype(jnp.int32), w_nk=True,
-                                       scale=scale, out_dtype=out_dtype,
-                                       split_accumulator=split)  # fmt: skip
-    return varying_like(dx, qdy.data, w_kn)  # a Pallas result carries no varying axes
+    return float8_matmul(qdy.data, qdy.scale_inv, w_kn, w_scale_inv, sizes, out_dtype, split=split)
 
 
 def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
