@@ -1,5 +1,6 @@
 """The local grouped GEMM on one GPU: `cg.grouped_matmul` (the kernel `pick_tiles` picks), each
-of its two Hopper kernels (commgemm's `grouped_kernel`, jax's `ragged_dot_mgpu`) in the forward
+of its Hopper kernels (commgemm's `grouped_pingpong` and `grouped_kernel`, jax's
+`ragged_dot_mgpu`) in the forward
 and in dX's form (w transposed), against `jax.lax.ragged_dot`, XLA's dense GEMM of the same
 FLOPs and the dense kernels' GEMM core, for G experts with uneven groups (M tokens, K, N per
 expert shard), timed interleaved in one run (device periods where the GPU's timestamps can be
@@ -31,10 +32,11 @@ from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-#: The two Hopper kernels of the forward and dX, in their default tilings (commgemm's choosing
-#: whether to narrow its last wave: `grouped_kernel.narrowing_pays`), and commgemm's with that
-#: choice made (`GroupedConfig.narrow_tail`).
+#: The three Hopper kernels of the forward and dX, in their default tilings (commgemm's
+#: row-aligned one choosing whether to narrow its last wave: `grouped_kernel.narrowing_pays`),
+#: and the row-aligned one with that choice made (`GroupedConfig.narrow_tail`).
 KERNELS = {
+    "commgemm ping-pong kernel": hopper.PingPongTiles(),
     "commgemm kernel": GroupedConfig(),
     "commgemm kernel, last wave narrowed": GroupedConfig(narrow_tail=True),
     "commgemm kernel, last wave whole": GroupedConfig(narrow_tail=False),
@@ -74,6 +76,10 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             )  # fmt: skip
             for name, t in KERNELS.items()
         },
+        "dX commgemm ping-pong kernel": (
+            jax.jit(lambda a, b, s: hopper.product(a, b, s, hopper.PingPongTiles(), True)),
+            (dy, w, sizes),
+        ),
         "dX commgemm kernel": (
             jax.jit(lambda a, b, s: grouped_kernel.grouped_matmul(a, b, s, w_nk=True)),
             (dy, w, sizes),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from commgemm.mosaic_gpu import grouped, grouped_kernel
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
+from commgemm.mosaic_gpu.grouped_pingpong import PingPongTiles
 
 
 def _walk_rows(tiles: GroupedConfig, tiles_m: int, tiles_n: int) -> np.ndarray:
@@ -227,17 +228,19 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
 @pytest.mark.parametrize(
     "m,k,n,groups,want",
     [
-        (8192, 4096, 1792, 8, GroupedConfig),  # 1024 rows a group
-        (8192, 4096, 1792, 16, GroupedConfig),  # 512, its last wave narrowed
-        (8192, 4096, 4096, 16, grouped.GroupedTiles),  # 512, whole tiles: jax's kernel
-        (8192, 4096, 1792, 64, grouped.GroupedTiles),  # 128
-        (8192, 4096, 1664, 8, grouped.GroupedTiles),  # N not whole 256-column tiles
-        (8000, 4096, 1792, 8, grouped.GroupedTiles),  # M not whole 128-row tiles
-        (8192, 100, 1792, 8, type(None)),  # K fits neither: XLA's ragged dot
+        (8192, 4096, 1792, 8, GroupedConfig),  # 1024 rows a group: the row-aligned kernel
+        (8192, 4096, 1792, 16, PingPongTiles),  # 512
+        (8192, 4096, 4096, 64, PingPongTiles),  # 128
+        (8192, 4096, 1664, 8, PingPongTiles),  # N not whole 256-column tiles
+        (8000, 4096, 1792, 8, PingPongTiles),  # M not whole 128-row tiles
+        (8192, 4096, 1600, 8, type(None)),  # N not whole 128-column tiles: XLA's ragged dot
+        (8192, 100, 1792, 8, type(None)),  # K not whole 64s
         (8192, 4096, 1792, 0, type(None)),  # no groups: XLA's ragged dot (zeros)
     ],
 )
 def test_pick_tiles(m, k, n, groups, want):
+    """The forward's kernel by rows a group and shape; dX runs the ping-pong kernel wherever it
+    takes the shape."""
     assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16), want)
-    if want is grouped.GroupedTiles and m % 128 == 0 and n % 256 == 0:  # dX: ours at any G > 0
-        assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16, dx=True), GroupedConfig)
+    dx = grouped.pick_tiles(m, k, n, groups, jnp.float16, dx=True)
+    assert isinstance(dx, type(None) if want is type(None) else PingPongTiles)

@@ -410,12 +410,12 @@ def test_compiler_params_reach_the_kernels():
     assert params.lowering_semantics == plain.lowering_semantics
 
 
-@pytest.mark.parametrize("kernel", ["commgemm", "jax"])
+@pytest.mark.parametrize("kernel", ["commgemm", "pingpong", "jax"])
 @pytest.mark.parametrize("groups", [8, 64])
 def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
-    """The grouped GEMM's Hopper path (the forward on commgemm's kernel or jax's Mosaic GPU
-    ragged dot, dX on the one `pick_tiles` picks, dW on jax's transposed ragged dot) lowers for
-    a CUDA target, its backward included."""
+    """The grouped GEMM's Hopper path (the forward on commgemm's row-aligned or ping-pong
+    kernel or jax's Mosaic GPU ragged dot, dX on the one `pick_tiles` picks, dW on jax's
+    transposed ragged dot) lowers for a CUDA target, its backward included."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     from commgemm.mosaic_gpu import grouped
@@ -426,7 +426,8 @@ def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
     args = (sds((1024, 256), jnp.bfloat16), sds((groups, 256, 512), jnp.bfloat16))
     sizes = jnp.full((groups,), 1024 // groups, jnp.int32)
 
-    tiles = grouped.GroupedConfig() if kernel == "commgemm" else grouped.GroupedTiles()
+    kernels = {"commgemm": grouped.GroupedConfig(), "pingpong": grouped.PingPongTiles()}
+    tiles = kernels.get(kernel, grouped.GroupedTiles())
 
     def loss(x, w):
         return jnp.sum(grouped.ragged_dot(x, w, sizes, tiles).astype(jnp.float32))

@@ -124,8 +124,9 @@ def grouped_matmul(
         for several calls by `cg.quantize_weight(w, scaling, axis=1)`; with
         `keep_transposed=True` Hopper's float8 forward reads its values as kept, [G, N, K],
         instead of transposing them in each call): differentiable.
-      hopper_tiles: the Hopper forward's kernel: a `GroupedConfig` (commgemm's kernel) or a
-        `GroupedTiles` (jax's ragged dot); None picks one by the shape
+      hopper_tiles: the Hopper forward's kernel: a `PingPongTiles` (commgemm's ping-pong
+        kernel), a `GroupedConfig` (its row-aligned kernel) or a `GroupedTiles` (jax's ragged
+        dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
         divides into the tiles, the forward and dX run a Mosaic GPU kernel and dW jax's
         transposed ragged dot; elsewhere XLA's ragged dot (on H200 4 to 23 times slower for 8

@@ -1,16 +1,18 @@
 """The grouped GEMM on Hopper.
 
-The forward and dX (w transposed) run one of two kernels (`pick_tiles`): commgemm's
-(`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that
-straddles group boundaries running one K loop per group) or jax's Mosaic GPU ragged dot
-(`ragged_dot_mgpu`: one unit per (row block, group), 128 x 128 tiles, stores that follow the
-groups). On H200 (M = 8192, K = 4096, N = 1792) ours ran the forward 17% faster with 8 groups
-and jax's 7% faster with 64, where a 128-row tile holds two to four groups; ours ran dX 9 to
-19% faster with both (BENCHMARKS.md). dW runs jax's transposed ragged dot
-(`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot
-runs far below the tensor cores' rate on H200 (docs/performance.md), which is why this path
-exists; it stays the fall-back for shapes neither kernel takes. Tensor scaling (current or
-delayed) runs the forward and dX on float8 operands in commgemm's kernel (`float8_ragged_dot`)."""
+The forward and dX (w transposed) run one of commgemm's two kernels (`pick_tiles`): the
+ping-pong kernel (`grouped_pingpong`: tiles aligned to the groups, each compute warpgroup a
+whole 128 x 128 tile, one's epilogue under the other's K loop), commgemm's row-aligned kernel
+(`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that straddles
+group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ragged_dot_mgpu`:
+one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one H100 (M = 8192, K
+= 4096, N = 1792) the ping-pong kernel ran the forward 23 to 30% faster than the others with 16
+to 128 groups and dX 15 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
+with 8 groups (3% faster; BENCHMARKS.md). dW runs jax's transposed ragged dot
+(`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot runs
+far below the tensor cores' rate on H200 (docs/performance.md), which is why this path exists;
+it stays the fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the
+forward and dX on float8 operands in the row-aligned kernel (`float8_ragged_dot`)."""
 
 from __future__ import annotations
 
@@ -21,19 +23,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.mosaic_gpu import grouped_kernel
+from commgemm.mosaic_gpu import grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
+from commgemm.mosaic_gpu.grouped_pingpong import PingPongTiles
 from commgemm.vma import like_primal, varying_like
 
-#: Rows a group needs on average (M / G) for commgemm's kernel to run the forward: on one H200
-#: (M 8192, K 4096, N 1792) it was 17% faster than jax's with 1024 rows a group, 1.2 to 2% slower
-#: with 512 in three runs and 5 to 9% slower with 128 to 341. Where its last wave runs narrowed
-#: (`grouped_kernel.narrowing_pays`) it needs NARROWED_KERNEL_ROWS: with 512 rows a group it
-#: was then 6% faster than jax's on one H200 and as fast on one H100. dX runs it at any group
-#: size: it was the faster dX with 8 to 128 groups (BENCHMARKS.md).
+#: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run
+#: the forward: on one H100 (M 8192, K 4096, N 1792) it was 3% faster than the ping-pong kernel
+#: with 1024 rows a group, and 26% slower with 512 (BENCHMARKS.md). dX runs the ping-pong
+#: kernel at any group size (15 to 36% faster with 8 to 128 groups).
 TILES_KERNEL_ROWS = 1024
-NARROWED_KERNEL_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +59,18 @@ class GroupedTiles:
                 raise ValueError(f"GroupedTiles.{field.name}={value!r} must be a positive int")
 
 
+#: A grouped kernel and its tiling: the ping-pong kernel's, the row-aligned kernel's, jax's.
+Kernel = PingPongTiles | GroupedConfig | GroupedTiles
+
+
 def default_tiles(n: int) -> GroupedTiles:
     """128 x 128 tiles walked in bands two wide where N allows (on H200 the fastest of five
     tilings for 8 and 64 groups, M = 8192, K = 4096, N = 1792: BENCHMARKS.md)."""
     return GroupedTiles(grid_block_n=2 if n % 256 == 0 else 1)
 
 
-def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) -> str | None:
-    """Why the Hopper kernel `tiles` (None: either kernel) cannot run x [M, K] @ w [G, K, N],
+def unsupported_reason(x, w, tiles: Kernel | None = None) -> str | None:
+    """Why the Hopper kernel `tiles` (None: any of them) cannot run x [M, K] @ w [G, K, N],
     or None."""
     if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
@@ -77,10 +81,13 @@ def unsupported_reason(x, w, tiles: GroupedTiles | GroupedConfig | None = None) 
 
 def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
     if tiles is None:
-        reasons = [_shape_reason(m, k, n, dtype, t) for t in (GroupedConfig(), default_tiles(n))]
+        kernels = (PingPongTiles(), GroupedConfig(), default_tiles(n))
+        reasons = [_shape_reason(m, k, n, dtype, t) for t in kernels]
         return None if None in reasons else " and ".join(reasons)
     if isinstance(tiles, GroupedConfig):
         return grouped_kernel.shape_reason(tiles, m, k, n, dtype)
+    if isinstance(tiles, PingPongTiles):
+        return grouped_pingpong.shape_reason(tiles, m, k, n, dtype)
     if 0 in (m, k, n):
         return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
     if k % tiles.block_k or n % (tiles.block_n * tiles.grid_block_n):
@@ -88,24 +95,17 @@ def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
     return None
 
 
-def pick_tiles(
-    m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False
-) -> GroupedTiles | GroupedConfig | None:
+def pick_tiles(m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False) -> Kernel | None:
     """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; `dx`: dX's product, w
-    transposed): commgemm's where its tiles fit and, for the forward, the groups average
-    TILES_KERNEL_ROWS rows or more (NARROWED_KERNEL_ROWS where its last wave runs narrowed);
-    else jax's where its tiles fit; else (or with no groups) None (XLA's ragged dot)."""
+    transposed): for the forward, the row-aligned kernel where its tiles fit and the groups
+    average TILES_KERNEL_ROWS rows or more; else the ping-pong kernel where its tiles fit (it
+    takes every shape jax's kernel takes); else (or with no groups) None (XLA's ragged dot)."""
     if groups < 1:  # no weights: every row is past the groups' sum
         return None
-    ours = GroupedConfig()
-    if _shape_reason(m, k, n, dtype, ours) is None:
-        sms = mosaic_tiles.num_sms() if mosaic_tiles.hopper_reason() is None else None
-        narrowed = grouped_kernel.narrowing_pays(ours, m, n, groups, sms or mosaic_tiles.HOPPER_SMS)
-        rows = 0 if dx else NARROWED_KERNEL_ROWS if narrowed else TILES_KERNEL_ROWS
-        if m >= rows * groups:
-            return ours
-    tiles = default_tiles(n)
-    return tiles if _shape_reason(m, k, n, dtype, tiles) is None else None
+    fits = functools.partial(_shape_reason, m, k, n, dtype)
+    if not dx and m >= TILES_KERNEL_ROWS * groups and fits(GroupedConfig()) is None:
+        return GroupedConfig()
+    return PingPongTiles() if fits(PingPongTiles()) is None else None
 
 
 def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
@@ -139,8 +139,9 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
     tiles = tiles or pick_tiles(m, k, n, w.shape[0], x.dtype, dx=transpose_rhs)
     if (reason := _shape_reason(m, k, n, x.dtype, tiles) if tiles else None) is not None:
         raise ValueError(f"grouped GEMM {(m, k)} x {w.shape}: {reason}")
-    if isinstance(tiles, GroupedConfig):
-        out = grouped_kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
+    if isinstance(tiles, GroupedConfig | PingPongTiles):
+        kernel = grouped_kernel if isinstance(tiles, GroupedConfig) else grouped_pingpong
+        out = kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
         return varying_like(out, x, w)  # a Pallas result carries no varying axes of its own
     if tiles is None:
         rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
@@ -156,9 +157,7 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_dot(
-    x: jax.Array, w: jax.Array, sizes: jax.Array, tiles: GroupedTiles | GroupedConfig | None
-) -> jax.Array:
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, tiles: Kernel | None) -> jax.Array:
     """x [M, K] rows sorted by group, w [G, K, N], sizes [G] int32 -> [M, N] in x's dtype
     (float32 accumulation). `tiles`: the forward's kernel (None: `pick_tiles`); dX picks its
     own for its shape."""

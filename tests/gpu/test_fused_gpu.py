@@ -208,17 +208,26 @@ def test_fused_config_on_one_gpu_runs_the_local_gemm(op, spec):
     assert _relative_error(f(x, w), _reference(x, w)) <= REL
 
 
-@pytest.mark.parametrize("kernel", ["commgemm", "jax", "picked"])
+def _grouped_kernel(name: str):
+    """The grouped forward's kernel by name (None: the one `pick_tiles` picks)."""
+    from commgemm.mosaic_gpu import grouped
+
+    kernels = {"commgemm": grouped.GroupedConfig(), "jax": grouped.GroupedTiles(),
+               "pingpong": grouped.PingPongTiles()}  # fmt: skip
+    return kernels.get(name)
+
+
+@pytest.mark.parametrize("kernel", ["commgemm", "pingpong", "jax", "picked"])
 @pytest.mark.parametrize("empty", [False, True], ids=["all", "empty"])
 @pytest.mark.parametrize("groups", [8, 64])
 def test_grouped_matmul_hopper_path(groups, empty, kernel):
-    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (the forward on commgemm's, on
-    jax's or on the one `pick_tiles` picks; dX on its pick; dW the transposed ragged dot):
-    values and gradients against the float32 XLA ragged dot, uneven groups summing short of
-    the rows, and with every other group empty."""
+    """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (the forward on commgemm's
+    row-aligned or ping-pong kernel, on jax's or on the one `pick_tiles` picks; dX on its pick;
+    dW the transposed ragged dot): values and gradients against the float32 XLA ragged dot,
+    uneven groups summing short of the rows, and with every other group empty."""
     from commgemm.mosaic_gpu import grouped
 
-    tiles = {"commgemm": grouped.GroupedConfig(), "jax": grouped.GroupedTiles()}.get(kernel)
+    tiles = _grouped_kernel(kernel)
 
     m, k, n = 2048, 512, 768
     kx, kw, kg = jax.random.split(jax.random.key(groups), 3)
@@ -249,15 +258,14 @@ def test_grouped_matmul_hopper_path(groups, empty, kernel):
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("kernel", ["commgemm", "jax"])
+@pytest.mark.parametrize("kernel", ["commgemm", "pingpong", "jax"])
 def test_grouped_matmul_hopper_path_in_shard_map(kernel, check_vma):
     """Inside shard_map (x's rows over a mesh axis of this GPU, w replicated), as the grouped
     collective ops call it: the kernels' results, which Pallas types as varying over nothing,
     are typed as the values they come from, and dW summed over the axis w is replicated over;
     values and gradients as the float32 ragged dot's."""
-    from commgemm.mosaic_gpu import grouped
 
-    tiles = {"commgemm": grouped.GroupedConfig(), "jax": grouped.GroupedTiles()}[kernel]
+    tiles = _grouped_kernel(kernel)
     m, k, n, groups = 1024, 256, 512, 4
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -310,6 +318,42 @@ def test_grouped_kernel_against_ragged_dot(sizes, w_nk, narrow):
                               precision="highest")  # fmt: skip
     scale = max(float(jnp.abs(want).max()), 1.0)
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
+
+
+@pytest.mark.parametrize("m", [1024, 1000], ids=["whole", "ragged-rows"])
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [60, 70, 80, 90], [900, 900]],
+    ids=["one", "uneven", "none", "tiny", "short", "past-the-rows"],
+)
+def test_pingpong_kernel_against_ragged_dot(sizes, w_nk, m):
+    """commgemm's ping-pong grouped kernel alone, in the forward and dX's form (w read
+    [G, N, K]): one group, empty groups, no rows at all, forty 7-row groups (tiles starting at
+    rows that are not whole 8s), sums short of the rows (zero there) and past them (cut), rows
+    not whole tiles; against the float32 ragged dot. With a float32 scale and result too."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+
+    k, n = 320, 512
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(sizes.shape[0] + m), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
+    w = (jax.random.normal(kw, shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
+    cut = jnp.minimum(jnp.cumsum(sizes), m)  # ragged_dot's rows of a sum past m
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32),
+                              jnp.diff(cut, prepend=0), precision="highest")  # fmt: skip
+    scale = max(float(jnp.abs(want).max()), 1.0)
+    kernel = jax.jit(functools.partial(grouped_pingpong.grouped_matmul, w_nk=w_nk))
+    got = kernel(x, w, sizes)
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
+    two = jnp.full((1,), 2.0, jnp.float32)
+    got = jax.jit(functools.partial(grouped_pingpong.grouped_matmul, w_nk=w_nk, scale=two,
+                                    out_dtype=jnp.float32))(x, w, sizes)  # fmt: skip
+    assert got.dtype == jnp.float32
+    assert float(jnp.abs(got - 2 * want).max()) <= 2 * REL * scale
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

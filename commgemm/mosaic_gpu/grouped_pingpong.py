@@ -1,0 +1,293 @@
+"""The grouped GEMM's ping-pong Hopper kernel: x [M, K] (rows sorted by group) times w [G, K, N],
+each row multiplied by its group's weight (`lax.ragged_dot`), on tiles aligned to the groups.
+
+Tiles: each group's rows run in tiles of tile_m rows from its first row rounded down to a
+multiple of 8 (Mosaic GPU loads tiled shared memory from whole 8s of rows), so a tile holds one
+group's rows (a group's first tile also up to 7 rows of the group before it, and its last tile
+rows past the group's end: computed, never stored). A tile is one K loop over its group's
+weights, whatever the groups: a group costs about half a tile of rows it does not need (its
+partial last tile), where tiles aligned to the rows (`grouped_kernel`) run one more K loop per
+group boundary inside a tile. A partial tile's rows are stored by a ladder of TMA stores of
+tile_m, tile_m / 2, ..., 1 rows, each taken or not by the bits of the row count (as jax's
+`ragged_dot_mgpu`). Rows past the groups' sum come out zero: the compute warpgroups store zero
+tiles over them after their GEMM tiles.
+
+Schedule (CUTLASS's ping-pong): one persistent CTA per SM with a warpgroup that issues the TMA
+loads and two compute warpgroups, each owning a whole tile_m x tile_n tile (a 128 x 128
+float32 accumulator) and taking the CTA's tiles in turn. The load warpgroup fills one ring of
+`stages` shared-memory slots in tile order, so one warpgroup's K loop follows the other's and
+each tile's epilogue runs under the other warpgroup's K loop, where the dense kernels' two
+warpgroups (one tile between them) run their epilogues together and leave the tensor cores
+idle; an ordered pair of barriers makes the K loops alternate. A compute warpgroup waits on
+the "loaded" barriers of its own tiles only (one array per warpgroup, so each barrier's phases
+are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
+awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
+
+On one H100 (M 8192, K 4096, N 1792, uneven groups) it ran the forward 23 to 30% faster than
+the faster of the other two kernels with 16 to 128 groups and 3% slower than `grouped_kernel`
+with 8; dX (w read [G, N, K]) 15 to 36% faster with 8 to 128 (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.mosaic_gpu import tiles as mt
+
+#: Rows a tile's first row is aligned to (Mosaic GPU's tiled shared memory).
+ROW_ALIGN = 8
+#: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
+SMEM_BYTES = 227 * 1024 - 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPongTiles:
+    """The ping-pong kernel's tiling: tile_m x tile_n tiles, one per compute warpgroup, K-steps
+    of tile_k, `stages` slots in the shared ring, CTAs walking the tiles in bands `band` row
+    tiles wide. The defaults were the fastest of the few measured (BENCHMARKS.md); the shared
+    memory holds stages x (tile_m + tile_n) x tile_k operands and two tile_m x tile_n outputs."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 5
+    band: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PingPongTiles.{field.name}={value!r} must be a positive int")
+        if self.tile_m % ROW_ALIGN:
+            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {ROW_ALIGN}s")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowTiles:
+    """The kernel's row tiles, int32: tile p holds rows [start, start + tile_m) of x, of which
+    `rows` from start + skip are its group's (and stored); groups' tiles first, in group order,
+    then the tail's (rows past the groups' sum, zeroed), then unused ones (rows 0).
+
+    start, skip, rows, group [`max_row_tiles`]; counts [2]: the groups' tiles, and theirs with
+    the tail's."""
+
+    start: jax.Array
+    skip: jax.Array
+    rows: jax.Array
+    group: jax.Array
+    counts: jax.Array
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return self.start, self.skip, self.rows, self.group, self.counts
+
+
+def max_row_tiles(m: int, groups: int, tile_m: int) -> int:
+    """A bound on the row tiles of m rows in `groups` groups and the tail: each of the G + 1
+    spans takes at most one tile more than its rows (and the 7 rows below its aligned start)."""
+    return -(-(m + ROW_ALIGN * (groups + 1)) // tile_m) + groups + 1
+
+
+def row_tiles(sizes: jax.Array, m: int, tile_m: int) -> RowTiles:
+    """The row tiles of groups `sizes` [G] (their sum cut at m) over m rows and of the tail
+    [sum, m), counted by comparisons and prefix sums (a few fused elementwise ops)."""
+    ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), m)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # the tail: one more span
+    offs = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    base = offs // ROW_ALIGN * ROW_ALIGN
+    count = jnp.where(ends > offs, (ends - base + tile_m - 1) // tile_m, 0)
+    cum = jnp.cumsum(count)
+    p = jnp.arange(max_row_tiles(m, sizes.shape[0], tile_m), dtype=jnp.int32)
+    span = jnp.minimum(jnp.sum(cum[None, :] <= p[:, None], axis=1), ends.shape[0] - 1)
+    start = base[span] + (p - (cum - count)[span]) * tile_m
+    first = jnp.maximum(offs[span], start)
+    rows = jnp.where(p < cum[-1], jnp.minimum(start + tile_m, ends[span]) - first, 0)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    counts = jnp.stack([cum[-2], cum[-1]])
+    return RowTiles(i32(start), i32(first - start), i32(rows), i32(span), i32(counts))
+
+
+def ring_stages(tiles: PingPongTiles, dtype, out_dtype) -> int:
+    """The ring's slots: `tiles.stages`, or as many as fit in shared memory beside the two
+    output tiles (fewer for a 32-bit result)."""
+    out = 2 * tiles.tile_m * tiles.tile_n * jnp.dtype(out_dtype).itemsize
+    slot = (tiles.tile_m + tiles.tile_n) * tiles.tile_k * jnp.dtype(dtype).itemsize
+    return min(tiles.stages, (SMEM_BYTES - out) // slot)
+
+
+def shape_reason(tiles: PingPongTiles, m: int, k: int, n: int, dtype) -> str | None:
+    """Why the kernel cannot multiply x [m, K] by w [G, K, n] of `dtype` in `tiles`, or None:
+    16-bit operands, N and K whole tiles (any number of rows)."""
+    if 0 in (m, k, n):
+        return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"it multiplies bf16 or fp16 operands, got {jnp.dtype(dtype).name}"
+    if n % tiles.tile_n or k % tiles.tile_k:
+        return f"N={n} and K={k} must be whole {tiles.tile_n} x {tiles.tile_k} tiles"
+    return None
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    tiles: PingPongTiles | None = None,
+    *,
+    w_nk: bool = False,
+    scale: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
+    transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
+    [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
+    given; rows past the sum are zero. N and K whole tiles (`shape_reason`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+
+    tiles = tiles or PingPongTiles()
+    (m, k), n = x.shape, w.shape[1 if w_nk else 2]
+    layout = "[G, N, K]" if w_nk else "[G, K, N]"
+    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != x.dtype:
+        raise ValueError(f"ping-pong grouped kernel: w {w.dtype}{list(w.shape)} must be "
+                         f"{layout} with x's K={k} and dtype {x.dtype}")  # fmt: skip
+    if sizes.shape != (w.shape[0],):
+        raise ValueError(f"ping-pong grouped kernel: sizes {sizes.shape} must hold one count "
+                         f"per group of w {list(w.shape)}")  # fmt: skip
+    if (reason := shape_reason(tiles, m, k, n, x.dtype)) is not None:
+        raise ValueError(f"ping-pong grouped kernel: {reason}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
+    stages = ring_stages(tiles, x.dtype, out_dtype)
+    if stages < 2:
+        raise ValueError(f"ping-pong grouped kernel: {tiles} with a {out_dtype.name} result "
+                         f"leaves shared memory for {stages} stages, needs 2")  # fmt: skip
+    n_iters, k_iters, sms = n // tn, k // tk, mt.num_sms()
+    transforms = mt.smem_transforms(x.dtype, tk)
+    w_block = (tn, tk) if w_nk else (tk, tn)
+
+    def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, x_ref, w_ref, *refs):
+        scale_ref, out_ref = refs if scale is not None else (None, *refs)
+        cta, used = lax.axis_index("sm"), counts_ref[0]
+        mine = (used * n_iters - cta + sms - 1) // sms  # units cta, cta + sms, ... of the GEMM
+        zeros = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # and of the tail
+
+        def where(i):  # the CTA's i-th GEMM tile: its rows' tile and columns
+            p, n_idx = plgpu.planar_snake(
+                cta + i * sms, (used, n_iters), MatmulDimension.M, tiles.band
+            )
+            return p, pl.ds(n_idx * tn, tn)
+
+        def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1):
+            wg, loaded, turn = lax.axis_index("wg"), (loaded0, loaded1), (turn0, turn1)
+
+            def issue(c, s):  # the loads of the CTA's step s, a K-step of compute warpgroup c
+                slot, ks = s % stages, pl.ds((s % k_iters) * tk, tk)
+                p, cols = where(s // k_iters)
+                rows = pl.ds(pl.multiple_of(start_ref[p], ROW_ALIGN), tm)
+                plgpu.copy_gmem_to_smem(x_ref.at[rows, ks], x_smem.at[slot], loaded[c].at[slot])
+                group = w_ref.at[group_ref[p]]
+                block = group.at[cols, ks] if w_nk else group.at[ks, cols]
+                plgpu.copy_gmem_to_smem(block, w_smem.at[slot], loaded[c].at[slot])
+
+            def load():
+                plgpu.set_max_registers(40, action="decrease")
+
+                @pl.loop(0, mine * k_iters)
+                def _step(s):
+                    @pl.when(s >= stages)
+                    def _reuse():
+                        plgpu.barrier_wait(consumed.at[s % stages])
+
+                    for c in (0, 1):
+                        pl.when((s // k_iters) % 2 == c)(functools.partial(issue, c, s))
+
+            def store(c, value, p, cols):  # the tile's own rows: a ladder of TMA stores
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[c] = value
+                plgpu.commit_smem()
+                row0, at, count, size = start_ref[p], skip_ref[p], rows_ref[p], tm
+                while size >= 1:
+
+                    @pl.when(count & size != 0)
+                    def _part(at=at, size=size):
+                        dest = out_ref.at[pl.ds(row0 + at, size), cols]
+                        plgpu.copy_smem_to_gmem(out_smem.at[c, pl.ds(at, size)], dest)
+
+                    at, size = at + (count & size), size // 2
+
+            def gemm_tile(c, i):
+                p, cols = where(i)
+
+                def k_step(kk, acc):
+                    s = i * k_iters + kk
+                    plgpu.barrier_wait(loaded[c].at[s % stages])
+                    rhs = w_smem.at[s % stages]
+                    plgpu.wgmma(acc, x_smem.at[s % stages], rhs.T if w_nk else rhs)
+                    plgpu.wgmma_wait(1)  # the K-step before is done: release its slot
+
+                    @pl.when(kk > 0)
+                    def _release():
+                        plgpu.barrier_arrive(consumed.at[(s - 1) % stages])
+
+                    return acc
+
+                def tile_scope(acc_ref):
+                    @pl.when(i > 0)  # the other warpgroup's K loop first
+                    def _wait_turn():
+                        plgpu.barrier_wait(turn[c])
+
+                    lax.fori_loop(0, k_iters, k_step, acc_ref)
+                    plgpu.barrier_arrive(turn[1 - c])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[(i * k_iters + k_iters - 1) % stages])
+                    store(c, mt.scaled(acc_ref[...], scale_ref, out_dtype), p, cols)
+
+                pl.run_scoped(tile_scope, plgpu.ACC((tm, tn), jnp.float32))
+
+            def zero_tile(c, j):  # rows past the groups' sum
+                z = cta + j * sms
+                tile = plgpu.layout_cast(jnp.zeros((tm, tn), out_dtype), plgpu.Layout.WGMMA)
+                store(c, tile, used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
+
+            def compute(c):
+                plgpu.set_max_registers(232, action="increase")
+                pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
+                pl.loop(c, zeros, step=2)(functools.partial(zero_tile, c))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.when(wg == 2)(load)
+            for c in (0, 1):
+                pl.when(wg == c)(functools.partial(compute, c))
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((stages, tm, tk), x.dtype, transforms=transforms),
+            plgpu.SMEM((stages, *w_block), w.dtype, transforms=transforms),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # x's and w's loads
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.SMEM((2, tm, tn), out_dtype),  # plain rows: the ladder starts at any row
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=1),
+            collective_axes="wg",
+        )
+
+    plan = row_tiles(sizes, m, tm)
+    # traced in 32-bit mode, as grouped_kernel (a loop whose bounds are known at run time)
+    with jax.named_scope("grouped_gemm_pingpong"), jax.enable_x64(False):
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+            grid=(sms,),
+            grid_names=("sm",),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+        )(*plan.arrays(), x, w, *([] if scale is None else [scale]))

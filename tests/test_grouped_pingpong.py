@@ -1,0 +1,118 @@
+"""commgemm's ping-pong grouped Hopper kernel, off the GPU: its row tiles (which rows of which
+group each tile stores, the tail's zeroed rows), its tiling's and operands' checks, and that it
+lowers for a CUDA target. tests/gpu/test_fused_gpu.py checks its values on Hopper."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commgemm.mosaic_gpu import grouped_pingpong
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.grouped_pingpong import ROW_ALIGN, PingPongTiles
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+@functools.cache
+def _row_tiles(m: int, tile_m: int):
+    return jax.jit(lambda sizes: grouped_pingpong.row_tiles(sizes, m, tile_m))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 700), min_size=1, max_size=12),
+    m=st.integers(1, 2500),
+    tile_m=st.sampled_from([64, 128]),
+)
+def test_row_tiles_store_every_row_once(sizes, m, tile_m):
+    """Every row of the m rows is stored by exactly one tile: a row in group g (its sum cut at
+    m) by one of g's tiles, a row past the sum by one of the tail's (counts[0] <= p <
+    counts[1]); tiles start at whole 8s of rows, hold their rows within tile_m, and run in
+    group order; unused tiles store nothing. Against the rows' groups counted in numpy."""
+    plan = _row_tiles(m, tile_m)(jnp.asarray(sizes, jnp.int32))
+    start, skip, rows, group, counts = (np.asarray(a) for a in plan.arrays())
+    assert start.shape[0] == grouped_pingpong.max_row_tiles(m, len(sizes), tile_m)
+    owner = np.repeat(np.arange(len(sizes)), sizes)[:m]
+    owner = np.concatenate([owner, np.full(m - owner.shape[0], len(sizes))])  # the tail
+    stored = np.full(m, -1)
+    used, total = counts
+    assert 0 <= used <= total <= start.shape[0]
+    for p in range(start.shape[0]):
+        if p >= total:
+            assert rows[p] == 0
+            continue
+        assert start[p] % ROW_ALIGN == 0 and 0 <= skip[p] < ROW_ALIGN
+        assert 0 < rows[p] and skip[p] + rows[p] <= tile_m
+        assert (group[p] < len(sizes)) == (p < used)
+        span = np.arange(start[p] + skip[p], start[p] + skip[p] + rows[p])
+        assert (stored[span] == -1).all(), f"tile {p} stores rows stored before"
+        stored[span] = group[p]
+    np.testing.assert_array_equal(stored, owner)
+    assert np.all(np.diff(group[:total]) >= 0)
+
+
+def test_tiles_and_shapes():
+    """PingPongTiles takes positive ints and whole 8s of rows; the kernel takes 16-bit
+    operands with N and K whole tiles (any rows), and says why not otherwise."""
+    for bad in (dict(tile_m=0), dict(stages=True), dict(band=1.5), dict(tile_m=100)):
+        with pytest.raises(ValueError, match="PingPongTiles"):
+            PingPongTiles(**bad)
+    tiles, reason = PingPongTiles(), grouped_pingpong.shape_reason
+    assert reason(tiles, 1000, 320, 512, jnp.bfloat16) is None
+    assert reason(tiles, 7, 64, 128, jnp.float16) is None
+    assert "N=192" in reason(tiles, 1024, 320, 192, jnp.bfloat16)
+    assert "K=100" in reason(tiles, 1024, 100, 512, jnp.bfloat16)
+    assert "float32" in reason(tiles, 1024, 320, 512, jnp.float32)
+    assert "empty operand" in reason(tiles, 0, 320, 512, jnp.bfloat16)
+    # the ring's slots beside two output tiles in 227 KiB: 5 with bf16 results, 3 with float32
+    assert grouped_pingpong.ring_stages(tiles, jnp.bfloat16, jnp.bfloat16) == 5
+    assert grouped_pingpong.ring_stages(tiles, jnp.bfloat16, jnp.float32) == 3
+    assert grouped_pingpong.ring_stages(PingPongTiles(tile_k=256), jnp.float16, jnp.float32) == 0
+
+
+def test_bad_operands_raise(monkeypatch):
+    """Operands that do not match: clear errors before any kernel is built."""
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    x = jnp.zeros((256, 128), jnp.bfloat16)
+    sizes = jnp.asarray([100, 156], jnp.int32)
+    matmul = grouped_pingpong.grouped_matmul
+    with pytest.raises(ValueError, match=r"\[G, K, N\] with x's K=128"):
+        matmul(x, jnp.zeros((2, 64, 128), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match=r"\[G, N, K\]"):
+        matmul(x, jnp.zeros((2, 128, 256), jnp.bfloat16), sizes, w_nk=True)
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        matmul(x, jnp.zeros((2, 128, 128), jnp.float16), sizes)
+    with pytest.raises(ValueError, match="one count per group"):
+        matmul(x, jnp.zeros((3, 128, 128), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="N=96"):
+        matmul(x, jnp.zeros((2, 128, 96), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="0 stages, needs 2"):
+        w = jnp.zeros((2, 256, 128), jnp.bfloat16)
+        matmul(jnp.zeros((256, 256), jnp.bfloat16), w, sizes, PingPongTiles(tile_k=256),
+               out_dtype=jnp.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+def test_pingpong_kernel_lowers(w_nk, scaled, monkeypatch):
+    """The kernel (the forward, dX's form with w read [G, N, K], with a scale and a float32
+    result) lowers for a CUDA target under jax_enable_x64, rows not whole tiles: one Mosaic GPU
+    call taking the row tiles' five int32 arrays, x and w."""
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    sds = jax.ShapeDtypeStruct
+    x = sds((1000, 256), jnp.bfloat16)
+    w = sds((8, 512, 256) if w_nk else (8, 256, 512), jnp.bfloat16)
+    extra = dict(scale=jnp.ones((1,), jnp.float32), out_dtype=jnp.float32) if scaled else {}
+    fn = functools.partial(grouped_pingpong.grouped_matmul, w_nk=w_nk, **extra)
+    with jax.enable_x64(True):
+        text = jax.jit(fn).trace(x, w, sds((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    calls = [line for line in text.as_text().splitlines()
+             if "custom_call" in line and "mosaic_gpu" in line]  # fmt: skip
+    assert len(calls) == 1, calls
+    out = "f32" if scaled else "bf16"
+    assert f"-> tensor<1000x512x{out}>" in calls[0], calls[0]
