@@ -8,7 +8,7 @@ read, else host medians); reading w once, the memory bound of many experts; then
 gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
 GEMM of the same FLOPs; and the float8 forward (`cg.grouped_matmul` with current tensor
 scaling, quantizing in each call; on weights quantized before, quantizing x; emulated; and
-commgemm's kernel alone on float8 operands). Writes
+commgemm's two kernels alone on float8 operands). Writes
 OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,64]
@@ -27,7 +27,7 @@ import numpy as np
 import commgemm as cg
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
-from commgemm.mosaic_gpu import gemm_core, grouped_kernel
+from commgemm.mosaic_gpu import gemm_core, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
 from commgemm.mosaic_gpu.grouped import GroupedTiles
@@ -104,19 +104,22 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
             jax.jit(lambda a, b, s: cg.grouped_matmul(*emulated_operands(a, b), s)),
             (x, w, sizes),
         ),
-        "fp8 commgemm kernel": (
-            jax.jit(
-                lambda a, b, s, c: grouped_kernel.grouped_matmul(
-                    a, b, s, w_nk=True, scale=c, out_dtype=dtype
-                )
-            ),
-            (
-                x.astype(jnp.float8_e4m3fn),
-                jnp.swapaxes(w, 1, 2).astype(jnp.float8_e4m3fn),
-                sizes,
-                jnp.ones((1,), jnp.float32),
-            ),
-        ),  # fmt: skip
+        **{
+            f"fp8 {name} kernel": (
+                jax.jit(
+                    lambda a, b, s, c, kernel=kernel: kernel.grouped_matmul(
+                        a, b, s, w_nk=True, scale=c, out_dtype=dtype
+                    )
+                ),
+                (
+                    x.astype(jnp.float8_e4m3fn),
+                    jnp.swapaxes(w, 1, 2).astype(jnp.float8_e4m3fn),
+                    sizes,
+                    jnp.ones((1,), jnp.float32),
+                ),
+            )
+            for name, kernel in (("commgemm", grouped_kernel), ("ping-pong", grouped_pingpong))
+        },  # fmt: skip
         "read w once": (jax.jit(lambda b: jnp.sum(b, axis=(0, 1))), (w,)),
         "dense GEMM core (commgemm)": (
             jax.jit(lambda a, b: gemm_core.matmul(a, b, False)),

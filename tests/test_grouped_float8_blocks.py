@@ -17,7 +17,7 @@ from test_grouped import random_sizes, reference
 
 import commgemm as cg
 from commgemm.grouped import scaling
-from commgemm.mosaic_gpu import grouped_kernel
+from commgemm.mosaic_gpu import grouped_kernel, grouped_pingpong
 
 # the kernel's bf16 result against the float64 product: bf16 rounding (2^-8) of values summed
 # over K = 128 products of float8 operands
@@ -35,8 +35,9 @@ class Calls(list):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Hopper's float8 path on the CPU: the experts as the kernel reads them (no Hopper check),
-    and the kernel a float32 ragged dot of its float8 operands; returns its `Calls`."""
+    """Hopper's float8 path on the CPU: the experts as the kernels read them (no Hopper check),
+    and either grouped kernel a float32 ragged dot of its float8 operands; returns its
+    `Calls`."""
     calls = Calls()
 
     def experts(recipe, qw, nk=None):
@@ -44,7 +45,7 @@ def kernel_calls(monkeypatch):
             return None
         return scaling.Float8Experts.of(recipe, qw, nk)
 
-    def kernel(x, w, sizes, tiles=None, *, w_nk, scale, out_dtype, split_accumulator):
+    def kernel(x, w, sizes, tiles=None, *, w_nk, scale, out_dtype, split_accumulator=False):
         # the forward's x (e4m3) or dX's dY (e5m2) by the experts' e4m3 values
         assert w_nk and w.dtype == jnp.float8_e4m3fn and sizes.dtype == jnp.int32
         assert x.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2), x.dtype
@@ -56,7 +57,8 @@ def kernel_calls(monkeypatch):
         return (out * scale[0]).astype(out_dtype)
 
     monkeypatch.setattr(scaling, "float8_experts", experts)
-    monkeypatch.setattr(grouped_kernel, "grouped_matmul", kernel)
+    monkeypatch.setattr(grouped_kernel, "grouped_matmul", kernel)  # both grouped kernels
+    monkeypatch.setattr(grouped_pingpong, "grouped_matmul", kernel)
     return calls
 
 

@@ -116,3 +116,28 @@ def test_pingpong_kernel_lowers(w_nk, scaled, monkeypatch):
     assert len(calls) == 1, calls
     out = "f32" if scaled else "bf16"
     assert f"-> tensor<1000x512x{out}>" in calls[0], calls[0]
+
+
+@pytest.mark.parametrize("w_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_pingpong_kernel_lowers_on_float8(w_dtype, monkeypatch):
+    """On float8 x and w [G, N, K] (e4m3 with either format) with the scale as an operand: one
+    Mosaic GPU call whose two matrix operands are f8, a bf16 result; w must be K-major. e5m2
+    against e4m3 needs jax >= 0.11's wgmma (what the GPUs run)."""
+    if w_dtype == "float8_e5m2" and jax.__version_info__ < (0, 11):
+        pytest.skip("e5m2 x e4m3 wgmma needs jax >= 0.11")
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    sds = jax.ShapeDtypeStruct
+    x, w = sds((1000, 256), jnp.float8_e4m3fn), sds((8, 512, 256), w_dtype)
+    fn = functools.partial(grouped_pingpong.grouped_matmul, w_nk=True)
+    args = (x, w, sds((8,), jnp.int32), sds((1,), jnp.float32))
+    lowered = jax.jit(lambda a, b, s, c: fn(a, b, s, scale=c)).trace(*args)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 1, calls
+    operands, result = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)
+    assert operands.count("f8E") == 2 and "tensor<1xf32>" in operands, operands
+    assert result.startswith("tensor<1000x512xbf16>"), result
+    with pytest.raises(ValueError, match=r"need w laid out \[G, N, K\]"):
+        grouped_pingpong.grouped_matmul(jnp.zeros((256, 256), jnp.float8_e4m3fn),
+                                        jnp.zeros((2, 256, 512), jnp.float8_e4m3fn),
+                                        jnp.asarray([100, 156], jnp.int32))  # fmt: skip

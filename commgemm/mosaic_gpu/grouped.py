@@ -274,13 +274,21 @@ float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)
 def float8_matmul(a, a_scale_inv, b_nk, b_scale_inv, sizes, out_dtype, *, split: bool = False,
                   tiles: GroupedConfig | None = None) -> jax.Array:  # fmt: skip
     """Rows of a [M, K] (float8, sorted by group) times their group's b_nk[g]^T ([G, N, K],
-    float8, K-major) on commgemm's grouped kernel, the two tensor scales (`*_scale_inv`, the
-    factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit). The
-    shape must be the kernel's (`grouped_kernel.shape_reason`)."""
+    float8, K-major) on one of commgemm's grouped kernels, the two tensor scales (`*_scale_inv`,
+    the factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit): the
+    ping-pong kernel where the groups average under TILES_KERNEL_ROWS rows and accumulation is
+    fast (it has no split form), else the row-aligned kernel (`tiles`: its tiling, which asks
+    for it). The shape must be the row-aligned kernel's (`grouped_kernel.shape_reason`), which
+    the ping-pong kernel's includes."""
     scale = (a_scale_inv * b_scale_inv).astype(jnp.float32).reshape(1)
-    out = grouped_kernel.grouped_matmul(a, b_nk, sizes.astype(jnp.int32), tiles, w_nk=True,
-                                        scale=scale, out_dtype=out_dtype,
-                                        split_accumulator=split)  # fmt: skip
+    (m, k), groups, sizes = a.shape, b_nk.shape[0], sizes.astype(jnp.int32)
+    pingpong = grouped_pingpong.operand_tiles(PingPongTiles(), k, a.dtype)
+    fits = grouped_pingpong.shape_reason(pingpong, m, k, b_nk.shape[1], a.dtype, w_nk=True)
+    kw = dict(w_nk=True, scale=scale, out_dtype=out_dtype)
+    if tiles is None and not split and m < TILES_KERNEL_ROWS * groups and fits is None:
+        out = grouped_pingpong.grouped_matmul(a, b_nk, sizes, **kw)
+    else:
+        out = grouped_kernel.grouped_matmul(a, b_nk, sizes, tiles, split_accumulator=split, **kw)
     return varying_like(out, a, b_nk)  # a Pallas result carries no varying axes
 
 

@@ -37,11 +37,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
+from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 
 #: Rows a tile's first row is aligned to (Mosaic GPU's tiled shared memory).
 ROW_ALIGN = 8
 #: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
+#: K-steps of float8 operands where K allows: 128 bytes, as 64 of 16-bit ones.
+FLOAT8_TILE_K = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +122,27 @@ def ring_stages(tiles: PingPongTiles, dtype, out_dtype) -> int:
     return min(tiles.stages, (SMEM_BYTES - out) // slot)
 
 
-def shape_reason(tiles: PingPongTiles, m: int, k: int, n: int, dtype) -> str | None:
-    """Why the kernel cannot multiply x [m, K] by w [G, K, n] of `dtype` in `tiles`, or None:
-    16-bit operands, N and K whole tiles (any number of rows)."""
+def operand_tiles(tiles: PingPongTiles, k: int, dtype) -> PingPongTiles:
+    """`tiles` for operands of `dtype`: float8 K-steps of FLOAT8_TILE_K where K is whole steps
+    of it (the same bytes a step as 16-bit operands' 64)."""
+    if jnp.dtype(dtype) in FLOAT8 and k % FLOAT8_TILE_K == 0:
+        return dataclasses.replace(tiles, tile_k=max(tiles.tile_k, FLOAT8_TILE_K))
+    return tiles
+
+
+def shape_reason(
+    tiles: PingPongTiles, m: int, k: int, n: int, dtype, *, w_nk: bool = False
+) -> str | None:
+    """Why the kernel cannot multiply x [m, K] by w [G, K, n] ([G, n, K] with w_nk) of `dtype`
+    in `tiles`, or None: 16-bit operands, or float8 ones with w_nk (K-major, as float8 wgmma
+    needs); N and K whole tiles (any number of rows)."""
+    dtype = jnp.dtype(dtype)
     if 0 in (m, k, n):
         return f"an empty operand ({m} x {k} x {n}): XLA's ragged dot"
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"it multiplies bf16 or fp16 operands, got {jnp.dtype(dtype).name}"
+    if dtype in FLOAT8 and not w_nk:
+        return f"{dtype.name} operands need w laid out [G, N, K] (K-major)"
+    if dtype not in (jnp.bfloat16, jnp.float16, *FLOAT8):
+        return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
     if n % tiles.tile_n or k % tiles.tile_k:
         return f"N={n} and K={k} must be whole {tiles.tile_n} x {tiles.tile_k} tiles"
     return None
@@ -143,31 +160,38 @@ def grouped_matmul(
 ) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
-    [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
-    given; rows past the sum are zero. N and K whole tiles (`shape_reason`)."""
+    [M, N] in `out_dtype` (default x's; bf16 for float8 x), float32 accumulation, times `scale`
+    [1] float32 if given; rows past the sum are zero. N and K whole tiles (`shape_reason`).
+    Float8 x and w
+    (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores, the wgmma
+    accumulating across K-steps (the dense kernels' fast accumulation), in K-steps of
+    `operand_tiles`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
-    tiles = tiles or PingPongTiles()
     (m, k), n = x.shape, w.shape[1 if w_nk else 2]
+    tiles = operand_tiles(tiles or PingPongTiles(), k, x.dtype)
+    float8 = jnp.dtype(x.dtype) in FLOAT8
     layout = "[G, N, K]" if w_nk else "[G, K, N]"
-    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or w.dtype != x.dtype:
+    same = w.dtype == x.dtype or (float8 and w.dtype in FLOAT8)
+    if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or not same:
+        kind = "a float8 dtype" if float8 else f"dtype {x.dtype}"
         raise ValueError(f"ping-pong grouped kernel: w {w.dtype}{list(w.shape)} must be "
-                         f"{layout} with x's K={k} and dtype {x.dtype}")  # fmt: skip
+                         f"{layout} with x's K={k} and {kind}")  # fmt: skip
     if sizes.shape != (w.shape[0],):
         raise ValueError(f"ping-pong grouped kernel: sizes {sizes.shape} must hold one count "
                          f"per group of w {list(w.shape)}")  # fmt: skip
-    if (reason := shape_reason(tiles, m, k, n, x.dtype)) is not None:
+    if (reason := shape_reason(tiles, m, k, n, x.dtype, w_nk=w_nk)) is not None:
         raise ValueError(f"ping-pong grouped kernel: {reason}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if float8 else x.dtype))
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     stages = ring_stages(tiles, x.dtype, out_dtype)
     if stages < 2:
         raise ValueError(f"ping-pong grouped kernel: {tiles} with a {out_dtype.name} result "
                          f"leaves shared memory for {stages} stages, needs 2")  # fmt: skip
     n_iters, k_iters, sms = n // tn, k // tk, mt.num_sms()
-    transforms = mt.smem_transforms(x.dtype, tk)
+    transforms = mt.smem_transforms(x.dtype, tk)  # w's dtype is as wide (float8: 1 byte)
     w_block = (tn, tk) if w_nk else (tk, tn)
 
     def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, x_ref, w_ref, *refs):

@@ -478,6 +478,32 @@ def test_grouped_kernel_mixed_float8(sizes):
     assert errors[True] <= errors[False] * 1.05, errors
 
 
+@pytest.mark.parametrize("k", [768, 320], ids=["k128-steps", "k64-steps"])
+@pytest.mark.parametrize("x_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_pingpong_kernel_on_float8(x_dtype, k):
+    """commgemm's ping-pong grouped kernel on float8 x [M, N] (e4m3, or dX's e5m2) times e4m3
+    w read [G, out, in], the scale in its epilogue, rows not whole tiles and a sum short of
+    them, K in 128-element steps and (K = 320) in 64: against the float32 ragged dot of the
+    same float8 values, within fast float8 accumulation and bf16 rounding."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+
+    m, n = 2000, 1024
+    sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)  # 1900 rows
+    kx, kw = jax.random.split(jax.random.key(k), 2)
+    x = jax.random.normal(kx, (m, n), jnp.float32).astype(x_dtype)
+    w = (4 * jax.random.normal(kw, (sizes.shape[0], k, n), jnp.float32)).astype(jnp.float8_e4m3fn)
+    scale = jnp.full((1,), 0.03, jnp.float32)
+    want = 0.03 * jax.lax.ragged_dot(x.astype(jnp.float32),
+                                     jnp.swapaxes(w, 1, 2).astype(jnp.float32), sizes,
+                                     precision="highest")  # fmt: skip
+    got = jax.jit(lambda a, b, c: grouped_pingpong.grouped_matmul(
+        a, b, sizes, w_nk=True, scale=c))(x, w, scale)  # fmt: skip
+    assert got.dtype == jnp.bfloat16
+    got = got.astype(jnp.float32)
+    assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+    assert float(jnp.abs(got[1900:]).max()) == 0.0
+
+
 @pytest.mark.parametrize("w_nk", [False, True], ids=["w_gkn", "w_gnk"])
 def test_grouped_matmul_prequantized(w_nk):
     """`ScaledTensor`s the caller quantized (w [G, K, N] along axis 1 or [G, N, K] along axis 2)
