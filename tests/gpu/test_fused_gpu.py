@@ -478,18 +478,19 @@ def test_grouped_kernel_mixed_float8(sizes):
     assert errors[True] <= errors[False] * 1.05, errors
 
 
-@pytest.mark.parametrize("k", [768, 320], ids=["k128-steps", "k64-steps"])
+@pytest.mark.parametrize("n", [768, 320], ids=["k128-steps", "k64-steps"])
 @pytest.mark.parametrize("x_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_pingpong_kernel_on_float8(x_dtype, k):
+def test_pingpong_kernel_on_float8(x_dtype, n):
     """commgemm's ping-pong grouped kernel on float8 x [M, N] (e4m3, or dX's e5m2) times e4m3
-    w read [G, out, in], the scale in its epilogue, rows not whole tiles and a sum short of
-    them, K in 128-element steps and (K = 320) in 64: against the float32 ragged dot of the
-    same float8 values, within fast float8 accumulation and bf16 rounding."""
+    w [G, K, N] read as [G, out, in] (dX's form), the scale in its epilogue, rows not whole
+    tiles and a sum short of them, the contraction in 128-element steps and (N = 320) in 64:
+    against the float32 ragged dot of the same float8 values, within fast float8 accumulation
+    and bf16 rounding."""
     from commgemm.mosaic_gpu import grouped_pingpong
 
-    m, n = 2000, 1024
+    m, k = 2000, 1024
     sizes = jnp.asarray([300, 0, 500, 100, 200, 400, 250, 150], jnp.int32)  # 1900 rows
-    kx, kw = jax.random.split(jax.random.key(k), 2)
+    kx, kw = jax.random.split(jax.random.key(n), 2)
     x = jax.random.normal(kx, (m, n), jnp.float32).astype(x_dtype)
     w = (4 * jax.random.normal(kw, (sizes.shape[0], k, n), jnp.float32)).astype(jnp.float8_e4m3fn)
     scale = jnp.full((1,), 0.03, jnp.float32)
