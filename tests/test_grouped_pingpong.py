@@ -57,9 +57,11 @@ def test_row_tiles_store_every_row_once(sizes, m, tile_m):
 
 
 def test_tiles_and_shapes():
-    """PingPongTiles takes positive ints and whole 8s of rows; the kernel takes 16-bit
-    operands with N and K whole tiles (any rows), and says why not otherwise."""
-    for bad in (dict(tile_m=0), dict(stages=True), dict(band=1.5), dict(tile_m=100)):
+    """PingPongTiles takes positive ints, two stages or more and whole 8s of rows; the kernel
+    takes 16-bit operands with N and K whole tiles (any rows), and says why not otherwise."""
+    bad_fields = (dict(tile_m=0), dict(stages=True), dict(stages=1), dict(band=1.5),
+                  dict(tile_m=100))  # fmt: skip
+    for bad in bad_fields:
         with pytest.raises(ValueError, match="PingPongTiles"):
             PingPongTiles(**bad)
     tiles, reason = PingPongTiles(), grouped_pingpong.shape_reason
@@ -89,6 +91,8 @@ def test_bad_operands_raise(monkeypatch):
         matmul(x, jnp.zeros((2, 128, 128), jnp.float16), sizes)
     with pytest.raises(ValueError, match="one count per group"):
         matmul(x, jnp.zeros((3, 128, 128), jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="at least one"):
+        matmul(x, jnp.zeros((0, 128, 128), jnp.bfloat16), sizes[:0])
     with pytest.raises(ValueError, match="N=96"):
         matmul(x, jnp.zeros((2, 128, 96), jnp.bfloat16), sizes)
     with pytest.raises(ValueError, match="0 stages, needs 2"):

@@ -1,13 +1,14 @@
 """One small validated config per fused kernel family: the ring kernels (`RingAGConfig`,
 `RingRSConfig`, ATOMIC_GEMM_AG_P2P / _RS_P2P) and the direct ones (`DirectAGConfig`,
-`DirectRSConfig`, ATOMIC_GEMM_AG / _RS).
+`DirectRSConfig`, ATOMIC_GEMM_AG / _RS); and the grouped kernels' (`GroupedConfig`,
+`PingPongTiles`).
 
-Every family shares the GEMM tiling of jax's Hopper matmul (its `TuningConfig`): each of a CTA's
-two compute warpgroups owns a tile_m x tile_n block (stacked along N, or along M with
-wg_along_m); `stages` K-steps of tile_k are loaded ahead; CTAs walk the output tiles in bands
-`grid_tile_width` tiles wide along N (along M with grid_minor_m); the epilogue stores in EPI x
-EPI blocks. `cluster` ("m" or "n", where a family has it) pairs two CTAs whose shared operand
-is loaded once and multicast to both.
+Every fused family (and `GroupedConfig`) shares the GEMM tiling of jax's Hopper matmul (its
+`TuningConfig`): each of a CTA's two compute warpgroups owns a tile_m x tile_n block (stacked
+along N, or along M with wg_along_m); `stages` K-steps of tile_k are loaded ahead; CTAs walk the
+output tiles in bands `grid_tile_width` tiles wide along N (along M with grid_minor_m); the
+epilogue stores in EPI x EPI blocks. `cluster` ("m" or "n", where a family has it) pairs two
+CTAs whose shared operand is loaded once and multicast to both.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import dataclasses
 
 #: The epilogue's block (EPI x EPI elements): what every measured tiling used.
 EPI = 64
+#: Rows the ping-pong grouped kernel's tiles start at whole multiples of (Mosaic GPU loads
+#: tiled shared memory from whole 8s of rows).
+ROW_ALIGN = 8
 
 
 def _positive_int(value: object, field: str, family: str) -> None:
@@ -177,6 +181,30 @@ class GroupedConfig(_Tiling):
             raise ValueError("GroupedConfig.wg_along_m must be True: each compute warpgroup "
                              "masks the rows of x it multiplies")  # fmt: skip
         super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPongTiles:
+    """The ping-pong grouped kernel's tiling (`grouped_pingpong`): tile_m x tile_n tiles, one per
+    compute warpgroup, K-steps of tile_k, `stages` slots in the ring the two share, CTAs
+    walking the tiles in bands `band` row tiles wide. The defaults were the fastest of the few
+    measured (BENCHMARKS.md); shared memory holds stages x (tile_m + tile_n) x tile_k operands
+    and two tile_m x tile_n results (fewer stages where they do not fit:
+    `grouped_pingpong.ring_stages`)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 5
+    band: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _positive_int(getattr(self, field.name), field.name, "PingPongTiles")
+        if self.stages < 2:
+            raise ValueError(f"PingPongTiles.stages={self.stages} must be >= 2")
+        if self.tile_m % ROW_ALIGN:
+            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {ROW_ALIGN}s")
 
 
 KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig

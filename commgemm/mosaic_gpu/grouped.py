@@ -25,8 +25,7 @@ from jax import lax
 
 from commgemm.mosaic_gpu import grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
-from commgemm.mosaic_gpu.configs import GroupedConfig
-from commgemm.mosaic_gpu.grouped_pingpong import PingPongTiles
+from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
 from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run

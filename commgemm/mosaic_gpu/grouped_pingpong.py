@@ -23,9 +23,10 @@ the "loaded" barriers of its own tiles only (one array per warpgroup, so each ba
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
 awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
 
-On one H100 (M 8192, K 4096, N 1792, uneven groups) it ran the forward 23 to 30% faster than
-the faster of the other two kernels with 16 to 128 groups and 3% slower than `grouped_kernel`
-with 8; dX (w read [G, N, K]) 15 to 36% faster with 8 to 128 (BENCHMARKS.md)."""
+On one H100 (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
+the faster of the other two kernels with 16 to 128 groups and 3 to 5% slower than
+`grouped_kernel` with 8; dX (w read [G, N, K]) 12 to 36% faster with 8 to 128; on float8
+operands 3, 24 and 39% faster than `grouped_kernel` with 8, 16 and 64 groups (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -37,36 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
+from commgemm.mosaic_gpu.configs import ROW_ALIGN, PingPongTiles
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 
-#: Rows a tile's first row is aligned to (Mosaic GPU's tiled shared memory).
-ROW_ALIGN = 8
 #: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
 #: K-steps of float8 operands where K allows: 128 bytes, as 64 of 16-bit ones.
 FLOAT8_TILE_K = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class PingPongTiles:
-    """The ping-pong kernel's tiling: tile_m x tile_n tiles, one per compute warpgroup, K-steps
-    of tile_k, `stages` slots in the shared ring, CTAs walking the tiles in bands `band` row
-    tiles wide. The defaults were the fastest of the few measured (BENCHMARKS.md); the shared
-    memory holds stages x (tile_m + tile_n) x tile_k operands and two tile_m x tile_n outputs."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    stages: int = 5
-    band: int = 4
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PingPongTiles.{field.name}={value!r} must be a positive int")
-        if self.tile_m % ROW_ALIGN:
-            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {ROW_ALIGN}s")
 
 
 @jax.tree_util.register_dataclass
@@ -162,9 +140,8 @@ def grouped_matmul(
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
     [M, N] in `out_dtype` (default x's; bf16 for float8 x), float32 accumulation, times `scale`
     [1] float32 if given; rows past the sum are zero. N and K whole tiles (`shape_reason`).
-    Float8 x and w
-    (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores, the wgmma
-    accumulating across K-steps (the dense kernels' fast accumulation), in K-steps of
+    Float8 x and w (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores,
+    the wgmma accumulating across K-steps (the dense kernels' fast accumulation), in K-steps of
     `operand_tiles`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -179,9 +156,9 @@ def grouped_matmul(
         kind = "a float8 dtype" if float8 else f"dtype {x.dtype}"
         raise ValueError(f"ping-pong grouped kernel: w {w.dtype}{list(w.shape)} must be "
                          f"{layout} with x's K={k} and {kind}")  # fmt: skip
-    if sizes.shape != (w.shape[0],):
+    if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
         raise ValueError(f"ping-pong grouped kernel: sizes {sizes.shape} must hold one count "
-                         f"per group of w {list(w.shape)}")  # fmt: skip
+                         f"per group of w {list(w.shape)}, at least one")  # fmt: skip
     if (reason := shape_reason(tiles, m, k, n, x.dtype, w_nk=w_nk)) is not None:
         raise ValueError(f"ping-pong grouped kernel: {reason}")
     out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if float8 else x.dtype))
@@ -198,7 +175,7 @@ def grouped_matmul(
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         cta, used = lax.axis_index("sm"), counts_ref[0]
         mine = (used * n_iters - cta + sms - 1) // sms  # units cta, cta + sms, ... of the GEMM
-        zeros = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # and of the tail
+        tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # and of the tail
 
         def where(i):  # the CTA's i-th GEMM tile: its rows' tile and columns
             p, n_idx = plgpu.planar_snake(
@@ -281,7 +258,7 @@ def grouped_matmul(
             def compute(c):
                 plgpu.set_max_registers(232, action="increase")
                 pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
-                pl.loop(c, zeros, step=2)(functools.partial(zero_tile, c))
+                pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pl.when(wg == 2)(load)
