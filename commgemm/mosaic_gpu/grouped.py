@@ -2,17 +2,18 @@
 
 The forward and dX (w transposed) run one of commgemm's two kernels (`pick_tiles`): the
 ping-pong kernel (`grouped_pingpong`: tiles aligned to the groups, each compute warpgroup a
-whole 128 x 128 tile, one's epilogue under the other's K loop), commgemm's row-aligned kernel
+whole 128 x 128 tile, one's epilogue under the other's K loop) or the row-aligned kernel
 (`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that straddles
 group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ragged_dot_mgpu`:
 one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one H100 (M = 8192, K
-= 4096, N = 1792) the ping-pong kernel ran the forward 23 to 30% faster than the others with 16
-to 128 groups and dX 15 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
-with 8 groups (3% faster; BENCHMARKS.md). dW runs jax's transposed ragged dot
+= 4096, N = 1792) the ping-pong kernel ran the forward 24 to 30% faster than the others with 16
+to 128 groups and dX 12 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
+with 8 groups (3 to 5% faster; BENCHMARKS.md). dW runs jax's transposed ragged dot
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot runs
 far below the tensor cores' rate on H200 (docs/performance.md), which is why this path exists;
 it stays the fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the
-forward and dX on float8 operands in the row-aligned kernel (`float8_ragged_dot`)."""
+forward and dX on float8 operands in the same two kernels (`float8_matmul`: the ping-pong one
+where the groups average under 1024 rows and accumulation is fast)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run
 #: the forward: on one H100 (M 8192, K 4096, N 1792) it was 3% faster than the ping-pong kernel
-#: with 1024 rows a group, and 26% slower with 512 (BENCHMARKS.md). dX runs the ping-pong
-#: kernel at any group size (15 to 36% faster with 8 to 128 groups).
+#: with 1024 rows a group, and 24 to 26% slower with 512 (BENCHMARKS.md). dX runs the ping-pong
+#: kernel at any group size (12 to 36% faster with 8 to 128 groups).
 TILES_KERNEL_ROWS = 1024
 
 
