@@ -15,7 +15,6 @@ Writes OUT/fp8_gemm.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import re
@@ -29,6 +28,7 @@ from gemm_table import events_ms  # noqa: E402  (this directory, as the script r
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
+from commgemm.bench.record import record  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 
 
@@ -131,11 +131,7 @@ def main() -> None:
             "speedup_vs_best_bf16": {name: best_bf16 / t for name, t in ms.items() if t},
             "rel_error": errors, "hlo": hlo, "kernels_of_one_call": kernels,
         }  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "fp8_gemm.json").write_text(json.dumps(
-            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-            indent=1))  # fmt: skip
+        record(args.out / "fp8_gemm.json", rows, row)
 
 
 if __name__ == "__main__":

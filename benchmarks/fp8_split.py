@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import pathlib
 import unittest.mock
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import commgemm as cg
 from commgemm import scaled
 from commgemm.bench.problems import PRESETS
+from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.config import Method, OverlapConfig
 from commgemm.mosaic_gpu import fused, gemm_core, push_gather_gemm
@@ -153,11 +153,7 @@ def main() -> None:
         tflops = {nm: 2.0 * m * n * k / (t * 1e-3) / 1e12 for nm, t in ms.items() if t}
         row = {"preset": preset, "op": op, "shape": [m, n, k], "ms": ms, "errors": errors,
                "failures": failures, "tflops": tflops}  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "fp8_split.json").write_text(json.dumps(
-            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-            indent=1))  # fmt: skip
+        record(args.out / "fp8_split.json", rows, row)
 
 
 if __name__ == "__main__":

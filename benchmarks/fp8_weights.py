@@ -14,7 +14,6 @@ Writes OUT/fp8_weights.json.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import jax
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
 from commgemm.bench.problems import PRESETS
+from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
 
 MODE = cg.ScalingMode.CURRENT_TENSOR_SCALING
@@ -80,11 +80,7 @@ def main() -> None:
             ms = {name: t.get("median") for name, t in timed.items()}
             row = {"preset": preset, "shape": [m, k, n], "ms": ms, "same_as_quantized_before": same,
                    "hlo": hlo}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            (args.out / "fp8_weights.json").write_text(json.dumps(
-                {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-                indent=1))  # fmt: skip
+            record(args.out / "fp8_weights.json", rows, row)
 
 
 if __name__ == "__main__":

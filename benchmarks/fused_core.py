@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -42,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
+from commgemm.bench.record import record  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 from commgemm.cli.specs import fused_spec  # noqa: E402
 from commgemm.mosaic_gpu import (  # noqa: E402
@@ -241,11 +241,7 @@ def main() -> None:
             name: tf / (PEAK_BF16 * (2 if "fp8" in name or "_scaled" in name else 1))
             for name, tf in row["tflops"].items()
         }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "fused_core.json").write_text(json.dumps(
-            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-            indent=1))  # fmt: skip
+        record(args.out / "fused_core.json", rows, row)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Writes OUT/gemm_table.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 
@@ -20,6 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from commgemm.bench.problems import PRESETS  # noqa: E402
+from commgemm.bench.record import record  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
 
 TILINGS = [(128, 128, 64, 4), (128, 256, 64, 4), (256, 128, 64, 4)]
@@ -104,11 +104,7 @@ def main() -> None:
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items() if t},
             "mosaic_best_vs_xla": mosaic_best / ms["xla dot"] if mosaic_best else None,
         }  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "gemm_table.json").write_text(json.dumps(
-            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-            indent=1))  # fmt: skip
+        record(args.out / "gemm_table.json", rows, row)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ OUT/grouped_gemm.json.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import commgemm as cg
+from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
 from commgemm.mosaic_gpu import gemm_core, grouped_kernel, grouped_pingpong
@@ -233,11 +233,7 @@ def main() -> None:
                 "max_rel_error_vs_float32": dw_err,
             },
         }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    (args.out / "grouped_gemm.json").write_text(json.dumps(
-        {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "m": args.m,
-         "k": args.k, "n": args.n, "rows": rows}, indent=1))  # fmt: skip
+        record(args.out / "grouped_gemm.json", rows, row, m=args.m, k=args.k, n=args.n)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Writes OUT/grouped_step.json.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import time
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from grouped_gemm import timed, uneven_sizes
 
 import commgemm as cg
+from commgemm.bench.record import record
 
 MODE = "current_tensor_scaling"
 
@@ -146,12 +146,8 @@ def main() -> None:
             row["one_microbatch_kernels"] = {
                 form: kernel_sequence(step(form, sizes, False), one) for form in forms[:2]
             }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    (args.out / "grouped_step.json").write_text(json.dumps(
-        {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "m": args.m,
-         "k": args.k, "n": args.n, "microbatches": args.microbatches, "rows": rows},
-        indent=1))  # fmt: skip
+        record(args.out / "grouped_step.json", rows, row, m=args.m, k=args.k, n=args.n,
+               microbatches=args.microbatches)  # fmt: skip
 
 
 if __name__ == "__main__":

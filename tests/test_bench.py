@@ -258,6 +258,23 @@ def test_gemm_alone_forms_compute_the_local_gemm(op):
         np.testing.assert_allclose(out, ref, atol=2**-8 * np.abs(ref).max())
 
 
+def test_record_prints_each_row_and_writes_all_with_the_device(tmp_path, capsys):
+    """The benchmarks' results file: each row printed as one JSON line when added, the file
+    holding every row so far under the device's kind, the jax version and the run's fields."""
+    from commgemm.bench.record import record
+
+    path, rows = tmp_path / "out.json", []
+    record(path, rows, {"ms": 1.5}, m=8)
+    record(path, rows, {"ms": 2.5}, m=8)
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [{"ms": 1.5}, {"ms": 2.5}]
+    saved = json.loads(path.read_text())
+    assert saved == {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "m": 8,
+                     "rows": [{"ms": 1.5}, {"ms": 2.5}]}  # fmt: skip
+    record(path, rows)  # no new row: rewritten, nothing printed
+    assert capsys.readouterr().out == "" and json.loads(path.read_text())["rows"] == rows
+
+
 def test_cli_knows_every_preset():
     from commgemm.cli import PRESET_NAMES
 
