@@ -66,7 +66,7 @@ def hlo_facts(fn, args) -> dict:
             "gemm_result_dtype": gemm_out}  # fmt: skip
 
 
-def torch_ms(m, k, n, fp8: bool, fast: bool = False) -> float | None:
+def torch_ms(m, k, n, fp8: bool, fast: bool = False, kernels=None, label="torch") -> float | None:
     try:
         import torch
     except ImportError:
@@ -81,7 +81,7 @@ def torch_ms(m, k, n, fp8: bool, fast: bool = False) -> float | None:
     else:
         bt = b.t().contiguous()
         call = lambda: torch.matmul(a, bt)  # noqa: E731
-    return events_ms(call)
+    return events_ms(call, kernels, label)
 
 
 def main() -> None:

@@ -19,7 +19,10 @@ tiles) is listed under "failed". Writes OUT/fused_core.json.
         [--presets llama8b_mlp,...] [--ops ag,rs]
 
 --fp8-sweep also times the FP8 core in `FP8_SWEEP`'s tilings (two warpgroups along M: 256 x 128
-CTA tiles, the shape cuBLAS's FP8 kernels favour), a question for the FP8 plan.
+CTA tiles, the shape cuBLAS's FP8 kernels favour), a question for the FP8 plan; --bf16-sweep
+the bf16 core in `BF16_SWEEP`'s (256 x 128 CTA tiles, clusters along N). Each row names the
+kernel each variant ran ("kernels": the main kernel of its calls in the trace; torch's by
+torch.profiler), which says which cuBLASLt kernel XLA's autotuner picked.
 """
 
 from __future__ import annotations
@@ -84,6 +87,25 @@ FP8_SWEEP = {
         DirectRSConfig(**_RS_64x256, grid_minor_m=True),
         DirectRSConfig(**_RS_64x256, stages=3),
         DirectRSConfig(**_RS_64x256, chain_tiles=True),
+    ],
+}
+
+
+#: Extra bf16 tilings of `--bf16-sweep`, per op: 256 x 128 CTA tiles (two 128 x 128 warpgroup
+#: tiles along M) alone and in 2-CTA clusters along M or N, and 128 x 256 tiles in clusters
+#: along N: the tile and cluster shapes of the cuBLASLt kernels XLA picks for some local shapes.
+BF16_SWEEP = {
+    "ag": [
+        DirectAGConfig(wg_along_m=True, grid_minor_m=True),
+        DirectAGConfig(wg_along_m=True, grid_minor_m=True, cluster="m"),
+    ],
+    "rs": [
+        DirectRSConfig(wg_along_m=True, split_tail=0),
+        DirectRSConfig(wg_along_m=True, cluster="m", split_tail=0),
+        DirectRSConfig(wg_along_m=True, cluster="n", split_tail=0),
+        DirectRSConfig(wg_along_m=True, cluster="n", grid_minor_m=True, split_tail=0),
+        DirectRSConfig(cluster="n", split_tail=0),
+        DirectRSConfig(wg_along_m=True, tile_m=64, tile_n=256, cluster="n", split_tail=0),
     ],
 }
 
@@ -162,6 +184,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4,8")
     parser.add_argument("--no-fp8", action="store_true")
     parser.add_argument("--fp8-sweep", action="store_true")
+    parser.add_argument("--bf16-sweep", action="store_true")
     parser.add_argument("--presets", default=None, help="comma-separated; default: all")
     parser.add_argument("--ops", default="ag,rs")
     args = parser.parse_args()
@@ -184,6 +207,10 @@ def main() -> None:
         }
         for label, tiles in core_tilings(op, size, (m, k, n)).items():
             variants[f"core bf16 {label}"] = (core(op, tiles, float8=False), (a, b))
+        for tiles in BF16_SWEEP[op] if args.bf16_sweep else ():
+            spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
+            variants[f"core bf16 sweep {spec.removeprefix('fused-direct-')}"] = (
+                core(op, tiles, float8=False), (a, b))  # fmt: skip
         refs = dict.fromkeys(variants, ref)
         if not args.no_fp8:
             qa = cg.quantize(a, "current_tensor_scaling")
@@ -219,6 +246,8 @@ def main() -> None:
             errors[name] = float(jnp.abs(out - refs[name]).max() / jnp.abs(refs[name]).max())
         found = device_periods_interleaved(variants, rounds=6)
         ms = {name: f["median"] for name, f in found.items() if "median" in f}
+        failed.update({name: f["error"] for name, f in found.items() if "error" in f})
+        kernels = {name: f["main"] for name, f in found.items() if "main" in f}
         ms["torch bf16 (events)"] = torch_bf16_ms(m, k, n)
         if not args.no_fp8:
             ms["torch _scaled_mm fast (events)"] = torch_fp8_ms(m, k, n, fp8=True, fast=True)
@@ -235,13 +264,21 @@ def main() -> None:
             # the serial path as the tuner leaves it: the faster of its two local GEMMs
             "serial_vs_xla": min(serial.values()) / ms["xla bf16"] if serial else None,
             "speedup_vs_best_bf16": {name: best_bf16 / t for name, t in ms.items() if t},
-            "rel_error": errors, "failed": failed,
+            "rel_error": errors, "failed": failed, "kernels": kernels,
         }  # fmt: skip
         row["fraction_of_peak"] = {
             name: tf / (PEAK_BF16 * (2 if "fp8" in name or "_scaled" in name else 1))
             for name, tf in row["tflops"].items()
         }
         record(args.out / "fused_core.json", rows, row)
+    # torch's kernels by name, last: torch.profiler keeps CUPTI, which jax's profiler then lacks
+    for done in rows if rows and rows[0]["ms"]["torch bf16 (events)"] else ():
+        m, k, n = done["shape"]
+        torch_bf16_ms(m, k, n, done["kernels"], "torch bf16 (events)")
+        if not args.no_fp8:
+            label = "torch _scaled_mm fast (events)"
+            torch_fp8_ms(m, k, n, fp8=True, fast=True, kernels=done["kernels"], label=label)
+    record(args.out / "fused_core.json", rows)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,19 @@ def mosaic(tiling):
     return jax.jit(lambda a, b: hm.matmul(a, b, None, config))
 
 
-def events_ms(call) -> float:
-    """Median of 30 calls of a torch `call` by CUDA events, after 5 warm-up calls."""
+def events_ms(call, kernels: dict | None = None, label: str = "torch") -> float:
+    """Median of 30 calls of a torch `call` by CUDA events, after 5 warm-up calls; with
+    `kernels`, kernels[label] = the CUDA kernels one call ran (torch.profiler), " + "-joined."""
     import torch
 
     for _ in range(5):
         call()
+    if kernels is not None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels[label] = " + ".join(names)
     times = []
     for _ in range(30):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,14 +67,14 @@ def events_ms(call) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def torch_ms(m: int, k: int, n: int) -> float | None:
+def torch_ms(m: int, k: int, n: int, kernels: dict | None = None, label: str = "torch"):
     try:
         import torch
     except ImportError:
         return None
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    return events_ms(lambda: torch.matmul(a, b))
+    return events_ms(lambda: torch.matmul(a, b), kernels, label)
 
 
 def main() -> None:
