@@ -27,7 +27,7 @@ def _row_tiles(m: int, tile_m: int):
 @given(
     sizes=st.lists(st.integers(0, 700), min_size=1, max_size=12),
     m=st.integers(1, 2500),
-    tile_m=st.sampled_from([64, 128]),
+    tile_m=st.sampled_from([64, 128, 192]),
 )
 def test_row_tiles_store_every_row_once(sizes, m, tile_m):
     """Every row of the m rows is stored by exactly one tile: a row in group g (its sum cut at
@@ -57,10 +57,12 @@ def test_row_tiles_store_every_row_once(sizes, m, tile_m):
 
 
 def test_tiles_and_shapes():
-    """PingPongTiles takes positive ints, two stages or more and whole 8s of rows; the kernel
-    takes 16-bit operands with N and K whole tiles (any rows), and says why not otherwise."""
+    """PingPongTiles takes positive ints, two stages or more, whole 64s of rows and whole 8s of
+    columns up to 256; the kernel takes 16-bit operands with N and K whole tiles (any rows),
+    and says why not otherwise."""
     bad_fields = (dict(tile_m=0), dict(stages=True), dict(stages=1), dict(band=1.5),
-                  dict(tile_m=100))  # fmt: skip
+                  dict(tile_m=100), dict(tile_m=72), dict(tile_n=100),
+                  dict(tile_n=264))  # fmt: skip
     for bad in bad_fields:
         with pytest.raises(ValueError, match="PingPongTiles"):
             PingPongTiles(**bad)
@@ -71,10 +73,31 @@ def test_tiles_and_shapes():
     assert "K=100" in reason(tiles, 1024, 100, 512, jnp.bfloat16)
     assert "float32" in reason(tiles, 1024, 320, 512, jnp.float32)
     assert "empty operand" in reason(tiles, 0, 320, 512, jnp.bfloat16)
+    # w [G, K, N] is loaded in whole 128-byte rows; read [G, N, K] any whole 8s of columns
+    narrow = PingPongTiles(tile_n=160)
+    assert "swizzle" in reason(narrow, 1024, 320, 640, jnp.bfloat16)
+    assert reason(narrow, 1024, 320, 640, jnp.bfloat16, w_nk=True) is None
     # the ring's slots beside two output tiles in 227 KiB: 5 with bf16 results, 3 with float32
     assert grouped_pingpong.ring_stages(tiles, jnp.bfloat16, jnp.bfloat16) == 5
     assert grouped_pingpong.ring_stages(tiles, jnp.bfloat16, jnp.float32) == 3
     assert grouped_pingpong.ring_stages(PingPongTiles(tile_k=256), jnp.float16, jnp.float32) == 0
+
+
+@pytest.mark.parametrize("tile_m", [64, 128, 192, 256, 320])
+def test_store_ladder_covers_every_row_count(tile_m):
+    """A tile's rows are stored by the ladder's steps whose bits the row count has, each at the
+    rows the steps before took: for every count 0 to tile_m (a whole tile of 192 rows too, not
+    a power of two), the steps taken cover rows [0, count) once, within the tile's rows."""
+    steps = grouped_pingpong.ladder(tile_m)
+    assert steps[-1] == 1 and all(a == 2 * b for a, b in zip(steps, steps[1:], strict=False))
+    for count in range(tile_m + 1):
+        at, covered = 0, []
+        for size in steps:
+            if count & size:
+                covered += range(at, at + size)
+                at += size
+        assert covered == list(range(count)), count
+        assert at <= tile_m
 
 
 def test_bad_operands_raise(monkeypatch):

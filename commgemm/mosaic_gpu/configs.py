@@ -20,6 +20,8 @@ EPI = 64
 #: Rows the ping-pong grouped kernel's tiles start at whole multiples of (Mosaic GPU loads
 #: tiled shared memory from whole 8s of rows).
 ROW_ALIGN = 8
+#: Rows of one wgmma of a warpgroup: its tiles' rows are whole multiples of it.
+WGMMA_M = 64
 
 
 def _positive_int(value: object, field: str, family: str) -> None:
@@ -190,7 +192,8 @@ class PingPongTiles:
     walking the tiles in bands `band` row tiles wide. The defaults were the fastest of the few
     measured (BENCHMARKS.md); shared memory holds stages x (tile_m + tile_n) x tile_k operands
     and two tile_m x tile_n results (fewer stages where they do not fit:
-    `grouped_pingpong.ring_stages`)."""
+    `grouped_pingpong.ring_stages`). tile_m is whole 64s, tile_n whole 8s up to 256 (whole 64s
+    for 16-bit w read [G, K, N]: `grouped_pingpong.shape_reason`)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -203,8 +206,12 @@ class PingPongTiles:
             _positive_int(getattr(self, field.name), field.name, "PingPongTiles")
         if self.stages < 2:
             raise ValueError(f"PingPongTiles.stages={self.stages} must be >= 2")
-        if self.tile_m % ROW_ALIGN:
-            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {ROW_ALIGN}s")
+        if self.tile_m % WGMMA_M:
+            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {WGMMA_M}s "
+                             "(a warpgroup's wgmma rows)")  # fmt: skip
+        if self.tile_n % 8 or self.tile_n > 256:
+            raise ValueError(f"PingPongTiles.tile_n={self.tile_n} must be whole 8s up to 256 "
+                             "(wgmma's columns)")  # fmt: skip
 
 
 KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig

@@ -7,8 +7,8 @@ group's rows (a group's first tile also up to 7 rows of the group before it, and
 rows past the group's end: computed, never stored). A tile is one K loop over its group's
 weights, whatever the groups: a group costs about half a tile of rows it does not need (its
 partial last tile), where tiles aligned to the rows (`grouped_kernel`) run one more K loop per
-group boundary inside a tile. A partial tile's rows are stored by a ladder of TMA stores of
-tile_m, tile_m / 2, ..., 1 rows, each taken or not by the bits of the row count (as jax's
+group boundary inside a tile. A tile's rows are stored by a ladder of TMA stores of powers of
+two rows (`ladder`), each taken or not by the bits of the row count (as jax's
 `ragged_dot_mgpu`). Rows past the groups' sum come out zero: the compute warpgroups store zero
 tiles over them after their GEMM tiles.
 
@@ -45,6 +45,8 @@ from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 SMEM_BYTES = 227 * 1024 - 1024
 #: K-steps of float8 operands where K allows: 128 bytes, as 64 of 16-bit ones.
 FLOAT8_TILE_K = 128
+#: The shared-memory swizzle of the operands' tiles, bytes: w's rows [K, N] are whole ones.
+SWIZZLE = 128
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +94,16 @@ def row_tiles(sizes: jax.Array, m: int, tile_m: int) -> RowTiles:
     return RowTiles(i32(start), i32(first - start), i32(rows), i32(span), i32(counts))
 
 
+def ladder(tile_m: int) -> tuple[int, ...]:
+    """The row counts of the store ladder of a tile_m-row tile: the powers of two from the
+    largest not above tile_m down to 1. A tile storing `count` rows (0 to tile_m) takes the
+    steps whose bits `count` has, each at the rows the steps before it took; every count up to
+    tile_m is a sum of distinct such steps, tile_m itself included where it is not a power of
+    two (192 = 128 + 64)."""
+    top = 1 << (tile_m.bit_length() - 1)
+    return tuple(top >> i for i in range(top.bit_length()))
+
+
 def ring_stages(tiles: PingPongTiles, dtype, out_dtype) -> int:
     """The ring's slots: `tiles.stages`, or as many as fit in shared memory beside the two
     output tiles (fewer for a 32-bit result)."""
@@ -123,6 +135,9 @@ def shape_reason(
         return f"it multiplies bf16, fp16 or float8 operands, got {dtype.name}"
     if n % tiles.tile_n or k % tiles.tile_k:
         return f"N={n} and K={k} must be whole {tiles.tile_n} x {tiles.tile_k} tiles"
+    if not w_nk and (tiles.tile_n * dtype.itemsize) % SWIZZLE:
+        return (f"w [G, K, N] is loaded in rows of tile_n={tiles.tile_n} elements, which must "
+                f"be whole {SWIZZLE}-byte swizzles")  # fmt: skip
     return None
 
 
@@ -211,15 +226,15 @@ def grouped_matmul(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[c] = value
                 plgpu.commit_smem()
-                row0, at, count, size = start_ref[p], skip_ref[p], rows_ref[p], tm
-                while size >= 1:
+                row0, at, count = start_ref[p], skip_ref[p], rows_ref[p]
+                for size in ladder(tm):
 
                     @pl.when(count & size != 0)
                     def _part(at=at, size=size):
                         dest = out_ref.at[pl.ds(row0 + at, size), cols]
                         plgpu.copy_smem_to_gmem(out_smem.at[c, pl.ds(at, size)], dest)
 
-                    at, size = at + (count & size), size // 2
+                    at = at + (count & size)
 
             def gemm_tile(c, i):
                 p, cols = where(i)

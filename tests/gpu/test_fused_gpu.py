@@ -356,6 +356,31 @@ def test_pingpong_kernel_against_ragged_dot(sizes, w_nk, m):
     assert float(jnp.abs(got - 2 * want).max()) <= 2 * REL * scale
 
 
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+@pytest.mark.parametrize("tile_m, tile_n", [(192, 128), (256, 64), (64, 128), (128, 192)])
+def test_pingpong_kernel_tilings(tile_m, tile_n, w_nk):
+    """The ping-pong kernel in tilings other than its default (192-row tiles, whose store
+    ladder is not a power of two; 256 and 64 rows; 192 columns), uneven groups and rows not
+    whole tiles, against the float32 ragged dot."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    m, k, n, sizes = 1000, 320, 3 * tile_n, jnp.asarray([100, 0, 300, 1, 500], jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(tile_m + tile_n), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
+    w = (jax.random.normal(kw, shape, jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32),
+                              sizes, precision="highest")  # fmt: skip
+    tiles = PingPongTiles(tile_m=tile_m, tile_n=tile_n)
+    got = jax.jit(functools.partial(grouped_pingpong.grouped_matmul, tiles=tiles, w_nk=w_nk))(
+        x, w, sizes
+    )
+    scale = max(float(jnp.abs(want).max()), 1.0)
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= REL * scale
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("form", ["quantizing", "prequantized"])
 def test_grouped_matmul_float8_in_shard_map(form, check_vma):
