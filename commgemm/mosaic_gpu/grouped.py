@@ -36,6 +36,12 @@ from commgemm.vma import like_primal, varying_like
 TILES_KERNEL_ROWS = 1024
 
 
+def row_aligned_rows(m: int, groups: int) -> bool:
+    """Whether m rows in `groups` groups average TILES_KERNEL_ROWS rows a group or more: where
+    the row-aligned kernel runs the forward (bf16 and float8), the ping-pong kernel below."""
+    return m >= TILES_KERNEL_ROWS * groups
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
     """The tiling of jax's ragged-dot kernels: block_m x block_n output tiles, K-steps of
@@ -103,7 +109,7 @@ def pick_tiles(m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False) 
     if groups < 1:  # no weights: every row is past the groups' sum
         return None
     fits = functools.partial(_shape_reason, m, k, n, dtype)
-    if not dx and m >= TILES_KERNEL_ROWS * groups and fits(GroupedConfig()) is None:
+    if not dx and row_aligned_rows(m, groups) and fits(GroupedConfig()) is None:
         return GroupedConfig()
     return PingPongTiles() if fits(PingPongTiles()) is None else None
 
@@ -285,7 +291,7 @@ def float8_matmul(a, a_scale_inv, b_nk, b_scale_inv, sizes, out_dtype, *, split:
     pingpong = grouped_pingpong.operand_tiles(PingPongTiles(), k, a.dtype)
     fits = grouped_pingpong.shape_reason(pingpong, m, k, b_nk.shape[1], a.dtype, w_nk=True)
     kw = dict(w_nk=True, scale=scale, out_dtype=out_dtype)
-    if tiles is None and not split and m < TILES_KERNEL_ROWS * groups and fits is None:
+    if tiles is None and not split and not row_aligned_rows(m, groups) and fits is None:
         out = grouped_pingpong.grouped_matmul(a, b_nk, sizes, **kw)
     else:
         out = grouped_kernel.grouped_matmul(a, b_nk, sizes, tiles, split_accumulator=split, **kw)
