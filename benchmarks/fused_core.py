@@ -50,6 +50,7 @@ from commgemm.cli.specs import fused_spec  # noqa: E402
 from commgemm.mosaic_gpu import (  # noqa: E402
     DirectAGConfig,
     DirectRSConfig,
+    PingPongRSConfig,
     RingRSConfig,
     fused,
     gemm_core,
@@ -131,7 +132,7 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
     if op == "rs":  # the ring kernel's core (ATOMIC_GEMM_RS_P2P; the AG ring is the direct one)
         found["ring"] = RingRSConfig()
     for tiles in map(alone, heuristics.TUNING_CANDIDATES[op]):
-        if type(tiles) is type(plan) and tiles not in found.values():
+        if isinstance(tiles, (type(plan), PingPongRSConfig)) and tiles not in found.values():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
             found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
     if op == "rs" and found["plan"].split_tail != 1:  # the plan's last wave left whole
@@ -187,6 +188,7 @@ def main() -> None:
     parser.add_argument("--bf16-sweep", action="store_true")
     parser.add_argument("--presets", default=None, help="comma-separated; default: all")
     parser.add_argument("--ops", default="ag,rs")
+    parser.add_argument("--tilings", default=None, help="core tilings by label; default: all")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -205,7 +207,9 @@ def main() -> None:
             "serial op xla": (serial_op(op, "xla"), (a, b)),
             "serial op mosaic": (serial_op(op, "mosaic"), (a, b)),
         }
-        for label, tiles in core_tilings(op, size, (m, k, n)).items():
+        tilings = {label: tiles for label, tiles in core_tilings(op, size, (m, k, n)).items()
+                   if args.tilings is None or label in args.tilings.split(",")}  # fmt: skip
+        for label, tiles in tilings.items():
             variants[f"core bf16 {label}"] = (core(op, tiles, float8=False), (a, b))
         for tiles in BF16_SWEEP[op] if args.bf16_sweep else ():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
@@ -220,7 +224,7 @@ def main() -> None:
                                       k, "bfloat16", False)  # fmt: skip
             xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
             variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
-            for label, tiles in core_tilings(op, size, (m, k, n)).items():
+            for label, tiles in tilings.items():
                 tiles = fused.float8_tiling(tiles, k)  # as the fused ops run float8
                 variants[f"core fp8 {label}"] = (core(op, tiles, float8=True), (qa.data, rhs))
             for tiles in FP8_SWEEP[op] if args.fp8_sweep else ():

@@ -12,7 +12,7 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
-from commgemm.mosaic_gpu.configs import FAMILIES, KernelConfig
+from commgemm.mosaic_gpu.configs import FAMILIES, PIPELINE_FAMILIES, KernelConfig
 
 
 class Collective(enum.Enum):
@@ -335,7 +335,7 @@ class OverlapConfig:
                 raise ValueError(
                     f"kernel={self.kernel!r} must be one of the kernel configs {sorted(FAMILIES)}"
                 )
-            direct = type(self.kernel).__name__.startswith("Direct")
+            direct = isinstance(self.kernel, PIPELINE_FAMILIES)
             if self.method not in (
                 Method.AUTO,
                 Method.PIPELINE if direct else Method.RING_EXCHANGE,

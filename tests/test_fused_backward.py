@@ -104,15 +104,29 @@ def test_dx_all_gather_on_four_gpus_takes_the_direct_kernel_where_the_ring_canno
 
 
 def test_backward_falls_back_to_the_ring_where_the_kernel_cannot_run(hopper, monkeypatch):
-    """dX of an AG forward reduce-scatters dY's rows [P*m, n] over K = 192 columns: not whole
-    256-column tiles of the RS kernel, so the backward runs RING_EXCHANGE; off a Hopper GPU
-    (no monkeypatch) likewise."""
+    """dX of an AG forward reduce-scatters dY's rows [P*m, n] over K = 320 columns: not whole
+    256-column tiles of the cooperative RS kernel, and two 192-wide columns of the ping-pong
+    one would pad 20% of them (`heuristics.PINGPONG_PAD`), so the backward runs RING_EXCHANGE;
+    off a Hopper GPU (no monkeypatch) likewise."""
     monkeypatch.setattr(jax, "device_count", lambda: 2)
-    back = _plan("ag", "fused-direct", 2, 1024, 192, 1024)
+    back = _plan("ag", "fused-direct", 2, 1024, 320, 1024)
     assert back.method is Method.RING_EXCHANGE and not back.atomic_gemm
     monkeypatch.undo()
     back = _plan("rs", "fused", 2, 1024, 512, 1024)
     assert back.method is Method.RING_EXCHANGE and not back.atomic_gemm
+
+
+def test_backward_of_an_ag_forward_runs_the_pingpong_kernel_where_it_fits(hopper, monkeypatch):
+    """dX of an AG forward on 2 devices over K = 1536 columns (eight of 192) runs the RS plan's
+    kernel, the ping-pong one (`heuristics.direct_rs_config`); over K = 4096 (22 columns
+    padding 3.1%) the cooperative one."""
+    from commgemm.mosaic_gpu import DirectRSConfig, PingPongRSConfig
+
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    back = _plan("ag", "fused-direct", 2, 1024, 1536, 1024)
+    assert back.method is Method.PIPELINE and back.kernel == PingPongRSConfig()
+    back = _plan("ag", "fused-direct", 2, 1024, 4096, 1024)
+    assert back.method is Method.PIPELINE and isinstance(back.kernel, DirectRSConfig)
 
 
 @pytest.mark.parametrize(

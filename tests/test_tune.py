@@ -224,9 +224,10 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
     assert direct(384 * 2, 2).kernel == wide
     assert all(not c.atomic_gemm for c in costmodel.candidates(RS, 8192, 2))
     # chained pipelines where K/tile_k is whole rounds of stages and each CTA gets two tiles
-    assert direct(8192, 2, shape=(8192, 4096, 14336)).kernel.chain_tiles
-    assert not direct(8192, 2, shape=(8192, 4096 + 128, 14336)).kernel.chain_tiles
-    assert not direct(8192, 2, shape=(8192, 4096, 1024)).kernel.chain_tiles  # 64 tiles
+    # (on 4 devices: on 2 these shapes run the ping-pong kernel, the next test)
+    assert direct(8192, 4, shape=(8192, 4096, 14336)).kernel.chain_tiles
+    assert not direct(8192, 4, shape=(8192, 4096 + 256, 14336)).kernel.chain_tiles
+    assert not direct(8192, 4, shape=(8192, 4096, 1024)).kernel.chain_tiles  # 128 tiles
     # deterministic: whole tails, and no direct kernel beyond 2 devices (arrival-order adds)
     found = costmodel.candidates(RS, 8192, 2, fused=True, deterministic=True)
     assert [c.kernel for c in found if c.method is cg.Method.PIPELINE and c.atomic_gemm] == [
@@ -235,6 +236,32 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
     found = costmodel.candidates(RS, 8192, 4, fused=True, deterministic=True)
     assert not any(c.atomic_gemm and c.method is cg.Method.PIPELINE for c in found)
     assert any(c.atomic_gemm for c in found)  # the ring kernel adds in a fixed order
+
+
+@pytest.mark.parametrize(
+    ("rows", "size", "shape", "pingpong"),
+    [
+        (8192, 2, (8192, 4096, 14336), True),  # 75 columns of 192: 0.45% padded
+        (8192, 2, (8192, 5120, 13824), True),  # whole columns
+        (8192, 2, (8192, 8192, 4096), False),  # 22 columns pad 3.1% of N
+        (8192, 4, (8192, 4096, 14336), False),  # measured on 2 devices only
+        (8192, 2, None, False),  # N unknown
+        (384 * 2, 2, (768, 4096, 14336), False),  # 384 rows a device: not whole 256-row pairs
+        (8192, 2, (8192, 4096 + 64, 14336), False),  # K/P = 2080: not whole 64-element steps
+        (8192, 2, (8192, 4096, 14336 + 32), False),  # N not whole 64s (w [K, n]'s tiling)
+    ],
+)
+def test_direct_rs_plan_takes_the_pingpong_kernel_where_it_fits(rows, size, shape, pingpong):
+    """On 2 devices, where N's last 192-wide column pads at most 1% of N and the kernel runs
+    the shape (`heuristics.pingpong_rs_config`), the RS plan is the ping-pong kernel; else the
+    cooperative kernel."""
+    tiles = heuristics.direct_rs_config(rows, size, shape)
+    assert isinstance(tiles, mosaic_gpu.PingPongRSConfig) == pingpong
+    if pingpong:
+        assert tiles == mosaic_gpu.PingPongRSConfig()
+        assert heuristics.direct_rs_config(rows, size, shape, deterministic=True) == tiles
+    else:
+        assert isinstance(tiles, mosaic_gpu.DirectRSConfig)
 
 
 @pytest.mark.parametrize(
@@ -300,8 +327,12 @@ def test_fused_prediction(size, collective):
         assert cfg == fused and best == pytest.approx(predicted)
     elif collective is RS:
         tiles = heuristics.direct_rs_config(rows, size, SHAPE)
-        assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
-        assert (tiles.cta_m, tiles.cta_n, tiles.split_tail, tiles.zero_ahead) == (128, 256, 0, 2)
+        if size == 2:  # N = 8192: 43 columns of 192 pad 0.8%
+            assert tiles == mosaic_gpu.PingPongRSConfig()
+        else:
+            assert tiles.cluster == ("m" if (rows // size) % 256 == 0 else None)
+            cta_tail_zeroing = (tiles.cta_m, tiles.cta_n, tiles.split_tail, tiles.zero_ahead)
+            assert cta_tail_zeroing == (128, 256, 0, 2)
     else:
         tiles = mosaic_gpu.DirectAGConfig(grid_minor_m=True, narrow_tail=True)
     if collective is RS or size == 2:

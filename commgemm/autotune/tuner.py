@@ -38,11 +38,12 @@ class TuneResult:
 
 def _tuning_configs(op: str) -> list[OverlapConfig]:
     """The fused kernels' tuning candidates (`mosaic_gpu.heuristics`) as configs."""
+    from commgemm.mosaic_gpu.configs import PIPELINE_FAMILIES
     from commgemm.mosaic_gpu.heuristics import TUNING_CANDIDATES
 
     return [
         OverlapConfig(
-            method="pipeline" if type(k).__name__.startswith("Direct") else "ring_exchange",
+            method="pipeline" if isinstance(k, PIPELINE_FAMILIES) else "ring_exchange",
             atomic_gemm=True,
             kernel=k,
         )

@@ -6,6 +6,7 @@ back. Only the command line speaks this language; the library and the tune cache
 from __future__ import annotations
 
 from commgemm.config import Method, OverlapConfig
+from commgemm.mosaic_gpu.configs import PingPongRSConfig
 
 _KEYS = {
     "w": "grid_tile_width",
@@ -27,18 +28,22 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
     (stages), '-wgm' (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128'
     (tile_m / tile_n / tile_k), '-cm' / '-cn' (2-CTA clusters along M / N), '-ct'
     (chain_tiles), '-nt' (narrow_tail), '-t4' / '-t0' (split_tail, 0 automatic), '-r80'
-    (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'. The op picks the
-    kernel family (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
+    (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'; '-pp' after
+    'fused-direct' for rs: the ping-pong kernel (`PingPongRSConfig`). The op picks the kernel
+    family (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
     from commgemm.config import Collective
     from commgemm.mosaic_gpu.fused import FAMILY
 
     if op not in ("ag", "rs"):
         raise ValueError(f"{spec!r}: the fused kernels are for op ag or rs, not {op!r}")
     fields: dict[str, object] = {}
-    method = Method.RING_EXCHANGE
+    method, pingpong = Method.RING_EXCHANGE, False
     for part in spec.split("-")[1:]:
         if part == "direct" and method is Method.RING_EXCHANGE:
             method = Method.PIPELINE
+        elif part == "pp" and (op, method) == ("rs", Method.PIPELINE):
+            pingpong = True  # its flags' fields start off, as the other families' defaults
+            fields = {"grid_minor_m": False, "cluster": None, **fields}
         elif part in _FLAGS:
             fields[_FLAGS[part]] = True
         elif part in ("cm", "cn"):
@@ -48,11 +53,12 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; use -direct, -w<N>, -s<N>, -m<N>, "
-                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt"
+                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt, -pp (rs, "
+                "after -direct)"
             )
-    family = FAMILY[(Collective(op), method)]
+    family = PingPongRSConfig if pingpong else FAMILY[(Collective(op), method)]
     try:
-        kernel = family(**fields) if fields else None
+        kernel = family(**fields) if fields or pingpong else None
     except TypeError:
         unknown = sorted(set(fields) - set(family.__dataclass_fields__))
         raise ValueError(f"{spec!r}: {family.__name__} has no {unknown}") from None
@@ -66,8 +72,10 @@ def fused_spec(config: OverlapConfig) -> str:
     if kernel is None:
         return "-".join(parts)
     default = type(kernel)()
+    if isinstance(kernel, PingPongRSConfig):
+        parts.append("pp")
     for key, field in (("wgm", "wg_along_m"), ("gm", "grid_minor_m")):
-        if getattr(kernel, field):
+        if getattr(kernel, field, False):
             parts.append(key)
     if getattr(kernel, "cluster", None):
         parts.append(f"c{kernel.cluster}")

@@ -1,15 +1,17 @@
 """Fused Hopper kernels (Mosaic GPU through Pallas): the GEMM and its transfers in one kernel.
 
 `fused` dispatches an atomic_gemm config to its kernel and says where one cannot run;
-`push_gather_gemm` (ATOMIC_GEMM_AG) and `scatter_add_gemm` (ATOMIC_GEMM_RS) are the direct
-kernels, the ring kernels live in `fused`; `tiles` holds what the kernels share.
+`push_gather_gemm` (ATOMIC_GEMM_AG and its ring), `scatter_add_gemm` (ATOMIC_GEMM_RS),
+`pingpong_scatter_gemm` (ATOMIC_GEMM_RS on the ping-pong schedule) and `ring_scatter_gemm`
+(ATOMIC_GEMM_RS_P2P) are the kernels; `tiles` holds what they share, `configs` their tilings.
 """
 
 from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
     DirectRSConfig,
+    PingPongRSConfig,
     RingAGConfig,
     RingRSConfig,
 )
 
-__all__ = ["DirectAGConfig", "DirectRSConfig", "RingAGConfig", "RingRSConfig"]
+__all__ = ["DirectAGConfig", "DirectRSConfig", "PingPongRSConfig", "RingAGConfig", "RingRSConfig"]

@@ -1,19 +1,20 @@
 """One small validated config per fused kernel family: the ring kernels (`RingAGConfig`,
 `RingRSConfig`, ATOMIC_GEMM_AG_P2P / _RS_P2P) and the direct ones (`DirectAGConfig`,
-`DirectRSConfig`, ATOMIC_GEMM_AG / _RS); and the grouped kernels' (`GroupedConfig`,
-`PingPongTiles`).
+`DirectRSConfig`, ATOMIC_GEMM_AG / _RS; `PingPongRSConfig`, ATOMIC_GEMM_RS on the ping-pong
+schedule); and the grouped kernels' (`GroupedConfig`, `PingPongTiles`).
 
-Every fused family (and `GroupedConfig`) shares the GEMM tiling of jax's Hopper matmul (its
-`TuningConfig`): each of a CTA's two compute warpgroups owns a tile_m x tile_n block (stacked
-along N, or along M with wg_along_m); `stages` K-steps of tile_k are loaded ahead; CTAs walk the
-output tiles in bands `grid_tile_width` tiles wide along N (along M with grid_minor_m); the
-epilogue stores in EPI x EPI blocks. `cluster` ("m" or "n", where a family has it) pairs two
-CTAs whose shared operand is loaded once and multicast to both.
+Every fused family but the ping-pong one (and `GroupedConfig`) shares the GEMM tiling of jax's
+Hopper matmul (its `TuningConfig`): each of a CTA's two compute warpgroups owns a tile_m x
+tile_n block (stacked along N, or along M with wg_along_m); `stages` K-steps of tile_k are
+loaded ahead; CTAs walk the output tiles in bands `grid_tile_width` tiles wide along N (along M
+with grid_minor_m); the epilogue stores in EPI x EPI blocks. `cluster` ("m" or "n", where a
+family has it) pairs two CTAs whose shared operand is loaded once and multicast to both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 #: The epilogue's block (EPI x EPI elements): what every measured tiling used.
 EPI = 64
@@ -22,6 +23,10 @@ EPI = 64
 ROW_ALIGN = 8
 #: Rows of one wgmma of a warpgroup: its tiles' rows are whole multiples of it.
 WGMMA_M = 64
+#: Rows of the load warpgroups' zero blocks (`zero_ahead`): 16 x 64, 2 KiB in bf16, what shared
+#: memory has left beside 4 stages of 128 x 256 tiles and the epilogue's (5 of 128 x 192 in the
+#: ping-pong kernel).
+ZERO_ROWS = 16
 
 
 def _positive_int(value: object, field: str, family: str) -> None:
@@ -214,8 +219,82 @@ class PingPongTiles:
                              "(wgmma's columns)")  # fmt: skip
 
 
-KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig
+#: Shared memory a CTA may use on Hopper (227 KiB).
+HOPPER_SMEM = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPongRSConfig:
+    """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_scatter_gemm`): each compute warpgroup
+    owns a whole tile_m x tile_n output tile and the two take a CTA's tiles in turn, so one's
+    epilogue (its reduce-adds) runs under the other's K loop. One ring of `stages` smem slots of
+    tile_k K-steps is shared by both; the two warpgroups' epilogues share one buffer of 64 rows.
+    CTAs walk the tiles in bands `grid_tile_width` tiles wide (along M with grid_minor_m);
+    cluster "m" pairs two CTAs of adjacent row tiles that share w's blocks (multicast). The last
+    column of tiles may be partial: N need not be whole tiles. tile_n is whole 8s up to 256 (the
+    accumulator is tile_n registers a thread: at most 192 leaves room for the rest); with w read
+    [K, n] (bf16 and fp16) whole 64s. zero_ahead: D > 0 zeroes the output D waves of CTAs
+    ahead of the adds (the load warpgroup, between two tiles' loads); 0 zeroes it all first.
+    The defaults (cuBLASLt's schedule in 128 x 192 tiles) ran within 0 to 1.4% of the best GEMM
+    on the RS presets' local shapes but comm_heavy's (4 to 5%) on one H100 (BENCHMARKS.md)."""
+
+    tile_m: int = 128
+    tile_n: int = 192
+    tile_k: int = 64
+    stages: int = 5
+    grid_tile_width: int = 8
+    grid_minor_m: bool = True
+    cluster: str | None = "m"
+    zero_ahead: int = 2
+
+    def __post_init__(self) -> None:
+        family = "PingPongRSConfig"
+        if isinstance(self.zero_ahead, bool) or not isinstance(self.zero_ahead, int):
+            raise ValueError(f"{family}.zero_ahead={self.zero_ahead!r} must be an int >= 0")
+        if self.zero_ahead < 0:
+            raise ValueError(f"{family}.zero_ahead={self.zero_ahead} must be >= 0 (0: all first)")
+        for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
+            _positive_int(getattr(self, field), field, family)
+        if not isinstance(self.grid_minor_m, bool):
+            raise ValueError(f"{family}.grid_minor_m={self.grid_minor_m!r} must be a bool")
+        if self.cluster not in (None, "m"):
+            raise ValueError(f"{family}.cluster={self.cluster!r} must be one of (None, 'm')")
+        if self.stages < 2:
+            raise ValueError(f"{family}.stages={self.stages} must be >= 2")
+        if self.tile_m % WGMMA_M:
+            raise ValueError(f"{family}.tile_m={self.tile_m} must be whole {WGMMA_M}s (a "
+                             "warpgroup's wgmma rows)")  # fmt: skip
+        if self.tile_n % 8 or self.tile_n > 192:
+            raise ValueError(f"{family}.tile_n={self.tile_n} must be whole 8s up to 192 (its "
+                             "accumulator's registers)")  # fmt: skip
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if self.cluster is None else 2
+
+    @property
+    def cluster_m(self) -> int:
+        """Rows of output one cluster computes per tile."""
+        return self.tile_m * self.cluster_size
+
+    @property
+    def zero_columns(self) -> int:
+        """Columns of the load warpgroup's zero block (zero_ahead): a divisor of tile_n."""
+        return math.gcd(self.tile_n, EPI)
+
+    def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
+        """Shared memory of the ring, the epilogue buffer (EPI rows of a tile) and, with
+        zero_ahead, the zero block (ZERO_ROWS x zero_columns)."""
+        ring = self.stages * (self.tile_m + self.tile_n) * self.tile_k * itemsize
+        zero = ZERO_ROWS * self.zero_columns if self.zero_ahead else 0
+        return ring + (EPI * self.tile_n + zero) * out_itemsize
+
+
+KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig | PingPongRSConfig
+#: The configs of the kernels that method PIPELINE runs (the others are RING_EXCHANGE's).
+PIPELINE_FAMILIES = (DirectAGConfig, DirectRSConfig, PingPongRSConfig)
 #: The family of each config type, by name (the tune cache's tag).
 FAMILIES: dict[str, type] = {
-    c.__name__: c for c in (RingAGConfig, RingRSConfig, DirectAGConfig, DirectRSConfig)
+    c.__name__: c
+    for c in (RingAGConfig, RingRSConfig, DirectAGConfig, DirectRSConfig, PingPongRSConfig)
 }

@@ -18,7 +18,9 @@ way the reference's atomic GEMMs do with userbuffers. Every kernel is ours, on t
   ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
       multiplying them; a peer's tiles wait only for their own band of rows.
   ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
-      output, tiles of all blocks interleaved.
+      output, tiles of all blocks interleaved; with a `PingPongRSConfig`,
+      `pingpong_scatter_gemm`: the same on the ping-pong schedule (each compute warpgroup a
+      whole tile, its epilogue under the other's K loop).
 
 Quantized operands (an op's `scaling=` with a tensor mode): every kernel takes float8 x and w
 (w laid out [n, K], K-major, as float8 wgmma wants: quantizing w writes it so) and multiplies
@@ -54,25 +56,39 @@ import jax
 import jax.numpy as jnp
 
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
-from commgemm.mosaic_gpu import push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import (
+    pingpong_scatter_gemm,
+    push_gather_gemm,
+    ring_scatter_gemm,
+    scatter_add_gemm,
+)
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
     DirectRSConfig,
     KernelConfig,
+    PingPongRSConfig,
     RingAGConfig,
     RingRSConfig,
 )
 from commgemm.quant import TENSOR_MODES, ScalingRecipe
 from commgemm.vma import varying_like
 
-#: The kernel family of each (collective, method) pairing with atomic_gemm.
+#: The kernel family of each (collective, method) pairing with atomic_gemm: its default config
+#: (RS with PIPELINE also runs `PingPongRSConfig`, `OTHER_FAMILIES`).
 FAMILY = {
     (Collective.ALL_GATHER, Method.RING_EXCHANGE): RingAGConfig,
     (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE): RingRSConfig,
     (Collective.ALL_GATHER, Method.PIPELINE): DirectAGConfig,
     (Collective.REDUCE_SCATTER, Method.PIPELINE): DirectRSConfig,
 }
+#: The other kernel configs a pairing takes.
+OTHER_FAMILIES = {(Collective.REDUCE_SCATTER, Method.PIPELINE): (PingPongRSConfig,)}
+
+
+def families(collective: Collective, method: Method) -> tuple[type, ...]:
+    """The kernel config types the pairing runs, its default's first."""
+    return (FAMILY[(collective, method)], *OTHER_FAMILIES.get((collective, method), ()))
 
 
 def kernel_config(collective: Collective, config: OverlapConfig) -> KernelConfig:
@@ -124,22 +140,27 @@ def unsupported_reason(
         return f"it needs bfloat16 or float16 operands, got {x.dtype}"
     if (reason := fused_fields_reason(config, x.dtype)) is not None:
         return reason
-    family = FAMILY[(collective, config.method)]
+    kinds = families(collective, config.method)
     tiles = kernel_config(collective, config)
-    if not isinstance(tiles, family):
+    if not isinstance(tiles, kinds):
         return (
             f"kernel={type(tiles).__name__}(...) is another kernel's config: this call runs "
-            f"{family.__name__}'s kernel ({collective.name} with {config.method.name})"
+            f"{' or '.join(kind.__name__ for kind in kinds)}'s kernel ({collective.name} with "
+            f"{config.method.name})"
         )
     chain_tiles = getattr(tiles, "chain_tiles", False)
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]
-    for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n)):
-        if value % by:
-            return f"{what}={value} must be divisible by the tile {by}"
-    if k % tiles.tile_k:
-        return f"K={k} must be divisible by the tile {tiles.tile_k}"
+    if isinstance(tiles, PingPongRSConfig):
+        reason = pingpong_scatter_gemm.shape_reason(tiles, m, k, n, x.dtype, w_nk=w_transposed)
+        if reason is not None:
+            return reason
+    else:
+        for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
+                                ("K", k, tiles.tile_k)):  # fmt: skip
+            if value % by:
+                return f"{what}={value} must be divisible by the tile {by}"
     if chain_tiles and (k // tiles.tile_k) % tiles.stages:
         return f"chain_tiles needs K/tile_k={k // tiles.tile_k} divisible by {tiles.stages} stages"
     if config.deterministic and (why := varies_between_calls(collective, config, size)):
@@ -193,6 +214,8 @@ def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
             f"{recipe.mode.name} has no Hopper tensor-core path (the XLA methods emulate block "
             "scales)"
         )
+    if isinstance(config.kernel, PingPongRSConfig) and recipe.split_accumulator[0]:
+        return "PingPongRSConfig takes no split accumulation (the recipe's forward flag)"
     return None
 
 
@@ -201,7 +224,10 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     whole steps of it (the faster K-step for float8 on Hopper: docs/performance.md), chained
     tiles only where K is still whole rounds of stages; with `split` accumulation, warpgroup
     tiles of 64 x 128 where larger ones leave no registers for the second accumulator
-    (`tiles.split_reason`)."""
+    (`tiles.split_reason`); PingPongRSConfig takes no split accumulation."""
+    if split and isinstance(tiles, PingPongRSConfig):
+        raise ValueError("PingPongRSConfig takes no split accumulation (two accumulators of a "
+                         "whole tile do not fit in a warpgroup's registers)")  # fmt: skip
     if split and mosaic_tiles.split_reason(tiles) is not None:
         tiles = dataclasses.replace(tiles, tile_m=64, tile_n=128, wg_along_m=True)
     return _longer_steps(tiles, k, FLOAT8_TILE_K, tiles.stages)
@@ -255,6 +281,8 @@ def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **optio
     ring = config.method is Method.RING_EXCHANGE
     if collective is Collective.REDUCE_SCATTER:
         kernel = ring_scatter_gemm if ring else scatter_add_gemm
+        if isinstance(config.kernel, PingPongRSConfig):
+            kernel = pingpong_scatter_gemm
         return kernel.matmul_reduce_scatter(x, w, axis_name, config, **options)
     return push_gather_gemm.all_gather_matmul(x, w, axis_name, config, ring=ring, **options)
 

@@ -1,7 +1,8 @@
 """Default configs and autotuning candidates of the fused kernel families, beside the kernels:
 what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`) and the extra
-tilings the tuner also measures (`tuning_candidates`). Each was the fastest, or within noise of
-it, on some 2xH200 preset (docs/performance.md)."""
+tilings the tuner also measures (`TUNING_CANDIDATES`). Each was the fastest, or within noise of
+it, on some 2xH200 preset (docs/performance.md), except the ping-pong RS kernel's, which was
+measured on one GPU only (its GEMM core: BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,34 @@ from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
     DirectRSConfig,
     KernelConfig,
+    PingPongRSConfig,
     RingAGConfig,
 )
 from commgemm.mosaic_gpu.tiles import HOPPER_SMS
+
+#: Most of N that the ping-pong RS kernel's partial last column of 192-wide tiles may pad (the
+#: work on columns past N is wasted): 0.45% on llama8b's and llama70b's N (14336, 28672), none
+#: on llama13b's (13824), 3.1% on comm_heavy's (4096), where it ran 4 to 5% slower than the
+#: cooperative kernel (BENCHMARKS.md "The ping-pong RS kernel").
+PINGPONG_PAD = 0.01
+
+
+def pingpong_rs_config(
+    rows: int, size: int, shape: tuple[int, int, int]
+) -> PingPongRSConfig | None:
+    """The ping-pong RS kernel's default tiling for x [rows, K/P] of the global `shape`
+    (M, K, N) in bf16, where it runs that shape and its last column of tiles pads at most
+    PINGPONG_PAD of N; else None."""
+    from commgemm.mosaic_gpu import pingpong_scatter_gemm
+
+    _, k, n = shape
+    tiles = PingPongRSConfig()
+    if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + PINGPONG_PAD):
+        return None
+    reason = pingpong_scatter_gemm.shape_reason(
+        tiles, rows // size, k // size, n, "bfloat16", w_nk=False
+    )
+    return tiles if reason is None else None
 
 
 def direct_rs_config(
@@ -22,13 +48,19 @@ def direct_rs_config(
     shape: tuple[int, int, int] | None = None,
     *,
     deterministic: bool = False,
-) -> DirectRSConfig:
-    """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known):
-    warpgroup tiles of 64 x 256 (a 128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA
-    clusters along M where the rows per device fill them, the last wave split along K unless
-    `deterministic`, chained tile pipelines where K/tile_k is whole rounds of stages and every
-    CTA of a 132-SM GPU gets two tiles, and the output zeroed two waves ahead of the adds: the
-    fastest tiling on the 2xH200 RS presets (docs/performance.md)."""
+) -> DirectRSConfig | PingPongRSConfig:
+    """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known).
+    On 2 devices, where `pingpong_rs_config` gives one: the ping-pong kernel (its two adds a
+    tile are in a fixed order); on 2 x H100 it ran 1% faster than the cooperative tiling below
+    on llama8b RS, as fast on llama13b and 5 to 9% faster on llama70b (one run each; not
+    measured on more devices). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
+    128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA clusters along M where the rows
+    per device fill them, the last wave split along K unless `deterministic`, chained tile
+    pipelines where K/tile_k is whole rounds of stages and every CTA of a 132-SM GPU gets two
+    tiles, and the output zeroed two waves ahead of the adds: the fastest tiling on the 2xH200
+    RS presets (docs/performance.md)."""
+    if size == 2 and shape is not None and (pingpong := pingpong_rs_config(rows, size, shape)):
+        return pingpong
     tiles = DirectRSConfig(
         wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic), zero_ahead=2
     )
@@ -103,5 +135,7 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
             split_tail=0,
             zero_ahead=2,
         ),
+        PingPongRSConfig(),
+        PingPongRSConfig(tile_n=128, stages=6),
     ),
 }

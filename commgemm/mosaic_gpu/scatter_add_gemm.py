@@ -28,12 +28,7 @@ from jax import lax
 
 from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
-from commgemm.mosaic_gpu.configs import DirectRSConfig
-
-#: Rows of the load warpgroup's zero block (DirectRSConfig.zero_ahead): 16 x epi, 2 KiB in bf16 with
-#: epi 64, what shared memory has left beside 4 stages of 128 x 256 tiles and the epilogue's.
-ZERO_ROWS = 16
-
+from commgemm.mosaic_gpu.configs import ZERO_ROWS, DirectRSConfig
 
 #: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
 #: automatic split_tail's model.

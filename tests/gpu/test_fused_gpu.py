@@ -39,6 +39,7 @@ SPECS = {
         "fused-direct",
         "fused-direct-cm-ct",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
+        "fused-direct-pp-gm-cm",  # the ping-pong kernel; "big": a partial last tile column
     ],
 }
 
@@ -150,7 +151,10 @@ def test_three_stages_alternating_inputs(two_gpus, op, spec):
         assert _relative_error(f(sign * x, w), _reference(sign * x, w)) <= REL
 
 
-@pytest.mark.parametrize(("op", "spec"), [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm")])
+@pytest.mark.parametrize(
+    ("op", "spec"),
+    [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm"), ("rs", "fused-direct-pp-gm-cm")],
+)
 def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
     """24 calls enqueued back to back, two inputs alternating: each equals that input's call
     run alone, bit for bit (no state leaks between calls; on 2 GPUs the adds have one order)."""
@@ -599,8 +603,24 @@ def test_fused_float8_against_the_split_method(
     fast dgrad dX runs the other collective's fused kernel on e5m2 dY and e4m3 W (two Mosaic
     GPU kernels in the compiled value and gradient), with promoted dgrad the ring (one); a
     promoted forward runs the kernels' split form (`fused.split_tiling`)."""
-    x, w, g = _operands((2048, 2048, 2048), 7)
     recipe = cg.ScalingRecipe(split_accumulator=(forward_split, dgrad_split, True))
+    _float8_against_split(op, spec, check_vma, recipe, (2048, 2048, 2048))
+
+
+@pytest.mark.parametrize(("op", "spec"), [("rs", "fused-direct-pp-gm-cm"), ("ag", "fused-direct")])
+def test_fused_float8_pingpong_against_the_split_method(two_gpus, op, spec):
+    """The ping-pong RS kernel on float8: as an RS forward, and (K = 1536: eight 192-wide
+    columns, the RS plan's kernel on 2 GPUs) as an AG forward's fast dX on e5m2 dY and e4m3 W;
+    against the split method, as `test_fused_float8_against_the_split_method`."""
+    if jax.device_count() != 2:
+        pytest.skip("the RS plan runs the ping-pong kernel on 2 GPUs")
+    recipe = cg.ScalingRecipe(split_accumulator=(False, False, True))
+    _float8_against_split(op, spec, True, recipe, (2048, 1536, 2048))
+
+
+def _float8_against_split(op, spec, check_vma, recipe, shape):
+    dgrad_split = recipe.split_accumulator[1]
+    x, w, g = _operands(shape, 7)
     mesh = _mesh()
     results = []
     split_method = "pipeline" if "direct" in spec else "ring_exchange"

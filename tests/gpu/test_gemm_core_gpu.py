@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
-from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, fused
+from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, PingPongRSConfig, fused
 
 pytestmark = pytest.mark.skipif(
     jax.__version_info__ < (0, 11), reason="the Mosaic GPU kernels need jax >= 0.11"
@@ -185,3 +185,46 @@ def test_float8_split_accumulation(op, method):
         errors[split] = _rel_err(out, ref)
     assert errors[True] < 1e-2, errors  # bf16 rounding of the result
     assert errors[True] <= errors[False] * 1.05, errors
+
+
+@pytest.mark.parametrize(
+    ("tiles", "shape", "w_nk"),
+    [
+        (PingPongRSConfig(), (8192, 1024, 14336), False),  # 74 columns of 192 and one of 128
+        (PingPongRSConfig(), (2048, 512, 4160), True),
+        (PingPongRSConfig(cluster=None, grid_minor_m=False), (1024, 512, 1792), False),
+        (PingPongRSConfig(tile_n=160), (2048, 1024, 4000), True),  # 160-wide: w [n, K] only
+        (PingPongRSConfig(tile_n=128, stages=6, grid_tile_width=4), (4096, 640, 2048), True),
+        (PingPongRSConfig(stages=3), (256, 256, 192), False),  # one tile a CTA of one cluster
+    ],
+)
+def test_pingpong_rs_core(tiles, shape, w_nk):
+    """The ping-pong RS kernel's GEMM core (one device: tiles stored, nothing zeroed), partial
+    last columns of tiles included, after a call on -x (`test_gemm_core`)."""
+    x, w = _operands(*shape, seed=sum(shape) + 1)
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    f = jax.jit(lambda a, b: fused.matmul_reduce_scatter(a, b, None, cfg, w_transposed=w_nk))
+    stored = w.T.copy() if w_nk else w
+    for sign in (-1, 1, -1, 1):
+        out = f(sign * x, stored)
+        assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
+        assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
+
+
+@pytest.mark.parametrize("n", [14336, 4160])
+def test_pingpong_rs_float8_core(n):
+    """The ping-pong RS kernel on float8 x and w [n, K] (128-element K-steps), the two scales
+    applied in the epilogue, against the float32 product of the quantized operands."""
+    from commgemm import scaled
+
+    m, k = 4096, 1024
+    x, w = _operands(m, k, n, seed=n)
+    qw = cg.quantize(w, "current_tensor_scaling", axis=0)
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=PingPongRSConfig())
+    f = jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, config, w_transposed=True))
+    for sign in (-1, 1):
+        qx = cg.quantize(sign * x, "current_tensor_scaling")
+        ref = jnp.dot(cg.dequantize(qx), cg.dequantize(qw), precision="highest")
+        rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+                                  "bfloat16", False)  # fmt: skip
+        assert _rel_err(f(qx.data, rhs), ref) < 1.5e-2  # bf16 result, fast accumulation

@@ -1,0 +1,203 @@
+"""The ping-pong RS kernel (`PingPongRSConfig`, `pingpong_scatter_gemm`): its config's checks,
+what it refuses, its spec, and that it lowers for a CUDA target on the CPU on one device (the
+GEMM core) and on meshes of 2 and 4, bf16 and float8, with partial last tile columns. Its
+outputs are checked on Hopper GPUs (tests/gpu)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import P, mesh1d
+
+import commgemm as cg
+from commgemm.cli.specs import fused_spec, parse_fused
+from commgemm.config import Collective
+from commgemm.mosaic_gpu import PingPongRSConfig, fused, pingpong_scatter_gemm
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+from commgemm.mosaic_gpu.configs import HOPPER_SMEM
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+@pytest.fixture(autouse=True)
+def _h100_sms(monkeypatch):
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)  # CPU devices have no SM count
+
+
+def _config(**fields) -> cg.OverlapConfig:
+    return cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=PingPongRSConfig(**fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(tile_n=200), "up to 192"),
+        (dict(tile_n=100), "whole 8s"),
+        (dict(tile_m=96), "whole 64s"),
+        (dict(stages=1), ">= 2"),
+        (dict(cluster="n"), "cluster"),
+        (dict(grid_minor_m=1), "bool"),
+        (dict(tile_k=0), "positive int"),
+        (dict(zero_ahead=-1), ">= 0"),
+        (dict(zero_ahead=True), "int"),
+    ],
+)
+def test_config_refuses_bad_fields(fields, match):
+    with pytest.raises(ValueError, match=match):
+        PingPongRSConfig(**fields)
+
+
+def test_config_is_for_pipeline_only():
+    with pytest.raises(ValueError, match="PIPELINE"):
+        cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, kernel=PingPongRSConfig())
+
+
+@pytest.mark.parametrize(
+    "spec", ["fused-direct-pp", "fused-direct-pp-gm-cm", "fused-direct-pp-cm-n160-s6-k128"]
+)
+def test_spec_round_trip(spec):
+    config = parse_fused(spec, "rs")
+    assert isinstance(config.kernel, PingPongRSConfig)
+    assert parse_fused(fused_spec(config), "rs") == config
+
+
+def test_spec_pp_is_rs_direct_only():
+    with pytest.raises(ValueError, match="pp"):
+        parse_fused("fused-direct-pp", "ag")
+    with pytest.raises(ValueError, match="pp"):
+        parse_fused("fused-pp", "rs")
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "w_nk", "tiles", "match"),
+    [
+        ((8192, 1000, 4096), jnp.bfloat16, False, PingPongRSConfig(), "K=1000"),
+        ((8064, 1024, 4096), jnp.bfloat16, False, PingPongRSConfig(), "rows per device"),
+        ((8192, 1024, 4096), jnp.bfloat16, False, PingPongRSConfig(tile_n=160), "128-byte"),
+        ((8192, 1024, 4096), jnp.float8_e4m3fn, True, PingPongRSConfig(), "tile_k=64"),
+        ((8192, 1024, 4096), jnp.bfloat16, True, PingPongRSConfig(stages=6), "shared memory"),
+        ((8192, 1024, 4000), jnp.bfloat16, False, PingPongRSConfig(), "whole 64s"),
+        ((8192, 1024, 4000), jnp.bfloat16, True, PingPongRSConfig(tile_n=128), "whole 64s"),
+    ],
+)
+def test_shape_reason(shape, dtype, w_nk, tiles, match):
+    rows, k, n = shape
+    reason = pingpong_scatter_gemm.shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk)
+    assert reason is not None and match in reason
+
+
+@pytest.mark.parametrize("zero_ahead", [0, 2])
+@pytest.mark.parametrize("tile_n", [128, 160, 192])
+@pytest.mark.parametrize("stages", [4, 5])
+def test_smem_bytes_is_what_the_kernel_allocates(tile_n, stages, zero_ahead):
+    """The config's shared memory: the x and w rings, one buffer of 64 output rows and with
+    zero_ahead a zero block of 16 rows, in bytes; what fits is what shape_reason lets
+    through."""
+    tiles = PingPongRSConfig(tile_n=tile_n, stages=stages, zero_ahead=zero_ahead)
+    zero = 16 * (32 if tile_n == 160 else 64) if zero_ahead else 0
+    expected = stages * (128 * 64 + tile_n * 64) * 2 + (64 * tile_n + zero) * 2
+    assert tiles.smem_bytes(2, 2) == expected
+    fits = pingpong_scatter_gemm.shape_reason(tiles, 1024, 1024, 4096, jnp.bfloat16, w_nk=True)
+    assert (fits is None) == (expected <= HOPPER_SMEM)
+
+
+def test_unsupported_reason_takes_partial_columns():
+    """N need not be whole tiles (the last column of tiles is partial); the rows must be."""
+    x = jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 4160), jnp.bfloat16)  # 4160 = 21 x 192 + 128
+    reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, x, w, 2, _config(),
+                                      w_transposed=False)  # fmt: skip
+    assert reason is None or "N=" not in reason  # on the CPU: the GPU check, not the shape
+    rows = jax.ShapeDtypeStruct((2 * 1000, 512), jnp.bfloat16)
+    reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, rows, w, 2, _config(),
+                                      w_transposed=False)  # fmt: skip
+    assert "rows per device=1000" in reason
+
+
+def test_split_accumulation_is_refused():
+    recipe = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
+    assert "split accumulation" in fused.scaling_reason(_config(), recipe)
+    fast = dataclasses.replace(recipe, split_accumulator=(False, True, True))
+    assert fused.scaling_reason(_config(), fast) is None
+    with pytest.raises(ValueError, match="split accumulation"):
+        fused.float8_tiling(PingPongRSConfig(), 1024, split=True)
+
+
+def _lowered(fn, args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    ("fields", "n", "w_nk"),
+    [
+        (dict(), 4096, False),  # 21 whole columns of 192 and a partial one of 64
+        (dict(cluster=None, grid_minor_m=False), 1792, False),
+        (dict(tile_n=160), 4000, True),
+        (dict(tile_n=128, stages=6), 2048, True),
+    ],
+)
+def test_core_lowers(fields, n, w_nk):
+    """One device (axis None): the kernel's GEMM core."""
+    config = _config(**fields)
+    w_shape = (n, 1024) if w_nk else (1024, n)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2048, 1024), w_shape)]
+    text = _lowered(
+        lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config, w_nk=w_nk),
+        args,
+    )
+    assert "mosaic_gpu" in text and "custom_call" in text
+
+
+@pytest.mark.parametrize("zero_ahead", [0, 1, 2])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("float8", [False, True])
+def test_lowers_on_a_mesh(size, float8, zero_ahead):
+    """P devices: zeroing (all first, or the load warpgroups zeroing waves ahead: 22 x 4
+    cluster tiles a block, 2 or more waves on 66 clusters), reduce-adds into the owners'
+    outputs, the landed handshake; float8 operands (w [n, K]) with the two scales applied in
+    the epilogue."""
+    config = _config(zero_ahead=zero_ahead)
+    if float8:
+        config = config.replace(kernel=fused.float8_tiling(config.kernel, 512))
+        assert config.kernel.tile_k == 128
+    dtype = jnp.float8_e4m3fn if float8 else jnp.bfloat16
+    n = 4160  # 21 whole columns of 192 and a partial one
+
+    def body(x, w):
+        scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
+        return pingpong_scatter_gemm.matmul_reduce_scatter(
+            x, w, "x", config, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale
+        )
+
+    w_spec, w_shape = (P(None, "x"), (n, 512 * size)) if float8 else (P("x"), (512 * size, n))
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P(None, "x"), w_spec),
+                      out_specs=P("x"), check_vma=False)  # fmt: skip
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((1024 * size, 512 * size), w_shape)]
+    text = _lowered(f, args)
+    assert "mosaic_gpu" in text and "custom_call" in text
+
+
+def test_kernel_refuses_bad_calls():
+    config = _config()
+    x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
+    with pytest.raises(ValueError, match="K=1000"):
+        _lowered(
+            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config),
+            [jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16),
+             jax.ShapeDtypeStruct((1000, 4096), jnp.bfloat16)],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="split accumulation"):
+        _lowered(
+            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(
+                x, w, None, config, split_accumulator=True
+            ),
+            [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
+        )
+    with pytest.raises(ValueError, match="not a PingPongRSConfig"):
+        _lowered(
+            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(
+                x, w, None, cg.OverlapConfig(method="pipeline", atomic_gemm=True)
+            ),
+            [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
+        )
