@@ -170,8 +170,9 @@ def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
 
 @pytest.mark.parametrize(
     ("op", "spec"),
-    [("ag", "fused-direct"), ("ag", "fused"), ("rs", "fused-direct-cm"), ("rs", "fused")],
-)
+    [("ag", "fused-direct"), ("ag", "fused"), ("rs", "fused-direct-cm"), ("rs", "fused"),
+     ("rs", "fused-direct-pp-gm-cm")],
+)  # fmt: skip
 def test_fused_kernels_on_a_mesh_with_another_axis(two_gpus, op, spec):
     """A ("data", "x") mesh of 1 x P (the layers' and the example's): the kernels address
     peers by their coordinate on "x"."""
