@@ -34,6 +34,19 @@ def _positive_int(value: object, field: str, family: str) -> None:
         raise ValueError(f"{family}.{field}={value!r} must be a positive int")
 
 
+def _check_pingpong_tile(family: str, tiles, most_n: int, why: str) -> None:
+    """The checks a ping-pong tiling's stages, tile_m and tile_n share: at least 2 stages,
+    rows whole wgmma rows, columns whole 8s up to `most_n` (`why` says what bounds it)."""
+    if tiles.stages < 2:
+        raise ValueError(f"{family}.stages={tiles.stages} must be >= 2")
+    if tiles.tile_m % WGMMA_M:
+        raise ValueError(f"{family}.tile_m={tiles.tile_m} must be whole {WGMMA_M}s (a "
+                         "warpgroup's wgmma rows)")  # fmt: skip
+    if tiles.tile_n % 8 or tiles.tile_n > most_n:
+        raise ValueError(f"{family}.tile_n={tiles.tile_n} must be whole 8s up to {most_n} "
+                         f"({why})")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tiling:
     tile_m: int = 128
@@ -209,14 +222,7 @@ class PingPongTiles:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _positive_int(getattr(self, field.name), field.name, "PingPongTiles")
-        if self.stages < 2:
-            raise ValueError(f"PingPongTiles.stages={self.stages} must be >= 2")
-        if self.tile_m % WGMMA_M:
-            raise ValueError(f"PingPongTiles.tile_m={self.tile_m} must be whole {WGMMA_M}s "
-                             "(a warpgroup's wgmma rows)")  # fmt: skip
-        if self.tile_n % 8 or self.tile_n > 256:
-            raise ValueError(f"PingPongTiles.tile_n={self.tile_n} must be whole 8s up to 256 "
-                             "(wgmma's columns)")  # fmt: skip
+        _check_pingpong_tile("PingPongTiles", self, 256, "wgmma's columns")
 
 
 #: Shared memory a CTA may use on Hopper (227 KiB).
@@ -259,14 +265,7 @@ class PingPongRSConfig:
             raise ValueError(f"{family}.grid_minor_m={self.grid_minor_m!r} must be a bool")
         if self.cluster not in (None, "m"):
             raise ValueError(f"{family}.cluster={self.cluster!r} must be one of (None, 'm')")
-        if self.stages < 2:
-            raise ValueError(f"{family}.stages={self.stages} must be >= 2")
-        if self.tile_m % WGMMA_M:
-            raise ValueError(f"{family}.tile_m={self.tile_m} must be whole {WGMMA_M}s (a "
-                             "warpgroup's wgmma rows)")  # fmt: skip
-        if self.tile_n % 8 or self.tile_n > 192:
-            raise ValueError(f"{family}.tile_n={self.tile_n} must be whole 8s up to 192 (its "
-                             "accumulator's registers)")  # fmt: skip
+        _check_pingpong_tile(family, self, 192, "its accumulator's registers")
 
     @property
     def cluster_size(self) -> int:

@@ -34,7 +34,7 @@ from jax import lax
 from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, HOPPER_SMEM, ZERO_ROWS, PingPongRSConfig
-from commgemm.mosaic_gpu.scatter_add_gemm import wave_tiles
+from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices, wave_tiles
 
 
 def _swizzle_columns(dtype, tile_n: int) -> int:
@@ -161,10 +161,7 @@ def matmul_reduce_scatter(
             block = lax.rem(here + offset, jnp.int32(size))
             return block * rows + row, row, col0, offset
 
-        def signal_every_device(sem):
-            # relaxed: each signal follows awaited TMA stores (`tiles.relaxed_signal`)
-            for peer in [None, *peers[1:]]:
-                mt.relaxed_signal(sem, device_id=peer)
+        signal_every_device = functools.partial(signal_devices, peers=peers)
 
         def scoped(x_smem, w_smem, full0, full1, empty, out_smem, *rest):
             wg = lax.axis_index("wg")

@@ -70,6 +70,13 @@ def tail_plan(
     return (tail, split) if split > 1 else (0, 1)
 
 
+def signal_devices(sem, peers) -> None:
+    """`tiles.relaxed_signal` semaphore `sem` here and on every peer (peers[0] is this device),
+    with relaxed_signal's invariant: after this thread's awaited TMA stores."""
+    for i, peer in enumerate(peers):
+        mt.relaxed_signal(sem, device_id=None if i == 0 else peer)
+
+
 def _rem(a, n: int):
     return a % n if isinstance(a, int) else lax.rem(a, jnp.int32(n))
 
@@ -202,10 +209,7 @@ def matmul_reduce_scatter(
         peers = [mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size)))
                  for offset in range(size)]  # fmt: skip
 
-        def signal_every_device(sem):
-            # relaxed: each signal follows awaited TMA stores (`tiles.relaxed_signal`)
-            for i, peer in enumerate(peers):
-                mt.relaxed_signal(sem, device_id=None if i == 0 else peer)
+        signal_every_device = functools.partial(signal_devices, peers=peers)
 
         def zero_tiles(src, lo, hi, worker, workers: int, iters: int):
             """TMA-store the zero block `src` over tiles [lo, hi) of this device's output: the
