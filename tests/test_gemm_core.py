@@ -136,6 +136,53 @@ def test_gemm_reason(hopper):
     assert "one float8 format" in gemm_core.gemm_reason(e5m2, fast, True, "bfloat16")
 
 
+def _core_operands(x_shape, w_shape, dtype):
+    """x and w of these shapes as gemm_core takes them (float8: w a QuantizedRhs)."""
+    x = jax.ShapeDtypeStruct(x_shape, dtype)
+    if dtype == jnp.bfloat16:
+        return x, jax.ShapeDtypeStruct(w_shape, dtype)
+    from commgemm.scaled import QuantizedRhs
+
+    data = cg.ScaledTensor(jax.ShapeDtypeStruct(w_shape, dtype), jnp.ones(()))
+    return x, QuantizedRhs(data, jnp.ones(()), x_shape[1], "bfloat16", False)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "dtype", "w_transposed", "kernel"),
+    [
+        ((512, 256), (256, 1536), jnp.bfloat16, False, "rs"),  # eight 192-wide columns
+        ((512, 256), (1728, 256), jnp.bfloat16, True, "rs"),  # nine, w [n, K]
+        ((512, 256), (256, 1024), jnp.bfloat16, False, "ag"),  # six columns pad 12.5%
+        ((384, 256), (256, 1536), jnp.bfloat16, False, "ag"),  # 384 rows: not 256-row pairs
+        ((512, 256), (256, 1000), jnp.bfloat16, False, None),  # neither kernel's N
+        ((512, 256), (1536, 256), jnp.float8_e4m3fn, True, "rs"),  # 128-element K-steps
+        ((512, 192), (1536, 192), jnp.float8_e4m3fn, True, None),  # K not whole 128s
+    ],
+)
+def test_local_gemm_takes_the_pingpong_kernel_where_it_fits(
+    hopper, monkeypatch, x_shape, w_shape, dtype, w_transposed, kernel
+):
+    """The local "mosaic" GEMM runs the ping-pong RS kernel ("rs") with no peers where
+    `heuristics.pingpong_tiles` gives its tiling, the AG kernel's core ("ag") elsewhere, and
+    neither (XLA's dot: `gemm_reason` says why) where neither takes the shape."""
+    from commgemm.mosaic_gpu import PingPongRSConfig, fused
+
+    x, w = _core_operands(x_shape, w_shape, dtype)
+    reason = gemm_core.gemm_reason(x, w, w_transposed, "bfloat16")
+    assert (reason is None) == (kernel is not None)
+    if kernel is None:
+        return
+    called = []
+    for name, op in (("all_gather_matmul", "ag"), ("matmul_reduce_scatter", "rs")):
+        run = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _r=run, _op=op, **kw: (
+            called.append((_op, a[3].kernel)), _r(*a, **kw))[1])  # fmt: skip
+    f = jax.jit(lambda a, b: gemm_core.matmul(a, b, w_transposed))
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and [op for op, _ in called] == [kernel]
+    assert isinstance(called[0][1], PingPongRSConfig) == (kernel == "rs")
+
+
 def _cache_with(path, kind, spec, shape, size=2):
     key = cache.plan_key(kind, size, "ag", shape, "bfloat16")
     entry = cache.PlanEntry(parse_method(spec, "ag"), 1.0, 1.0, "device periods", "")

@@ -253,7 +253,7 @@ def test_direct_kernel_candidate_clusters_where_rows_allow():
 )
 def test_direct_rs_plan_takes_the_pingpong_kernel_where_it_fits(rows, size, shape, pingpong):
     """On 2 devices, where N's last 192-wide column pads at most 1% of N and the kernel runs
-    the shape (`heuristics.pingpong_rs_config`), the RS plan is the ping-pong kernel; else the
+    the shape (`heuristics.pingpong_tiles`), the RS plan is the ping-pong kernel; else the
     cooperative kernel."""
     tiles = heuristics.direct_rs_config(rows, size, shape)
     assert isinstance(tiles, mosaic_gpu.PingPongRSConfig) == pingpong

@@ -1,15 +1,20 @@
-"""`OverlapConfig.local_gemm="mosaic"`: the direct AG kernel (`push_gather_gemm`) run with no
-peers as the local GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
+"""`OverlapConfig.local_gemm="mosaic"`: a fused kernel run with no peers as the local GEMM of
+the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
 
-It is the kernel the fused AG op runs, with nothing to send: one persistent CTA per SM, 128 x
-256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA stores of
-the result in 64 x 64 blocks; where the last wave of tiles fills at most half the CTAs, those
-tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`); N that is whole 192s but
-not 256s takes 128 x 192 tiles (`tiling`). Float8 operands (an op's tensor-scaled `scaling=`)
-multiply on the float8 tensor cores with w laid out [n, K] and the two scales applied in the
-epilogue, as in the fused ops. Which of it and XLA's dot is faster depends on the shape
-(BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO reads its choice from the tune
-cache.
+Where the ping-pong RS kernel (`pingpong_scatter_gemm`) takes the shape and its 192-wide
+tiles pad at most 1% of N (`heuristics.pingpong_tiles`), it is that kernel with nothing to
+add: each compute warpgroup a whole 128 x 192 tile, its epilogue under the other's K loop, 2-CTA
+clusters; on one H100 it ran the RS presets' llama local GEMMs at 0.99 to 1.014x XLA's dot,
+where the kernel below ran them at 1.06 to 1.19x (BENCHMARKS.md "The ping-pong RS kernel").
+Elsewhere it is the kernel the fused AG op runs, with nothing to send: one persistent CTA per
+SM, 128 x 256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA
+stores of the result in 64 x 64 blocks; where the last wave of tiles fills at most half the
+CTAs, those tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`); N that is
+whole 192s but not 256s takes 128 x 192 tiles (`tiling`). Float8 operands (an op's
+tensor-scaled `scaling=`) multiply on the float8 tensor cores with w laid out [n, K] and the two
+scales applied in the epilogue, as in the fused ops. Which of it and XLA's dot is faster
+depends on the shape (BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO reads its
+choice from the tune cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
 modes, two float8 formats, split accumulation) multiplies with XLA's dot instead, so a chunk of
@@ -28,8 +33,8 @@ import jax.numpy as jnp
 
 from commgemm.config import Method, OverlapConfig
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
-from commgemm.mosaic_gpu.configs import DirectAGConfig
-from commgemm.mosaic_gpu.heuristics import COLUMNS_192
+from commgemm.mosaic_gpu.configs import DirectAGConfig, PingPongRSConfig
+from commgemm.mosaic_gpu.heuristics import COLUMNS_192, pingpong_tiles
 from commgemm.quant import TENSOR_MODES
 
 #: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`);
@@ -69,9 +74,17 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
         out, data = x.dtype, w
     if jnp.dtype(result_dtype or "float32") != jnp.dtype(out):
         return f"its result is {jnp.dtype(out).name}, not {jnp.dtype(result_dtype).name}"
+    if _pingpong(x, data, w_transposed, out) is not None:
+        return None
     (rows, k), n = x.shape, data.shape[0 if w_transposed else 1]
     tiles = tiling(n, float8=isinstance(w, QuantizedRhs))
     return mosaic_tiles.shape_reason(tiles, rows, k, n)
+
+
+def _pingpong(x, data, w_transposed: bool, out_dtype) -> PingPongRSConfig | None:
+    """The ping-pong kernel's tiling where it runs x @ data (w's values) well, else None."""
+    (rows, k), n = x.shape, data.shape[0 if w_transposed else 1]
+    return pingpong_tiles(rows, k, n, x.dtype, w_nk=w_transposed, out_dtype=out_dtype)
 
 
 def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:
@@ -81,8 +94,11 @@ def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:
     from commgemm.scaled import QuantizedRhs
 
     quantized = isinstance(w, QuantizedRhs)
-    n = (w.w.data if quantized else w).shape[0 if w_transposed else 1]
-    tiles = tiling(n, float8=quantized)
+    data = w.w.data if quantized else w
+    pingpong = _pingpong(x, data, w_transposed, w.dtype if quantized else x.dtype)
+    n = data.shape[0 if w_transposed else 1]
+    tiles = pingpong or tiling(n, float8=quantized)
     config = OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles)
+    run = fused.all_gather_matmul if pingpong is None else fused.matmul_reduce_scatter
     with jax.named_scope("gemm_core"):
-        return fused.all_gather_matmul(x, w, None, config, w_transposed=w_transposed)
+        return run(x, w, None, config, w_transposed=w_transposed)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
     DirectRSConfig,
@@ -24,22 +26,26 @@ from commgemm.mosaic_gpu.tiles import HOPPER_SMS
 PINGPONG_PAD = 0.01
 
 
-def pingpong_rs_config(
-    rows: int, size: int, shape: tuple[int, int, int]
+def pingpong_tiles(
+    rows: int, k: int, n: int, dtype="bfloat16", *, w_nk: bool = False, out_dtype="bfloat16"
 ) -> PingPongRSConfig | None:
-    """The ping-pong RS kernel's default tiling for x [rows, K/P] of the global `shape`
-    (M, K, N) in bf16, where it runs that shape and its last column of tiles pads at most
-    PINGPONG_PAD of N; else None."""
-    from commgemm.mosaic_gpu import pingpong_scatter_gemm
+    """`PingPongRSConfig()` where the ping-pong kernel runs x [rows, k] (each owner's rows) @ w
+    [k, n] ([n, k] with w_nk) of `dtype` (float8: in its 128-element K-steps, as the fused ops
+    raise them) into `out_dtype`, and its last column of tiles pads at most PINGPONG_PAD of
+    N; else None."""
+    from commgemm.mosaic_gpu import fused, pingpong_scatter_gemm
 
-    _, k, n = shape
     tiles = PingPongRSConfig()
     if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + PINGPONG_PAD):
         return None
-    reason = pingpong_scatter_gemm.shape_reason(
-        tiles, rows // size, k // size, n, "bfloat16", w_nk=False
-    )
+    steps = dataclasses.replace(tiles, tile_k=fused.FLOAT8_TILE_K) if _float8(dtype) else tiles
+    reason = pingpong_scatter_gemm.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
+                                                out_dtype=out_dtype)  # fmt: skip
     return tiles if reason is None else None
+
+
+def _float8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1
 
 
 def direct_rs_config(
@@ -50,7 +56,7 @@ def direct_rs_config(
     deterministic: bool = False,
 ) -> DirectRSConfig | PingPongRSConfig:
     """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known).
-    On 2 devices, where `pingpong_rs_config` gives one: the ping-pong kernel (its two adds a
+    On 2 devices, where `pingpong_tiles` gives one (bf16): the ping-pong kernel (its two adds a
     tile are in a fixed order); on 2 x H100 it ran 1% faster than the cooperative tiling below
     on llama8b RS, as fast on llama13b and 5 to 9% faster on llama70b (one run each; not
     measured on more devices). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
@@ -59,8 +65,10 @@ def direct_rs_config(
     pipelines where K/tile_k is whole rounds of stages and every CTA of a 132-SM GPU gets two
     tiles, and the output zeroed two waves ahead of the adds: the fastest tiling on the 2xH200
     RS presets (docs/performance.md)."""
-    if size == 2 and shape is not None and (pingpong := pingpong_rs_config(rows, size, shape)):
-        return pingpong
+    if size == 2 and shape is not None:
+        _, k, n = shape
+        if (pingpong := pingpong_tiles(rows // size, k // size, n)) is not None:
+            return pingpong
     tiles = DirectRSConfig(
         wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic), zero_ahead=2
     )
