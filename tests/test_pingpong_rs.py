@@ -13,7 +13,7 @@ from helpers import P, mesh1d
 import commgemm as cg
 from commgemm.cli.specs import fused_spec, parse_fused
 from commgemm.config import Collective
-from commgemm.mosaic_gpu import PingPongRSConfig, fused, pingpong_scatter_gemm
+from commgemm.mosaic_gpu import PingPongRSConfig, fused, heuristics, pingpong_scatter_gemm
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import HOPPER_SMEM
 
@@ -113,6 +113,15 @@ def test_unsupported_reason_takes_partial_columns():
     reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, rows, w, 2, _config(),
                                       w_transposed=False)  # fmt: skip
     assert "rows per device=1000" in reason
+    # K whole 64s but not 128s: bf16 would run, a quantized call's float8 K-steps would not
+    short = jax.ShapeDtypeStruct((2 * 1024, 576), jnp.bfloat16)
+    w_short = jax.ShapeDtypeStruct((576, 4160), jnp.bfloat16)
+    reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, short, w_short, 2, _config(),
+                                      w_transposed=False)  # fmt: skip
+    assert "K=576 must be whole 128s" in reason
+    assert heuristics.pingpong_tiles(1024, 576, 14336) is None
+    assert heuristics.pingpong_tiles(1024, 512, 14336) == PingPongRSConfig()  # 0.45% padded
+    assert heuristics.pingpong_tiles(1024, 512, 4160) is None  # 1.5% padded
 
 
 def test_split_accumulation_is_refused():

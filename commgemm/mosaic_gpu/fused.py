@@ -156,6 +156,8 @@ def unsupported_reason(
         reason = pingpong_scatter_gemm.shape_reason(tiles, m, k, n, x.dtype, w_nk=w_transposed)
         if reason is not None:
             return reason
+        if k % FLOAT8_TILE_K:  # a quantized call runs it in float8's whole 128-byte K-steps
+            return f"K={k} must be whole {FLOAT8_TILE_K}s for PingPongRSConfig (its float8 steps)"
     else:
         for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
                                 ("K", k, tiles.tile_k)):  # fmt: skip

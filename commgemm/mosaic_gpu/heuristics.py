@@ -30,13 +30,15 @@ def pingpong_tiles(
     rows: int, k: int, n: int, dtype="bfloat16", *, w_nk: bool = False, out_dtype="bfloat16"
 ) -> PingPongRSConfig | None:
     """`PingPongRSConfig()` where the ping-pong kernel runs x [rows, k] (each owner's rows) @ w
-    [k, n] ([n, k] with w_nk) of `dtype` (float8: in its 128-element K-steps, as the fused ops
-    raise them) into `out_dtype`, and its last column of tiles pads at most PINGPONG_PAD of
-    N; else None."""
+    [k, n] ([n, k] with w_nk) of `dtype` into `out_dtype`, in bf16 and in float8 (K whole
+    128-element steps, as the fused ops raise them), and its last column of tiles pads at
+    most PINGPONG_PAD of N; else None."""
     from commgemm.mosaic_gpu import fused, pingpong_scatter_gemm
 
     tiles = PingPongRSConfig()
     if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + PINGPONG_PAD):
+        return None
+    if k % fused.FLOAT8_TILE_K:  # as `fused.unsupported_reason`: float8's K-steps must fit
         return None
     steps = dataclasses.replace(tiles, tile_k=fused.FLOAT8_TILE_K) if _float8(dtype) else tiles
     reason = pingpong_scatter_gemm.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
