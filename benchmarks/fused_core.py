@@ -50,12 +50,12 @@ from commgemm.cli.specs import fused_spec  # noqa: E402
 from commgemm.mosaic_gpu import (  # noqa: E402
     DirectAGConfig,
     DirectRSConfig,
-    PingPongRSConfig,
     RingRSConfig,
     fused,
     gemm_core,
     heuristics,
 )
+from commgemm.mosaic_gpu.configs import PINGPONG_FAMILIES  # noqa: E402
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
 PEAK_BF16 = 989.0
@@ -132,10 +132,10 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
     if op == "rs":  # the ring kernel's core (ATOMIC_GEMM_RS_P2P; the AG ring is the direct one)
         found["ring"] = RingRSConfig()
     for tiles in map(alone, heuristics.TUNING_CANDIDATES[op]):
-        if isinstance(tiles, (type(plan), PingPongRSConfig)) and tiles not in found.values():
+        if isinstance(tiles, (type(plan), *PINGPONG_FAMILIES)) and tiles not in found.values():
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
             found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
-    if op == "rs" and found["plan"].split_tail != 1:  # the plan's last wave left whole
+    if op == "rs" and getattr(found["plan"], "split_tail", 1) != 1:  # its last wave left whole
         found["plan-whole"] = dataclasses.replace(found["plan"], split_tail=1)
     if op == "ag":  # the last wave narrowed (DirectAGConfig.narrow_tail), as gemm_core runs it
         for label in ("plan", "default", "cm"):
@@ -154,6 +154,8 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
 def alone(tiles):
     """`tiles` without the fields that do nothing on one device (spread, zero_ahead), so
     tilings that run alike are timed once."""
+    if isinstance(tiles, PINGPONG_FAMILIES):  # zero_ahead's default: the spec stays "pp-..."
+        return tiles
     fields = {"spread": 0, "zero_ahead": 0}
     return dataclasses.replace(tiles, **{f: v for f, v in fields.items() if hasattr(tiles, f)})
 
@@ -232,10 +234,13 @@ def main() -> None:
                                                    kernel=tiles))  # fmt: skip
                 variants[f"core fp8 sweep {spec.removeprefix('fused-direct-')}"] = (
                     core(op, tiles, float8=True), (qa.data, rhs))  # fmt: skip
-            # split accumulation: the plan's tiling as the fused ops run it (`float8_tiling`)
+            # split accumulation: the plan's tiling as the fused ops run it (`float8_tiling`;
+            # the ping-pong kernels take none)
             split = dataclasses.replace(rhs, split_accumulator=True)
-            plan = fused.float8_tiling(core_tilings(op, size, (m, k, n))["plan"], k, split=True)
-            variants["core fp8 split plan"] = (core(op, plan, float8=True), (qa.data, split))
+            plan = core_tilings(op, size, (m, k, n))["plan"]
+            if not isinstance(plan, PINGPONG_FAMILIES):
+                plan = fused.float8_tiling(plan, k, split=True)
+                variants["core fp8 split plan"] = (core(op, plan, float8=True), (qa.data, split))
             variants["xla fp8 (split)"] = (xla8, (qa.data, split))
             refs.update({name: ref8 for name in variants if "fp8" in name})
         errors, failed = {}, {}

@@ -117,7 +117,10 @@ def test_kernel_config_of_another_family_is_refused(rng):
     x, w = random(rng, (512, 64), bf16), random(rng, (64, 1024), bf16)
     direct = cg.OverlapConfig(method="pipeline", atomic_gemm=True)
     cases = [
-        (direct.replace(kernel=mosaic_gpu.DirectRSConfig()), "DirectAGConfig's kernel"),
+        (
+            direct.replace(kernel=mosaic_gpu.DirectRSConfig()),
+            "DirectAGConfig or PingPongAGConfig's kernel",
+        ),
         (direct, "ATOMIC_GEMM_AG .* cannot run this call: it runs on GPUs"),
     ]
     for config, why in cases:

@@ -140,7 +140,10 @@ def test_backward_of_an_ag_forward_runs_the_pingpong_kernel_where_it_fits(hopper
      ("fused", "rs", False, True, "current_tensor_scaling"),
      ("fused-direct-pp-gm-cm", "rs", False, True, None),
      ("fused-direct-pp-gm-cm", "rs", True, False, None),
-     ("fused-direct-pp-gm-cm", "rs", False, True, "current_tensor_scaling")],
+     ("fused-direct-pp-gm-cm", "rs", False, True, "current_tensor_scaling"),
+     ("fused-direct-pp-gm-cm", "ag", False, True, None),
+     ("fused-direct-pp-gm-cm", "ag", True, False, None),
+     ("fused-direct-pp-gm-cm", "ag", True, True, "current_tensor_scaling")],
 )  # fmt: skip
 def test_grad_lowers_to_two_kernels(
     spec, op, w_transposed, check_vma, scaling, hopper, monkeypatch

@@ -6,7 +6,7 @@ back. Only the command line speaks this language; the library and the tune cache
 from __future__ import annotations
 
 from commgemm.config import Method, OverlapConfig
-from commgemm.mosaic_gpu.configs import PingPongRSConfig
+from commgemm.mosaic_gpu.configs import PINGPONG_FAMILIES, PingPongAGConfig, PingPongRSConfig
 
 _KEYS = {
     "w": "grid_tile_width",
@@ -29,8 +29,8 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
     (tile_m / tile_n / tile_k), '-cm' / '-cn' (2-CTA clusters along M / N), '-ct'
     (chain_tiles), '-nt' (narrow_tail), '-t4' / '-t0' (split_tail, 0 automatic), '-r80'
     (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'; '-pp' after
-    'fused-direct' for rs: the ping-pong kernel (`PingPongRSConfig`). The op picks the kernel
-    family (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
+    'fused-direct': the ping-pong kernels (`PingPongRSConfig`, `PingPongAGConfig`). The op
+    picks the kernel family (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
     from commgemm.config import Collective
     from commgemm.mosaic_gpu.fused import FAMILY
 
@@ -41,7 +41,7 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
     for part in spec.split("-")[1:]:
         if part == "direct" and method is Method.RING_EXCHANGE:
             method = Method.PIPELINE
-        elif part == "pp" and (op, method) == ("rs", Method.PIPELINE):
+        elif part == "pp" and method is Method.PIPELINE:
             pingpong = True  # its flags' fields start off, as the other families' defaults
             fields = {"grid_minor_m": False, "cluster": None, **fields}
         elif part in _FLAGS:
@@ -53,10 +53,12 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; use -direct, -w<N>, -s<N>, -m<N>, "
-                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt, -pp (rs, "
-                "after -direct)"
+                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt, -pp (after "
+                "-direct)"
             )
-    family = PingPongRSConfig if pingpong else FAMILY[(Collective(op), method)]
+    family = FAMILY[(Collective(op), method)]
+    if pingpong:
+        family = PingPongRSConfig if op == "rs" else PingPongAGConfig
     try:
         kernel = family(**fields) if fields or pingpong else None
     except TypeError:
@@ -72,7 +74,7 @@ def fused_spec(config: OverlapConfig) -> str:
     if kernel is None:
         return "-".join(parts)
     default = type(kernel)()
-    if isinstance(kernel, PingPongRSConfig):
+    if isinstance(kernel, PINGPONG_FAMILIES):
         parts.append("pp")
     for key, field in (("wgm", "wg_along_m"), ("gm", "grid_minor_m")):
         if getattr(kernel, field, False):

@@ -1,9 +1,9 @@
 """One small validated config per fused kernel family: the ring kernels (`RingAGConfig`,
 `RingRSConfig`, ATOMIC_GEMM_AG_P2P / _RS_P2P) and the direct ones (`DirectAGConfig`,
-`DirectRSConfig`, ATOMIC_GEMM_AG / _RS; `PingPongRSConfig`, ATOMIC_GEMM_RS on the ping-pong
-schedule); and the grouped kernels' (`GroupedConfig`, `PingPongTiles`).
+`DirectRSConfig`, ATOMIC_GEMM_AG / _RS; `PingPongRSConfig` and `PingPongAGConfig`, ATOMIC_GEMM_RS
+and _AG on the ping-pong schedule); and the grouped kernels' (`GroupedConfig`, `PingPongTiles`).
 
-Every fused family but the ping-pong one (and `GroupedConfig`) shares the GEMM tiling of jax's
+Every fused family but the ping-pong ones (and `GroupedConfig`) shares the GEMM tiling of jax's
 Hopper matmul (its `TuningConfig`): each of a CTA's two compute warpgroups owns a tile_m x
 tile_n block (stacked along N, or along M with wg_along_m); `stages` K-steps of tile_k are
 loaded ahead; CTAs walk the output tiles in bands `grid_tile_width` tiles wide along N (along M
@@ -230,19 +230,16 @@ HOPPER_SMEM = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class PingPongRSConfig:
-    """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_scatter_gemm`): each compute warpgroup
-    owns a whole tile_m x tile_n output tile and the two take a CTA's tiles in turn, so one's
-    epilogue (its reduce-adds) runs under the other's K loop. One ring of `stages` smem slots of
-    tile_k K-steps is shared by both; the two warpgroups' epilogues share one buffer of 64 rows.
-    CTAs walk the tiles in bands `grid_tile_width` tiles wide (along M with grid_minor_m);
-    cluster "m" pairs two CTAs of adjacent row tiles that share w's blocks (multicast). The last
-    column of tiles may be partial: N need not be whole tiles. tile_n is whole 8s up to 256 (the
-    accumulator is tile_n registers a thread: at most 192 leaves room for the rest); with w read
-    [K, n] (bf16 and fp16) whole 64s. zero_ahead: D > 0 zeroes the output D waves of CTAs
-    ahead of the adds (the load warpgroup, between two tiles' loads); 0 zeroes it all first.
-    The defaults (cuBLASLt's schedule in 128 x 192 tiles) ran within 0 to 1.4% of the best GEMM
-    on the RS presets' local shapes but comm_heavy's (4 to 5%) on one H100 (BENCHMARKS.md)."""
+class _PingPong:
+    """The tiling the ping-pong kernels share (`pingpong`): each compute warpgroup owns a whole
+    tile_m x tile_n output tile and the two take a CTA's tiles in turn, so one's epilogue runs
+    under the other's K loop. One ring of `stages` smem slots of tile_k K-steps is shared by
+    both; the two warpgroups' epilogues share one buffer of 64 rows. CTAs walk the tiles in
+    bands `grid_tile_width` tiles wide (along M with grid_minor_m); cluster "m" pairs two CTAs
+    of adjacent row tiles that share w's blocks (multicast). The last column of tiles may be
+    partial: N need not be whole tiles. tile_n is whole 8s up to 192 (the accumulator is
+    tile_n registers a thread: at most 192 leaves room for the rest); with w read [K, n] (bf16
+    and fp16) whole 64s. The defaults are cuBLASLt's schedule in 128 x 192 tiles."""
 
     tile_m: int = 128
     tile_n: int = 192
@@ -251,14 +248,9 @@ class PingPongRSConfig:
     grid_tile_width: int = 8
     grid_minor_m: bool = True
     cluster: str | None = "m"
-    zero_ahead: int = 2
 
     def __post_init__(self) -> None:
-        family = "PingPongRSConfig"
-        if isinstance(self.zero_ahead, bool) or not isinstance(self.zero_ahead, int):
-            raise ValueError(f"{family}.zero_ahead={self.zero_ahead!r} must be an int >= 0")
-        if self.zero_ahead < 0:
-            raise ValueError(f"{family}.zero_ahead={self.zero_ahead} must be >= 0 (0: all first)")
+        family = type(self).__name__
         for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
             _positive_int(getattr(self, field), field, family)
         if not isinstance(self.grid_minor_m, bool):
@@ -276,24 +268,62 @@ class PingPongRSConfig:
         """Rows of output one cluster computes per tile."""
         return self.tile_m * self.cluster_size
 
+    def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
+        """Shared memory of the ring and the epilogue buffer (EPI rows of a tile)."""
+        ring = self.stages * (self.tile_m + self.tile_n) * self.tile_k * itemsize
+        return ring + EPI * self.tile_n * out_itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPongRSConfig(_PingPong):
+    """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_scatter_gemm`; the tiling: `_PingPong`).
+    zero_ahead: D > 0 zeroes the output D waves of CTAs ahead of the adds (the load warpgroup,
+    between two tiles' loads); 0 zeroes it all first. The defaults ran within 0 to 1.4% of the
+    best GEMM on the RS presets' local shapes but comm_heavy's (4 to 5%) on one H100
+    (BENCHMARKS.md)."""
+
+    zero_ahead: int = 2
+
+    def __post_init__(self) -> None:
+        family = "PingPongRSConfig"
+        if isinstance(self.zero_ahead, bool) or not isinstance(self.zero_ahead, int):
+            raise ValueError(f"{family}.zero_ahead={self.zero_ahead!r} must be an int >= 0")
+        if self.zero_ahead < 0:
+            raise ValueError(f"{family}.zero_ahead={self.zero_ahead} must be >= 0 (0: all first)")
+        super().__post_init__()
+
     @property
     def zero_columns(self) -> int:
         """Columns of the load warpgroup's zero block (zero_ahead): a divisor of tile_n."""
         return math.gcd(self.tile_n, EPI)
 
     def smem_bytes(self, itemsize: int, out_itemsize: int) -> int:
-        """Shared memory of the ring, the epilogue buffer (EPI rows of a tile) and, with
-        zero_ahead, the zero block (ZERO_ROWS x zero_columns)."""
-        ring = self.stages * (self.tile_m + self.tile_n) * self.tile_k * itemsize
+        """`_PingPong.smem_bytes` and, with zero_ahead, the zero block (ZERO_ROWS x
+        zero_columns)."""
         zero = ZERO_ROWS * self.zero_columns if self.zero_ahead else 0
-        return ring + (EPI * self.tile_n + zero) * out_itemsize
+        return super().smem_bytes(itemsize, out_itemsize) + zero * out_itemsize
 
 
-KernelConfig = RingAGConfig | RingRSConfig | DirectAGConfig | DirectRSConfig | PingPongRSConfig
+@dataclasses.dataclass(frozen=True)
+class PingPongAGConfig(_PingPong):
+    """ATOMIC_GEMM_AG on the ping-pong schedule (`pingpong_gather_gemm`; the tiling:
+    `_PingPong`): the own rows pushed to every peer from the ring's slots, flagged per band."""
+
+
+KernelConfig = (
+    RingAGConfig
+    | RingRSConfig
+    | DirectAGConfig
+    | DirectRSConfig
+    | PingPongRSConfig
+    | PingPongAGConfig
+)
+#: The ping-pong kernels' configs.
+PINGPONG_FAMILIES = (PingPongRSConfig, PingPongAGConfig)
 #: The configs of the kernels that method PIPELINE runs (the others are RING_EXCHANGE's).
-PIPELINE_FAMILIES = (DirectAGConfig, DirectRSConfig, PingPongRSConfig)
+PIPELINE_FAMILIES = (DirectAGConfig, DirectRSConfig, *PINGPONG_FAMILIES)
 #: The family of each config type, by name (the tune cache's tag).
 FAMILIES: dict[str, type] = {
     c.__name__: c
-    for c in (RingAGConfig, RingRSConfig, DirectAGConfig, DirectRSConfig, PingPongRSConfig)
+    for c in (RingAGConfig, RingRSConfig, DirectAGConfig, DirectRSConfig, *PINGPONG_FAMILIES)
 }

@@ -16,7 +16,8 @@ way the reference's atomic GEMMs do with userbuffers. Every kernel is ours, on t
       own and the sum goes to the output. Partial sums travel in the output dtype.
   Method PIPELINE, no ring:
   ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
-      multiplying them; a peer's tiles wait only for their own band of rows.
+      multiplying them; a peer's tiles wait only for their own band of rows; with a
+      `PingPongAGConfig`, `pingpong_gather_gemm`: the same on the ping-pong schedule.
   ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
       output, tiles of all blocks interleaved; with a `PingPongRSConfig`,
       `pingpong_scatter_gemm`: the same on the ping-pong schedule (each compute warpgroup a
@@ -57,6 +58,8 @@ import jax.numpy as jnp
 
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.mosaic_gpu import (
+    pingpong,
+    pingpong_gather_gemm,
     pingpong_scatter_gemm,
     push_gather_gemm,
     ring_scatter_gemm,
@@ -64,9 +67,11 @@ from commgemm.mosaic_gpu import (
 )
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
+    PINGPONG_FAMILIES,
     DirectAGConfig,
     DirectRSConfig,
     KernelConfig,
+    PingPongAGConfig,
     PingPongRSConfig,
     RingAGConfig,
     RingRSConfig,
@@ -75,7 +80,7 @@ from commgemm.quant import TENSOR_MODES, ScalingRecipe
 from commgemm.vma import varying_like
 
 #: The kernel family of each (collective, method) pairing with atomic_gemm: its default config
-#: (RS with PIPELINE also runs `PingPongRSConfig`, `OTHER_FAMILIES`).
+#: (PIPELINE also runs the ping-pong kernels, `OTHER_FAMILIES`).
 FAMILY = {
     (Collective.ALL_GATHER, Method.RING_EXCHANGE): RingAGConfig,
     (Collective.REDUCE_SCATTER, Method.RING_EXCHANGE): RingRSConfig,
@@ -83,7 +88,10 @@ FAMILY = {
     (Collective.REDUCE_SCATTER, Method.PIPELINE): DirectRSConfig,
 }
 #: The other kernel configs a pairing takes.
-OTHER_FAMILIES = {(Collective.REDUCE_SCATTER, Method.PIPELINE): (PingPongRSConfig,)}
+OTHER_FAMILIES = {
+    (Collective.REDUCE_SCATTER, Method.PIPELINE): (PingPongRSConfig,),
+    (Collective.ALL_GATHER, Method.PIPELINE): (PingPongAGConfig,),
+}
 
 
 def families(collective: Collective, method: Method) -> tuple[type, ...]:
@@ -152,12 +160,13 @@ def unsupported_reason(
     rows, k = x.shape
     m = rows if collective is Collective.ALL_GATHER else rows // size
     n = w.shape[0] if w_transposed else w.shape[1]
-    if isinstance(tiles, PingPongRSConfig):
-        reason = pingpong_scatter_gemm.shape_reason(tiles, m, k, n, x.dtype, w_nk=w_transposed)
+    if isinstance(tiles, PINGPONG_FAMILIES):
+        reason = pingpong.shape_reason(tiles, m, k, n, x.dtype, w_nk=w_transposed)
         if reason is not None:
             return reason
         if k % FLOAT8_TILE_K:  # a quantized call runs it in float8's whole 128-byte K-steps
-            return f"K={k} must be whole {FLOAT8_TILE_K}s for PingPongRSConfig (its float8 steps)"
+            family = type(tiles).__name__
+            return f"K={k} must be whole {FLOAT8_TILE_K}s for {family} (its float8 steps)"
     else:
         for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
                                 ("K", k, tiles.tile_k)):  # fmt: skip
@@ -216,8 +225,9 @@ def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
             f"{recipe.mode.name} has no Hopper tensor-core path (the XLA methods emulate block "
             "scales)"
         )
-    if isinstance(config.kernel, PingPongRSConfig) and recipe.split_accumulator[0]:
-        return "PingPongRSConfig takes no split accumulation (the recipe's forward flag)"
+    if isinstance(config.kernel, PINGPONG_FAMILIES) and recipe.split_accumulator[0]:
+        family = type(config.kernel).__name__
+        return f"{family} takes no split accumulation (the recipe's forward flag)"
     return None
 
 
@@ -226,10 +236,10 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     whole steps of it (the faster K-step for float8 on Hopper: docs/performance.md), chained
     tiles only where K is still whole rounds of stages; with `split` accumulation, warpgroup
     tiles of 64 x 128 where larger ones leave no registers for the second accumulator
-    (`tiles.split_reason`); PingPongRSConfig takes no split accumulation."""
-    if split and isinstance(tiles, PingPongRSConfig):
-        raise ValueError("PingPongRSConfig takes no split accumulation (two accumulators of a "
-                         "whole tile do not fit in a warpgroup's registers)")  # fmt: skip
+    (`tiles.split_reason`); the ping-pong kernels take no split accumulation."""
+    if split and isinstance(tiles, PINGPONG_FAMILIES):
+        raise ValueError(f"{type(tiles).__name__} takes no split accumulation (two accumulators "
+                         "of a whole tile do not fit in a warpgroup's registers)")  # fmt: skip
     if split and mosaic_tiles.split_reason(tiles) is not None:
         tiles = dataclasses.replace(tiles, tile_m=64, tile_n=128, wg_along_m=True)
     return _longer_steps(tiles, k, FLOAT8_TILE_K, tiles.stages)
@@ -286,6 +296,8 @@ def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **optio
         if isinstance(config.kernel, PingPongRSConfig):
             kernel = pingpong_scatter_gemm
         return kernel.matmul_reduce_scatter(x, w, axis_name, config, **options)
+    if isinstance(config.kernel, PingPongAGConfig):
+        return pingpong_gather_gemm.all_gather_matmul(x, w, axis_name, config, **options)
     return push_gather_gemm.all_gather_matmul(x, w, axis_name, config, ring=ring, **options)
 
 

@@ -14,6 +14,7 @@ from commgemm.mosaic_gpu.configs import (
     DirectAGConfig,
     DirectRSConfig,
     KernelConfig,
+    PingPongAGConfig,
     PingPongRSConfig,
     RingAGConfig,
 )
@@ -128,6 +129,7 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
         DirectAGConfig(grid_tile_width=16),
         DirectAGConfig(cluster="m"),
         DirectAGConfig(cluster="m", spread=50),
+        PingPongAGConfig(),
     ),
     "rs": (
         DirectRSConfig(),

@@ -32,7 +32,14 @@ def _shape(name: str, size: int | None = None) -> tuple[int, int, int]:
 
 
 SPECS = {
-    "ag": ["fused", "fused-gm", "fused-direct", "fused-direct-gm", "fused-direct-cm-r50"],
+    "ag": [
+        "fused",
+        "fused-gm",
+        "fused-direct",
+        "fused-direct-gm",
+        "fused-direct-cm-r50",
+        "fused-direct-pp-gm-cm",  # the ping-pong kernel; "big": a partial last tile column
+    ],
     "rs": [
         "fused",
         "fused-wgm-cm-m64-n256",  # the ring in the direct plan's tiling: 2-CTA clusters
@@ -153,8 +160,9 @@ def test_three_stages_alternating_inputs(two_gpus, op, spec):
 
 @pytest.mark.parametrize(
     ("op", "spec"),
-    [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm"), ("rs", "fused-direct-pp-gm-cm")],
-)
+    [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm"), ("rs", "fused-direct-pp-gm-cm"),
+     ("ag", "fused-direct-pp-gm-cm")],
+)  # fmt: skip
 def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
     """24 calls enqueued back to back, two inputs alternating: each equals that input's call
     run alone, bit for bit (no state leaks between calls; on 2 GPUs the adds have one order)."""
@@ -171,7 +179,7 @@ def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
 @pytest.mark.parametrize(
     ("op", "spec"),
     [("ag", "fused-direct"), ("ag", "fused"), ("rs", "fused-direct-cm"), ("rs", "fused"),
-     ("rs", "fused-direct-pp-gm-cm")],
+     ("rs", "fused-direct-pp-gm-cm"), ("ag", "fused-direct-pp-gm-cm")],
 )  # fmt: skip
 def test_fused_kernels_on_a_mesh_with_another_axis(two_gpus, op, spec):
     """A ("data", "x") mesh of 1 x P (the layers' and the example's): the kernels address

@@ -10,7 +10,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
-from commgemm.mosaic_gpu import DirectAGConfig, DirectRSConfig, PingPongRSConfig, fused
+from commgemm.mosaic_gpu import (
+    DirectAGConfig,
+    DirectRSConfig,
+    PingPongAGConfig,
+    PingPongRSConfig,
+    fused,
+)
 
 pytestmark = pytest.mark.skipif(
     jax.__version_info__ < (0, 11), reason="the Mosaic GPU kernels need jax >= 0.11"
@@ -203,12 +209,16 @@ def test_float8_split_accumulation(op, method):
         (PingPongRSConfig(stages=3), (256, 256, 192), False),  # one tile a CTA of one cluster
     ],
 )
-def test_pingpong_rs_core(tiles, shape, w_nk):
-    """The ping-pong RS kernel's GEMM core (one device: tiles stored, nothing zeroed), partial
-    last columns of tiles included, after a call on -x (`test_gemm_core`)."""
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_pingpong_core(op, tiles, shape, w_nk):
+    """The ping-pong kernels' GEMM core (one device: tiles stored, nothing zeroed or sent),
+    partial last columns of tiles included, after a call on -x (`test_gemm_core`)."""
     x, w = _operands(*shape, seed=sum(shape) + 1)
+    if op == "ag":
+        tiles = PingPongAGConfig(**{f: v for f, v in vars(tiles).items() if f != "zero_ahead"})
     cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
-    f = jax.jit(lambda a, b: fused.matmul_reduce_scatter(a, b, None, cfg, w_transposed=w_nk))
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    f = jax.jit(lambda a, b: fn(a, b, None, cfg, w_transposed=w_nk))
     stored = w.T.copy() if w_nk else w
     for sign in (-1, 1, -1, 1):
         out = f(sign * x, stored)
@@ -217,9 +227,12 @@ def test_pingpong_rs_core(tiles, shape, w_nk):
 
 
 @pytest.mark.parametrize("n", [14336, 4160])
-def test_pingpong_rs_float8_core(n):
-    """The ping-pong RS kernel on float8 x and w [n, K] (128-element K-steps), the two scales
+@pytest.mark.parametrize("family", [PingPongRSConfig, PingPongAGConfig])
+def test_pingpong_float8_core(family, n):
+    """The ping-pong kernels on float8 x and w [n, K] (128-element K-steps), the two scales
     applied in the epilogue, against the float32 product of the quantized operands."""
-    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=PingPongRSConfig())
-    f = jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, config, w_transposed=True))
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True,
+                              kernel=fused.float8_tiling(family(), 1024))  # fmt: skip
+    fn = fused.matmul_reduce_scatter if family is PingPongRSConfig else fused.all_gather_matmul
+    f = jax.jit(lambda a, r: fn(a, r, None, config, w_transposed=True))
     _check_float8_core(f, *_operands(4096, 1024, n, seed=n))

@@ -1,19 +1,31 @@
-"""The ping-pong RS kernel (`PingPongRSConfig`, `pingpong_scatter_gemm`): its config's checks,
-what it refuses, its spec, and that it lowers for a CUDA target on the CPU on one device (the
-GEMM core) and on meshes of 2 and 4, bf16 and float8, with partial last tile columns. Its
-outputs are checked on Hopper GPUs (tests/gpu)."""
+"""The ping-pong kernels (`pingpong`): RS (`PingPongRSConfig`, `pingpong_scatter_gemm`) and AG
+(`PingPongAGConfig`, `pingpong_gather_gemm`): their configs' checks, what they refuse, their
+specs, the AG kernel's order of a band's visits, and that they lower for a CUDA target on the
+CPU on one device (the GEMM core) and on meshes of 2 and 4, bf16 and float8, with partial last
+tile columns. Their outputs are checked on Hopper GPUs (tests/gpu)."""
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import P, mesh1d
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import commgemm as cg
 from commgemm.cli.specs import fused_spec, parse_fused
 from commgemm.config import Collective
-from commgemm.mosaic_gpu import PingPongRSConfig, fused, heuristics, pingpong_scatter_gemm
+from commgemm.mosaic_gpu import (
+    PingPongAGConfig,
+    PingPongRSConfig,
+    fused,
+    heuristics,
+    pingpong,
+    pingpong_gather_gemm,
+    pingpong_scatter_gemm,
+)
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import HOPPER_SMEM
 
@@ -25,8 +37,8 @@ def _h100_sms(monkeypatch):
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)  # CPU devices have no SM count
 
 
-def _config(**fields) -> cg.OverlapConfig:
-    return cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=PingPongRSConfig(**fields))
+def _config(family=PingPongRSConfig, **fields) -> cg.OverlapConfig:
+    return cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=family(**fields))
 
 
 @pytest.mark.parametrize(
@@ -39,34 +51,70 @@ def _config(**fields) -> cg.OverlapConfig:
         (dict(cluster="n"), "cluster"),
         (dict(grid_minor_m=1), "bool"),
         (dict(tile_k=0), "positive int"),
-        (dict(zero_ahead=-1), ">= 0"),
-        (dict(zero_ahead=True), "int"),
     ],
 )
-def test_config_refuses_bad_fields(fields, match):
+@pytest.mark.parametrize("family", [PingPongRSConfig, PingPongAGConfig])
+def test_config_refuses_bad_fields(family, fields, match):
+    with pytest.raises(ValueError, match=match):
+        family(**fields)
+
+
+@pytest.mark.parametrize(("fields", "match"), [(dict(zero_ahead=-1), ">= 0"),
+                                               (dict(zero_ahead=True), "int")])  # fmt: skip
+def test_rs_config_refuses_bad_zero_ahead(fields, match):
     with pytest.raises(ValueError, match=match):
         PingPongRSConfig(**fields)
+    with pytest.raises(TypeError):  # the AG kernel zeroes nothing
+        PingPongAGConfig(**fields)
 
 
-def test_config_is_for_pipeline_only():
+@pytest.mark.parametrize("family", [PingPongRSConfig, PingPongAGConfig])
+def test_config_is_for_pipeline_only(family):
     with pytest.raises(ValueError, match="PIPELINE"):
-        cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, kernel=PingPongRSConfig())
+        cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, kernel=family())
 
 
 @pytest.mark.parametrize(
     "spec", ["fused-direct-pp", "fused-direct-pp-gm-cm", "fused-direct-pp-cm-n160-s6-k128"]
 )
-def test_spec_round_trip(spec):
-    config = parse_fused(spec, "rs")
-    assert isinstance(config.kernel, PingPongRSConfig)
-    assert parse_fused(fused_spec(config), "rs") == config
+@pytest.mark.parametrize(("op", "family"), [("rs", PingPongRSConfig), ("ag", PingPongAGConfig)])
+def test_spec_round_trip(spec, op, family):
+    config = parse_fused(spec, op)
+    assert type(config.kernel) is family
+    assert parse_fused(fused_spec(config), op) == config
 
 
-def test_spec_pp_is_rs_direct_only():
-    with pytest.raises(ValueError, match="pp"):
-        parse_fused("fused-direct-pp", "ag")
-    with pytest.raises(ValueError, match="pp"):
-        parse_fused("fused-pp", "rs")
+def test_spec_pp_is_direct_only():
+    for op in ("ag", "rs"):
+        with pytest.raises(ValueError, match="pp"):
+            parse_fused("fused-pp", op)
+    with pytest.raises(ValueError, match="zero_ahead"):
+        parse_fused("fused-direct-pp-a2", "ag")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m_pairs=st.integers(1, 20),
+    n_iters=st.integers(1, 30),
+    width=st.integers(1, 9),
+    minor_m=st.booleans(),
+)
+def test_visit_rank_counts_a_bands_visits_in_order(m_pairs, n_iters, width, minor_m):
+    """Walking the tiles of a block in the kernel's order (`pingpong.tile_origin`), the visits
+    of each band of rows have ranks 0, 1, 2, ... in that order (the AG kernel's senders are a
+    band's first visits, each rank once)."""
+    tiles = PingPongAGConfig(grid_tile_width=width, grid_minor_m=minor_m, cluster=None)
+    count = m_pairs * n_iters
+    lin = jnp.arange(count, dtype=jnp.int32)
+    rows, cols = pingpong.tile_origin(tiles, lin, m_pairs, n_iters)
+    m_pair, n_idx = rows // tiles.cluster_m, cols // tiles.tile_n
+    ranks = np.asarray(pingpong_gather_gemm.visit_rank(tiles, m_pair, n_idx, n_iters))
+    m_pair = np.asarray(m_pair)
+    assert sorted(zip(m_pair.tolist(), np.asarray(n_idx).tolist(), strict=True)) == [
+        (a, b) for a in range(m_pairs) for b in range(n_iters)
+    ]  # every tile once
+    for band in range(m_pairs):
+        assert ranks[m_pair == band].tolist() == list(range(n_iters))
 
 
 @pytest.mark.parametrize(
@@ -146,15 +194,16 @@ def _lowered(fn, args) -> str:
         (dict(tile_n=128, stages=6), 2048, True),
     ],
 )
-def test_core_lowers(fields, n, w_nk):
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_core_lowers(op, fields, n, w_nk):
     """One device (axis None): the kernel's GEMM core."""
-    config = _config(**fields)
+    if op == "rs":
+        config, fn = _config(**fields), pingpong_scatter_gemm.matmul_reduce_scatter
+    else:
+        config, fn = _config(PingPongAGConfig, **fields), pingpong_gather_gemm.all_gather_matmul
     w_shape = (n, 1024) if w_nk else (1024, n)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2048, 1024), w_shape)]
-    text = _lowered(
-        lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config, w_nk=w_nk),
-        args,
-    )
+    text = _lowered(lambda x, w: fn(x, w, None, config, w_nk=w_nk), args)
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
@@ -210,3 +259,72 @@ def test_kernel_refuses_bad_calls():
             ),
             [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
         )
+
+
+@pytest.mark.parametrize(
+    ("size", "float8", "fields", "n"),
+    [(size, float8, fields, 4160) for size in (2, 4) for float8 in (False, True)
+     for fields in (dict(), dict(cluster=None, grid_minor_m=False))]
+    + [(2, False, dict(), 128)],  # one partial column: a band's one visit sends every step
+)  # fmt: skip
+def test_ag_lowers_on_a_mesh(size, float8, fields, n):
+    """P devices: the own rows pushed from the ring's slots to every peer's inbox and flagged
+    per band, each slot held until its push has read it, the peers' tiles awaiting their band,
+    the gathered rows returned; float8 operands (w [n, K]) with the two scales applied in the
+    epilogue; a partial last column of tiles (n = 4160: 21 whole columns of 192 and a partial
+    one)."""
+    config = _config(PingPongAGConfig, **fields)
+    if float8:
+        config = config.replace(kernel=fused.float8_tiling(config.kernel, 1024))
+        assert config.kernel.tile_k == 128
+    dtype = jnp.float8_e4m3fn if float8 else jnp.bfloat16
+
+    def body(x, w):
+        scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
+        return pingpong_gather_gemm.all_gather_matmul(
+            x, w, "x", config, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale,
+            return_gathered=True,
+        )  # fmt: skip
+
+    w_spec, w_shape = (P("x"), (n * size, 1024)) if float8 else (P(None, "x"), (1024, n * size))
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), w_spec),
+                      out_specs=(P(None, "x"), P("x")), check_vma=False)  # fmt: skip
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((512 * size, 1024), w_shape)]
+    text = _lowered(f, args)
+    assert "mosaic_gpu" in text and "custom_call" in text
+
+
+def test_ag_kernel_refuses_bad_calls():
+    config = _config(PingPongAGConfig)
+    w = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rows per device=1000"):
+        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, config),
+                 [jax.ShapeDtypeStruct((1000, 1024), jnp.bfloat16), w])  # fmt: skip
+    x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
+    with pytest.raises(ValueError, match="split accumulation"):
+        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(
+            x, w, None, config, split_accumulator=True), [x, w])  # fmt: skip
+    with pytest.raises(ValueError, match="not a PingPongAGConfig"):
+        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, _config()),
+                 [x, w])  # fmt: skip
+
+
+def test_ag_unsupported_reason_and_scaling():
+    """The fused AG op takes PingPongAGConfig for PIPELINE: its rows per device must be whole
+    cluster tiles, N need not be whole tiles; split accumulation is refused."""
+    ag = Collective.ALL_GATHER
+    w = jax.ShapeDtypeStruct((512, 4160), jnp.bfloat16)
+    config = _config(PingPongAGConfig)
+    ok = fused.unsupported_reason(ag, jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), w, 2,
+                                  config, w_transposed=False)  # fmt: skip
+    assert ok is None or "N=" not in ok and "rows" not in ok  # on the CPU: the GPU check
+    rows = fused.unsupported_reason(ag, jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16), w, 2,
+                                    config, w_transposed=False)  # fmt: skip
+    assert "rows per device=1000" in rows
+    wrong = fused.unsupported_reason(ag, jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), w, 2,
+                                     _config(), w_transposed=False)  # fmt: skip
+    assert "another kernel's config" in wrong
+    recipe = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
+    assert "split accumulation" in fused.scaling_reason(config, recipe)
+    with pytest.raises(ValueError, match="PingPongAGConfig takes no split"):
+        fused.float8_tiling(PingPongAGConfig(), 1024, split=True)
