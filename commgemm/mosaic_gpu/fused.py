@@ -238,8 +238,7 @@ def float8_tiling(tiles: KernelConfig, k: int, *, split: bool = False) -> Kernel
     tiles of 64 x 128 where larger ones leave no registers for the second accumulator
     (`tiles.split_reason`); the ping-pong kernels take no split accumulation."""
     if split and isinstance(tiles, PINGPONG_FAMILIES):
-        raise ValueError(f"{type(tiles).__name__} takes no split accumulation (two accumulators "
-                         "of a whole tile do not fit in a warpgroup's registers)")  # fmt: skip
+        raise ValueError(pingpong.no_split(type(tiles)))
     if split and mosaic_tiles.split_reason(tiles) is not None:
         tiles = dataclasses.replace(tiles, tile_m=64, tile_n=128, wg_along_m=True)
     return _longer_steps(tiles, k, FLOAT8_TILE_K, tiles.stages)

@@ -54,6 +54,21 @@ def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool,
     return None
 
 
+def no_split(family: type) -> str:
+    """Why a ping-pong kernel takes no split accumulation."""
+    return (f"{family.__name__} takes no split accumulation (two accumulators of a whole tile "
+            "do not fit in a warpgroup's registers)")  # fmt: skip
+
+
+def checked_tiles(config, family: type, split_accumulator: bool):
+    """config.kernel, a `family` tiling, for a call without split accumulation; else raises."""
+    if not isinstance(config.kernel, family):
+        raise ValueError(f"kernel={config.kernel!r} is not a {family.__name__}")
+    if split_accumulator:
+        raise ValueError(no_split(family))
+    return config.kernel
+
+
 def tile_origin(tiles, tile, m_pairs: int, n_iters: int):
     """(first row, first column) of cluster tile `tile` of a block of m_pairs x n_iters cluster
     tiles: tiles walked in bands (`plgpu.planar_snake`)."""

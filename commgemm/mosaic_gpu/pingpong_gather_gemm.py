@@ -67,12 +67,7 @@ def all_gather_matmul(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = config.kernel
-    if not isinstance(tiles, PingPongAGConfig):
-        raise ValueError(f"kernel={tiles!r} is not a PingPongAGConfig")
-    if split_accumulator:
-        raise ValueError("PingPongAGConfig takes no split accumulation (two accumulators of a "
-                         "whole tile do not fit in a warpgroup's registers)")  # fmt: skip
+    tiles = pingpong.checked_tiles(config, PingPongAGConfig, split_accumulator)
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]

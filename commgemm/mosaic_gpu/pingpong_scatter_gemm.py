@@ -56,12 +56,7 @@ def matmul_reduce_scatter(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = config.kernel
-    if not isinstance(tiles, PingPongRSConfig):
-        raise ValueError(f"kernel={tiles!r} is not a PingPongRSConfig")
-    if split_accumulator:
-        raise ValueError("PingPongRSConfig takes no split accumulation (two accumulators of a "
-                         "whole tile do not fit in a warpgroup's registers)")  # fmt: skip
+    tiles = pingpong.checked_tiles(config, PingPongRSConfig, split_accumulator)
     if x.shape[0] % size:
         raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
     dtype = x.dtype
