@@ -202,7 +202,7 @@ def check_bool(value: object, field: str) -> None:
 
 
 #: OverlapConfig.local_gemm's values.
-LOCAL_GEMMS = ("xla", "mosaic")
+LOCAL_GEMMS = ("auto", "xla", "mosaic")
 
 _FLAGS = (
     "interpret",
@@ -252,12 +252,14 @@ class OverlapConfig:
         XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
       local_gemm: the GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE):
-        "xla" (XLA's dot, every backend) or "mosaic" (the direct AG kernel's GEMM core, run
-        with no peers: Hopper GPUs with jax >= 0.11, else refused at plan time). A GEMM the
-        kernel cannot run (not whole tiles of `commgemm.mosaic_gpu.DirectAGConfig()`, a float32
-        result, split accumulation, block scales) multiplies on XLA's dot
-        (`commgemm.mosaic_gpu.gemm_core`). AUTO takes it from the tune cache, where the tuner
-        measured it faster.
+        "xla" (XLA's dot, every backend), "mosaic" (the fused kernels' GEMM core run with no
+        peers, `commgemm.mosaic_gpu.gemm_core`: Hopper GPUs with jax >= 0.11, else refused at
+        plan time; a GEMM it cannot run multiplies on XLA's dot), or "auto" (the default):
+        XLA's dot, except a tensor-scaled float8 GEMM with fast accumulation that the ping-pong
+        kernel takes on a Hopper GPU (`gemm_core.auto_takes`), which runs on it (on one H200
+        1.83 to 1.94x the best bf16 GEMM of the presets' P = 2 shapes, XLA's FP8 dot 1.61 to
+        1.90x: BENCHMARKS.md). AUTO takes it from the tune cache, where the tuner measured
+        "mosaic" faster.
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a
         tile gets more than two of them: on more than 2 devices, and with DirectRSConfig.split_tail
@@ -279,7 +281,7 @@ class OverlapConfig:
     kernel: KernelConfig | None = None
     interpret: bool = False
     deterministic: bool = False
-    local_gemm: str = "xla"
+    local_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -348,7 +350,7 @@ class OverlapConfig:
                 raise ValueError("kernel needs atomic_gemm=True (the fused kernels)")
         if self.local_gemm not in LOCAL_GEMMS:
             raise ValueError(f"local_gemm={self.local_gemm!r} must be one of {LOCAL_GEMMS}")
-        if self.local_gemm != "xla" and (self.atomic_gemm or self.method is Method.AUTO):
+        if self.local_gemm == "mosaic" and (self.atomic_gemm or self.method is Method.AUTO):
             raise ValueError(
                 f"local_gemm={self.local_gemm!r} is for the methods that are not fused (atomic_gemm"
                 "=True runs the kernel's own GEMM; with method=AUTO the tune cache chooses it)"

@@ -1,5 +1,6 @@
 """OverlapConfig.local_gemm="mosaic": the split and serial methods multiply with the Hopper
-GEMM kernel (`commgemm.mosaic_gpu.gemm_core`) where it can run. On the CPU: the config and
+GEMM kernel (`commgemm.mosaic_gpu.gemm_core`) where it can run; with "auto" (the default) only
+their fast float8 GEMMs that the ping-pong kernel takes. On the CPU: the config and
 the plan refuse what cannot work, every GEMM of a method that is whole tiles lowers (for CUDA)
 to the kernel and the others to XLA's dot, and AUTO takes the choice from the tune cache.
 Values on a Hopper GPU: tests/gpu/test_fp8_gpu.py."""
@@ -104,6 +105,50 @@ def test_float8_and_gradients_lower_to_the_kernel(hopper):
     assert scaled[0] == 1  # the float8 forward only
 
 
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "dtype", "split", "takes"),
+    [
+        ((512, 256), (1536, 256), jnp.float8_e4m3fn, False, True),  # eight 192-wide columns
+        ((512, 256), (1536, 256), jnp.float8_e4m3fn, True, False),  # promoting: XLA's
+        ((512, 256), (1024, 256), jnp.float8_e4m3fn, False, False),  # pads 12.5%: XLA's
+        ((384, 256), (1536, 256), jnp.float8_e4m3fn, False, False),  # not 256-row pairs
+        ((512, 256), (256, 1536), jnp.bfloat16, False, False),  # bf16 stays on XLA's dot
+    ],
+)
+def test_auto_takes_fast_float8_where_the_pingpong_kernel_fits(
+    hopper, x_shape, w_shape, dtype, split, takes
+):
+    """local_gemm "auto" runs the kernel for a fast-accumulating tensor-scaled float8 GEMM the
+    ping-pong kernel takes (w [n, K] here), XLA's dot for everything else; off a Hopper GPU,
+    XLA's dot always."""
+    x, w = _core_operands(x_shape, w_shape, dtype)
+    if split:
+        import dataclasses
+
+        w = dataclasses.replace(w, split_accumulator=True)
+    transposed = dtype != jnp.bfloat16
+    assert gemm_core.auto_takes(x, w, transposed, "bfloat16") is takes
+
+
+def test_auto_takes_nothing_off_hopper():
+    x, w = _core_operands((512, 256), (1536, 256), jnp.float8_e4m3fn)
+    assert gemm_core.auto_takes(x, w, True, "bfloat16") is False
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_float8_forward_runs_the_kernel_by_default(hopper, op, check_vma):
+    """A tensor-scaled op with the default local GEMM ("auto") multiplies its float8 forward on
+    the kernel where the ping-pong kernel takes the shape (here 1536 columns: eight of 192),
+    as "mosaic" does; "xla" keeps XLA's dot; a bf16 op stays on XLA's dot."""
+    shape = (512, 256, 1536) if op == "ag" else (512, 512, 1536)
+    scaling = "current_tensor_scaling"
+    for spec, kernels in (("none", 1), ("none-xla", 0), ("none-mosaic", 1)):
+        found, _ = _lowered(op, spec, shape, size=1, scaling=scaling, check_vma=check_vma)
+        assert found == kernels, spec
+    assert _lowered(op, "none", shape, size=1, check_vma=check_vma)[0] == 0
+
+
 def test_gemm_reason(hopper):
     x, w = (
         jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
@@ -157,6 +202,7 @@ def _core_operands(x_shape, w_shape, dtype):
         ((512, 256), (256, 1000), jnp.bfloat16, False, None),  # neither kernel's N
         ((512, 256), (1536, 256), jnp.float8_e4m3fn, True, "rs"),  # 128-element K-steps
         ((512, 192), (1536, 192), jnp.float8_e4m3fn, True, None),  # K not whole 128s
+        ((512, 256), (256, 1536), jnp.float8_e4m3fn, False, "rs"),  # w [K, n]: read [n, K]
     ],
 )
 def test_local_gemm_takes_the_pingpong_kernel_where_it_fits(
@@ -190,7 +236,7 @@ def _cache_with(path, kind, spec, shape, size=2):
                                 "machines": {}}))  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", ["none-mosaic", "ring:2-mosaic", "ring:2"])
+@pytest.mark.parametrize("spec", ["none-mosaic", "ring:2-mosaic", "ring:2", "none-xla"])
 def test_auto_takes_the_local_gemm_from_the_tune_cache(tmp_path, monkeypatch, spec):
     """The tuner's measured winner decides; on a machine without the kernel the same plan runs
     on XLA's dot."""
@@ -205,24 +251,25 @@ def test_auto_takes_the_local_gemm_from_the_tune_cache(tmp_path, monkeypatch, sp
     resolve = lambda: auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x, w, 2,  # noqa: E731
                                         w_transposed=False)  # fmt: skip
     here = resolve()
-    assert here.local_gemm == "xla"
-    assert here.replace(collective=None) == parse_method(spec).replace(local_gemm="xla")
+    plain = "xla" if spec.endswith("-xla") else "auto"  # "mosaic" becomes "auto" off Hopper
+    assert here.local_gemm == plain
+    assert here.replace(collective=None) == parse_method(spec).replace(local_gemm=plain)
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     assert resolve().replace(collective=None) == parse_method(spec)
 
 
 def test_tuner_measures_both_gemms_where_the_kernel_runs(monkeypatch):
     plain = tuner.default_candidates("rs", (2048, 1024, 1024), 2, "bfloat16")
-    assert all(c.local_gemm == "xla" for c in plain)
+    assert all(c.local_gemm == "auto" for c in plain)
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     both = tuner.default_candidates("rs", (2048, 1024, 1024), 2, "bfloat16")
     split = [c for c in both if not c.atomic_gemm]
-    assert {c.replace(local_gemm="xla") for c in split if c.local_gemm == "mosaic"} == {
-        c for c in split if c.local_gemm == "xla"
+    assert {c.replace(local_gemm="auto") for c in split if c.local_gemm == "mosaic"} == {
+        c for c in split if c.local_gemm == "auto"
     }
     assert any(c.local_gemm == "mosaic" for c in split)
     odd = tuner.default_candidates("rs", (2000, 1024, 1000), 2, "bfloat16")  # not whole tiles
-    assert all(c.local_gemm == "xla" for c in odd)
+    assert all(c.local_gemm == "auto" for c in odd)
 
 
 def test_auto_keeps_a_promoting_forward_off_the_fused_kernels(hopper, tmp_path, monkeypatch):

@@ -178,11 +178,11 @@ def test_auto_without_cache_uses_cost_model(tmp_path, monkeypatch, rng, op):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_spec_round_trip(op):
     specs = ("none", "pipeline:4", "ring", "ring:2", "ring-bidi:8", "ring-agg", "ring:4-chain",
-             "none-mosaic", "ring:2-chain-mosaic")  # fmt: skip
+             "none-mosaic", "ring:2-chain-mosaic", "none-xla", "pipeline:2-xla")  # fmt: skip
     fused = {
         "ag": ("fused", "fused-w1", "fused-wgm", "fused-wgm-m64-s3-w4", "fused-gm-w4",
                "fused-direct", "fused-direct-cm", "fused-direct-cm-w16", "fused-direct-cm-r85",
-               "fused-direct-cm-nt", "fused-direct-gm-nt"),
+               "fused-direct-cm-nt", "fused-direct-gm-nt", "fused-direct-pp-gm-cm"),
         "rs": ("fused", "fused-cn-w16", "fused-direct", "fused-direct-ct-w16",
                "fused-direct-cm-ct-t2", "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2"),
     }[op]  # fmt: skip
@@ -191,6 +191,8 @@ def test_spec_round_trip(op):
     tiles = parse_method("fused-wgm-w4", op).kernel
     assert tiles.wg_along_m and tiles.grid_tile_width == 4 and tiles.cta_m == 256
     assert spec_of(parse_method("fused-w8", op)) == "fused"  # the default width
+    assert parse_method("none", op).local_gemm == "auto"  # no suffix: the default GEMM
+    assert parse_method("none-xla", op).local_gemm == "xla"
     expected = {"ag": cg.Algorithm.ATOMIC_GEMM_AG, "rs": cg.Algorithm.ATOMIC_GEMM_RS}[op]
     assert parse_method("fused-direct", op).algorithm(cg.Collective(op)) is expected
     with pytest.raises(ValueError, match="unknown fused tiling 'x3'"):

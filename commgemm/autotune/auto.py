@@ -57,8 +57,8 @@ def resolve_auto(
         varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
         if not runs(chosen) or varies:
             chosen = None
-    if chosen is not None and chosen.local_gemm != "xla" and hopper_reason() is not None:
-        chosen = chosen.replace(local_gemm="xla")  # measured on a machine with the kernel
+    if chosen is not None and chosen.local_gemm == "mosaic" and hopper_reason() is not None:
+        chosen = chosen.replace(local_gemm="auto")  # measured on a machine with the kernel
     if chosen is None:
         fig = found.machines.get(cache.machine_key(kind, size)) or default_figures(
             jax.default_backend(), kind

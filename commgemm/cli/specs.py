@@ -95,15 +95,18 @@ def fused_spec(config: OverlapConfig) -> str:
 def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
     """'none', 'pipeline:4', 'ring', 'ring:2', 'ring-bidi', 'ring-bidi:2', 'ring-agg', 'auto',
     'fused' (RING_EXCHANGE with atomic_gemm: one kernel, Hopper GPUs; tilings as in
-    `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on, a '-mosaic' suffix
-    last ('none-mosaic', 'ring:2-chain-mosaic') multiplies with the Hopper GEMM kernel
-    (local_gemm "mosaic")."""
+    `parse_fused`); a '-chain' suffix ('ring:4-chain') turns chain_gemms on, a '-mosaic' or
+    '-xla' suffix last ('none-mosaic', 'ring:2-chain-xla') multiplies with the Hopper GEMM
+    kernel or XLA's dot (local_gemm "mosaic" or "xla"; without one, "auto")."""
     if spec == "fused" or spec.startswith("fused-"):
         if op is None:
             raise ValueError(f"{spec!r}: a fused kernel spec needs the op (ag or rs)")
         return parse_fused(spec, op)
     full = spec
-    spec, mosaic = (spec[: -len("-mosaic")], True) if spec.endswith("-mosaic") else (spec, False)
+    local_gemm = "auto"
+    for suffix in ("mosaic", "xla"):
+        if spec.endswith(f"-{suffix}"):
+            spec, local_gemm = spec[: -len(suffix) - 1], suffix
     spec, chain = (spec[: -len("-chain")], True) if spec.endswith("-chain") else (spec, False)
     name, colon, splits = spec.partition(":")
     if colon and not splits.isdigit():
@@ -121,7 +124,7 @@ def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
         raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")
     try:
         return OverlapConfig(num_splits=num_splits, chain_gemms=chain,
-                             local_gemm="mosaic" if mosaic else "xla", **table[name])  # fmt: skip
+                             local_gemm=local_gemm, **table[name])  # fmt: skip
     except ValueError as err:
         raise ValueError(f"method {full!r}: {err}") from None
 
@@ -136,4 +139,4 @@ def spec_of(cfg: OverlapConfig) -> str:
     if cfg.num_splits > 1 and cfg.method is not Method.NONE:
         name = f"{name}:{cfg.num_splits}"
     name = f"{name}-chain" if cfg.chain_gemms else name
-    return f"{name}-mosaic" if cfg.local_gemm == "mosaic" else name
+    return name if cfg.local_gemm == "auto" else f"{name}-{cfg.local_gemm}"

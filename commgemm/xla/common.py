@@ -25,12 +25,18 @@ def matmul(
 
     The result is asked of XLA in a 16-bit result dtype directly (see operands.dot). With
     config.local_gemm "mosaic" the GEMMs the Hopper kernel can run go to it
-    (commgemm.mosaic_gpu.gemm_core), the others to XLA.
+    (commgemm.mosaic_gpu.gemm_core), the others to XLA; with "auto" the float8 GEMMs it runs
+    faster (`gemm_core.auto_takes`).
     """
-    if config.local_gemm == "mosaic":
+    kernel = config.local_gemm == "mosaic"
+    if kernel or (config.local_gemm == "auto" and isinstance(w, QuantizedRhs)):
         from commgemm.mosaic_gpu import gemm_core
 
-        if gemm_core.gemm_reason(a, w, w_transposed, result_dtype) is None:
+        if kernel:
+            takes = gemm_core.gemm_reason(a, w, w_transposed, result_dtype) is None
+        else:
+            takes = gemm_core.auto_takes(a, w, w_transposed, result_dtype)
+        if takes:
             return gemm_core.matmul(a, w, w_transposed)
     if isinstance(w, QuantizedRhs):  # the op's scaling=
         with jax.named_scope("gemm"):
