@@ -170,6 +170,9 @@ def test_unsupported_reason_takes_partial_columns():
     assert heuristics.pingpong_tiles(1024, 576, 14336) is None
     assert heuristics.pingpong_tiles(1024, 512, 14336) == PingPongRSConfig()  # 0.45% padded
     assert heuristics.pingpong_tiles(1024, 512, 4160) is None  # 1.5% padded
+    assert heuristics.pingpong_tiles(1024, 512, 4160, "float8_e4m3fn", w_nk=True) is not None
+    assert heuristics.pingpong_tiles(1024, 512, 4096, "float8_e4m3fn", w_nk=True) is not None
+    assert heuristics.pingpong_tiles(1024, 512, 1024, "float8_e4m3fn", w_nk=True) is None
 
 
 def test_split_accumulation_is_refused():

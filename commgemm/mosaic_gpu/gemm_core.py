@@ -83,10 +83,10 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
 
 def auto_takes(x: jax.Array, w, w_transposed: bool, result_dtype) -> bool:
     """Whether local_gemm "auto" runs x [r, K] @ w here: w a `scaled.QuantizedRhs` (tensor
-    scales, fast accumulation, one float8 format) that the kernel can run
-    (`gemm_reason`) on the ping-pong kernel (`heuristics.pingpong_tiles`). On one H200 that
-    core ran the presets' P = 2 local shapes at 1.83 to 1.94x the best bf16 GEMM, XLA's FP8 dot
-    at 1.61 to 1.90x, and on one H100 it beat XLA's FP8 dot on the four RS shapes
+    scales, fast accumulation, one float8 format) that the kernel can run (`gemm_reason`) on
+    the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%). On one H200 that
+    core ran the presets' eight P = 2 local shapes at 1.80 to 1.94x the best bf16 GEMM, XLA's
+    FP8 dot at 1.61 to 1.90x, and on one H100 it beat XLA's FP8 dot on all eight too
     (BENCHMARKS.md); bf16 stays on XLA's dot, as fast or faster there."""
     from commgemm.scaled import QuantizedRhs
 

@@ -25,6 +25,10 @@ from commgemm.mosaic_gpu.tiles import HOPPER_SMS
 #: on llama13b's (13824), 3.1% on comm_heavy's (4096), where it ran 4 to 5% slower than the
 #: cooperative kernel (BENCHMARKS.md "The ping-pong RS kernel").
 PINGPONG_PAD = 0.01
+#: The same for float8 operands: with comm_heavy's 3.1% of padding the kernel's FP8 core still
+#: beat XLA's FP8 dot on both its P = 2 shapes (AG and RS) on one H200 and one H100
+#: (BENCHMARKS.md "The ping-pong AG kernel; the GEMM cores and FP8 on H200").
+FLOAT8_PINGPONG_PAD = 0.035
 
 
 def pingpong_tiles(
@@ -33,11 +37,12 @@ def pingpong_tiles(
     """`PingPongRSConfig()` where the ping-pong kernel runs x [rows, k] (each owner's rows) @ w
     [k, n] ([n, k] with w_nk) of `dtype` into `out_dtype`, in bf16 and in float8 (K whole
     128-element steps, as the fused ops raise them), and its last column of tiles pads at
-    most PINGPONG_PAD of N; else None."""
+    most PINGPONG_PAD of N (float8 operands: FLOAT8_PINGPONG_PAD); else None."""
     from commgemm.mosaic_gpu import fused, pingpong_scatter_gemm
 
     tiles = PingPongRSConfig()
-    if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + PINGPONG_PAD):
+    pad = FLOAT8_PINGPONG_PAD if _float8(dtype) else PINGPONG_PAD
+    if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + pad):
         return None
     if k % fused.FLOAT8_TILE_K:  # as `fused.unsupported_reason`: float8's K-steps must fit
         return None
