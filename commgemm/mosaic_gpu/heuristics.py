@@ -1,8 +1,9 @@
 """Default configs and autotuning candidates of the fused kernel families, beside the kernels:
 what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`) and the extra
 tilings the tuner also measures (`TUNING_CANDIDATES`). Each was the fastest, or within noise of
-it, on some 2xH200 preset (docs/performance.md), except the ping-pong RS kernel's, which was
-measured on one GPU only (its GEMM core: BENCHMARKS.md)."""
+it, on some 2xH200 preset (docs/performance.md), except the ping-pong kernels': the RS one was
+the fastest on three presets on 2 x H100, the AG one on llama70b once on 2 x H200 (within AUTO's
+own spread) and 2 to 3% behind on llama8b and llama13b (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
         DirectAGConfig(grid_tile_width=16),
         DirectAGConfig(cluster="m"),
         DirectAGConfig(cluster="m", spread=50),
-        PingPongAGConfig(),
+        PingPongAGConfig(),  # (not the plan: 2 to 3% behind it on two presets, 2 x H200)
     ),
     "rs": (
         DirectRSConfig(),

@@ -89,7 +89,7 @@ class Unit:
 
     load_x(i, kk, dest, barrier): copy K-step kk of unit i's x rows into smem `dest`.
     column(i): unit i's first output column (w's columns).
-    store(state, r, out_smem): store row block r (EPI rows) of unit i's tile from out_smem, as
+    store(state, r, out_smem): store row block r (EPI rows) of the unit's tile from out_smem, as
         TMA stores committed in one group.
     load_start(extra): the load warpgroup, before its loop (extra: the kernel's own smem).
     before_unit(i): the load warpgroup, before unit i's first loads.
