@@ -301,6 +301,18 @@ def test_wave_tiles_are_each_waves_first_adds(size, per_block, ctas, k_iters, sp
         first_wave[t] = w
     range_of = np.concatenate([np.full(hi - lo, w) for w, (lo, hi) in enumerate(ranges)])
     assert (first_wave == range_of).all()
+    # the zeroing plan the RS kernels share: the first `ahead` waves' tiles by the compute
+    # warpgroups, each later wave's bands spread over the SMs, late_iters bands each at most
+    bands, sms = 8, ctas * 2
+    for zero_ahead in (0, 1, 2):
+        plan = scatter_add_gemm.zero_plan(zero_ahead, *args, bands, sms)
+        assert plan.waves == waves
+        assert plan.ahead == (min(zero_ahead, waves) if zero_ahead else waves)
+        assert plan.first_tiles == ranges[plan.ahead - 1][1]
+        assert plan.late_zero == (plan.ahead < waves)  # size >= 2 here
+        later = [(hi - lo) * bands for lo, hi in ranges[plan.ahead :]]
+        assert plan.late_iters * sms >= max(later, default=0)
+        assert plan.late_iters == max([-(-b // sms) for b in later], default=0)
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, ZERO_ROWS, PingPongRSConfig
 from commgemm.mosaic_gpu.pingpong import shape_reason
-from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices, wave_tiles
+from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices, wave_tiles, zero_plan
 
 __all__ = ["matmul_reduce_scatter", "shape_reason"]
 
@@ -72,15 +72,9 @@ def matmul_reduce_scatter(
     per_block = m_pairs * n_iters
     units = size * per_block
     reduce = size > 1
-    # the compute warpgroups zero the tiles of the first `ahead` waves; the load warpgroups the
-    # others', `ahead` waves early (late_zero)
-    waves = -(-units // ctas)
-    ahead = min(tiles.zero_ahead, waves) if tiles.zero_ahead else waves
-    late_zero = reduce and ahead < waves
-    first_tiles = wave_tiles(ahead - 1, ctas, units, size, per_block, 0)[1]
     bands = tiles.cluster_m // ZERO_ROWS  # the load warpgroups zero a band at a time
-    spans = [wave_tiles(w, ctas, units, size, per_block, 0) for w in range(ahead, waves)]
-    late_iters = max([-(-(hi - lo) * bands // sms) for lo, hi in spans], default=0)
+    waves, ahead, late_zero, first_tiles, late_iters = zero_plan(
+        tiles.zero_ahead, ctas, units, size, per_block, 0, bands, sms)  # fmt: skip
     zero_columns = tiles.zero_columns
     signals = 2 * sms  # each compute warpgroup of each CTA signals each device once
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,31 @@ def wave_tiles(wave, ctas: int, main_units: int, size: int, per_block: int, tail
     return _select(wave == 0, 0, last_tile(before) + 1), last_tile(wave) + 1
 
 
+class ZeroPlan(NamedTuple):
+    """A reduce-adding kernel's zeroing (zero_ahead = D): the compute warpgroups zero the first
+    `ahead` waves' tiles (`first_tiles` a block) first; with `late_zero` the load warpgroups
+    zero each later wave's D waves early, at most `late_iters` ZERO_ROWS bands a CTA."""
+
+    waves: int
+    ahead: int
+    late_zero: bool
+    first_tiles: int
+    late_iters: int
+
+
+def zero_plan(zero_ahead: int, ctas: int, main_units: int, size: int, per_block: int,
+              tail_tiles: int, bands: int, sms: int) -> ZeroPlan:  # fmt: skip
+    """The ZeroPlan of `main_units` units on `ctas` CTAs (`sms` SMs), `size` blocks of
+    `per_block` tiles (`tail_tiles` each past the main loop), `bands` bands a tile."""
+    waves = -(-main_units // ctas)
+    ahead = min(zero_ahead, waves) if zero_ahead else waves
+    first_tiles = wave_tiles(ahead - 1, ctas, main_units, size, per_block, tail_tiles)[1]
+    spans = [wave_tiles(w, ctas, main_units, size, per_block, tail_tiles)
+             for w in range(ahead, waves)]  # fmt: skip
+    late_iters = max([-(-(hi - lo) * bands // sms) for lo, hi in spans], default=0)
+    return ZeroPlan(waves, ahead, size > 1 and ahead < waves, first_tiles, late_iters)
+
+
 def zero_bands_per_tile(tiles: DirectRSConfig, block_m: int) -> int:
     """How many bands of block_m rows (the zeroing's units) one cluster tile of the output
     has."""
@@ -167,26 +193,13 @@ def matmul_reduce_scatter(
             f"DirectRSConfig.chain_tiles needs two tiles per CTA, got {main_units} tiles for "
             f"{ctas} CTAs"
         )
-    waves = -(-main_units // ctas)
-    # the compute warpgroups zero the tiles of the first `ahead` waves before their first tile;
-    # with late_zero the load warpgroups zero the other waves' tiles, `ahead` waves early
-    ahead = min(tiles.zero_ahead, waves) if tiles.zero_ahead else waves
-    first_tiles = wave_tiles(ahead - 1, ctas, main_units, size, per_block, tail_tiles)[1]
-    late_iters = max(
-        [
-            -(-(hi - lo) * zero_bands_per_tile(tiles, ZERO_ROWS) // sms)
-            for lo, hi in (
-                wave_tiles(w, ctas, main_units, size, per_block, tail_tiles)
-                for w in range(ahead, waves)
-            )
-        ],
-        default=0,
-    )
+    waves, ahead, late_zero, first_tiles, late_iters = zero_plan(
+        tiles.zero_ahead, ctas, main_units, size, per_block, tail_tiles,
+        zero_bands_per_tile(tiles, ZERO_ROWS), sms)  # fmt: skip
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     # one device adds nothing: its tiles are stored, not reduce-added into zeroed outputs
     reduce = size > 1
-    late_zero = reduce and ahead < waves
     # one wgmma in flight, its smem slot released a K-step late (a pipeline of pipelines,
     # chain_tiles, takes no late release: there each wgmma is awaited)
     release = 0 if tiles.chain_tiles else 1
