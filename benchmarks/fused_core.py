@@ -22,7 +22,8 @@ tiles) is listed under "failed". Writes OUT/fused_core.json.
 CTA tiles, the shape cuBLAS's FP8 kernels favour), a question for the FP8 plan; --bf16-sweep
 the bf16 core in `BF16_SWEEP`'s (256 x 128 CTA tiles, clusters along N). Each row names the
 kernel each variant ran ("kernels": the main kernel of its calls in the trace; torch's by
-torch.profiler), which says which cuBLASLt kernel XLA's autotuner picked.
+torch.profiler), which says which cuBLASLt kernel XLA's autotuner picked. --pp-sweep times the
+ping-pong kernels in `PP_SWEEP`'s tilings.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ from commgemm.mosaic_gpu import (  # noqa: E402
     gemm_core,
     heuristics,
 )
-from commgemm.mosaic_gpu.configs import PINGPONG_FAMILIES  # noqa: E402
+from commgemm.mosaic_gpu.configs import (  # noqa: E402
+    PINGPONG_FAMILIES,
+    PingPongAGConfig,
+    PingPongRSConfig,
+)
 
 #: H200's dense bf16 tensor-core peak, TFLOP/s (FP8: twice that).
 PEAK_BF16 = 989.0
@@ -108,6 +113,14 @@ BF16_SWEEP = {
         DirectRSConfig(cluster="n", split_tail=0),
         DirectRSConfig(wg_along_m=True, tile_m=64, tile_n=256, cluster="n", split_tail=0),
     ],
+}
+
+
+#: Extra bf16 tilings of `--pp-sweep`, per op: the ping-pong kernels with their last wave left
+#: whole (the default narrows it: `pingpong.deal`), and in bands 16 tiles wide.
+PP_SWEEP = {
+    op: [family(narrow_tail=False), family(grid_tile_width=16)]
+    for op, family in (("ag", PingPongAGConfig), ("rs", PingPongRSConfig))
 }
 
 
@@ -188,6 +201,7 @@ def main() -> None:
     parser.add_argument("--no-fp8", action="store_true")
     parser.add_argument("--fp8-sweep", action="store_true")
     parser.add_argument("--bf16-sweep", action="store_true")
+    parser.add_argument("--pp-sweep", action="store_true")
     parser.add_argument("--presets", default=None, help="comma-separated; default: all")
     parser.add_argument("--ops", default="ag,rs")
     parser.add_argument("--tilings", default=None, help="core tilings by label; default: all")
@@ -213,7 +227,9 @@ def main() -> None:
                    if args.tilings is None or label in args.tilings.split(",")}  # fmt: skip
         for label, tiles in tilings.items():
             variants[f"core bf16 {label}"] = (core(op, tiles, float8=False), (a, b))
-        for tiles in BF16_SWEEP[op] if args.bf16_sweep else ():
+        sweep = [*(BF16_SWEEP[op] if args.bf16_sweep else ()),
+                 *(PP_SWEEP[op] if args.pp_sweep else ())]  # fmt: skip
+        for tiles in sweep:
             spec = fused_spec(cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles))
             variants[f"core bf16 sweep {spec.removeprefix('fused-direct-')}"] = (
                 core(op, tiles, float8=False), (a, b))  # fmt: skip

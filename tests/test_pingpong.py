@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import P, mesh1d
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import commgemm as cg
@@ -75,7 +75,13 @@ def test_config_is_for_pipeline_only(family):
 
 
 @pytest.mark.parametrize(
-    "spec", ["fused-direct-pp", "fused-direct-pp-gm-cm", "fused-direct-pp-cm-n160-s6-k128"]
+    "spec",
+    [
+        "fused-direct-pp",
+        "fused-direct-pp-gm-cm",
+        "fused-direct-pp-gm-cm-nt",
+        "fused-direct-pp-cm-n160-s6-k128",
+    ],
 )
 @pytest.mark.parametrize(("op", "family"), [("rs", PingPongRSConfig), ("ag", PingPongAGConfig)])
 def test_spec_round_trip(spec, op, family):
@@ -115,6 +121,35 @@ def test_visit_rank_counts_a_bands_visits_in_order(m_pairs, n_iters, width, mino
     ]  # every tile once
     for band in range(m_pairs):
         assert ranks[m_pair == band].tolist() == list(range(n_iters))
+
+
+@settings(max_examples=12, deadline=None)  # eager jax ops: about 0.3 s an example
+@given(units=st.integers(1, 700), ctas=st.integers(1, 66), narrow=st.booleans())
+@example(units=288, ctas=66, narrow=True)  # llama13b's AG core at P = 8: a tail of 24
+@example(units=1408, ctas=66, narrow=True)  # comm_heavy's RS cores: 22
+@example(units=320, ctas=66, narrow=True)  # llama8b's AG core at P = 8: 56, not narrowed
+def test_deal_runs_every_tile_once_and_balances_the_last_wave(units, ctas, narrow):
+    """`pingpong.deal`: every tile runs once, whole or as both its halves (each half once);
+    halves only with narrow_tail, only in the last wave, where it fills at most half the
+    clusters after a full wave; a cluster's work (halves count half) is at most
+    ceil(units / ctas), and half a tile less where the tail was narrowed."""
+    tiles = PingPongAGConfig(narrow_tail=narrow)
+    dealt = pingpong.deal(tiles, units, ctas)
+    cid = jnp.arange(ctas, dtype=jnp.int32)[:, None]
+    count = np.asarray(dealt.count(cid))[:, 0]
+    i = jnp.arange(int(count.max()), dtype=jnp.int32)[None, :]
+    tile, part = np.broadcast_arrays(*(np.asarray(a) for a in dealt.tile(cid, i)))
+    half = np.broadcast_to(np.asarray(dealt.half(i) if dealt.tail else False), tile.shape)
+    ran = i < count[:, None]
+    whole = sorted(tile[ran & ~half].tolist())
+    halves = sorted(zip(tile[ran & half].tolist(), part[ran & half].tolist(), strict=True))
+    assert sorted(whole + [t for t, p in halves if p == 0]) == list(range(units))
+    assert [t for t, p in halves if p == 1] == [t for t, p in halves if p == 0]
+    tail = units % ctas
+    assert bool(halves) == (narrow and units > ctas and 0 < tail <= ctas // 2)
+    assert all(t >= units - tail for t, _ in halves)
+    work = count - 0.5 * (ran & half).sum(axis=1)
+    assert work.max() == (-(-units // ctas) - 0.5 if halves else -(-units // ctas))
 
 
 @pytest.mark.parametrize(
@@ -331,3 +366,35 @@ def test_ag_unsupported_reason_and_scaling():
     assert "split accumulation" in fused.scaling_reason(config, recipe)
     with pytest.raises(ValueError, match="PingPongAGConfig takes no split"):
         fused.float8_tiling(PingPongAGConfig(), 1024, split=True)
+
+
+def _kernel_text(op: str, size: int, n: int, narrow: bool) -> str:
+    """The lowered kernel of `op` on `size` devices (1: the core, no mesh axis) for x [2048,
+    512] (AG: [1024, 512] a device) and w [512, n] a device, ping-pong tiles with narrow_tail."""
+    family = PingPongRSConfig if op == "rs" else PingPongAGConfig
+    config = _config(family, narrow_tail=narrow)
+    kernel = (pingpong_scatter_gemm.matmul_reduce_scatter if op == "rs"
+              else pingpong_gather_gemm.all_gather_matmul)  # fmt: skip
+    k = 512 * size if op == "rs" else 512  # the RS op's K is sharded, the AG op's rows
+    rows = 1024 * size if op == "ag" and size > 1 else 2048
+    w_n = n * size if op == "ag" else n
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((rows, k), (k, w_n))]
+    if size == 1:
+        return _lowered(lambda x, w: kernel(x, w, None, config), args)
+    specs = (P(None, "x"), P("x")) if op == "rs" else (P("x"), P(None, "x"))
+    f = jax.shard_map(lambda x, w: kernel(x, w, "x", config), mesh=mesh1d(size),
+                      in_specs=specs, out_specs=P("x") if op == "rs" else P(None, "x"),
+                      check_vma=False)  # fmt: skip
+    return _lowered(f, args)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_narrowed_tail_lowers_and_changes_only_a_tail(op, size):
+    """narrow_tail on the core and a mesh of 2: 72 cluster tiles on 66 clusters (N = 1728, 9
+    columns of 192, 2048 rows in all) leave a tail of 6, run as 12 halves: the kernel changes;
+    176 tiles (N = 4096, 22 columns) leave 44, more than half the clusters: it does not."""
+    tail = [_kernel_text(op, size, 1728, narrow) for narrow in (False, True)]
+    assert "mosaic_gpu" in tail[0] and tail[0] != tail[1]
+    full = [_kernel_text(op, size, 4096, narrow) for narrow in (False, True)]
+    assert full[0] == full[1]

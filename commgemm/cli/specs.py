@@ -43,7 +43,7 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
             method = Method.PIPELINE
         elif part == "pp" and method is Method.PIPELINE:
             pingpong = True  # its flags' fields start off, as the other families' defaults
-            fields = {"grid_minor_m": False, "cluster": None, **fields}
+            fields = {"grid_minor_m": False, "cluster": None, "narrow_tail": False, **fields}
         elif part in _FLAGS:
             fields[_FLAGS[part]] = True
         elif part in ("cm", "cn"):

@@ -239,7 +239,9 @@ class _PingPong:
     of adjacent row tiles that share w's blocks (multicast). The last column of tiles may be
     partial: N need not be whole tiles. tile_n is whole 8s up to 192 (the accumulator is
     tile_n registers a thread: at most 192 leaves room for the rest); with w read [K, n] (bf16
-    and fp16) whole 64s. The defaults are cuBLASLt's schedule in 128 x 192 tiles."""
+    and fp16) whole 64s. narrow_tail: the tiles of a last wave that fills at most half the
+    clusters (after a full one) run as two units of half their rows each (`pingpong.deal`;
+    tile_m whole 128s). The defaults are cuBLASLt's schedule in 128 x 192 tiles."""
 
     tile_m: int = 128
     tile_n: int = 192
@@ -248,13 +250,15 @@ class _PingPong:
     grid_tile_width: int = 8
     grid_minor_m: bool = True
     cluster: str | None = "m"
+    narrow_tail: bool = True
 
     def __post_init__(self) -> None:
         family = type(self).__name__
         for field in ("tile_m", "tile_n", "tile_k", "stages", "grid_tile_width"):
             _positive_int(getattr(self, field), field, family)
-        if not isinstance(self.grid_minor_m, bool):
-            raise ValueError(f"{family}.grid_minor_m={self.grid_minor_m!r} must be a bool")
+        for field in ("grid_minor_m", "narrow_tail"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{family}.{field}={getattr(self, field)!r} must be a bool")
         if self.cluster not in (None, "m"):
             raise ValueError(f"{family}.cluster={self.cluster!r} must be one of (None, 'm')")
         _check_pingpong_tile(family, self, 192, "its accumulator's registers")

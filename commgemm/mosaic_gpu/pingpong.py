@@ -6,8 +6,13 @@ tile_m x tile_n output tile; one load warpgroup fills ONE ring of `stages` smem 
 order; each compute warpgroup awaits only its own units' slots (one barrier array each) and
 their K loops alternate (an ordered barrier pair), so while one runs its epilogue the other
 keeps the tensor cores busy. The two epilogues alternate too, so they share one buffer of EPI
-rows (a barrier pair hands it over once a warpgroup's stores have read it). A kernel plugs its
-loads, its stores and its communication into `run` through callbacks (`Unit`).
+rows (a barrier pair hands it over once a warpgroup's stores have read it). The load warpgroup
+awaits every slot's release, the last ones' too, so no CTA of a cluster exits while its peer
+may still arrive on its barriers (jax's pipelines and CUTLASS's producers do the same). A kernel
+plugs its loads, its stores and its communication into `run` through callbacks (`Unit`), and
+deals its tiles to the CTAs through a `Deal`: unit i of cluster cid is tile cid + i * ctas,
+except that a narrowed tail (`narrow_tail`) runs the tiles of the last, at most half filled
+wave as two units of half their rows each, one a cluster, so that wave takes half a tile's time.
 """
 
 from __future__ import annotations
@@ -81,16 +86,61 @@ def tile_origin(tiles, tile, m_pairs: int, n_iters: int):
 
 
 @dataclasses.dataclass(frozen=True)
+class Deal:
+    """How `units` cluster tiles are dealt to `ctas` clusters: cluster cid's unit i is tile
+    cid + i * ctas; with `tail` > 0, the last `tail` tiles (a last wave at most half full) run
+    as two halves of tile_m / 2 rows each, half h of tile `waves * ctas + h // 2` on cluster h
+    (the last unit of clusters 0 .. 2 * tail - 1)."""
+
+    units: int
+    ctas: int
+    tail: int = 0
+
+    @property
+    def waves(self) -> int:
+        """Whole waves before a halved tail."""
+        return (self.units - self.tail) // self.ctas
+
+    def count(self, cid):
+        """Cluster cid's units (traced)."""
+        if not self.tail:
+            return (self.units - cid + self.ctas - 1) // self.ctas
+        return self.waves + (cid < 2 * self.tail).astype(jnp.int32)
+
+    def half(self, i):
+        """Whether unit i (of any cluster) is a half tile (traced), or None without a tail."""
+        return None if not self.tail else i >= self.waves
+
+    def tile(self, cid, i):
+        """(tile, which half: 0 or 1, 0 for a whole tile) of cluster cid's unit i (traced)."""
+        if not self.tail:
+            return cid + i * self.ctas, 0
+        half = i >= self.waves
+        tile = jnp.where(half, self.waves * self.ctas + cid // 2, cid + i * self.ctas)
+        return tile, jnp.where(half, lax.rem(cid, jnp.int32(2)), 0)
+
+
+def deal(tiles, units: int, ctas: int) -> Deal:
+    """The deal of `units` cluster tiles to `ctas` clusters: with tiles.narrow_tail, the last
+    wave's tiles halved where a full wave precedes it, it fills at most half the clusters and a
+    half tile is whole wgmma rows (tile_m whole 128s); else one after the other."""
+    tail = units % ctas
+    narrow = tiles.narrow_tail and units > ctas and 0 < tail <= ctas // 2
+    return Deal(units, ctas, tail if narrow and tiles.tile_m % 128 == 0 else 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class Unit:
     """What a kernel does at each point of the schedule; i is the CTA's unit (0, 1, ...), c the
     compute warpgroup (0 or 1), all hooks optional but the loads and stores. A compute
     warpgroup's hooks see a unit as `state`: begin(c, i) (computed once, before the unit's K
     loop: what its K-steps would otherwise recompute), or i without `begin`.
 
-    load_x(i, kk, dest, barrier): copy K-step kk of unit i's x rows into smem `dest`.
+    load_x(i, kk, dest, barrier): copy K-step kk of unit i's x rows into smem `dest` (rows:
+        dest.shape[0], tile_m / 2 for a half tile).
     column(i): unit i's first output column (w's columns).
-    store(state, r, out_smem): store row block r (EPI rows) of the unit's tile from out_smem, as
-        TMA stores committed in one group.
+    store(state, r, out_smem): store row block r (EPI rows) of the unit's tile (its half, for a
+        half tile) from out_smem, as TMA stores committed in one group.
     load_start(extra): the load warpgroup, before its loop (extra: the kernel's own smem).
     before_unit(i): the load warpgroup, before unit i's first loads.
     load_end(): the load warpgroup, after its loop.
@@ -116,12 +166,13 @@ class Unit:
     compute_end: Callable | None = None
 
 
-def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dtype,
+def run(tiles, unit: Unit, *, tiles_dealt: Deal, k_iters: int, w_ref, dtype, w_dtype, out_dtype,
         w_nk: bool, scale_ref=None, extra_smem: Sequence = ()) -> None:  # fmt: skip
-    """The schedule of this CTA's `units` units (a traced count) of k_iters K-steps each, inside
-    a `plgpu.kernel` of 3 warpgroups ("wg": 0 and 1 compute, 2 loads) and, with cluster "m",
-    clusters of 2 along "cluster"; w_ref [K, n] ([n, K] with w_nk) is read at `unit.column`'s
-    columns, the accumulator scaled by scale_ref [1] (if given) into `out_dtype`."""
+    """The schedule of this CTA's units (`tiles_dealt`) of k_iters K-steps each, inside a
+    `plgpu.kernel` of 3 warpgroups ("wg": 0 and 1 compute, 2 loads) and, with cluster "m",
+    clusters of 2 along "cluster" (grid "cluster_grid"); w_ref [K, n] ([n, K] with w_nk) is read
+    at `unit.column`'s columns, the accumulator scaled by scale_ref [1] (if given) into
+    `out_dtype`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -131,6 +182,15 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
     w_block = (tile_n, tile_k) if w_nk else (tile_k, tile_n)
     w_transforms = transforms if w_nk else mt.smem_transforms(w_dtype, tile_n)
     out_transforms = mt.smem_transforms(out_dtype, tile_n)
+    units = tiles_dealt.count(lax.axis_index("cluster_grid"))
+
+    def whole_or_half(i, fn):
+        """fn(rows) for unit i's rows: tile_m, or tile_m / 2 for a half tile."""
+        half = tiles_dealt.half(i)
+        if half is None:
+            return fn(tile_m)
+        pl.when(~half)(lambda: fn(tile_m))
+        pl.when(half)(lambda: fn(tile_m // 2))
 
     def scoped(x_smem, w_smem, full0, full1, empty, out_smem, *rest):
         wg = lax.axis_index("wg")
@@ -138,11 +198,14 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
 
         def issue(c, s):  # step s's loads, into the slots of compute warpgroup c
             i, kk, slot = s // k_iters, lax.rem(s, jnp.int32(k_iters)), s % stages
-            unit.load_x(i, kk, x_smem.at[slot], full[c].at[slot])
+            whole_or_half(i, lambda rows: unit.load_x(i, kk, x_rows(slot, rows), full[c].at[slot]))
             cols, ks = pl.ds(unit.column(i), tile_n), pl.ds(kk * tile_k, tile_k)
             src = w_ref.at[cols, ks] if w_nk else w_ref.at[ks, cols]
             shared = dict(collective_axes="cluster") if pair > 1 else {}
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full[c].at[slot], **shared)
+
+        def x_rows(slot, rows):  # the first `rows` rows of slot `slot`'s x block
+            return x_smem.at[slot] if rows == tile_m else x_smem.at[slot].at[pl.ds(0, rows)]
 
         def load():
             plgpu.set_max_registers(40, action="decrease")
@@ -165,6 +228,12 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
             if unit.load_end:
                 unit.load_end()
 
+            # the last slots' releases, awaited as the loop awaits the others': the cluster's
+            # peer CTA arrives on this CTA's barriers, which must not happen after it exited
+            @pl.loop(jnp.maximum(units * k_iters, stages), units * k_iters + stages)
+            def _quiesce(s):
+                plgpu.barrier_wait(empty.at[s % stages])
+
         def release(c, i, state, kk):
             """K-step kk of unit i has been multiplied: its slot goes back to the loads."""
 
@@ -176,14 +245,14 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
             else:
                 arrive(kk)
 
-        def epilogue(c, i, state, acc_ref):
+        def epilogue(c, i, state, acc_ref, rows):
             @pl.when(i > 0)
             def _():  # the other warpgroup's stores have read the shared buffer
                 plgpu.barrier_wait(free[c])
 
             if unit.before_stores:
                 unit.before_stores(c, state)
-            for r in range(tile_m // EPI):
+            for r in range(rows // EPI):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[...] = mt.scaled(acc_ref[r * EPI : (r + 1) * EPI], scale_ref, out_dtype)
                 plgpu.commit_smem()
@@ -193,12 +262,14 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
 
         def tile(c, i):
             state = unit.begin(c, i) if unit.begin else i
+            whole_or_half(i, lambda rows: tile_rows(c, i, state, rows))
 
+        def tile_rows(c, i, state, rows):  # unit i, of `rows` rows
             def kstep(kk, acc):
                 slot = (i * k_iters + kk) % stages
                 plgpu.barrier_wait(full[c].at[slot])
                 rhs = w_smem.at[slot]
-                plgpu.wgmma(acc, x_smem.at[slot], rhs.T if w_nk else rhs)
+                plgpu.wgmma(acc, x_rows(slot, rows), rhs.T if w_nk else rhs)
                 plgpu.wgmma_wait(1)
                 pl.when(kk > 0)(lambda: release(c, i, state, kk - 1))  # its wgmma is done
                 return acc
@@ -213,9 +284,9 @@ def run(tiles, unit: Unit, *, units, k_iters: int, w_ref, dtype, w_dtype, out_dt
                 plgpu.wgmma_wait(0)
                 release(c, i, state, k_iters - 1)
                 with jax.named_scope("epilogue"):
-                    epilogue(c, i, state, acc_ref)
+                    epilogue(c, i, state, acc_ref, rows)
 
-            pl.run_scoped(acc_scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
+            pl.run_scoped(acc_scope, plgpu.ACC((rows, tile_n), jnp.float32))
 
         def compute(c):
             plgpu.set_max_registers(232, action="increase")

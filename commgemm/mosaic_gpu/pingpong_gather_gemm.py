@@ -79,6 +79,9 @@ def all_gather_matmul(
     step_tiles = m_pairs * n_iters
     units = size * step_tiles
     ctas = mt.num_sms() // pair
+    dealt = pingpong.deal(tiles, units, ctas)
+    # a halved tail follows a full wave: on P > 1 devices it holds no own tile (none sends)
+    assert size == 1 or units - dealt.tail >= step_tiles, (units, dealt)
     bands = m // tile_m
     num_senders = max(1, min(SENDERS, n_iters, k_iters))
 
@@ -89,7 +92,6 @@ def all_gather_matmul(
         here = mt.axis_position(axis_name)[1]
         in_cluster = lax.axis_index("cluster")
         cid = lax.axis_index("cluster_grid")
-        mine = (units - cid + ctas - 1) // ctas  # this CTA's units: cid, cid + ctas, ...
         # the peers, in the order of their inbox slots for this device's rows
         peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
                  for j in range(size - 1)]  # fmt: skip
@@ -97,16 +99,16 @@ def all_gather_matmul(
         def where(i):
             """(step, this CTA's first row in its block, first column, band, visit rank) of
             this CTA's i-th unit."""
-            lin = cid + i * ctas
+            lin, half = dealt.tile(cid, i)
             step, tile = lin // step_tiles, lax.rem(lin, jnp.int32(step_tiles))
             row0, col = pingpong.tile_origin(tiles, tile, m_pairs, n_iters)
-            row = row0 + in_cluster * tile_m
+            row = row0 + in_cluster * tile_m + half * (tile_m // 2)
             rank = visit_rank(tiles, row0 // tiles.cluster_m, col // tile_n, n_iters)
             return step, row, col, row // tile_m, rank
 
         def load_x(i, kk, dest, barrier):
             step, row, *_ = where(i)
-            at = (pl.ds(row, tile_m), pl.ds(kk * tile_k, tile_k))
+            at = (pl.ds(row, dest.shape[0]), pl.ds(kk * tile_k, tile_k))
             pl.when(step == 0)(lambda: plgpu.copy_gmem_to_smem(x_ref.at[at], dest, barrier))
             if size > 1:
                 pl.when(step > 0)(lambda: plgpu.copy_gmem_to_smem(
@@ -182,7 +184,7 @@ def all_gather_matmul(
             before_stores=before_stores if size > 1 else None,
             compute_end=compute_end,
         )
-        pingpong.run(tiles, unit, units=mine, k_iters=k_iters, w_ref=w_ref, dtype=dtype,
+        pingpong.run(tiles, unit, tiles_dealt=dealt, k_iters=k_iters, w_ref=w_ref, dtype=dtype,
                      w_dtype=w.dtype, out_dtype=out_dtype, w_nk=w_nk,
                      scale_ref=scale_ref)  # fmt: skip
 

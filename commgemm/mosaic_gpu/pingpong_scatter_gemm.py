@@ -71,6 +71,7 @@ def matmul_reduce_scatter(
     ctas = sms // pair
     per_block = m_pairs * n_iters
     units = size * per_block
+    dealt = pingpong.deal(tiles, units, ctas)
     reduce = size > 1
     bands = tiles.cluster_m // ZERO_ROWS  # the load warpgroups zero a band at a time
     waves, ahead, late_zero, first_tiles, late_iters = zero_plan(
@@ -89,7 +90,7 @@ def matmul_reduce_scatter(
         in_cluster = lax.axis_index("cluster")
         cid = lax.axis_index("cluster_grid")
         cta = cid * pair + in_cluster
-        mine = (units - cid + ctas - 1) // ctas  # this CTA's units: cid, cid + ctas, ...
+        mine = dealt.count(cid)  # this CTA's units: cid, cid + ctas, ... (`pingpong.Deal`)
         # peers[0] is here
         peers = [mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size)))
                  for offset in range(size)]  # fmt: skip
@@ -100,10 +101,10 @@ def matmul_reduce_scatter(
         def where(i):
             """(x's first row, the output's first row and column, the owner's distance) of this
             CTA's i-th unit: the P owners' copies of a tile consecutive."""
-            lin = cid + i * ctas
+            lin, half = dealt.tile(cid, i)
             tile, offset = lin // size, lax.rem(lin, jnp.int32(size))
             row0, col0 = tile_origin(tile)
-            row = row0 + in_cluster * tile_m
+            row = row0 + in_cluster * tile_m + half * (tile_m // 2)
             block = lax.rem(here + offset, jnp.int32(size))
             return block * rows + row, row, col0, offset
 
@@ -150,7 +151,7 @@ def matmul_reduce_scatter(
                 signal_every_device(zeroed_waves.at[mine - 1 + ahead])
 
         def load_x(i, kk, dest, barrier):
-            x_rows = pl.ds(where(i)[0], tile_m)
+            x_rows = pl.ds(where(i)[0], dest.shape[0])
             plgpu.copy_gmem_to_smem(x_ref.at[x_rows, pl.ds(kk * tiles.tile_k, tiles.tile_k)],
                                     dest, barrier)  # fmt: skip
 
@@ -215,8 +216,8 @@ def matmul_reduce_scatter(
             compute_end=compute_end,
         )
         pingpong.run(
-            tiles, unit, units=mine, k_iters=k_iters, w_ref=w_ref, dtype=dtype, w_dtype=w.dtype,
-            out_dtype=out_dtype, w_nk=w_nk, scale_ref=scale_ref,
+            tiles, unit, tiles_dealt=dealt, k_iters=k_iters, w_ref=w_ref, dtype=dtype,
+            w_dtype=w.dtype, out_dtype=out_dtype, w_nk=w_nk, scale_ref=scale_ref,
             extra_smem=[plgpu.SMEM((ZERO_ROWS, zero_columns), out_dtype)] if late_zero else (),
         )  # fmt: skip
 

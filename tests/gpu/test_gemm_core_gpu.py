@@ -224,6 +224,10 @@ def test_float8_split_accumulation(op, method):
     ("tiles", "shape", "w_nk"),
     [
         (PingPongRSConfig(), (8192, 1024, 14336), False),  # 74 columns of 192 and one of 128
+        # last waves narrowed (`pingpong.deal`): 288 cluster tiles on 66 clusters leave 24, run
+        # as halves; 704 CTA tiles (22 columns, the last partial) on 132 CTAs leave 44
+        (PingPongRSConfig(), (8192, 512, 1728), False),
+        (PingPongRSConfig(cluster=None), (4096, 256, 4096), False),
         (PingPongRSConfig(), (2048, 512, 4160), True),
         (PingPongRSConfig(cluster=None, grid_minor_m=False), (1024, 512, 1792), False),
         (PingPongRSConfig(tile_n=160), (2048, 1024, 4000), True),  # 160-wide: w [n, K] only
@@ -234,7 +238,8 @@ def test_float8_split_accumulation(op, method):
 @pytest.mark.parametrize("op", ["rs", "ag"])
 def test_pingpong_core(op, tiles, shape, w_nk):
     """The ping-pong kernels' GEMM core (one device: tiles stored, nothing zeroed or sent),
-    partial last columns of tiles included, after a call on -x (`test_gemm_core`)."""
+    partial last columns of tiles and narrowed last waves included, after a call on -x
+    (`test_gemm_core`)."""
     x, w = _operands(*shape, seed=sum(shape) + 1)
     if op == "ag":
         tiles = PingPongAGConfig(**{f: v for f, v in vars(tiles).items() if f != "zero_ahead"})
@@ -252,7 +257,8 @@ def test_pingpong_core(op, tiles, shape, w_nk):
 @pytest.mark.parametrize("family", [PingPongRSConfig, PingPongAGConfig])
 def test_pingpong_float8_core(family, n):
     """The ping-pong kernels on float8 x and w [n, K] (128-element K-steps), the two scales
-    applied in the epilogue, against the float32 product of the quantized operands."""
+    applied in the epilogue, against the float32 product of the quantized operands (n = 14336:
+    a last wave of 12 cluster tiles, run as halves)."""
     config = cg.OverlapConfig(method="pipeline", atomic_gemm=True,
                               kernel=fused.float8_tiling(family(), 1024))  # fmt: skip
     fn = fused.matmul_reduce_scatter if family is PingPongRSConfig else fused.all_gather_matmul
