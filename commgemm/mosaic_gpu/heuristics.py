@@ -68,7 +68,9 @@ def direct_rs_config(
     On 2 devices, where `pingpong_tiles` gives one (bf16): the ping-pong kernel (its two adds a
     tile are in a fixed order); on 2 x H100 it ran 1% faster than the cooperative tiling below
     on llama8b RS, as fast on llama13b and 5 to 9% faster on llama70b (one run each; not
-    measured on more devices). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
+    measured on more devices), with its last wave whole (narrow_tail off: on 2 x H100 the
+    halved last wave ran 1.2% slower on llama8b and llama70b RS, 0.9% faster on comm_heavy, one
+    call; BENCHMARKS.md). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
     128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA clusters along M where the rows
     per device fill them, the last wave split along K unless `deterministic`, chained tile
     pipelines where K/tile_k is whole rounds of stages and every CTA of a 132-SM GPU gets two
@@ -77,7 +79,7 @@ def direct_rs_config(
     if size == 2 and shape is not None:
         _, k, n = shape
         if (pingpong := pingpong_tiles(rows // size, k // size, n)) is not None:
-            return pingpong
+            return dataclasses.replace(pingpong, narrow_tail=False)
     tiles = DirectRSConfig(
         wg_along_m=True, tile_m=64, tile_n=256, split_tail=int(deterministic), zero_ahead=2
     )

@@ -39,6 +39,7 @@ SPECS = {
         "fused-direct-gm",
         "fused-direct-cm-r50",
         "fused-direct-pp-gm-cm",  # the ping-pong kernel; "big": a partial last tile column
+        "fused-direct-pp-gm-cm-nt",  # "big": its last wave (28 of 66 clusters) run as halves
     ],
     "rs": [
         "fused",
@@ -47,6 +48,7 @@ SPECS = {
         "fused-direct-cm-ct",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
         "fused-direct-pp-gm-cm",  # the ping-pong kernel; "big": a partial last tile column
+        "fused-direct-pp-gm-cm-nt",  # the RS plan on 2 GPUs; "big": 24 of 66 clusters halved
     ],
 }
 
@@ -161,7 +163,8 @@ def test_three_stages_alternating_inputs(two_gpus, op, spec):
 @pytest.mark.parametrize(
     ("op", "spec"),
     [("ag", "fused-direct-gm"), ("rs", "fused-direct-cm"), ("rs", "fused-direct-pp-gm-cm"),
-     ("ag", "fused-direct-pp-gm-cm")],
+     ("ag", "fused-direct-pp-gm-cm"), ("rs", "fused-direct-pp-gm-cm-nt"),
+     ("ag", "fused-direct-pp-gm-cm-nt")],
 )  # fmt: skip
 def test_back_to_back_calls_are_bit_identical(two_gpus, op, spec):
     """24 calls enqueued back to back, two inputs alternating: each equals that input's call
