@@ -264,3 +264,26 @@ def test_pingpong_float8_core(family, n):
     fn = fused.matmul_reduce_scatter if family is PingPongRSConfig else fused.all_gather_matmul
     f = jax.jit(lambda a, r: fn(a, r, None, config, w_transposed=True))
     _check_float8_core(f, *_operands(4096, 1024, n, seed=n))
+
+
+@pytest.mark.parametrize(
+    ("op", "spec", "shape"),
+    [
+        ("ag", "fused-direct-pp-cm-n128-s6", (8192, 4096, 1792)),
+        ("rs", "fused-direct-pp-gm-cm-nt", (16384, 4096, 4096)),  # and its last wave halved
+    ],
+)
+def test_clustered_pingpong_core_back_to_back(op, spec, shape):
+    """64 calls of a clustered ping-pong core enqueued back to back, each equal to the
+    reference: before the load warpgroup awaited the last slots' releases, a CTA could exit
+    while its cluster peer still arrived on its barriers, and these calls failed to launch
+    (CUDA_ERROR_LAUNCH_FAILED on an H200; BENCHMARKS.md)."""
+    from commgemm.cli.specs import parse_fused
+
+    x, w = _operands(*shape, seed=sum(shape))
+    config = parse_fused(spec, op)
+    fn = fused.all_gather_matmul if op == "ag" else fused.matmul_reduce_scatter
+    f = jax.jit(lambda a, b: fn(a, b, None, config, w_transposed=False))
+    outs = jax.block_until_ready([f(x, w) for _ in range(64)])
+    ref = _ref(x, w)
+    assert max(_rel_err(out, ref) for out in outs) < 1e-2  # bf16 rounding of the result
