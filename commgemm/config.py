@@ -409,6 +409,11 @@ def config_from_fields(fields: dict) -> OverlapConfig:
             raise ValueError(
                 f"kernel={kernel!r} must be an object with a family of {sorted(FAMILIES)}"
             )
-        kernel = dict(kernel)
-        fields["kernel"] = FAMILIES[kernel.pop("family")](**kernel)
+        from commgemm.mosaic_gpu.configs import PINGPONG_FAMILIES
+
+        kernel, family = dict(kernel), FAMILIES[kernel["family"]]
+        if family in PINGPONG_FAMILIES:  # written before narrow_tail existed: its last wave whole
+            kernel.setdefault("narrow_tail", False)
+        kernel.pop("family")
+        fields["kernel"] = family(**kernel)
     return OverlapConfig(**fields)

@@ -118,6 +118,19 @@ def test_xla_flags(monkeypatch):
         xla_flags(cublas_gemm=True, apply=True)
 
 
+@pytest.mark.parametrize("family", ["PingPongRSConfig", "PingPongAGConfig"])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_pingpong_fields_round_trip_and_old_entries_keep_their_meaning(family, narrow):
+    """A ping-pong config's fields round-trip (the tune cache's form); fields written before
+    narrow_tail existed (a kernel with its last wave whole) read back with narrow_tail off."""
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True,
+                           kernel=getattr(mosaic_gpu, family)(narrow_tail=narrow))  # fmt: skip
+    fields = config_to_fields(cfg)
+    assert config_from_fields(fields) == cfg
+    del fields["kernel"]["narrow_tail"]
+    assert config_from_fields(fields).kernel.narrow_tail is False
+
+
 @pytest.mark.parametrize(
     "family", ["RingAGConfig", "RingRSConfig", "DirectAGConfig", "DirectRSConfig"]
 )
