@@ -50,6 +50,7 @@ def _config(family=PingPongRSConfig, **fields) -> cg.OverlapConfig:
         (dict(stages=1), ">= 2"),
         (dict(cluster="n"), "cluster"),
         (dict(grid_minor_m=1), "bool"),
+        (dict(narrow_tail="yes"), "narrow_tail='yes' must be a bool"),
         (dict(tile_k=0), "positive int"),
     ],
 )
