@@ -44,7 +44,8 @@ def _config(family=PingPongRSConfig, **fields) -> cg.OverlapConfig:
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        (dict(tile_n=200), "up to 192"),
+        (dict(tile_n=200), "more than 192 registers"),
+        (dict(tile_m=64, tile_n=264), "up to 256"),
         (dict(tile_n=100), "whole 8s"),
         (dict(tile_m=96), "whole 64s"),
         (dict(stages=1), ">= 2"),
@@ -157,7 +158,7 @@ def test_deal_runs_every_tile_once_and_balances_the_last_wave(units, ctas, narro
     ("shape", "dtype", "w_nk", "tiles", "match"),
     [
         ((8192, 1000, 4096), jnp.bfloat16, False, PingPongRSConfig(), "K=1000"),
-        ((8064, 1024, 4096), jnp.bfloat16, False, PingPongRSConfig(), "rows per device"),
+        ((8064, 1024, 4096), jnp.bfloat16, False, PingPongAGConfig(), "rows per device"),
         ((8192, 1024, 4096), jnp.bfloat16, False, PingPongRSConfig(tile_n=160), "128-byte"),
         ((8192, 1024, 4096), jnp.float8_e4m3fn, True, PingPongRSConfig(), "tile_k=64"),
         ((8192, 1024, 4096), jnp.bfloat16, True, PingPongRSConfig(stages=6), "shared memory"),
@@ -187,7 +188,9 @@ def test_smem_bytes_is_what_the_kernel_allocates(tile_n, stages, zero_ahead):
 
 
 def test_unsupported_reason_takes_partial_columns():
-    """N need not be whole tiles (the last column of tiles is partial); the rows must be."""
+    """N need not be whole tiles (the last column of tiles is partial); the rows per device
+    of the fused ops must be (only the RS kernel's core on one device takes a partial last row
+    of tiles, `test_rs_core_takes_partial_rows`)."""
     x = jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((512, 4160), jnp.bfloat16)  # 4160 = 21 x 192 + 128
     reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, x, w, 2, _config(),
@@ -196,6 +199,10 @@ def test_unsupported_reason_takes_partial_columns():
     rows = jax.ShapeDtypeStruct((2 * 1000, 512), jnp.bfloat16)
     reason = fused.unsupported_reason(Collective.REDUCE_SCATTER, rows, w, 2, _config(),
                                       w_transposed=False)  # fmt: skip
+    assert "rows per device=1000" in reason
+    ag_rows = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
+    reason = fused.unsupported_reason(Collective.ALL_GATHER, ag_rows, w, 2,
+                                      _config(PingPongAGConfig), w_transposed=False)  # fmt: skip
     assert "rows per device=1000" in reason
     # K whole 64s but not 128s: bf16 would run, a quantized call's float8 K-steps would not
     short = jax.ShapeDtypeStruct((2 * 1024, 576), jnp.bfloat16)
@@ -206,6 +213,9 @@ def test_unsupported_reason_takes_partial_columns():
     assert heuristics.pingpong_tiles(1024, 576, 14336) is None
     assert heuristics.pingpong_tiles(1024, 512, 14336) == PingPongRSConfig()  # 0.45% padded
     assert heuristics.pingpong_tiles(1024, 512, 4160) is None  # 1.5% padded
+    # a partial last row of tiles (one device): 32640 rows pad 0.4%, 1000 rows 2.4%
+    assert heuristics.pingpong_tiles(32640, 512, 13824) == PingPongRSConfig()
+    assert heuristics.pingpong_tiles(1000, 512, 13824) is None
     assert heuristics.pingpong_tiles(1024, 512, 4160, "float8_e4m3fn", w_nk=True) is not None
     assert heuristics.pingpong_tiles(1024, 512, 4096, "float8_e4m3fn", w_nk=True) is not None
     assert heuristics.pingpong_tiles(1024, 512, 1024, "float8_e4m3fn", w_nk=True) is None
@@ -244,6 +254,38 @@ def test_core_lowers(op, fields, n, w_nk):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2048, 1024), w_shape)]
     text = _lowered(lambda x, w: fn(x, w, None, config, w_nk=w_nk), args)
     assert "mosaic_gpu" in text and "custom_call" in text
+
+
+@pytest.mark.parametrize(
+    ("fields", "rows"),
+    [
+        (dict(tile_m=192, tile_n=128), 1000),  # 2 cluster rows of 384 and a partial one of 232
+        (dict(tile_m=192, tile_n=128, cluster=None), 16384),  # 85 rows of 192 and one of 64
+        (dict(), 1000),  # 3 cluster rows of 256 and a partial one of 232
+    ],
+)
+def test_rs_core_takes_partial_rows(fields, rows):
+    """On one device (the GEMM core, the serial path's Hopper GEMM) the RS kernel's rows need
+    not be whole cluster tiles: its last row of tiles is partial (loads past M read zeros, the
+    stores clip; values checked on Hopper GPUs, tests/gpu). On a mesh, and in the AG kernel,
+    they must be."""
+    config = _config(**fields)
+    assert rows % config.kernel.cluster_m
+    n, k = 1024, 256
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((rows, k), (k, n))]
+    core = lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config)  # noqa: E731
+    assert "mosaic_gpu" in _lowered(core, args)
+
+    def body(x, w):
+        return pingpong_scatter_gemm.matmul_reduce_scatter(x, w, "x", config)
+
+    f = jax.shard_map(body, mesh=mesh1d(2), in_specs=(P(None, "x"), P("x")), out_specs=P("x"),
+                      check_vma=False)  # fmt: skip
+    mesh_args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2 * rows, 2 * k), (2 * k, n))]
+    with pytest.raises(ValueError, match="rows per device"):
+        _lowered(f, mesh_args)
+    with pytest.raises(ValueError, match="rows per device"):
+        pingpong_gather_gemm.all_gather_matmul(*args, None, _config(PingPongAGConfig, **fields))
 
 
 @pytest.mark.parametrize("zero_ahead", [0, 1, 2])

@@ -27,6 +27,9 @@ WGMMA_M = 64
 #: memory has left beside 4 stages of 128 x 256 tiles and the epilogue's (5 of 128 x 192 in the
 #: ping-pong kernel).
 ZERO_ROWS = 16
+#: Most float32 registers a thread of a ping-pong kernel's compute warpgroup gives its
+#: accumulator (a whole tile's: tile_m x tile_n / 128), leaving room for the rest of its 232.
+ACC_REGISTERS = 192
 
 
 def _positive_int(value: object, field: str, family: str) -> None:
@@ -237,11 +240,13 @@ class _PingPong:
     both; the two warpgroups' epilogues share one buffer of 64 rows. CTAs walk the tiles in
     bands `grid_tile_width` tiles wide (along M with grid_minor_m); cluster "m" pairs two CTAs
     of adjacent row tiles that share w's blocks (multicast). The last column of tiles may be
-    partial: N need not be whole tiles. tile_n is whole 8s up to 192 (the accumulator is
-    tile_n registers a thread: at most 192 leaves room for the rest); with w read [K, n] (bf16
-    and fp16) whole 64s. narrow_tail: the tiles of a last wave that fills at most half the
-    clusters (after a full one) run as two units of half their rows each (`pingpong.deal`;
-    tile_m whole 128s). The defaults are cuBLASLt's schedule in 128 x 192 tiles."""
+    partial: N need not be whole tiles (nor M in the RS kernel's core). tile_n is
+    whole 8s up to 256, tile_m x tile_n at most 128 x 192 (the accumulator is tile_m x tile_n /
+    128 registers a thread: at most 192 leaves room for the rest); with w read [K, n] (bf16 and
+    fp16) tile_n is whole 64s. narrow_tail: the tiles of a last wave that fills at most half
+    the clusters (after a full one) run as two units of half their rows each
+    (`pingpong.deal`; tile_m whole 128s). The defaults are cuBLASLt's schedule in 128 x 192
+    tiles."""
 
     tile_m: int = 128
     tile_n: int = 192
@@ -261,7 +266,12 @@ class _PingPong:
                 raise ValueError(f"{family}.{field}={getattr(self, field)!r} must be a bool")
         if self.cluster not in (None, "m"):
             raise ValueError(f"{family}.cluster={self.cluster!r} must be one of (None, 'm')")
-        _check_pingpong_tile(family, self, 192, "its accumulator's registers")
+        _check_pingpong_tile(family, self, 256, "wgmma's columns")
+        if self.tile_m * self.tile_n > ACC_REGISTERS * 128:
+            raise ValueError(
+                f"{family}: a {self.tile_m} x {self.tile_n} tile's accumulator takes more than "
+                f"{ACC_REGISTERS} registers a thread of a warpgroup"
+            )
 
     @property
     def cluster_size(self) -> int:

@@ -35,21 +35,23 @@ FLOAT8_PINGPONG_PAD = 0.035
 def pingpong_tiles(
     rows: int, k: int, n: int, dtype="bfloat16", *, w_nk: bool = False, out_dtype="bfloat16"
 ) -> PingPongRSConfig | None:
-    """`PingPongRSConfig()` where the ping-pong kernel runs x [rows, k] (each owner's rows) @ w
-    [k, n] ([n, k] with w_nk) of `dtype` into `out_dtype`, in bf16 and in float8 (K whole
-    128-element steps, as the fused ops raise them), and its last column of tiles pads at
-    most PINGPONG_PAD of N (float8 operands: FLOAT8_PINGPONG_PAD); else None."""
+    """`PingPongRSConfig()` where the ping-pong kernel runs x [rows, k] @ w [k, n] ([n, k] with
+    w_nk) of `dtype` into `out_dtype` on one device (rows need not be whole tiles), in bf16
+    and in float8 (K whole 128-element steps, as the fused ops raise them), and its partial
+    last column and row of tiles pad at most PINGPONG_PAD of the output (float8 operands:
+    FLOAT8_PINGPONG_PAD); else None."""
     from commgemm.mosaic_gpu import fused, pingpong_scatter_gemm
 
     tiles = PingPongRSConfig()
     pad = FLOAT8_PINGPONG_PAD if _float8(dtype) else PINGPONG_PAD
-    if -(-n // tiles.tile_n) * tiles.tile_n > n * (1 + pad):
+    padded = -(-n // tiles.tile_n) * tiles.tile_n * -(-rows // tiles.cluster_m) * tiles.cluster_m
+    if padded > rows * n * (1 + pad):
         return None
     if k % fused.FLOAT8_TILE_K:  # as `fused.unsupported_reason`: float8's K-steps must fit
         return None
     steps = dataclasses.replace(tiles, tile_k=fused.FLOAT8_TILE_K) if _float8(dtype) else tiles
     reason = pingpong_scatter_gemm.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
-                                                out_dtype=out_dtype)  # fmt: skip
+                                                out_dtype=out_dtype, partial_rows=True)  # fmt: skip
     return tiles if reason is None else None
 
 

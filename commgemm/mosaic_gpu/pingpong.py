@@ -34,12 +34,13 @@ def swizzle_columns(dtype, tile_n: int) -> int:
     return mt.smem_transforms(dtype, tile_n)[0].tiling[1]
 
 
-def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool,
-                 out_dtype=None) -> str | None:  # fmt: skip
+def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool, out_dtype=None,
+                 partial_rows: bool = False) -> str | None:  # fmt: skip
     """Why a ping-pong kernel in `tiles` cannot multiply `rows` rows per device (of one block),
-    K `k` and `n` columns of `dtype` (w read [n, K] with `w_nk`), or None."""
+    K `k` and `n` columns of `dtype` (w read [n, K] with `w_nk`), or None. With partial_rows
+    (the RS kernel on one device) rows need not be whole cluster tiles."""
     itemsize = jnp.dtype(dtype).itemsize
-    if rows % tiles.cluster_m:
+    if rows % tiles.cluster_m and not partial_rows:
         return f"rows per device={rows} must be divisible by the tile {tiles.cluster_m}"
     if k % tiles.tile_k:
         return f"K={k} must be divisible by the tile {tiles.tile_k}"

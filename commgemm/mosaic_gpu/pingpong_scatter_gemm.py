@@ -5,7 +5,8 @@ x [M, k] (K sharded), w [k, n] -> [M/P, n]: device d owns row block d of the sum
 as in `scatter_add_gemm` (the P copies of one output tile in consecutive units, each stored by
 a TMA reduce-add straight into its owner's output, over NVLink for the peers'). The shared
 epilogue buffer leaves shared memory for 5 stages of 128 x 192 tiles. The last column of tiles
-may be partial: TMA zero-fills the loads past n and clips the stores.
+may be partial: TMA zero-fills the loads past n and clips the stores; on one device so may the
+last row of tiles (M need not be whole tiles: the loads past M read zeros, the stores clip).
 Invariant (P > 1): a tile is added into only after every device zeroed it. The compute
 warpgroups zero the tiles of the first `zero_ahead` waves of CTAs (all when 0) before their
 first tile; the load warpgroups zero wave j + D's tiles between wave j's loads, one semaphore
@@ -62,11 +63,12 @@ def matmul_reduce_scatter(
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
-    if reason := shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk, out_dtype=out_dtype):
+    if reason := shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk, out_dtype=out_dtype,
+                              partial_rows=size == 1):  # fmt: skip
         raise ValueError(f"PingPongRSConfig: {reason}")
     tile_m, tile_n = tiles.tile_m, tiles.tile_n
     pair = tiles.cluster_size
-    m_pairs, n_iters, k_iters = rows // tiles.cluster_m, -(-n // tile_n), k // tiles.tile_k
+    m_pairs, n_iters, k_iters = -(-rows // tiles.cluster_m), -(-n // tile_n), k // tiles.tile_k
     sms = mt.num_sms()
     ctas = sms // pair
     per_block = m_pairs * n_iters

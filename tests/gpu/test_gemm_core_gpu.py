@@ -253,6 +253,37 @@ def test_pingpong_core(op, tiles, shape, w_nk):
         assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
 
 
+@pytest.mark.parametrize(
+    ("tiles", "shape"),
+    [
+        # 192 x 128 tiles in clusters of 384 rows: 42 whole cluster rows and one of 256
+        (PingPongRSConfig(tile_m=192, tile_n=128), (16384, 512, 4096)),
+        (PingPongRSConfig(), (8064, 512, 1728)),  # 31.5 cluster rows; a last wave halved
+        (PingPongRSConfig(tile_m=192, tile_n=128, cluster=None), (1000, 256, 640)),
+    ],
+)
+def test_pingpong_rs_core_partial_rows(tiles, shape):
+    """The ping-pong RS kernel's core where M is not whole cluster tiles: the last row of tiles
+    reads zeros past M and its stores clip, after a call on -x."""
+    x, w = _operands(*shape, seed=sum(shape) + 2)
+    cfg = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    f = jax.jit(lambda a, b: fused.matmul_reduce_scatter(a, b, None, cfg, w_transposed=False))
+    for sign in (-1, 1):
+        out = f(sign * x, w)
+        assert out.shape == (shape[0], shape[2]) and out.dtype == jnp.bfloat16
+        assert _rel_err(out, _ref(sign * x, w)) < 1e-2  # bf16 rounding of the result
+
+
+def test_pingpong_rs_float8_core_partial_rows():
+    """The float8 core (128-element K-steps, w [n, K], the scales in the epilogue) on 4000 rows:
+    15 cluster rows of 256 and a partial one of 160 (what local_gemm "auto" takes: 2.4% of
+    padding)."""
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True,
+                              kernel=fused.float8_tiling(PingPongRSConfig(), 1024))  # fmt: skip
+    f = jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, config, w_transposed=True))
+    _check_float8_core(f, *_operands(4000, 1024, 1536, seed=4000))
+
+
 @pytest.mark.parametrize("n", [14336, 4160])
 @pytest.mark.parametrize("family", [PingPongRSConfig, PingPongAGConfig])
 def test_pingpong_float8_core(family, n):
