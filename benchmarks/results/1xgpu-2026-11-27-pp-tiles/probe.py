@@ -54,6 +54,9 @@ SWAP_AG = [
     dict(swap_ab=True, tile_m=128, tile_n=128),
     dict(swap_ab=True, tile_m=256, tile_n=64),
 ]
+#: 128 x 128 tiles in K-steps of 128 (3 stages) against 64: whether a short K-step's fixed
+#: cost is what narrow tiles lose (call 9).
+K128 = [dict(), dict(tile_n=128), dict(tile_n=128, tile_k=128, stages=3)]
 #: label: (op, local M x K x N, tilings, w layouts: False [K, n], True [n, K])
 ROWS = {
     "llama8b-ag-p8": ("ag", (8192, 4096, 1792), TILINGS, (False, True)),
@@ -66,6 +69,8 @@ ROWS = {
     **{f"swap-rs-p{p}": ("rs", (16384, 8192 // p, 4096), SWAP, (False,)) for p in (2, 4, 8)},
     "swap-even-k4096": ("rs", (16896, 4096, 3840), SWAP[:2], (False,)),
     "swap-ag-p8": ("ag", (8192, 4096, 1792), SWAP_AG, (False,)),
+    **{f"k128-rs-p{p}": ("rs", (16384, 8192 // p, 4096), K128, (False,)) for p in (2, 4, 8)},
+    "k128-ag-p8": ("ag", (8192, 4096, 1792), K128, (False,)),
 }
 
 

@@ -57,4 +57,8 @@ call8)  # the GPU tests of the ping-pong cores and the serial path, partial rows
     timeout 400 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py \
         -k "pingpong or serial_path or partial or float8_gemm" > "$O/tests.log" 2>&1
     echo "rc=$?" >> "$O/tests.log" ;;
+call9)  # 128 x 128 tiles in K-steps of 128
+    timeout 250 python $D/probe.py "$O/probe.json" k128-rs-p2,k128-rs-p4,k128-rs-p8,k128-ag-p8 \
+        > "$O/probe.log" 2>&1
+    echo "rc=$?" >> "$O/probe.log" ;;
 esac
