@@ -23,6 +23,8 @@ EPI = 64
 ROW_ALIGN = 8
 #: Rows of one wgmma of a warpgroup: its tiles' rows are whole multiples of it.
 WGMMA_M = 64
+#: Most columns of one wgmma.
+WGMMA_N = 256
 #: Rows of the load warpgroups' zero blocks (`zero_ahead`): 16 x 64, 2 KiB in bf16, what shared
 #: memory has left beside 4 stages of 128 x 256 tiles and the epilogue's (5 of 128 x 192 in the
 #: ping-pong kernel).
@@ -37,17 +39,17 @@ def _positive_int(value: object, field: str, family: str) -> None:
         raise ValueError(f"{family}.{field}={value!r} must be a positive int")
 
 
-def _check_pingpong_tile(family: str, tiles, most_n: int, why: str) -> None:
+def _check_pingpong_tile(family: str, tiles) -> None:
     """The checks a ping-pong tiling's stages, tile_m and tile_n share: at least 2 stages,
-    rows whole wgmma rows, columns whole 8s up to `most_n` (`why` says what bounds it)."""
+    rows whole wgmma rows, columns whole 8s up to WGMMA_N (one wgmma's)."""
     if tiles.stages < 2:
         raise ValueError(f"{family}.stages={tiles.stages} must be >= 2")
     if tiles.tile_m % WGMMA_M:
         raise ValueError(f"{family}.tile_m={tiles.tile_m} must be whole {WGMMA_M}s (a "
                          "warpgroup's wgmma rows)")  # fmt: skip
-    if tiles.tile_n % 8 or tiles.tile_n > most_n:
-        raise ValueError(f"{family}.tile_n={tiles.tile_n} must be whole 8s up to {most_n} "
-                         f"({why})")  # fmt: skip
+    if tiles.tile_n % 8 or tiles.tile_n > WGMMA_N:
+        raise ValueError(f"{family}.tile_n={tiles.tile_n} must be whole 8s up to {WGMMA_N} "
+                         "(wgmma's columns)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,7 @@ class PingPongTiles:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _positive_int(getattr(self, field.name), field.name, "PingPongTiles")
-        _check_pingpong_tile("PingPongTiles", self, 256, "wgmma's columns")
+        _check_pingpong_tile("PingPongTiles", self)
 
 
 #: Shared memory a CTA may use on Hopper (227 KiB).
@@ -266,7 +268,7 @@ class _PingPong:
                 raise ValueError(f"{family}.{field}={getattr(self, field)!r} must be a bool")
         if self.cluster not in (None, "m"):
             raise ValueError(f"{family}.cluster={self.cluster!r} must be one of (None, 'm')")
-        _check_pingpong_tile(family, self, 256, "wgmma's columns")
+        _check_pingpong_tile(family, self)
         if self.tile_m * self.tile_n > ACC_REGISTERS * 128:
             raise ValueError(
                 f"{family}: a {self.tile_m} x {self.tile_n} tile's accumulator takes more than "
