@@ -36,4 +36,7 @@ call5)  # the first narrow tiles' origins printed from inside the RS and AG kern
 call6)  # the narrow tiles' stores printed from inside the RS and AG kernels
     timeout 200 python $D/diag3.py > "$O/diag3.log" 2>&1
     echo "rc=$?" >> "$O/diag3.log" ;;
+call7)  # the RS core with more registers for its load warpgroup
+    timeout 250 python $D/diag4.py > "$O/diag4.log" 2>&1
+    echo "rc=$?" >> "$O/diag4.log" ;;
 esac
