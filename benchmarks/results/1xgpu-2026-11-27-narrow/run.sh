@@ -39,4 +39,8 @@ call6)  # the narrow tiles' stores printed from inside the RS and AG kernels
 call7)  # the RS core with more registers for its load warpgroup
     timeout 250 python $D/diag4.py > "$O/diag4.log" 2>&1
     echo "rc=$?" >> "$O/diag4.log" ;;
+call8)  # the RS kernel's count of its units no longer computed before the warpgroups split
+    timeout 250 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py -k narrow_columns \
+        > "$O/tests.log" 2>&1
+    echo "rc=$?" >> "$O/tests.log" ;;
 esac
