@@ -43,4 +43,19 @@ call8)  # the RS kernel's count of its units no longer computed before the warpg
     timeout 250 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py -k narrow_columns \
         > "$O/tests.log" 2>&1
     echo "rc=$?" >> "$O/tests.log" ;;
+call9)  # what the narrow cores' load warpgroup loads, printed from inside the kernels
+    timeout 200 python $D/diag5.py > "$O/diag5.log" 2>&1
+    echo "rc=$?" >> "$O/diag5.log" ;;
+call10)  # the units' count computed inside each warpgroup, after its register change
+    timeout 250 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py -k narrow_columns \
+        > "$O/tests.log" 2>&1
+    echo "rc=$?" >> "$O/tests.log"
+    timeout 100 python $D/diag5.py > "$O/diag5.log" 2>&1
+    echo "rc=$?" >> "$O/diag5.log" ;;
+call11)  # the RS kernel's unit -> tile by lax.div instead of jnp's floor division
+    timeout 250 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py -k narrow_columns \
+        > "$O/tests.log" 2>&1
+    echo "rc=$?" >> "$O/tests.log"
+    timeout 100 python $D/diag5.py > "$O/diag5.log" 2>&1
+    echo "rc=$?" >> "$O/diag5.log" ;;
 esac
