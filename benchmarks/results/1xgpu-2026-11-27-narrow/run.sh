@@ -58,4 +58,7 @@ call11)  # the RS kernel's unit -> tile by lax.div instead of jnp's floor divisi
     echo "rc=$?" >> "$O/tests.log"
     timeout 100 python $D/diag5.py > "$O/diag5.log" 2>&1
     echo "rc=$?" >> "$O/diag5.log" ;;
+call12)  # a narrow unit's deal as each warpgroup computes it, printed from inside the kernels
+    timeout 150 python $D/diag6.py > "$O/diag6.log" 2>&1
+    echo "rc=$?" >> "$O/diag6.log" ;;
 esac
