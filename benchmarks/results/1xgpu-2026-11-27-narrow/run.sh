@@ -61,4 +61,12 @@ call11)  # the RS kernel's unit -> tile by lax.div instead of jnp's floor divisi
 call12)  # a narrow unit's deal as each warpgroup computes it, printed from inside the kernels
     timeout 150 python $D/diag6.py > "$O/diag6.log" 2>&1
     echo "rc=$?" >> "$O/diag6.log" ;;
+call13)  # the RS kernel's tile as the AG kernel computes it (rem, tile_origin called directly)
+    timeout 250 python -m pytest -q -n 0 tests/gpu/test_gemm_core_gpu.py -k narrow_columns \
+        > "$O/tests.log" 2>&1
+    echo "rc=$?" >> "$O/tests.log" ;;
+call14)  # call 13's tree: the probe on comm_heavy RS and llama8b AG P = 8
+    timeout 300 python $D/probe.py "$O/probe.json" \
+        comm_heavy-rs-p2,comm_heavy-rs-p4,comm_heavy-rs-p8,llama8b-ag-p8 > "$O/probe.log" 2>&1
+    echo "rc=$?" >> "$O/probe.log" ;;
 esac
