@@ -220,7 +220,7 @@ def markdown(out: pathlib.Path) -> str:
     if any(rep.get("period_bound_ms") for rep in base["reports"]):
         header = ["preset", "op", "gemm period ms", "comm period ms", "XLA dot", "serial (NONE)"]
         header += ["best split (ring/pipeline)", "best fused", "AUTO (its choice)"]
-        header += ["XLA windowed einsum", "PyTorch async TP"]
+        header += ["XLA windowed einsum", "PyTorch async TP", "rounds' widest spread"]
         lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         key = "vs_bound_period"
         for rep in base["reports"]:
@@ -236,6 +236,8 @@ def markdown(out: pathlib.Path) -> str:
             cells += [f"{cell(by.get('auto'), key)} ({rep.get('auto_choice', '?')})"]
             cells += [cell(w["rows"][0], key) if w else "not run"]
             cells += [f"{t['t_ms'] / rep['period_bound_ms']:.2f}" if t else "not run"]
+            spread = rep.get("period_spread")  # not in suites before 2026-11-27
+            cells += [f"{max(spread.values()):.1%}" if spread else "-"]
             lines.append("| " + " | ".join(cells) + " |")
     if not any(rep.get("span_gemm_ms") for rep in base["reports"]):
         return "\n".join(lines) + "\n"

@@ -64,3 +64,19 @@ def config_id(cfg: cg.OverlapConfig) -> str:
 
 
 __all__ = ["P"]
+
+
+def fake_periods(rng):
+    """A stand-in for `device_periods_interleaved` on a CPU: every variant's rounds drawn at
+    random around its own level."""
+
+    def fake(variants, rounds):
+        out = {}
+        for name in variants:
+            level = rng.uniform(0.5, 2.0)
+            found = [level * rng.uniform(0.9, 1.1) for _ in range(rounds)]
+            out[name] = {"median": float(np.median(found)), "rounds": found}
+        fake.found = out
+        return out
+
+    return fake

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fake_periods
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -214,12 +215,48 @@ def test_report_periods_leave_torch_out(monkeypatch):
 
     def fake(variants, rounds):
         traced.extend(variants)
-        return {name: {"median": 1.0 + i} for i, name in enumerate(variants)}
+        return {name: {"median": 1.0 + i, "rounds": [1.0 + i]} for i, name in enumerate(variants)}
 
     monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
     names = [*overlap.GEMM_ALONE.values(), *overlap.OTHER_GEMMS, "collective alone", "ring"]
     timed = {name: (None, ()) for name in names}
-    out, error = overlap._periods(timed, 2, lambda _: None)
+    out, spread, error = overlap._periods(timed, 2, lambda _: None)
     torch_gemm = overlap.OTHER_GEMMS[1]
     assert torch_gemm not in traced and set(traced) == set(names) - {torch_gemm}
-    assert error is None and set(out) == set(traced)
+    assert error is None and set(out) == set(spread) == set(traced)
+
+
+def test_round_spread():
+    from commgemm.bench.overlap import round_spread
+
+    assert round_spread([2.0]) == 0.0
+    assert round_spread([1.0, 1.2, 1.1]) == pytest.approx(0.2 / 1.1)
+    with pytest.raises(ValueError, match="no rounds"):
+        round_spread([])
+
+
+def test_report_carries_each_variants_round_spread(monkeypatch, rng, capsys):
+    """With device periods, every row and every GEMM alone carry how far apart their rounds
+    fell, period_noise names the widest, and the CLI says that differences below it are not
+    established by the run."""
+    from commgemm.bench import overlap
+    from commgemm.cli import main
+    from commgemm.cli.specs import parse_method
+
+    fake = fake_periods(rng)
+    monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
+    methods = {m: parse_method(m) for m in ("none", "ring")}
+    report = overlap.overlap_report("ag", (256, 64, 64), methods=methods, iters=2, periods=4)
+    expected = {n: overlap.round_spread(f["rounds"]) for n, f in fake.found.items()}
+    assert report.period_spread == pytest.approx(expected)
+    for row in report.rows:
+        assert row.period_spread == pytest.approx(expected[row.name])
+    widest = max(expected, key=expected.__getitem__)
+    assert report.period_noise == (widest, pytest.approx(expected[widest]))
+    assert report.as_dict()["period_spread"] == pytest.approx(expected)
+
+    code = main(["bench", "--shape", "256,64,64", "--iters", "2", "--methods", "none",
+                 "--periods", "3"])  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    widest = max(fake.found, key=lambda n: overlap.round_spread(fake.found[n]["rounds"]))
+    assert code == 0 and "rounds spread up to" in out and widest in out

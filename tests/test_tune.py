@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import P, assert_close, mesh1d, random, reference, shard
+from helpers import P, assert_close, fake_periods, mesh1d, random, reference, shard
 
 import commgemm as cg
 from commgemm import mosaic_gpu
@@ -396,6 +396,29 @@ def cg_device_kind() -> str:
     import jax
 
     return jax.devices()[0].device_kind
+
+
+def test_tune_by_device_periods_reports_their_noise(tmp_path, monkeypatch, rng, capsys):
+    """Ranked by device periods, the tuner keeps the widest spread of the rounds (the report's
+    period_noise) and the CLI says that candidates closer than it are not told apart."""
+    from commgemm.bench import overlap
+
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    fake = fake_periods(rng)
+    monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
+    methods = [parse_method(m, "rs") for m in ("none", "ring")]
+    result = tuner.tune("rs", (256, 64, 32), dtype="float32", methods=methods, iters=2, periods=3)
+    spreads = {n: overlap.round_spread(f["rounds"]) for n, f in fake.found.items()}
+    widest = max(spreads, key=spreads.__getitem__)
+    assert result.timing == "device periods"
+    assert result.period_noise == (widest, pytest.approx(spreads[widest]))
+    assert result.times_ms == {c: fake.found[repr(c)]["median"] for c in methods}
+
+    args = ["tune", "--op", "rs", "--shape", "256,64,32", "--dtype", "f32", "--iters", "2",
+            "--methods", "none,ring", "--periods", "3"]  # fmt: skip
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    assert "candidates closer than that are not told apart" in out
 
 
 def test_cli_tune(tmp_path, monkeypatch, capsys):

@@ -34,6 +34,9 @@ class TuneResult:
     saved_to: pathlib.Path | None = None
     save_error: str | None = None  # why the cache could not be written (the figures are kept)
     entry: dict | None = None  # the cache entry, as JSON
+    #: ranked by device periods: the variant whose rounds spread most, and that spread
+    #: (`OverlapReport.period_noise`); candidates closer than it are not told apart
+    period_noise: tuple[str, float] | None = None
 
 
 def _tuning_configs(op: str) -> list[OverlapConfig]:
@@ -176,6 +179,7 @@ def tune(
         saved_to,
         save_error,
         entry.as_json(),
+        report.period_noise if by_period else None,
     )
 
 

@@ -37,7 +37,8 @@ class OverlapRow:
     hidden = (t_gemm + t_comm - t) / min(t_gemm, t_comm) (1.0: the smaller one fully hidden).
     With device spans measured, span_ms is the median span and vs_bound_span the same ratio
     over the spans of the GEMM and the collective alone; with device periods, period_ms and
-    vs_bound_period likewise (steady-state device time per call, `device_periods_interleaved`)."""
+    vs_bound_period likewise (steady-state device time per call, `device_periods_interleaved`),
+    and period_spread how far apart its rounds fell (`round_spread`)."""
 
     name: str
     t_ms: float
@@ -50,6 +51,16 @@ class OverlapRow:
     period_ms: float | None = None
     vs_bound_period: float | None = None
     vs_bound_xla: float | None = None
+    period_spread: float | None = None
+
+
+def round_spread(rounds: Sequence[float]) -> float:
+    """(largest - smallest) / median of one variant's per-round periods: how far apart the
+    rounds of one trace fell (0.0 for one round). Two variants whose periods differ by less
+    than their spreads are not told apart by that trace."""
+    if not rounds:
+        raise ValueError("no rounds")
+    return float((max(rounds) - min(rounds)) / np.median(rounds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +82,16 @@ class OverlapReport:
     period_error: str | None = None  # why device periods were not measured, when asked for
     t_gemm_xla_ms: float | None = None  # XLA's GEMM alone (the bound before the best-GEMM one)
     period_gemm_xla_ms: float | None = None
+    #: every variant's `round_spread` (the GEMMs and the collective alone included)
+    period_spread: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def period_noise(self) -> tuple[str, float] | None:
+        """The variant whose device-period rounds spread most, and that spread, or None."""
+        if not self.period_spread:
+            return None
+        name = max(self.period_spread, key=self.period_spread.__getitem__)
+        return name, self.period_spread[name]
 
     @property
     def period_bound_ms(self) -> float | None:
@@ -101,6 +122,7 @@ class OverlapReport:
             "gemm_alone_ms": self.gemm_ms,
             "t_gemm_xla_ms": self.t_gemm_xla_ms,
             "period_gemm_xla_ms": self.period_gemm_xla_ms,
+            "period_spread": self.period_spread,
             "rows": [
                 {
                     "name": r.name,
@@ -113,6 +135,7 @@ class OverlapReport:
                     "period_ms": r.period_ms,
                     "vs_bound_period": r.vs_bound_period,
                     "vs_bound_xla": r.vs_bound_xla,
+                    "period_spread": r.period_spread,
                     "timing": r.result.as_dict(),
                 }
                 for r in self.rows
@@ -140,23 +163,25 @@ def _spans(timed, calls: int, step) -> tuple[dict[str, float], str | None]:
     return ({}, error) if error else (out, None)
 
 
-def _periods(timed, rounds: int, step) -> tuple[dict[str, float], str | None]:
-    """{name: median device period in ms} of each timed variant that has one (and the bound's
-    terms), or ({}, why not); a variant whose calls could not be told apart is left out, its
-    reason in the second item. torch's GEMM is left out: its kernels are not in jax's
-    profiler trace, so its batches were the ones missing from every round on 2 x H200 and no
-    variant got a period; it keeps its host-timed figure."""
+def _periods(timed, rounds: int, step) -> tuple[dict[str, float], dict[str, float], str | None]:
+    """({name: median device period in ms}, {name: `round_spread`}) of each timed variant
+    that has one (and the bound's terms), or ({}, {}, why not); a variant whose calls could not
+    be told apart is left out, its reason in the third item. torch's GEMM is left out: its
+    kernels are not in jax's profiler trace, so its batches were the ones missing from every
+    round on 2 x H200 and no variant got a period; it keeps its host-timed figure."""
     timed = {name: v for name, v in timed.items() if name != OTHER_GEMMS[1]}
     step(f"{len(timed)} variants, device periods, {rounds} rounds")
     try:
         found = device_periods_interleaved(timed, rounds=rounds)
     except RuntimeError as err:
-        return {}, str(err)
+        return {}, {}, str(err)
     errors = [f"{name}: {f['error']}" for name, f in found.items() if "error" in f]
-    out = {name: f["median"] for name, f in found.items() if "error" not in f}
-    if any(name not in out for name in (*GEMM_ALONE.values(), "collective alone")):
-        return {}, "; ".join(errors)
-    return out, "; ".join(errors) or None
+    found = {name: f for name, f in found.items() if "error" not in f}
+    if any(name not in found for name in (*GEMM_ALONE.values(), "collective alone")):
+        return {}, {}, "; ".join(errors)
+    medians = {name: f["median"] for name, f in found.items()}
+    spreads = {name: round_spread(f["rounds"]) for name, f in found.items()}
+    return medians, spreads, "; ".join(errors) or None
 
 
 def overlap_report(
@@ -231,7 +256,7 @@ def overlap_report(
     step(f"{len(timed)} variants interleaved, {iters} cycles")
     results = benchmark_interleaved(timed, iters=iters, warmup=warmup, group=group)
     span_ms, span_error = _spans(timed, spans, step) if spans else ({}, None)
-    period_ms, period_error = _periods(timed, periods, step) if periods else ({}, None)
+    period_ms, spread, period_error = _periods(timed, periods, step) if periods else ({}, {}, None)
     gemm_names = [n for n in (*GEMM_ALONE.values(), *OTHER_GEMMS) if n in results]
     gemm_ms = {name: results.pop(name).median for name in gemm_names}
     t_gemm = min(gemm_ms.values())
@@ -259,6 +284,7 @@ def overlap_report(
             period_ms.get(name),
             period_ms[name] / period_bound if period_bound and name in period_ms else None,
             result.median / max(t_gemm_xla, t_comm),
+            spread.get(name),
         )
         for name, result in results.items()
     )
@@ -280,4 +306,5 @@ def overlap_report(
         period_error,
         t_gemm_xla,
         period_gemm_xla,
+        spread,
     )

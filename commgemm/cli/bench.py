@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if report.span_gemm_ms is not None:
         columns += ["span ms", "vs_bound (spans)"]
     if report.period_bound_ms is not None:
-        columns += ["period ms", "vs_bound (periods)"]
+        columns += ["period ms", "vs_bound (periods)", "rounds' spread"]
     for col in columns:
         table.add_column(col)
     for r in report.rows:
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         if r.span_ms is not None:
             cells += [f"{r.span_ms:.3f}", f"{r.vs_bound_span:.2f}"]
         if r.period_ms is not None:
-            cells += [f"{r.period_ms:.3f}", f"{r.vs_bound_period:.2f}"]
+            cells += [f"{r.period_ms:.3f}", f"{r.vs_bound_period:.2f}", f"{r.period_spread:.1%}"]
         table.add_row(*cells)
     console.print(table)
     if jax.default_backend() == "cpu":
@@ -138,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"device spans not measured: {report.span_error}")
     if report.period_error:
         console.print(f"device periods not measured: {report.period_error}")
+    if report.period_noise:
+        name, spread = report.period_noise
+        console.print(f"device periods: rounds spread up to {spread:.1%} ({name}); differences "
+                      "between rows smaller than that are not established by this run")  # fmt: skip
     for name, why in report.failures:
         console.print(f"{name}: not run: {why}")
     if not lead:
