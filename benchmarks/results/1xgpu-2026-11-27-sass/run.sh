@@ -43,4 +43,13 @@ call7)  # H200: SM clock and power while each GEMM runs back to back for 3 s (tw
     timeout 200 python benchmarks/results/1xgpu-2026-11-27-pp-tiles/phase_clocks.py \
         > "$O/phases.jsonl" 2> "$O/phases.err"
     echo "rc=$?" >> "$O/phases.err"; kill $SMI ;;
+call8)  # a control: three copies of the default RS core beside XLA's dot, every round kept
+    timeout 400 python $D/control.py "$O/control.json" > "$O/control.log" 2>&1
+    echo "rc=$?" >> "$O/control.log" ;;
+call9)  # the control on call 3's "llama70b" shape (then labelled llama70b-rs-p2; now 8192x14336x8192)
+    timeout 400 python $D/control.py "$O/control.json" 8192x14336x8192 > "$O/control.log" 2>&1
+    echo "rc=$?" >> "$O/control.log" ;;
+call10)  # the control on the preset's llama70b RS P = 2 local shape
+    timeout 400 python $D/control.py "$O/control.json" llama70b-rs-p2 > "$O/control.log" 2>&1
+    echo "rc=$?" >> "$O/control.log" ;;
 esac
