@@ -256,6 +256,44 @@ def test_core_lowers(op, fields, n, w_nk):
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
+#: (op, tiling) of every ping-pong tiling the tuner measures
+PINGPONG_CANDIDATES = [
+    (op, tiles)
+    for op, family in (("rs", PingPongRSConfig), ("ag", PingPongAGConfig))
+    for tiles in heuristics.TUNING_CANDIDATES[op]
+    if isinstance(tiles, family)
+]
+
+
+def test_tuner_measures_bands_one_tile_wide():
+    for op in ("rs", "ag"):
+        assert any(o == op and t.grid_tile_width == 1 for o, t in PINGPONG_CANDIDATES)
+
+
+@pytest.mark.parametrize(("op", "tiles"), PINGPONG_CANDIDATES, ids=repr)
+@pytest.mark.parametrize("size", [1, 2])
+def test_tuning_candidates_lower(op, tiles, size):
+    """Every ping-pong tiling the tuner measures (`heuristics.TUNING_CANDIDATES`) lowers as the
+    GEMM core (one device: axis None) and on a 2-device mesh; n = 4160 is 21 whole columns of
+    192 and a partial one, 32 whole ones of 128 and a partial one."""
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    ag = op == "ag"
+    kernel = (pingpong_gather_gemm.all_gather_matmul if ag
+              else pingpong_scatter_gemm.matmul_reduce_scatter)  # fmt: skip
+    n = 4160
+    if size == 1:
+        f = lambda x, w: kernel(x, w, None, config)  # noqa: E731
+        shapes = ((2048, 1024), (1024, n))
+    else:
+        specs = (P("x"), P(None, "x"), P(None, "x")) if ag else (P(None, "x"), P("x"), P("x"))
+        f = jax.shard_map(lambda x, w: kernel(x, w, "x", config), mesh=mesh1d(size),
+                          in_specs=specs[:2], out_specs=specs[2], check_vma=False)  # fmt: skip
+        shapes = ((1024, 1024), (1024, 2 * n)) if ag else ((2048, 1024), (1024, n))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    text = _lowered(f, args)
+    assert "mosaic_gpu" in text and "custom_call" in text
+
+
 @pytest.mark.parametrize(
     ("fields", "rows"),
     [
