@@ -52,4 +52,19 @@ call9)  # the control on call 3's "llama70b" shape (then labelled llama70b-rs-p2
 call10)  # the control on the preset's llama70b RS P = 2 local shape
     timeout 400 python $D/control.py "$O/control.json" llama70b-rs-p2 > "$O/control.log" 2>&1
     echo "rc=$?" >> "$O/control.log" ;;
+call11)  # the AG core in 128 x 128 tiles on llama8b AG P = 8 over stages, grid order, band width
+    timeout 500 python $D/sweep.py "$O/sweep.json" > "$O/sweep.log" 2>&1
+    echo "rc=$?" >> "$O/sweep.log" ;;
+call12)  # the same over narrower bands, 128- and 192-wide tiles
+    timeout 500 python $D/sweep.py "$O/sweep.json" bands > "$O/sweep.log" 2>&1
+    echo "rc=$?" >> "$O/sweep.log" ;;
+call13)  # band widths 1, 2, 4, 8 on the issue's rows and comm_heavy's AG rows
+    timeout 560 python $D/bands.py "$O/bands.json" > "$O/bands.log" 2>&1
+    echo "rc=$?" >> "$O/bands.log" ;;
+call14)  # band widths on every preset's AG local shapes
+    timeout 560 python $D/allrows.py "$O/allrows_ag.json" ag > "$O/allrows_ag.log" 2>&1
+    echo "rc=$?" >> "$O/allrows_ag.log" ;;
+call15)  # band widths on every preset's RS local shapes
+    timeout 560 python $D/allrows.py "$O/allrows_rs.json" rs > "$O/allrows_rs.log" 2>&1
+    echo "rc=$?" >> "$O/allrows_rs.log" ;;
 esac
