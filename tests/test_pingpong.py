@@ -265,7 +265,7 @@ PINGPONG_CANDIDATES = [
 ]
 
 
-def test_tuner_measures_bands_one_tile_wide():
+def test_tuner_measures_bands_one_row_wide():
     for op in ("rs", "ag"):
         assert any(o == op and t.grid_tile_width == 1 for o, t in PINGPONG_CANDIDATES)
 

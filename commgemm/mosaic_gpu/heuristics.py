@@ -3,7 +3,7 @@ what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`
 tilings the tuner also measures (`TUNING_CANDIDATES`). Each was the fastest, or within noise of
 it, on some 2xH200 preset (docs/performance.md), except the ping-pong kernels': the RS one was
 the fastest on three presets on 2 x H100, the AG one on llama70b once on 2 x H200 (within AUTO's
-own spread) and 2 to 3% behind on llama8b and llama13b; their tilings in bands 1 tile wide were
+own spread) and 2 to 3% behind on llama8b and llama13b; their tilings in bands 1 row wide were
 the fastest GEMM cores of ours on some local shapes on one H200, not yet timed as ops on
 several GPUs (BENCHMARKS.md)."""
 
@@ -142,9 +142,9 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
         DirectAGConfig(cluster="m"),
         DirectAGConfig(cluster="m", spread=50),
         PingPongAGConfig(),  # (not the plan: 2 to 3% behind it on two presets, 2 x H200)
-        # bands 1 tile wide: the fastest of our AG cores on llama13b's local shape at P = 8 on
-        # one H200, and in 128 x 128 tiles on llama8b's (1.016 to 1.030 of XLA's dot, the
-        # default 1.052 to 1.056); 4 to 14% slower at P = 2 (BENCHMARKS.md)
+        # bands 1 row wide (tiles walked row by row): the fastest of our AG cores on llama13b's
+        # local shape at P = 8 on one H200, and in 128 x 128 tiles on llama8b's (1.016 to 1.030
+        # of XLA's dot, the default 1.052 to 1.056); up to 13% slower at P = 2 (BENCHMARKS.md)
         PingPongAGConfig(grid_tile_width=1),
         PingPongAGConfig(tile_n=128, grid_tile_width=1),
     ),
@@ -165,9 +165,9 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
             zero_ahead=2,
         ),
         PingPongRSConfig(),  # (in 128 x 128 tiles its core ran 13 to 20% slower: not here)
-        # bands 1 tile wide: the fastest of our RS cores on comm_heavy's local shape at P = 4
-        # and 8 on one H200 (1.010 to 1.021 of XLA's dot, the default 1.033 to 1.037); 3 to 11%
-        # slower on most llama shapes (BENCHMARKS.md)
+        # bands 1 row wide (tiles walked row by row): the fastest of our RS cores on
+        # comm_heavy's local shape at P = 4 and 8 on one H200 (1.010 to 1.021 of XLA's dot, the
+        # default 1.033 to 1.037); 3 to 11% slower on most llama shapes (BENCHMARKS.md)
         PingPongRSConfig(grid_tile_width=1),
     ),
 }

@@ -67,4 +67,7 @@ call14)  # band widths on every preset's AG local shapes
 call15)  # band widths on every preset's RS local shapes
     timeout 560 python $D/allrows.py "$O/allrows_rs.json" rs > "$O/allrows_rs.log" 2>&1
     echo "rc=$?" >> "$O/allrows_rs.log" ;;
+call16)  # the cooperative RS plan's core in bands along N and M on comm_heavy RS P = 2
+    timeout 400 python $D/planbands.py "$O/planbands.json" > "$O/planbands.log" 2>&1
+    echo "rc=$?" >> "$O/planbands.log" ;;
 esac
