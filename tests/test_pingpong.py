@@ -265,11 +265,6 @@ PINGPONG_CANDIDATES = [
 ]
 
 
-def test_tuner_measures_bands_one_row_wide():
-    for op in ("rs", "ag"):
-        assert any(o == op and t.grid_tile_width == 1 for o, t in PINGPONG_CANDIDATES)
-
-
 @pytest.mark.parametrize(("op", "tiles"), PINGPONG_CANDIDATES, ids=repr)
 @pytest.mark.parametrize("size", [1, 2])
 def test_tuning_candidates_lower(op, tiles, size):
