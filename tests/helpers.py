@@ -80,3 +80,10 @@ def fake_periods(rng):
         return out
 
     return fake
+
+
+def spreads_of(found: dict) -> dict[str, float]:
+    """{name: (largest - smallest) / median} of each variant's rounds in a `fake_periods`
+    result: the reference for `overlap.round_spread`."""
+    return {n: (max(f["rounds"]) - min(f["rounds"])) / float(np.median(f["rounds"]))
+            for n, f in found.items()}  # fmt: skip

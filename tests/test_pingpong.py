@@ -266,23 +266,27 @@ PINGPONG_CANDIDATES = [
 
 
 @pytest.mark.parametrize(("op", "tiles"), PINGPONG_CANDIDATES, ids=repr)
-@pytest.mark.parametrize("size", [1, 2])
-def test_tuning_candidates_lower(op, tiles, size):
+@pytest.mark.parametrize("check_vma", [None, True, False])
+def test_tuning_candidates_lower(op, tiles, check_vma, monkeypatch):
     """Every ping-pong tiling the tuner measures (`heuristics.TUNING_CANDIDATES`) lowers as the
-    GEMM core (one device: axis None) and on a 2-device mesh; n = 4160 is 21 whole columns of
-    192 and a partial one, 32 whole ones of 128 and a partial one."""
+    GEMM core (check_vma None: the kernel on one device, axis None) and as the public op on a
+    2-device mesh under either shard_map setting; n = 4160 is 21 whole columns of 192 and a
+    partial one, 32 whole ones of 128 and a partial one."""
     config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
     ag = op == "ag"
-    kernel = (pingpong_gather_gemm.all_gather_matmul if ag
-              else pingpong_scatter_gemm.matmul_reduce_scatter)  # fmt: skip
     n = 4160
-    if size == 1:
+    if check_vma is None:
+        kernel = (pingpong_gather_gemm.all_gather_matmul if ag
+                  else pingpong_scatter_gemm.matmul_reduce_scatter)  # fmt: skip
         f = lambda x, w: kernel(x, w, None, config)  # noqa: E731
         shapes = ((2048, 1024), (1024, n))
-    else:
+    else:  # the op's plan takes the fused kernel as on 2 Hopper GPUs
+        monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+        monkeypatch.setattr(jax, "device_count", lambda *_: 2)
+        op_fn = cg.all_gather_matmul if ag else cg.matmul_reduce_scatter
         specs = (P("x"), P(None, "x"), P(None, "x")) if ag else (P(None, "x"), P("x"), P("x"))
-        f = jax.shard_map(lambda x, w: kernel(x, w, "x", config), mesh=mesh1d(size),
-                          in_specs=specs[:2], out_specs=specs[2], check_vma=False)  # fmt: skip
+        f = jax.shard_map(lambda x, w: op_fn(x, w, "x", config=config), mesh=mesh1d(2),
+                          in_specs=specs[:2], out_specs=specs[2], check_vma=check_vma)  # fmt: skip
         shapes = ((1024, 1024), (1024, 2 * n)) if ag else ((2048, 1024), (1024, n))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     text = _lowered(f, args)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fake_periods
+from helpers import fake_periods, spreads_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -247,7 +247,7 @@ def test_report_carries_each_variants_round_spread(monkeypatch, rng, capsys):
     monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
     methods = {m: parse_method(m) for m in ("none", "ring")}
     report = overlap.overlap_report("ag", (256, 64, 64), methods=methods, iters=2, periods=4)
-    expected = {n: overlap.round_spread(f["rounds"]) for n, f in fake.found.items()}
+    expected = spreads_of(fake.found)
     assert report.period_spread == pytest.approx(expected)
     for row in report.rows:
         assert row.period_spread == pytest.approx(expected[row.name])
@@ -258,5 +258,7 @@ def test_report_carries_each_variants_round_spread(monkeypatch, rng, capsys):
     code = main(["bench", "--shape", "256,64,64", "--iters", "2", "--methods", "none",
                  "--periods", "3"])  # fmt: skip
     out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
-    widest = max(fake.found, key=lambda n: overlap.round_spread(fake.found[n]["rounds"]))
+    spreads = spreads_of(fake.found)
+    widest = max(spreads, key=spreads.__getitem__)
     assert code == 0 and "rounds spread up to" in out and widest in out
+    assert "rows closer than that are not told apart" in out

@@ -6,7 +6,16 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import P, assert_close, fake_periods, mesh1d, random, reference, shard
+from helpers import (
+    P,
+    assert_close,
+    fake_periods,
+    mesh1d,
+    random,
+    reference,
+    shard,
+    spreads_of,
+)
 
 import commgemm as cg
 from commgemm import mosaic_gpu
@@ -408,7 +417,7 @@ def test_tune_by_device_periods_reports_their_noise(tmp_path, monkeypatch, rng, 
     monkeypatch.setattr(overlap, "device_periods_interleaved", fake)
     methods = [parse_method(m, "rs") for m in ("none", "ring")]
     result = tuner.tune("rs", (256, 64, 32), dtype="float32", methods=methods, iters=2, periods=3)
-    spreads = {n: overlap.round_spread(f["rounds"]) for n, f in fake.found.items()}
+    spreads = spreads_of(fake.found)
     widest = max(spreads, key=spreads.__getitem__)
     assert result.timing == "device periods"
     assert result.period_noise == (widest, pytest.approx(spreads[widest]))

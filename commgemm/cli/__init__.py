@@ -124,9 +124,9 @@ def _tune(args: argparse.Namespace) -> int:
     if result.period_error:
         console.print(f"device periods: {result.period_error}")
     if result.period_noise:
-        name, spread = result.period_noise
-        console.print(f"device periods: rounds spread up to {spread:.1%} ({name}); candidates "
-                      "closer than that are not told apart by this run")  # fmt: skip
+        from commgemm.cli.bench import noise_line
+
+        console.print(noise_line(result.period_noise, "candidates"))
     if result.save_error:
         print(
             f"commgemm tune: could not write the tune cache ({result.save_error}); the "

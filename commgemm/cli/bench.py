@@ -139,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if report.period_error:
         console.print(f"device periods not measured: {report.period_error}")
     if report.period_noise:
-        name, spread = report.period_noise
-        console.print(f"device periods: rounds spread up to {spread:.1%} ({name}); differences "
-                      "between rows smaller than that are not established by this run")  # fmt: skip
+        console.print(noise_line(report.period_noise, "rows"))
     for name, why in report.failures:
         console.print(f"{name}: not run: {why}")
     if not lead:
@@ -152,6 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_vs_bound(report, args.plot)
     return 0
+
+
+def noise_line(noise: tuple[str, float], what: str) -> str:
+    """The note on device periods' noise (`OverlapReport.period_noise`): `what` (rows,
+    candidates) closer than the widest spread of rounds are not told apart by the run."""
+    name, spread = noise
+    return (f"device periods: rounds spread up to {spread:.1%} ({name}); {what} closer than "
+            "that are not told apart by this run")  # fmt: skip
 
 
 def plot_vs_bound(report, path: pathlib.Path) -> None:
