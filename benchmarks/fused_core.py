@@ -2,11 +2,11 @@
 
 The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
 run with no mesh axis: the same tiles, pipeline and epilogue, with no peer to send to (the RS
-kernel then stores its tiles, except a split tail's, which it adds into zeroed tiles as on P
-devices; "plan-whole" is the plan with its last wave left whole; "ring" is the RS ring kernel,
-`ring_scatter_gemm`, whose core is one step: a plain GEMM in the ring's tiling; the AG ring is
-the direct AG kernel), on the
-whole local GEMM of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
+kernel then stores its tiles, except a split or streamed tail's, which it adds into zeroed
+tiles as on P devices; "plan-whole" is the plan with its last wave left whole, "plan-stream"
+with it streamed; "ring" is the RS ring kernel, `ring_scatter_gemm`, whose core is one step: a
+plain GEMM in the ring's tiling; the AG ring is the direct AG kernel), on the whole local GEMM
+of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
 Beside it, timed interleaved by device periods in one trace per shape (medians of 6 rounds):
 XLA's dot, jax's Mosaic GPU Hopper matmul with the kernels' default tiling, the op itself on a
 one-device mesh with either local GEMM (`local_gemm` "xla" and "mosaic": the serial path's two
@@ -150,6 +150,8 @@ def core_tilings(op: str, size: int, local: tuple[int, int, int]) -> dict:
             found[spec.removeprefix("fused-direct").lstrip("-") or "default"] = tiles
     if op == "rs" and getattr(found["plan"], "split_tail", 1) != 1:  # its last wave left whole
         found["plan-whole"] = dataclasses.replace(found["plan"], split_tail=1)
+        # or streamed (DirectRSConfig.stream_tail)
+        found["plan-stream"] = dataclasses.replace(found["plan"], split_tail=1, stream_tail=True)
     if op == "ag":  # the last wave narrowed (DirectAGConfig.narrow_tail), as gemm_core runs it
         for label in ("plan", "default", "cm"):
             if label in found and found[label].cta_n % 128 == 0:  # narrowing halves 128s

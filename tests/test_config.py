@@ -158,6 +158,12 @@ def test_direct_rs_config_fields():
             mosaic_gpu.DirectRSConfig(split_tail=split)
     with pytest.raises(ValueError, match="chain_tiles='no' must be a bool"):
         mosaic_gpu.DirectRSConfig(chain_tiles="no")
+    with pytest.raises(ValueError, match="stream_tail=1 must be a bool"):
+        mosaic_gpu.DirectRSConfig(stream_tail=1)
+    with pytest.raises(ValueError, match="split_tail=4 asks for a split as well"):
+        mosaic_gpu.DirectRSConfig(stream_tail=True, split_tail=4)
+    for split in (0, 1):  # automatic or none: the stream replaces it
+        assert mosaic_gpu.DirectRSConfig(stream_tail=True, split_tail=split).stream_tail
     tiles = mosaic_gpu.DirectRSConfig(cluster="m")
     assert (tiles.cluster_size, tiles.cluster_m, tiles.cluster_n) == (2, 256, 256)
 

@@ -149,7 +149,12 @@ def test_kernel_config_of_another_family_is_refused(rng):
         (
             2,
             mosaic_gpu.DirectRSConfig(split_tail=0),
-            "split_tail adds a tile's K-ranges in arrival order",
+            "split_tail and stream_tail add a tile's K-ranges in arrival order",
+        ),
+        (
+            2,
+            mosaic_gpu.DirectRSConfig(stream_tail=True),
+            "split_tail and stream_tail add a tile's K-ranges in arrival order",
         ),
         (4, None, "on 4 devices a tile's partial sums are added in arrival order"),
     ],

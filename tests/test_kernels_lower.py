@@ -101,6 +101,7 @@ def test_push_gather_gemm_lowers(size, spec):
         "fused-direct-wgm-cm-m64-n256-t0",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0",
         "fused-direct-wgm-cm-ct-m64-n256-t0-a3",  # zeroing three waves ahead, a split tail
+        "fused-direct-wgm-cm-ct-m64-n256-sk-a2",  # the tail streamed
         "fused-direct-ct-a1",
     ],
 )
@@ -124,12 +125,13 @@ def test_scatter_add_gemm_lowers(size, spec):
         ("fused-direct-wgm-cm-ct-m64-n256-t0-a2", (10, 4)),  # the plan's tiling: 1792 on 66
         ("fused-direct-t2", (20, 2)),  # 3584 tiles on 132 CTAs: 20 left, split in two
         ("fused-direct-cm", (0, 1)),  # split_tail 1: the tail runs whole
+        ("fused-direct-wgm-cm-ct-m64-n256-sk-a2", (10, 0)),  # streamed: 10 x 32 steps on 66
     ],
 )
 def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
-    """On one device (the GEMM core, axis None) the RS kernel splits its last wave's tiles
-    along K as on P devices (M 8192, K 1024, N 14336): the plan is the same, and the kernel
-    lowers with the tail's tiles zeroed first and added into."""
+    """On one device (the GEMM core, axis None) the RS kernel splits (or streams) its last
+    wave's tiles along K as on P devices (M 8192, K 1024, N 14336): the plan is the same, and
+    the kernel lowers with the tail's tiles zeroed first and added into."""
     planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
     cfg = parse_method(spec, "rs")
     f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg))
@@ -219,115 +221,6 @@ def test_spread_schedule(size, own, ctas, lead, spread):
     assert (own_before[~is_own] >= needed[~is_own]).all()
     if spread == 0 or head == own:
         assert (step == lin // own).all()
-
-
-@settings(max_examples=15, deadline=None)
-@given(
-    size=st.integers(1, 8),  # 1: the kernel's GEMM core
-    per_block=st.integers(1, 300),
-    ctas=st.sampled_from([66, 132, 7, 1]),
-    k_iters=st.sampled_from([4, 8, 32, 40, 64, 96]),
-    split=st.sampled_from([0, 1, 2, 4, 5]),
-)
-def test_split_tail_covers_every_tile_once(size, per_block, ctas, k_iters, split):
-    """ATOMIC_GEMM_RS with split_tail: the main loop runs whole waves of CTAs and the tail's K
-    ranges; together every (tile, owner) gets each K-step exactly once, and the tail's tiles
-    are this device's own (offset 0), the own copy of each other tile first."""
-    tiles = mosaic_gpu.DirectRSConfig(split_tail=split)
-    num_tiles = size * per_block
-    try:
-        tail, splits = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
-    except ValueError as err:
-        assert split > 1  # an explicit split that does not fit
-        assert "split_tail" in str(err)
-        return
-    if split == 1 or num_tiles % ctas == 0:
-        assert (tail, splits) == (0, 1)
-    if tail:
-        assert splits > 1 and (num_tiles - tail) % ctas == 0 and k_iters % splits == 0
-        assert k_iters // splits >= tiles.stages
-    steps = np.zeros((per_block, size), int)
-    lin = jnp.arange(num_tiles - tail, dtype=jnp.int32)
-    tile, offset = (np.asarray(v) for v in scatter_add_gemm.main_unit(lin, size, per_block, tail))
-    np.add.at(steps, (tile, offset), k_iters)
-    own = offset == 0
-    assert (np.diff(tile[own]) == 1).all() and (np.diff(tile[~own] * size + offset[~own]) > 0).all()
-    if size > 1:
-        peer_tiles_before = np.cumsum(~own) // (size - 1)  # whole tiles of peers' copies so far
-        assert (peer_tiles_before[own] == tile[own]).all()
-    if tail:
-        unit = jnp.arange(tail * splits, dtype=jnp.int32)
-        tile, part = scatter_add_gemm.tail_unit(unit, per_block, tail, splits)
-        assert sorted(zip(np.asarray(tile).tolist(), np.asarray(part).tolist(), strict=True)) == [
-            (t, p) for t in range(per_block - tail, per_block) for p in range(splits)
-        ]
-        np.add.at(steps, (np.asarray(tile), 0), k_iters // splits)
-    assert (steps == k_iters).all()
-
-
-@settings(max_examples=15, deadline=None)
-@given(
-    size=st.integers(2, 8),
-    per_block=st.integers(1, 300),
-    ctas=st.sampled_from([66, 132, 7, 1]),
-    k_iters=st.sampled_from([8, 32, 40]),
-    split=st.sampled_from([0, 1, 2]),
-)
-def test_wave_tiles_are_each_waves_first_adds(size, per_block, ctas, k_iters, split):
-    """DirectRSConfig.zero_ahead zeroes wave w's tile range before wave w: the ranges follow one
-    another from 0 to per_block, each tile's first add (any owner) comes in the wave whose
-    range holds it, and the traced ranges (the kernel's) equal the static ones."""
-    num_tiles = size * per_block
-    tiles = mosaic_gpu.DirectRSConfig(split_tail=split)
-    try:
-        tail, _ = scatter_add_gemm.tail_plan(num_tiles, per_block, ctas, k_iters, tiles)
-    except ValueError:  # an explicit split that does not fit (the test above)
-        return
-    main_units = num_tiles - tail
-    waves = -(-main_units // ctas)
-    args = (ctas, main_units, size, per_block, tail)
-    ranges = [list(scatter_add_gemm.wave_tiles(w, *args)) for w in range(waves)]
-    assert ranges[0][0] == 0 and ranges[-1][1] == per_block
-    assert all(lo <= hi for lo, hi in ranges)
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
-    traced = jax.jit(jax.vmap(lambda w: scatter_add_gemm.wave_tiles(w, *args)))
-    assert np.asarray(traced(jnp.arange(waves, dtype=jnp.int32))).T.tolist() == ranges
-    lin = np.arange(main_units)
-    tile = np.asarray(
-        scatter_add_gemm.main_unit(jnp.asarray(lin, jnp.int32), size, per_block, tail)[0]
-    )
-    first_wave = np.full(per_block, -1)
-    for t, w in zip(tile[::-1], (lin // ctas)[::-1], strict=True):
-        first_wave[t] = w
-    range_of = np.concatenate([np.full(hi - lo, w) for w, (lo, hi) in enumerate(ranges)])
-    assert (first_wave == range_of).all()
-    # the zeroing plan the RS kernels share: the first `ahead` waves' tiles by the compute
-    # warpgroups, each later wave's bands spread over the SMs, late_iters bands each at most
-    bands, sms = 8, ctas * 2
-    for zero_ahead in (0, 1, 2):
-        plan = scatter_add_gemm.zero_plan(zero_ahead, *args, bands, sms)
-        assert plan.waves == waves
-        assert plan.ahead == (min(zero_ahead, waves) if zero_ahead else waves)
-        assert plan.first_tiles == ranges[plan.ahead - 1][1]
-        assert plan.late_zero == (plan.ahead < waves)  # size >= 2 here
-        later = [(hi - lo) * bands for lo, hi in ranges[plan.ahead :]]
-        assert plan.late_iters * sms >= max(later, default=0)
-        assert plan.late_iters == max([-(-b // sms) for b in later], default=0)
-
-
-@pytest.mark.parametrize(
-    ("num_tiles", "k_iters", "expected"),
-    [
-        (1792, 32, (10, 4)),  # llama8b_mlp RS in 2-CTA clusters: 27 waves and 10 tiles
-        (1024, 64, (34, 8)),  # comm_heavy
-        (1728, 40, (12, 5)),  # llama13b_mlp
-        (1716, 40, (0, 1)),  # whole waves: nothing to split
-    ],
-)
-def test_automatic_split_tail(num_tiles, k_iters, expected):
-    tiles = mosaic_gpu.DirectRSConfig(split_tail=0)
-    plan = scatter_add_gemm.tail_plan(num_tiles, num_tiles // 2, 66, k_iters, tiles)
-    assert plan == expected
 
 
 @pytest.mark.parametrize(

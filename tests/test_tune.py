@@ -216,6 +216,9 @@ def test_spec_family_fields():
     assert parse_method("fused-direct-ct", "rs").kernel.chain_tiles
     assert parse_method("fused-direct-cm-t0", "rs").kernel.split_tail == 0
     assert parse_method("fused-direct-a3", "rs").kernel.zero_ahead == 3
+    streamed = parse_method("fused-direct-wgm-cm-ct-m64-n256-sk-a2", "rs")
+    assert streamed.kernel.stream_tail
+    assert parse_method(spec_of(streamed), "rs") == streamed
     with pytest.raises(ValueError, match="DirectAGConfig has no \\['chain_tiles'\\]"):
         parse_method("fused-direct-ct", "ag")
     with pytest.raises(ValueError, match="RingAGConfig has no \\['cluster'\\]"):

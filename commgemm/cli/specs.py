@@ -18,7 +18,13 @@ _KEYS = {
     "r": "spread",
     "a": "zero_ahead",
 }
-_FLAGS = {"wgm": "wg_along_m", "gm": "grid_minor_m", "ct": "chain_tiles", "nt": "narrow_tail"}
+_FLAGS = {
+    "wgm": "wg_along_m",
+    "gm": "grid_minor_m",
+    "ct": "chain_tiles",
+    "nt": "narrow_tail",
+    "sk": "stream_tail",
+}
 
 
 def parse_fused(spec: str, op: str) -> OverlapConfig:
@@ -27,10 +33,11 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
     owner) for op "ag" or "rs", with optional tiling suffixes: '-w8' (grid_tile_width), '-s3'
     (stages), '-wgm' (warpgroups along M), '-gm' (grid along M), '-m256' / '-n64' / '-k128'
     (tile_m / tile_n / tile_k), '-cm' / '-cn' (2-CTA clusters along M / N), '-ct'
-    (chain_tiles), '-nt' (narrow_tail), '-t4' / '-t0' (split_tail, 0 automatic), '-r80'
-    (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8', 'fused-direct-cm-w16'; '-pp' after
-    'fused-direct': the ping-pong kernels (`PingPongRSConfig`, `PingPongAGConfig`). The op
-    picks the kernel family (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
+    (chain_tiles), '-nt' (narrow_tail), '-t4' / '-t0' (split_tail, 0 automatic), '-sk'
+    (stream_tail), '-r80' (spread), '-a3' (zero_ahead), e.g. 'fused-wgm-w8',
+    'fused-direct-cm-w16'; '-pp' after 'fused-direct': the ping-pong kernels
+    (`PingPongRSConfig`, `PingPongAGConfig`). The op picks the kernel family
+    (`commgemm.mosaic_gpu.configs`), which says which suffixes apply."""
     from commgemm.config import Collective
     from commgemm.mosaic_gpu.fused import FAMILY
 
@@ -53,7 +60,7 @@ def parse_fused(spec: str, op: str) -> OverlapConfig:
         else:
             raise ValueError(
                 f"unknown fused tiling {part!r} in {spec!r}; use -direct, -w<N>, -s<N>, -m<N>, "
-                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt, -pp (after "
+                "-n<N>, -k<N>, -t<N>, -r<N>, -a<N>, -wgm, -gm, -cm, -cn, -ct, -nt, -sk, -pp (after "
                 "-direct)"
             )
     family = FAMILY[(Collective(op), method)]
@@ -85,6 +92,8 @@ def fused_spec(config: OverlapConfig) -> str:
         parts.append("ct")
     if getattr(kernel, "narrow_tail", False):
         parts.append("nt")
+    if getattr(kernel, "stream_tail", False):
+        parts.append("sk")
     for key in ("m", "n", "k", "s", "w", "t", "r", "a"):
         field = _KEYS[key]
         if hasattr(kernel, field) and getattr(kernel, field) != getattr(default, field):

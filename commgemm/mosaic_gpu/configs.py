@@ -164,24 +164,34 @@ class DirectRSConfig(_Tiling):
     chain_tiles: a CTA's tiles run as one pipeline (the next tile's loads start before this one's
       epilogue); needs K/tile_k divisible by stages and two tiles per CTA.
     split_tail: s > 1 splits each tile of the last, partly filled wave of CTAs into s K-ranges;
-      0 picks s from a model of the wave; 1 leaves the tail whole.
+      0 picks s, or the tail streamed, from a model of the wave; 1 leaves the tail whole.
+    stream_tail: the K-steps of the last, partly filled wave's tiles are dealt evenly to every
+      CTA (cluster), each a contiguous run of them that spans at most two tiles (stream-K);
+      instead of split_tail, which must then be 0 or 1.
     zero_ahead: D > 0 zeroes the output D waves of CTAs ahead of the adds; 0 zeroes it first.
     """
 
     cluster: str | None = None
     chain_tiles: bool = False
     split_tail: int = 1
+    stream_tail: bool = False
     zero_ahead: int = 0
     _clusters = (None, "m", "n")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.chain_tiles, bool):
-            raise ValueError(f"DirectRSConfig.chain_tiles={self.chain_tiles!r} must be a bool")
+        for field in ("chain_tiles", "stream_tail"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"DirectRSConfig.{field}={getattr(self, field)!r} must be a bool")
         for field, what in (("split_tail", "0: automatic"), ("zero_ahead", "0: all first")):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"DirectRSConfig.{field}={value!r} must be an int >= 0 ({what})")
+        if self.stream_tail and self.split_tail > 1:
+            raise ValueError(
+                f"DirectRSConfig: stream_tail deals the tail's K-steps itself; split_tail="
+                f"{self.split_tail} asks for a split as well (leave it 0 or 1)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

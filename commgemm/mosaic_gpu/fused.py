@@ -124,8 +124,8 @@ def varies_between_calls(collective: Collective, config: OverlapConfig, size: in
     if collective is not Collective.REDUCE_SCATTER:
         return None
     tiles = kernel_config(collective, config)
-    if getattr(tiles, "split_tail", 1) != 1:
-        return "split_tail adds a tile's K-ranges in arrival order"
+    if getattr(tiles, "split_tail", 1) != 1 or getattr(tiles, "stream_tail", False):
+        return "split_tail and stream_tail add a tile's K-ranges in arrival order"
     if size > 2:
         return f"on {size} devices a tile's partial sums are added in arrival order"
     return None

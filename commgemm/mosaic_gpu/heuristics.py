@@ -76,10 +76,10 @@ def direct_rs_config(
     halved last wave ran 1.2% slower on llama8b and llama70b RS, 0.9% faster on comm_heavy, one
     call; BENCHMARKS.md). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
     128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA clusters along M where the rows
-    per device fill them, the last wave split along K unless `deterministic`, chained tile
-    pipelines where K/tile_k is whole rounds of stages and every CTA of a 132-SM GPU gets two
-    tiles, and the output zeroed two waves ahead of the adds: the fastest tiling on the 2xH200
-    RS presets (docs/performance.md)."""
+    per device fill them, the last wave split or streamed along K (`rs_schedule.tail_plan`)
+    unless `deterministic`, chained tile pipelines where K/tile_k is whole rounds of stages and
+    every CTA of a 132-SM GPU gets two tiles, and the output zeroed two waves ahead of the adds:
+    the fastest tiling on the 2xH200 RS presets (docs/performance.md)."""
     if size == 2 and shape is not None:
         _, k, n = shape
         if (pingpong := pingpong_tiles(rows // size, k // size, n)) is not None:

@@ -10,7 +10,7 @@ last row of tiles (M need not be whole tiles: the loads past M read zeros, the s
 Invariant (P > 1): a tile is added into only after every device zeroed it. The compute
 warpgroups zero the tiles of the first `zero_ahead` waves of CTAs (all when 0) before their
 first tile; the load warpgroups zero wave j + D's tiles between wave j's loads, one semaphore
-a wave, as `scatter_add_gemm` does (`scatter_add_gemm.wave_tiles`). Every signal follows
+a wave, as `scatter_add_gemm` does (`rs_schedule.wave_tiles`). Every signal follows
 awaited TMA stores, so it is a relaxed atomic (`tiles.relaxed_signal`); at the end each
 compute warpgroup awaits the peers' "landed" signals. On one device
 (axis_name None: the kernel's GEMM core) the tiles are stored, not added, and nothing is zeroed.
@@ -31,7 +31,8 @@ from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, ZERO_ROWS, PingPongRSConfig
 from commgemm.mosaic_gpu.pingpong import shape_reason
-from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices, wave_tiles, zero_plan
+from commgemm.mosaic_gpu.rs_schedule import wave_tiles, zero_plan
+from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices
 
 __all__ = ["matmul_reduce_scatter", "shape_reason"]
 

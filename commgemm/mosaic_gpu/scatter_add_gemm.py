@@ -10,18 +10,19 @@ the tiles of the first `zero_ahead` waves of CTAs (all of them when 0); with zer
 load warpgroups zero wave j + D's tiles while loading wave j, one semaphore a wave
 (`wave_tiles`). Every signal follows awaited TMA stores, so it is a relaxed atomic
 (`tiles.relaxed_signal`). `split_tail` splits the last, partly filled wave's tiles (this
-device's own) along K (`tail_plan`). Partial sums are added in the output dtype, in arrival
-order where a tile gets more than two (P > 2, split tails): `OverlapConfig.deterministic`
-refuses those. On one device (axis_name None: the kernel's GEMM core) the main loop's tiles
-are stored, not added; a split tail's tiles are zeroed first, then its K-ranges added, as on P
-devices. Measurements behind these choices: docs/performance.md.
+device's own) along K (`tail_plan`), or `stream_tail` deals their K-steps evenly to every CTA
+(`stream_pieces`); the schedule's arithmetic is `rs_schedule`'s. Partial sums are added in the
+output dtype, in arrival order where a tile gets more than two (P > 2, split or streamed
+tails): `OverlapConfig.deterministic` refuses those. On one device (axis_name None: the
+kernel's GEMM core) the main loop's tiles are stored, not added; a split or streamed tail's
+tiles are zeroed first, then its K-ranges added, as on P devices. Measurements behind these
+choices: docs/performance.md.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,45 +31,17 @@ from jax import lax
 from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import ZERO_ROWS, DirectRSConfig
-
-#: What a tail unit costs beyond its K-steps (epilogue, pipeline ramp), in K-steps: the
-#: automatic split_tail's model.
-TAIL_OVERHEAD_STEPS = 2
-
-
-def tail_plan(
-    num_tiles: int, per_block: int, ctas: int, k_iters: int, tiles: DirectRSConfig
-) -> tuple[int, int]:
-    """(tail tiles, splits): the tiles of the last, partly filled wave (`num_tiles % ctas`) and
-    how many K-ranges each is split into (DirectRSConfig.split_tail; 1: no tail). The tail tiles
-    are this device's own, so their partial sums add up here, not over NVLink. A split must
-    divide K/tile_k into ranges of at least `stages` steps; 0 picks the split that minimises
-    ceil(tail * s / ctas) * (k_iters / s + TAIL_OVERHEAD_STEPS), 1 included."""
-    tail = num_tiles % ctas
-    split = tiles.split_tail
-    if split == 1 or tail == 0:
-        return 0, 1
-    valid = [s for s in range(1, k_iters // tiles.stages + 1) if k_iters % s == 0]
-    if split:
-        if split not in valid:
-            raise ValueError(
-                f"DirectRSConfig.split_tail={split} must divide K/tile_k={k_iters} into ranges of "
-                f"at least {tiles.stages} steps (stages)"
-            )
-        if tail > per_block:
-            raise ValueError(
-                f"DirectRSConfig.split_tail needs the tail ({tail} tiles) within one block "
-                f"({per_block} tiles)"
-            )
-    else:
-        if tail > per_block:
-            return 0, 1
-
-        def cost(s: int) -> float:
-            return -(-tail * s // ctas) * (k_iters / s + TAIL_OVERHEAD_STEPS)
-
-        split = min(valid, key=cost)
-    return (tail, split) if split > 1 else (0, 1)
+from commgemm.mosaic_gpu.rs_schedule import (
+    STREAMED,
+    main_unit,
+    stream_pieces,
+    stream_share,
+    tail_plan,
+    tail_unit,
+    wave_tiles,
+    zero_bands_per_tile,
+    zero_plan,
+)
 
 
 def signal_devices(sem, peers) -> None:
@@ -76,81 +49,6 @@ def signal_devices(sem, peers) -> None:
     with relaxed_signal's invariant: after this thread's awaited TMA stores."""
     for i, peer in enumerate(peers):
         mt.relaxed_signal(sem, device_id=None if i == 0 else peer)
-
-
-def _rem(a, n: int):
-    return a % n if isinstance(a, int) else lax.rem(a, jnp.int32(n))
-
-
-def _select(pred, a, b):
-    return (a if pred else b) if isinstance(pred, bool) else jnp.where(pred, a, b)
-
-
-def main_unit(lin, size: int, per_block: int, tail_tiles: int):
-    """(tile, offset) of the main loop's `lin`-th unit: the P blocks' copies of one tile are
-    consecutive (offset: the owner's distance from here), except that the peers' copies of the
-    last `tail_tiles` tiles come last (their own copies are the tail's). Python ints in, ints
-    out; traced in, traced out."""
-    tile, offset = lin // size, _rem(lin, size)
-    if not tail_tiles or size == 1:  # one device: the main loop's tiles come in order
-        return tile, offset
-    late = lin - size * (per_block - tail_tiles)
-    in_late = late >= 0
-    tile = _select(in_late, per_block - tail_tiles + late // (size - 1), tile)
-    offset = _select(in_late, 1 + _rem(late, size - 1), offset)
-    return tile, offset
-
-
-def wave_tiles(wave, ctas: int, main_units: int, size: int, per_block: int, tail_tiles: int):
-    """[lo, hi): the tiles (of every block) first added into by the main loop's `wave`-th wave
-    of `ctas` units. Every unit of a wave adds into a tile below its wave's hi, and the waves'
-    ranges follow one another, so zeroing wave w's range before wave w runs is enough
-    (DirectRSConfig.zero_ahead). The last wave's hi is per_block (the tail's tiles included)."""
-
-    def last_tile(w):
-        lin = (w + 1) * ctas - 1
-        lin = min(lin, main_units - 1) if isinstance(lin, int) else jnp.minimum(lin, main_units - 1)
-        return main_unit(lin, size, per_block, tail_tiles)[0]
-
-    before = wave - 1 if isinstance(wave, int) else jnp.maximum(wave - 1, 0)
-    return _select(wave == 0, 0, last_tile(before) + 1), last_tile(wave) + 1
-
-
-class ZeroPlan(NamedTuple):
-    """A reduce-adding kernel's zeroing (zero_ahead = D): the compute warpgroups zero the first
-    `ahead` waves' tiles (`first_tiles` a block) first; with `late_zero` the load warpgroups
-    zero each later wave's D waves early, at most `late_iters` ZERO_ROWS bands a CTA."""
-
-    waves: int
-    ahead: int
-    late_zero: bool
-    first_tiles: int
-    late_iters: int
-
-
-def zero_plan(zero_ahead: int, ctas: int, main_units: int, size: int, per_block: int,
-              tail_tiles: int, bands: int, sms: int) -> ZeroPlan:  # fmt: skip
-    """The ZeroPlan of `main_units` units on `ctas` CTAs (`sms` SMs), `size` blocks of
-    `per_block` tiles (`tail_tiles` each past the main loop), `bands` bands a tile."""
-    waves = -(-main_units // ctas)
-    ahead = min(zero_ahead, waves) if zero_ahead else waves
-    first_tiles = wave_tiles(ahead - 1, ctas, main_units, size, per_block, tail_tiles)[1]
-    spans = [wave_tiles(w, ctas, main_units, size, per_block, tail_tiles)
-             for w in range(ahead, waves)]  # fmt: skip
-    late_iters = max([-(-(hi - lo) * bands // sms) for lo, hi in spans], default=0)
-    return ZeroPlan(waves, ahead, size > 1 and ahead < waves, first_tiles, late_iters)
-
-
-def zero_bands_per_tile(tiles: DirectRSConfig, block_m: int) -> int:
-    """How many bands of block_m rows (the zeroing's units) one cluster tile of the output
-    has."""
-    return tiles.cluster_m // block_m
-
-
-def tail_unit(unit, per_block: int, tail_tiles: int, splits: int):
-    """(tile, part) of the tail's `unit`-th unit: the part-th of `splits` K-ranges of one of this
-    device's last `tail_tiles` tiles."""
-    return per_block - tail_tiles + unit // splits, lax.rem(unit, jnp.int32(splits))
 
 
 def matmul_reduce_scatter(
@@ -204,10 +102,9 @@ def matmul_reduce_scatter(
     # chain_tiles, takes no late release: there each wgmma is awaited)
     release = 0 if tiles.chain_tiles else 1
 
-    def get_pipeline(steps, body, compute_context, state=None):
-        return mt.tile_pipeline(
-            tiles, dtype, steps, body, compute_context, release=release, state=state, w_nk=w_nk
-        )
+    def get_pipeline(steps, body, compute_context, state=None, k_first=0):
+        return mt.tile_pipeline(tiles, dtype, steps, body, compute_context, release=release,
+                                state=state, w_nk=w_nk, k_first=k_first)  # fmt: skip
 
     def body(x_ref, w_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
@@ -290,8 +187,8 @@ def matmul_reduce_scatter(
                     pl.semaphore_wait(zeroed_waves.at[step], value=size * sms, decrement=False)
 
             def run_tile(tile, offset, k_first, k_steps, state=None, first=None):
-                """One output tile's K-steps [k_first, k_first + k_steps) and its epilogue;
-                `offset`: the owner's distance from here."""
+                """One output tile's K-steps [k_first, k_first + k_steps) (traced in a
+                streamed tail) and its epilogue; `offset`: the owner's distance from here."""
                 # the device owning this tile's rows
                 block = lax.rem(here + offset, jnp.int32(size))
                 at = mt.tile_slices(tiles, tile, m_iters, n_iters)
@@ -349,10 +246,9 @@ def matmul_reduce_scatter(
                                          split=split_accumulator, in_flight=release,
                                          last=idxs[0] == k_steps - 1)  # fmt: skip
 
-                ks = pl.ds(k_first * tiles.tile_k, k_steps * tiles.tile_k)
-                get_pipeline(k_steps, mma_body, compute_context, state)(
-                    x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m), ks],
-                    mt.w_columns(w_ref, at.cta_n, ks, w_nk=w_nk),
+                get_pipeline(k_steps, mma_body, compute_context, state, k_first)(
+                    x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m)],
+                    mt.w_columns(w_ref, at.cta_n, w_nk=w_nk),
                     allocations=pipeline_allocs,
                 )
 
@@ -378,7 +274,20 @@ def matmul_reduce_scatter(
                             zeroed_waves.at[waves - 1], value=size * sms, decrement=False
                         )
 
-            if tail_tiles:
+            if tail_tiles and splits == STREAMED:
+                share = stream_share(tail_tiles, k_iters, ctas)
+                pieces = stream_pieces(lax.axis_index("cluster_grid"), share, per_block,
+                                       tail_tiles, k_iters)  # fmt: skip
+                for i, (tile, k_first, k_steps) in enumerate(pieces):
+                    # on one device the first piece awaits the tail's zeroing
+                    first = None if reduce or i else True
+                    # jax's pipeline counts a dynamic grid's steps in this type (as a static
+                    # grid's: int64 under jax_enable_x64)
+                    k_steps = k_steps.astype(jnp.result_type(int))
+                    pl.when(k_steps > 0)(
+                        functools.partial(run_tile, tile, 0, k_first, k_steps, first=first)
+                    )
+            elif tail_tiles:
 
                 @plgpu.nd_loop((tail_tiles * splits,), collective_axes="cluster_grid")
                 def _tail(info):

@@ -42,22 +42,15 @@ def hopper_reason() -> str | None:
 def kernel_params(sms: int, cluster: int, compiler_params: Mapping | None = None) -> dict:
     """plgpu.kernel's launch parameters for the fused kernels: one persistent CTA per SM (in
     clusters of `cluster`), two compute warpgroups and one that issues the loads.
-    `compiler_params`: extra `plgpu.CompilerParams` fields (e.g. Mosaic GPU's profiler, as
-    benchmarks/kernel_profile.py asks for); None in normal use."""
+    `compiler_params`: extra `plgpu.CompilerParams` fields (e.g. benchmarks/kernel_profile.py's
+    profiler); None in normal use."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     semantics = plgpu.LoweringSemantics.Warpgroup
-    return dict(
-        grid=(sms // cluster,),
-        grid_names=("cluster_grid",),
-        cluster=(cluster,),
-        cluster_names=("cluster",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=semantics, **(compiler_params or {})
-        ),
-    )
+    params = plgpu.CompilerParams(lowering_semantics=semantics, **(compiler_params or {}))
+    return dict(grid=(sms // cluster,), grid_names=("cluster_grid",), cluster=(cluster,),
+                cluster_names=("cluster",), num_threads=3, thread_name="wg",
+                compiler_params=params)  # fmt: skip
 
 
 def relaxed_signal(sem, device_id=None) -> None:
@@ -221,20 +214,22 @@ def tile_pipeline(
     release=0,
     state=None,
     w_nk: bool = False,
+    k_first=0,
 ):
     """The warp-specialized K loop of one CTA tile: x blocks [cta_m, tile_k] and w blocks
     [tile_k, cta_n] (with `w_nk`, of w laid out [n, K]: [cta_n, tile_k], K-major as float8
-    wgmma needs), `tiles.stages` loaded ahead (shared across a 2-CTA cluster by multicast).
-    `release`: a K-step's smem slot is released that many steps late (its wgmma may still run,
-    or its block still be read by a transfer). `state`: `chain_state` where a CTA's tiles run
-    as one pipeline."""
+    wgmma needs), `tiles.stages` loaded ahead (multicast to a 2-CTA cluster), `k_iters` K-steps
+    (traced: a dynamic grid) from the `k_first`-th. `release`: a K-step's smem slot is released
+    that many steps late (its wgmma may still run, or a transfer read its block). `state`:
+    `chain_state` where a CTA's tiles run as one pipeline."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     transforms, cluster = smem_transforms(dtype, tiles.tile_k), getattr(tiles, "cluster", None)
+    at = (lambda kk: kk) if isinstance(k_first, int) and not k_first else (lambda kk: kk + k_first)
     if w_nk:
-        w_block, w_index = (tiles.cta_n, tiles.tile_k), lambda kk: (0, kk)
+        w_block, w_index = (tiles.cta_n, tiles.tile_k), lambda kk: (0, at(kk))
     else:
-        w_block, w_index = (tiles.tile_k, tiles.cta_n), lambda kk: (kk, 0)
+        w_block, w_index = (tiles.tile_k, tiles.cta_n), lambda kk: (at(kk), 0)
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_iters,),
@@ -242,7 +237,7 @@ def tile_pipeline(
         in_specs=[
             plgpu.BlockSpec(
                 (tiles.cta_m, tiles.tile_k),
-                lambda kk: (0, kk),
+                lambda kk: (0, at(kk)),
                 transforms=transforms,
                 memory_space=plgpu.SMEM,
                 delay_release=release,

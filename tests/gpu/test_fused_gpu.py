@@ -47,6 +47,7 @@ SPECS = {
         "fused-direct",
         "fused-direct-cm-ct",
         "fused-direct-wgm-cm-ct-m64-n256-k128-s2-t0-a2",
+        "fused-direct-wgm-cm-ct-m64-n256-sk-a2",  # "big": the last 10 tiles streamed
         "fused-direct-pp-gm-cm",  # the ping-pong kernel; "big": a partial last tile column
         "fused-direct-pp-gm-cm-nt",  # the RS plan on 2 GPUs; "big": 24 of 66 clusters halved
     ],

@@ -2,6 +2,8 @@
 the fused ops use, and the ops' serial path on it (`local_gemm="mosaic"`), against the float32
 product of the same operands."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,11 @@ from commgemm.mosaic_gpu import (
 pytestmark = pytest.mark.skipif(
     jax.__version_info__ < (0, 11), reason="the Mosaic GPU kernels need jax >= 0.11"
 )
+
+
+#: The cooperative RS plan's tiling (`heuristics.direct_rs_config` for more than 2 devices).
+PLAN_RS = DirectRSConfig(wg_along_m=True, tile_m=64, tile_n=256, cluster="m", chain_tiles=True,
+                         split_tail=0, zero_ahead=2)  # fmt: skip
 
 
 def _operands(m, k, n, seed=0):
@@ -51,20 +58,13 @@ def _ref(x, w):
         # 144 tiles on 132 CTAs: the last 12 split along K, added into their zeroed tiles
         ("rs", DirectRSConfig(split_tail=0), (2048, 1024, 2304)),
         ("rs", DirectRSConfig(split_tail=0), (1024, 512, 1024)),  # 32 tiles: all in the tail
+        # the same tails streamed: 2 K-steps a CTA, most shares across two tiles
+        ("rs", DirectRSConfig(stream_tail=True), (2048, 1024, 2304)),
+        ("rs", DirectRSConfig(stream_tail=True), (1024, 512, 1024)),
         # the plan's tiling: 1792 cluster tiles on 66 clusters, the last 10 in 4 K-ranges
-        (
-            "rs",
-            DirectRSConfig(
-                wg_along_m=True,
-                tile_m=64,
-                tile_n=256,
-                cluster="m",
-                chain_tiles=True,
-                split_tail=0,
-                zero_ahead=2,
-            ),
-            (8192, 1024, 14336),
-        ),  # fmt: skip
+        ("rs", PLAN_RS, (8192, 1024, 14336)),
+        # and with the tail streamed: 3 of its 160 K-steps a cluster
+        ("rs", dataclasses.replace(PLAN_RS, split_tail=1, stream_tail=True), (8192, 1024, 14336)),
         ("rs", DirectRSConfig(chain_tiles=True), (4096, 512, 2304)),  # 288 tiles, 2+ a CTA
         # 448 tiles on 132 CTAs: 3 waves, then the last 52 tiles as 104 half-width ones
         ("ag", DirectAGConfig(narrow_tail=True), (8192, 512, 1792)),
