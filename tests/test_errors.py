@@ -195,6 +195,32 @@ def test_chain_tiles_needs_two_tiles_per_cta_at_plan_time(monkeypatch):
     assert fused.reason_for_shape(rs, large, size, "bfloat16", chained) is None
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream_tail", "split_tail"])
+def test_explicit_tail_needs_it_within_one_block_at_plan_time(monkeypatch, stream):
+    """An explicit tail (stream_tail, or split_tail > 1) must be this device's own tiles: the
+    plan (GPU faked: 132 SMs) refuses it where the last wave is more than one block, with the
+    kernel's reason; the automatic tail (split_tail=0) then runs whole."""
+    from commgemm.mosaic_gpu import fused
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    monkeypatch.setattr(fused, "_gpu_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    rs, size = cg.Collective.REDUCE_SCATTER, jax.device_count()
+    tiles = mosaic_gpu.DirectRSConfig(cluster="m", stream_tail=stream, split_tail=1 + (not stream))
+    config = cg.OverlapConfig(method="pipeline", atomic_gemm=True, kernel=tiles)
+    per_block = 2  # 256 x 256 cluster tiles a device: all of them in the tail on 66 clusters
+    shape = (256 * size * per_block, 256 * size, 256)
+    tail = size * per_block
+    reason = fused.reason_for_shape(rs, shape, size, "bfloat16", config)
+    what = "stream_tail" if stream else "split_tail"
+    assert reason == (f"DirectRSConfig.{what} needs the tail ({tail} tiles) within one block "
+                      f"({per_block} tiles)")  # fmt: skip
+    whole = (256 * size * 66, 256 * size, 256)  # whole waves: no tail
+    assert fused.reason_for_shape(rs, whole, size, "bfloat16", config) is None
+    auto = config.replace(kernel=mosaic_gpu.DirectRSConfig(cluster="m", split_tail=0))
+    assert fused.reason_for_shape(rs, shape, size, "bfloat16", auto) is None
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 def test_ring_all_gather_takes_partial_rounds_of_stages(monkeypatch, stages):
     """The ring AG kernel awaits every wgmma on a tile's last K-step (`tiles.await_last_step`),

@@ -63,6 +63,7 @@ from commgemm.mosaic_gpu import (
     pingpong_scatter_gemm,
     push_gather_gemm,
     ring_scatter_gemm,
+    rs_schedule,
     scatter_add_gemm,
 )
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
@@ -180,11 +181,13 @@ def unsupported_reason(
         return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
-    if chain_tiles:
+    if isinstance(tiles, DirectRSConfig):
         ctas = mosaic_tiles.num_sms() // tiles.cluster_size
-        count = size * (m // tiles.cluster_m) * (n // tiles.cluster_n)
-        if count < 2 * ctas:
+        per_block = (m // tiles.cluster_m) * (n // tiles.cluster_n)
+        if chain_tiles and size * per_block < 2 * ctas:
+            count = size * per_block
             return f"chain_tiles needs two tiles per CTA, got {count} tiles for {ctas} CTAs"
+        return rs_schedule.tail_reason(size * per_block, per_block, ctas, tiles)
     return None
 
 

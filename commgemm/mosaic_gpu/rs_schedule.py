@@ -38,12 +38,8 @@ def tail_plan(
     split = tiles.split_tail
     if tail == 0 or (split == 1 and not tiles.stream_tail):
         return 0, 1
-    if tail > per_block and (split or tiles.stream_tail):
-        what = "stream_tail" if tiles.stream_tail else "split_tail"
-        raise ValueError(
-            f"DirectRSConfig.{what} needs the tail ({tail} tiles) within one block "
-            f"({per_block} tiles)"
-        )
+    if (reason := tail_reason(num_tiles, per_block, ctas, tiles)) is not None:
+        raise ValueError(reason)
     if tiles.stream_tail:
         return tail, STREAMED
     # 1 (whole) and the splits into ranges of at least `stages` steps
@@ -65,6 +61,18 @@ def tail_plan(
         if stream_share(tail, k_iters, ctas) + 2 * STREAM_OVERHEAD_STEPS < cost(split):
             return tail, STREAMED
     return (tail, split) if split > 1 else (0, 1)
+
+
+def tail_reason(num_tiles: int, per_block: int, ctas: int, tiles: DirectRSConfig) -> str | None:
+    """Why `tiles`' explicit tail (split_tail > 1 or stream_tail) cannot run `num_tiles`
+    tiles, `per_block` a device, on `ctas` CTAs, or None: the tail's tiles must be this
+    device's own, so the last wave's tiles must fit in one block."""
+    tail = num_tiles % ctas
+    if tail <= per_block or not (tiles.split_tail > 1 or tiles.stream_tail):
+        return None
+    what = "stream_tail" if tiles.stream_tail else "split_tail"
+    return (f"DirectRSConfig.{what} needs the tail ({tail} tiles) within one block "
+            f"({per_block} tiles)")  # fmt: skip
 
 
 def stream_share(tail_tiles: int, k_iters: int, ctas: int) -> int:
