@@ -140,6 +140,25 @@ def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
     assert "mosaic_gpu" in text and planned == [expected]
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_streamed_tail_through_the_public_op(check_vma, monkeypatch):
+    """cg.matmul_reduce_scatter with the cooperative plan's tiling and stream_tail, under either
+    shard_map setting, plans the fused kernel (as on 2 Hopper GPUs) and lowers it with the last
+    wave streamed: 2 x 8 x 16 cluster tiles on 66 clusters leave 58, within one block."""
+    from commgemm.mosaic_gpu import rs_schedule
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(jax, "device_count", lambda *_: 2)
+    planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
+    config = parse_method("fused-direct-wgm-cm-ct-m64-n256-sk-a2", "rs")
+    op = lambda x, w: cg.matmul_reduce_scatter(x, w, "x", config=config)  # noqa: E731
+    f = jax.shard_map(op, mesh=mesh1d(2), in_specs=(P(None, "x"), P("x", None)),
+                      out_specs=P("x", None), check_vma=check_vma)  # fmt: skip
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 1024), (1024, 4096))]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and planned == [(58, rs_schedule.STREAMED)]
+
+
 def test_chain_tiles_needs_two_tiles_per_cta():
     cfg = cg.OverlapConfig(
         method="pipeline", atomic_gemm=True, kernel=mosaic_gpu.DirectRSConfig(chain_tiles=True)
