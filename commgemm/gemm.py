@@ -322,13 +322,18 @@ def _xla_gemm(
     x: jax.Array, w: jax.Array, mesh, out_spec: PartitionSpec, cfg: OverlapConfig, recipe
 ):
     """Plain XLA: one dot, float32 accumulation (or the quantized GEMM), then the requested
-    sharding."""
-    if recipe is not None:
-        out = quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
-    else:
-        cfg = with_dtypes(cfg, x.dtype)
-        out = dot(x, w, ((x.ndim - 1,), (0,)), accumulate_dtype=cfg.accumulate_dtype,
-                  result_dtype=cfg.out_dtype)  # fmt: skip
+    sharding. On Explicit mesh axes the GEMM runs with the axes made Auto (`auto_axes`), so that
+    XLA's propagation shards it and its gradient as under jit on Auto axes: layouts the dot's
+    sharding rule calls ambiguous (a sharded contraction) or illegal (an axis on both M and N)
+    are then resharded, as `jnp.dot(..., out_sharding=)` does."""
+
+    def product(x, w):
+        if recipe is not None:
+            return quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
+        wide = with_dtypes(cfg, x.dtype)
+        return dot(x, w, ((x.ndim - 1,), (0,)), accumulate_dtype=wide.accumulate_dtype,
+                   result_dtype=wide.out_dtype)  # fmt: skip
+
     if all(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.sharding.reshard(out, NamedSharding(mesh, out_spec))
-    return lax.with_sharding_constraint(out, NamedSharding(mesh, out_spec))
+        return jax.sharding.auto_axes(product, out_sharding=NamedSharding(mesh, out_spec))(x, w)
+    return lax.with_sharding_constraint(product(x, w), NamedSharding(mesh, out_spec))

@@ -174,6 +174,7 @@ def launch(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                errors="backslashreplace",  # a byte that is not UTF-8 must not stop forwarding
                 bufsize=1,
                 start_new_session=True,  # its own process group: stopped with its children
             )

@@ -31,6 +31,17 @@ class CollectiveOpSet:
     forward: Collective
     backward: Collective
 
+    def __post_init__(self) -> None:
+        forward, backward = Collective(self.forward), Collective(self.backward)
+        if forward not in _BACKWARD or backward is not _BACKWARD[forward]:
+            pairs = ", ".join(f"({f.name}, {b.name})" for f, b in _BACKWARD.items())
+            raise ValueError(
+                f"CollectiveOpSet({forward.name}, {backward.name}) is no pair the layers run: "
+                f"use one of {pairs}, e.g. CollectiveOpSet.create({forward.name!r})"
+            )
+        object.__setattr__(self, "forward", forward)
+        object.__setattr__(self, "backward", backward)
+
     @classmethod
     def create(cls, forward_collective: Collective | str) -> CollectiveOpSet:
         """The pair for `forward_collective`: ALL_GATHER <-> REDUCE_SCATTER, NONE <-> NONE

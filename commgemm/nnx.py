@@ -225,9 +225,8 @@ class RowParallelLinear(_Parallel):
 
 
 def _layer_kwargs(mesh, axis_name, data_axis, sequence_parallel, config, scaling, dtype):
-    return dict(mesh=mesh, axis_name=axis_name, data_axis=data_axis,
-                sequence_parallel=sequence_parallel, config=config, scaling=scaling,
-                dtype=dtype)  # fmt: skip
+    return dict(mesh=mesh, axis_name=axis_name, data_axis=data_axis, dtype=dtype,
+                sequence_parallel=sequence_parallel, config=config, scaling=scaling)  # fmt: skip
 
 
 class ParallelMLP(nnx.Module):
@@ -279,10 +278,18 @@ class ParallelAttentionProjections(nnx.Module):
         b, s, h = x.shape
         heads, d = self.num_heads, h // self.num_heads
         # [B, S, heads, 3, d]: device i's columns are heads i*heads/P.. of q, k and v alike
+        mesh = self.qkv.mesh
+        by_head = NamedSharding(mesh, P(self.qkv.data_axis, None, self.qkv.axis_name))
+        if all(t == AxisType.Explicit for t in mesh.axis_types):
+            if not jax.sharding.get_abstract_mesh().axis_names:  # attention_fn's arrays need it
+                with jax.set_mesh(mesh):
+                    return self(x)
+            qkv = self.qkv(x).reshape(b, s, heads, 3, d, out_sharding=by_head)
+            out = self.attention_fn(*(qkv[:, :, :, i] for i in range(3)))
+            return self.out(out.reshape(b, s, h, out_sharding=by_head))  # heads stay sharded
         qkv = self.qkv(x).reshape(b, s, heads, 3, d)
         # heads stay sharded, forward and backward (the constraints' transposes hold the
         # cotangents too; left to itself XLA gathered dq, dk and dv over every head)
-        by_head = NamedSharding(self.qkv.mesh, P(self.qkv.data_axis, None, self.qkv.axis_name))
         q, k, v = (jax.lax.with_sharding_constraint(qkv[:, :, :, i], by_head) for i in range(3))
         out = jax.lax.with_sharding_constraint(self.attention_fn(q, k, v), by_head)
         return self.out(out.reshape(b, s, h))

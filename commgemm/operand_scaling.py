@@ -1,9 +1,10 @@
 """How an op quantizes its operands under a `ScalingRecipe`: x and w with their tensor (or
 NVFP4 global) scale shared over the op's mesh axes (`quantize_operand`), a weight quantized
 once for several calls (`quantize_weight` -> `QuantizedWeight`, taken by `weight_operand`),
-dY for the backward (`dy_quantized`), and the straight-through values of emulated paths
-(`straight_through`). The ops' quantized GEMMs are commgemm.scaled and commgemm.scaled_2d; the
-grouped ops' commgemm.grouped.scaling."""
+dY for the backward (`dy_quantized`), the straight-through values of emulated paths
+(`straight_through`), and the rows of operands each shard quantized by its own tensor scale
+(`scales_may_differ`, `rescaled_by_source`). The ops' quantized GEMMs are commgemm.scaled and
+commgemm.scaled_2d; the grouped ops' commgemm.grouped.scaling."""
 
 from __future__ import annotations
 
@@ -205,3 +206,21 @@ def check_scales(name: str, t: ScaledTensor) -> None:
             f"{name}'s scales have shape {tuple(t.scale_inv.shape)}; {t.mode.name} values of shape "
             f"{tuple(t.data.shape)} with blocks along axis {t.axis} need {tuple(want)}"
         )
+
+
+def scales_may_differ(x: ScaledTensor, axis_name: str) -> bool:
+    """Whether x's tensor scale may differ between the shards of `axis_name`: unless
+    shard_map's check_vma types it invariant there (quantized with an amax shared over the
+    axis), each shard may have quantized with its own."""
+    if x.mode not in TENSOR_MODES and x.global_scale_inv is None:
+        return False  # MXFP8: the block scales travel with their rows
+    return not checks_vma(axis_name) or axis_name in varying_axes(tensor_scale(x))
+
+
+def rescaled_by_source(out: jax.Array, scale: jax.Array, axis_name: str) -> jax.Array:
+    """The gathered GEMM's rows [P*m, n] (rows of source shard s at [s*m, (s+1)*m)), computed
+    with this shard's tensor scale, each block multiplied by its source's scale over this one's:
+    the product under each shard's own scale."""
+    scales = lax.all_gather(scale, axis_name)  # [P]: a number from each shard
+    blocks = out.reshape(scales.shape[0], -1, out.shape[-1]).astype(jnp.float32)
+    return (blocks * (scales / scale)[:, None, None]).astype(out.dtype).reshape(out.shape)

@@ -15,6 +15,7 @@ from jax import lax
 from commgemm.autodiff import collective_matmul
 from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
+from commgemm.operand_scaling import rescaled_by_source, scales_may_differ, tensor_scale
 from commgemm.operands import (
     axis_size,
     check_divisible,
@@ -115,7 +116,10 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
     recipe = ScalingRecipe(x.mode)  # the defaults, which scaled.prequantized_matmul runs
     _check_fused_scaling(fn_name, resolve(config)[0], recipe)
     cfg = _quantized_config(plan.config, recipe, resolve(config)[0])
-    return restore(prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed))
+    out = prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed)
+    if collective is Collective.ALL_GATHER and scales_may_differ(x, axis_name):
+        out = rescaled_by_source(out, tensor_scale(x), axis_name)
+    return restore(out)
 
 
 def _fused_scaling_reason(cfg: OverlapConfig, recipe: ScalingRecipe) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,21 +41,23 @@ class _Call:
     config: OverlapConfig | int | None
     scaling: object
     out_dtype: str
+    in_dtype: str  # x's and w's
 
 
 def _plain(x: jax.Array, w: jax.Array, call: _Call) -> jax.Array:
     """The op's meaning: x @ w, float32 accumulation; under call.scaling the quantized GEMM (as
     the fall-back's local GEMM: each row shard of x then takes its own scale, the operands being
     whole only along K)."""
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit sizes: M may be 0
+    out_shape = (*x.shape[:-1], w.shape[1])
     if call.scaling is not None:
         from commgemm.scaled import matmul as quantized_matmul
 
         out = quantized_matmul(x2d, w, call.scaling)
-        return out.astype(call.out_dtype).reshape(*x.shape[:-1], -1)
+        return out.astype(call.out_dtype).reshape(out_shape)
     wide = jnp.promote_types(x.dtype, jnp.float32).name
     out = dot(x2d, w, ((1,), (0,)), accumulate_dtype=wide, result_dtype=call.out_dtype)
-    return out.reshape(*x.shape[:-1], -1)
+    return out.reshape(out_shape)
 
 
 def _body(layout, call: _Call):
@@ -87,9 +90,31 @@ def _layout(call: _Call, mesh, arg_shapes):
     names = tuple(mesh.axis_names)
     x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
     w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names)
-    layout = classify_on(mesh, x_spec, w_spec, call.out_spec)
-    if layout.collective is None:
-        rows = x_spec[:-1]
+    x_shape, w_shape = arg_shapes[0].shape, arg_shapes[1].shape
+    uneven = not (
+        _even(mesh, x_spec, x_shape)
+        and _even(mesh, w_spec, w_shape)
+        and _even(mesh, call.out_spec, (*x_shape[:-1], w_shape[1]))
+    )
+    layout = None if uneven else classify_on(mesh, x_spec, w_spec, call.out_spec)
+    if layout is not None and layout.collective is not None:
+        reason = _unrunnable(layout, call, mesh, x_shape, w_shape)
+        if reason is not None:
+            warnings.warn(
+                f"commgemm.gemm: the shardings XLA chose (x {x_spec}, w {w_spec} -> out "
+                f"{call.out_spec}) imply {layout.collective.name} over {layout.axis!r}, which "
+                f"config {call.config} cannot run: {reason}. Computing this GEMM without "
+                "overlap; pass x_spec= and w_spec= to get this error at trace time",
+                stacklevel=2,
+            )
+            layout = None
+    if layout is None or layout.collective is None:
+        # XLA pads uneven shards with values that are not zeros: a dimension the GEMM
+        # contracts, gathers or scatters must be whole, so uneven dimensions go unsharded
+        rows = tuple(
+            a if _divides(mesh, a, d) else None
+            for a, d in zip(x_spec[:-1], x_shape[:-1], strict=True)
+        )
         body = functools.partial(_plain, call=call)
         return body, rows + (None,), (None, None), rows + (None,), ()
     reduced = ()
@@ -98,6 +123,44 @@ def _layout(call: _Call, mesh, arg_shapes):
     elif layout.collective is Collective.NONE and not uses_tpu_kernels(resolve(call.config)[0]):
         reduced = (layout.axis[1],)  # matmul_2d all-reduces over its k axis
     return _body(layout, call), x_spec, w_spec, call.out_spec, reduced
+
+
+def _divides(mesh, entry, dim: int) -> bool:
+    """Whether the mesh axes of one spec entry split a dimension of `dim` evenly."""
+    axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    return dim % math.prod(mesh.shape[a] for a in axes) == 0
+
+
+def _even(mesh, spec, shape) -> bool:
+    return all(_divides(mesh, e, d) for e, d in zip(spec, shape, strict=True))
+
+
+def _unrunnable(layout, call: _Call, mesh, x_shape, w_shape) -> str | None:
+    """Why the per-shard op of `layout` refuses this call (its plan-time error), or None: found
+    by tracing it on the shards' shapes, so that a refusal becomes a warning and the local GEMM
+    here rather than an error from inside XLA's partitioner."""
+    from jax.sharding import Mesh
+
+    def spec(s):
+        return PartitionSpec(*s)
+
+    concrete = mesh if isinstance(mesh, Mesh) else None
+    if concrete is None:
+        return None
+    mapped = jax.shard_map(
+        _body(layout, call),
+        mesh=concrete,
+        in_specs=(spec(layout.x_spec), spec(layout.w_spec)),
+        out_specs=spec(layout.out_spec),
+        check_vma=False,
+    )
+    x = jax.ShapeDtypeStruct(x_shape, call.in_dtype)
+    w = jax.ShapeDtypeStruct(w_shape, call.in_dtype)
+    try:
+        jax.eval_shape(mapped, x, w)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
 
 
 def _shard(mesh, spec) -> NamedSharding:
@@ -198,6 +261,12 @@ def _gemm_bwd(call, residuals, dy):
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
+def _batched(a: jax.Array) -> bool:
+    from jax._src.interpreters.batching import BatchTracer  # no public name for it
+
+    return isinstance(a, BatchTracer)
+
+
 def partitioned_gemm(
     x: jax.Array,
     w: jax.Array,
@@ -210,7 +279,18 @@ def partitioned_gemm(
 ) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] with sharding `out_spec` on `mesh`, overlapped where
     the shardings XLA's propagation chose imply a collective `gemm` knows."""
-    call = _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype)
+    if _batched(x) or _batched(w):
+        raise NotImplementedError(
+            "commgemm.gemm under jit on Auto mesh axes has no vmap rule (XLA's custom "
+            "partitioning has none): fold the batch into x's leading dimensions instead "
+            "(x [B, ..., K] with a leading None in out_sharding), or pass x_spec= and w_spec= "
+            "(the shard_map path, which vmap batches)"
+        )
+    if 0 in (*x.shape, w.shape[1]):  # nothing to partition: the empty product, or zeros
+        out = _plain(x, w, _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype,
+                                 x.dtype.name))  # fmt: skip
+        return lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(*out_spec)))
+    call = _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype, x.dtype.name)
     out = _gemm(x, w, call)
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                 if t == AxisType.Explicit}  # fmt: skip

@@ -121,6 +121,7 @@ def make_plan(
             bidirectional=False,
             aggregate=False,
             atomic_gemm=False,
+            interpret=False,
             kernel=None,
             chain_gemms=False,
         )

@@ -12,7 +12,9 @@ Edge cases: a zero amax gives scale 1 (the tensor is all zeros). A non-finite am
 NaN in x) also gives scale 1 (a delayed state keeps its previous scale), so the finite elements
 keep their values (clipped to the format's range) and only the non-finite ones come back
 non-finite (NaN in formats without inf), as they would in a jnp product: never a tensor of NaN
-from one bad element. The ops' quantized path is commgemm.scaled.
+from one bad element. NVFP4's values hold no NaN or inf: a 16-element block with a non-finite
+element comes back all NaN. A tiny amax gives at most MAX_SCALE, never an inf scale.
+The ops' quantized path is commgemm.scaled.
 """
 
 from __future__ import annotations
@@ -122,12 +124,19 @@ class ScalingState:
         return ScalingState(history, scale, self.algorithm)
 
 
+#: The largest tensor scale (and smallest global scale_inv's reciprocal): a power of two whose
+#: reciprocal is a normal float32, so that a tiny amax never overflows a scale to inf (which
+#: turns zeros into NaN) and the dequantizing factor never flushes to zero.
+MAX_SCALE = 2.0**100
+
+
 def _scale(amax, dtype) -> jax.Array:
     """float32 scale mapping amax onto the dtype's largest value (1 where amax is 0 or not
-    finite)."""
+    finite), at most MAX_SCALE."""
     amax = jnp.asarray(amax, jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
-    return jnp.where(ok, _max(dtype) / jnp.where(ok, amax, 1.0), 1.0)
+    scale = jnp.minimum(_max(dtype) / jnp.where(ok, amax, 1.0), MAX_SCALE)
+    return jnp.where(ok, scale, 1.0)
 
 
 def _cast(v: jax.Array, dtype) -> jax.Array:
@@ -206,9 +215,14 @@ def quantize(
     # inside a fused loop, and values one bit apart round apart at a format's midpoints
     ok = (tensor_amax > 0) & jnp.isfinite(tensor_amax)
     top = _max(FP4) * _max(jnp.float8_e4m3fn)
-    global_scale_inv = jnp.where(ok, tensor_amax * (1.0 / top), 1.0 / _max(jnp.float8_e4m3fn))
+    global_scale_inv = jnp.where(ok, jnp.maximum(tensor_amax * (1.0 / top), 1.0 / MAX_SCALE),
+                                 1.0 / _max(jnp.float8_e4m3fn))  # fmt: skip
     to_block_scale = 1.0 / (_max(FP4) * global_scale_inv)
     block_scale = (block_amax * to_block_scale).astype(jnp.float8_e4m3fn)
+    # float4_e2m1fn holds no NaN or inf: a block with a non-finite element gets a NaN block
+    # scale, so that it dequantizes to NaN rather than to finite values
+    finite = jnp.all(jnp.isfinite(blocks), -1, keepdims=True)
+    block_scale = jnp.where(finite, block_scale, jnp.asarray(jnp.nan, jnp.float8_e4m3fn))
     effective = _held(block_scale).astype(jnp.float32) * global_scale_inv
     to_values = 1.0 / jnp.where(effective > 0, effective, 1.0)  # one per block
     data = _unblocks(_cast(blocks * to_values, FP4), axis, x.ndim)

@@ -164,6 +164,7 @@ def check_checkpoint(model: Decoder, shape: Shape, mesh: Mesh, config) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="auto",
+                        choices=("auto", "none", "pipeline", "ring_exchange", "xla"),
                         help="overlap method: auto, none, pipeline, ring_exchange; or xla (no "
                              "commgemm: XLA's own partitioning of plain dots)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20)

@@ -7,7 +7,7 @@ import jax
 
 from commgemm.autotune import cache
 from commgemm.autotune.costmodel import choose, default_figures
-from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
+from commgemm.config import Collective, OverlapConfig, split_requirement, uses_tpu_kernels
 
 #: The tuner's and the cache's short names of the collectives.
 OP_NAMES = {
@@ -47,8 +47,12 @@ def resolve_auto(
     shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
     kind = jax.devices()[0].device_kind
     found = cache.load()
-    entry = found.plans.get(cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name))
+    key = cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name)
+    entry = found.plans.get(key)
     chosen = entry.config if entry is not None else None
+    if chosen is not None and (problem := _unfit(chosen, collective, x.shape[0], size)):
+        cache.warn_entry(key, problem)
+        chosen = None
 
     def runs(candidate: OverlapConfig) -> bool:
         return _fused_runs(cfg, collective, x, w, size, w_transposed, candidate)
@@ -78,6 +82,19 @@ def resolve_auto(
         )
     chosen_fields = {f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS}
     return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)
+
+
+def _unfit(chosen: OverlapConfig, collective: Collective, rows: int, size: int) -> str | None:
+    """Why a cached winner cannot run this call (the plan's own checks, which would otherwise
+    fail on a config the user never wrote), or None."""
+    try:
+        chosen.replace(collective=collective).algorithm(collective)
+    except ValueError as err:
+        return str(err)
+    need = split_requirement(collective, chosen.method, size, chosen.num_splits)
+    if rows % need:
+        return f"x's split dimension {rows} is not divisible by {need}"
+    return None
 
 
 def _fused_runs(cfg, collective, x, w, size, w_transposed, candidate: OverlapConfig) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from commgemm.autotune.costmodel import MachineFigures
-from commgemm.config import OverlapConfig, config_from_fields, config_to_fields
+from commgemm.config import Method, OverlapConfig, config_from_fields, config_to_fields
 
 VERSION = 2
 #: The config fields a cache entry stores: what AUTO chooses. The dtype fields, deterministic
@@ -99,6 +99,11 @@ def machine_key(device_kind: str, size: int) -> str:
 _warned: set[tuple[str, str]] = set()
 
 
+def warn_entry(key: str, problem: str) -> None:
+    """One warning for a cache entry that was read but cannot run the call it is keyed by."""
+    _warn(cache_path(), f"plans entry {key!r}: {problem}; AUTO chooses without it")
+
+
 def _warn(path: pathlib.Path | str, problem: str) -> None:
     if (str(path), problem) in _warned:
         return
@@ -117,6 +122,8 @@ def _parse_plan(key: str, value: object) -> PlanEntry:
     if unknown:
         raise ValueError(f"unknown config fields {sorted(unknown)}")
     config = config_from_fields(value["config"])
+    if config.method in (Method.AUTO, Method.BULK):
+        raise ValueError(f"method {config.method.name} is no winner a call can run")
     t_ms, vs_bound = float(value.get("t_ms", math.nan)), float(value.get("vs_bound", math.nan))
     return PlanEntry(
         config, t_ms, vs_bound, str(value.get("timing", "")), str(value.get("measured", ""))
@@ -150,6 +157,9 @@ def _parse(path: pathlib.Path, text: str) -> tuple[TuneCache, dict]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         _warn(path, f"not JSON ({err.msg} at line {err.lineno})")
+        return empty
+    except RecursionError:
+        _warn(path, "nested too deeply to read")
         return empty
     if not isinstance(data, dict):
         _warn(path, f"not a JSON object but {type(data).__name__}")

@@ -258,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize()
     elif args.command != "launch":
         setup_devices()
-    return args.run(args)
+    from commgemm.launch import LaunchError
+
+    try:
+        return args.run(args)
+    except (ValueError, OSError, LaunchError) as err:
+        # the user's mistake (a shape, a name, a path) as one line, not a traceback
+        print(f"commgemm {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

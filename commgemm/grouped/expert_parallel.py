@@ -23,7 +23,7 @@ from jax import lax
 from commgemm.config import Method
 from commgemm.grouped.blocks import block_matmul, merged_matmul, row_block
 from commgemm.grouped.collective import resolve_grouped
-from commgemm.grouped.local import check_grouped
+from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
     Rows,
@@ -102,6 +102,9 @@ def _dispatch_grouped(
             f"group_sizes has {group_sizes.shape[0]} experts, w {e} per shard x {size} shards"
         )
     check_grouped(x, w, group_sizes[:e])
+    # traced counts may sum past the rows: cut them at row m, as grouped_matmul does, so that
+    # no shard is sent (or returns results for) rows this shard does not have
+    group_sizes = sizes_in_rows(group_sizes, 0, x.shape[0])
     method = _method(config, "all_to_all_grouped_matmul", size)
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size)

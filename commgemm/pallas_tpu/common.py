@@ -80,6 +80,45 @@ def barrier(ring: Ring, shifts: tuple[int, ...], *, enabled: bool = True) -> Non
     pl.semaphore_wait(sem, len(shifts))
 
 
+def _first_axis_order(axes: frozenset) -> list:
+    """The axis order the interpreter first met for mesh axes `axes` ({(name, size)}) in this
+    process (a one-element list, filled by the caller), forgotten by `jax.clear_caches()`."""
+    return []
+
+
+try:  # a jax cache, so that jax.clear_caches(), which clears the stale state, clears it too
+    from jax._src.util import cache as _jax_cache
+
+    _first_axis_order = _jax_cache(max_size=None, trace_context_in_key=False)(_first_axis_order)
+except (ImportError, TypeError):  # pragma: no cover - a jax without it: remembered for good
+    import functools
+
+    _first_axis_order = functools.cache(_first_axis_order)
+
+
+def check_interpret_mesh(names: tuple[str, ...]) -> None:
+    """Refuses an interpreted kernel on mesh axes that an earlier one met in another order.
+
+    Pallas' TPU interpreter lowers a kernel with the device ids of the mesh axes in order, and
+    jax's caches keep that lowering for a mesh of the same axes and sizes in any order (the
+    axis environment compares as a dict): the second order would compute with the first's
+    device ids (NaN or wrong results, or an IndexError in a semaphore). `jax.clear_caches()`
+    between the two meshes clears both that state and this record."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    order = tuple(n for n in names)
+    seen = _first_axis_order(frozenset((n, sizes[n]) for n in order))
+    if not seen:
+        seen.append(order)
+    elif seen[0] != order:
+        raise ValueError(
+            f"the interpreted TPU kernels already ran on mesh axes {seen[0]} in this process; on "
+            f"the same axes in the order {order}, jax's caches would hand the interpreter the "
+            "first order's device ids (wrong results). Call jax.clear_caches() before using "
+            "the new mesh, or keep one axis order"
+        )
+
+
 def pallas_call(
     kernel, ring: Ring, *, out_shape, in_memory, out_memory, scratch, interpret: bool, race_check
 ):
@@ -110,6 +149,9 @@ def pallas_call(
         if interpret
         else False,
     )
+
+    if interpret:
+        check_interpret_mesh(ring.names)
 
     def run(*operands):
         # traced with 32-bit types: under jax_enable_x64 Python ints would become i64 indices,
