@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -131,8 +132,10 @@ def run_demo(
     iters: int = 5,
     seed: int = 0,
     dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
 ) -> list[DemoRow]:
-    """Runs every op x method; returns one row each (max |error| vs float64, median ms)."""
+    """Runs every op x method; returns one row each (max |error| vs float64, median ms).
+    `progress(name)` is called as each op x method starts."""
     rng = np.random.default_rng(seed)
     rows = []
     for op, devices, configs in _plan(jax.devices()):
@@ -147,6 +150,8 @@ def run_demo(
         for name, cfg in configs:
             if op == "2d" and cfg.aggregate:
                 continue
+            if progress is not None:
+                progress(f"{op} {name}")
             call = functools.partial(
                 cg.gemm, out_sharding=NamedSharding(mesh, os), config=cfg, x_spec=xs, w_spec=ws
             )

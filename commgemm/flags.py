@@ -42,7 +42,7 @@ def xla_flags(
         if xla_bridge.backends_are_initialized():
             raise RuntimeError(
                 "jax has already started its backends, so new XLA flags would be ignored: call "
-                "commgemm.xla_flags(..., apply=True) before the first jax computation"
+                "commgemm.flags.xla_flags(..., apply=True) before the first jax computation"
             )
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     return flags

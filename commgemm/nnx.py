@@ -275,11 +275,11 @@ class ParallelAttentionProjections(nnx.Module):
         self.out = RowParallelLinear(hidden, hidden, rngs=rngs, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, s, h = x.shape
-        heads, d = self.num_heads, h // self.num_heads
+        (b, s, h), heads, d = x.shape, self.num_heads, x.shape[-1] // self.num_heads
         # [B, S, heads, 3, d]: device i's columns are heads i*heads/P.. of q, k and v alike
         mesh = self.qkv.mesh
-        by_head = NamedSharding(mesh, P(self.qkv.data_axis, None, self.qkv.axis_name))
+        keep = lambda a: a if a is not None and mesh.shape[a] > 1 else None  # noqa: E731
+        by_head = NamedSharding(mesh, P(keep(self.qkv.data_axis), None, keep(self.qkv.axis_name)))
         if all(t == AxisType.Explicit for t in mesh.axis_types):
             if not jax.sharding.get_abstract_mesh().axis_names:  # attention_fn's arrays need it
                 with jax.set_mesh(mesh):

@@ -194,7 +194,8 @@ def main(argv=None) -> dict:
     columns = (*Progress.get_default_columns()[:3], TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, disable=args.quiet) as progress:
-        task = progress.add_task(f"{mesh.shape} {args.method}", total=args.steps, info="")
+        axes = " x ".join(f"{n} {k}" for n, k in mesh.shape.items())
+        task = progress.add_task(f"{axes}, {args.method}", total=args.steps, info="")
         for _ in range(args.steps):
             tokens = next(data)
             start = time.perf_counter()
@@ -205,6 +206,7 @@ def main(argv=None) -> dict:
             info = f"loss {loss:.4f} (twin {twin_losses[-1]:.4f})  step {times[-1] * 1e3:.1f} ms"
             progress.update(task, advance=1, info=info)
     if not args.no_checkpoint:
+        print("saving and restoring a checkpoint (orbax; 10 to 20 s on a CPU) ...", flush=True)
         check_checkpoint(model, shape, mesh, config)
     gap = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     summary = {
@@ -213,7 +215,14 @@ def main(argv=None) -> dict:
         "last_loss": losses[-1], "max_gap_to_twin": gap,
         "median_step_ms": float(np.median(times[1:] or times) * 1e3),
     }  # fmt: skip
-    print(summary)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("", "", title="train_transformer")
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), f"{value:.4g}" if isinstance(value, float) else
+                      str(value))  # fmt: skip
+    Console().print(table)
     return summary
 
 

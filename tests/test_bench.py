@@ -329,6 +329,43 @@ def test_cli_bench_says_why_a_method_did_not_run(capsys):
     assert re.search(r"fused: not\s+run:\s+ATOMIC_GEMM_AG_P2P", capsys.readouterr().out)
 
 
+def test_cli_bench_fails_when_no_requested_method_ran(capsys):
+    """Only fused, on a CPU: the backend is the reason given first, and the exit is 1."""
+    code = main(["bench", "--shape", "256,64,64", "--dtype", "bf16", "--iters", "2",
+                 "--methods", "fused"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 1 and "none of the methods fused ran" in out.err
+    assert re.search(r"cannot run this call:\s+it runs on GPUs; this backend is cpu", out.out)
+
+
+def test_cli_help_shows_each_default_once():
+    """No option's help names its default twice, or a default of None."""
+    from commgemm.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert isinstance(sub.formatter_class, type) and issubclass(
+            sub.formatter_class, args.HelpFormatter
+        ), name
+        formatter = sub.formatter_class(name)
+        for action in sub._actions:
+            text = formatter._get_help_string(action) or ""
+            text = text.replace("%(default)s", str(action.default))
+            assert text.count("default") <= 1 and "(default: None)" not in text, (name, text)
+
+
+def test_cli_tune_and_demo_progress_lines(capsys, tmp_path, monkeypatch):
+    """Off a terminal, tune and demo print a line per step on stderr while they work."""
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    assert main(["tune", "--shape", "256,64,64", "--dtype", "f32", "--iters", "2",
+                 "--methods", "none,ring"]) == 0  # fmt: skip
+    assert "tune ag: none (compile, check)" in capsys.readouterr().err
+    assert main(["demo", "--size", "64", "--iters", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "demo: ag NONE" in err and "demo: rs" in err
+
+
 def test_cli_info(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)

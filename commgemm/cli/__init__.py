@@ -8,6 +8,7 @@ import sys
 
 from commgemm.cli import args as types
 from commgemm.cli.args import PRESET_NAMES
+from commgemm.cli.progress import steps
 from commgemm.devices import setup_devices
 
 __all__ = ["PRESET_NAMES", "build_parser", "main"]
@@ -34,7 +35,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"commgemm demo on {env['device_count']} x {env['device_kind']} ({env['backend']}) in "
         f"{env['process_count']} process(es), M=K=N={args.size}, {args.dtype}"
     )
-    rows = run_demo(m=args.size, k=args.size, n=args.size, iters=args.iters, dtype=args.dtype)
+    lead = env["process_index"] == 0
+    with steps(console, "demo", lead=lead) as step:
+        rows = run_demo(m=args.size, k=args.size, n=args.size, iters=args.iters,
+                        dtype=args.dtype, progress=step)  # fmt: skip
     table = Table("op", "method", "max |error|", "tolerance", "median ms", "check")
     for r in rows:
         table.add_row(
@@ -107,19 +111,13 @@ def _tune(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"commgemm tune: {err}", file=sys.stderr)
         return 2
-    result = tune(
-        args.op,
-        shape,
-        dtype=args.dtype,
-        methods=methods,
-        iters=args.iters,
-        periods=args.periods,
-        label=spec_of,
-    )
+    console = Console()
+    with steps(console, f"tune {args.op}") as step:
+        result = tune(args.op, shape, dtype=args.dtype, methods=methods, iters=args.iters,
+                      periods=args.periods, label=spec_of, progress=step)  # fmt: skip
     table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
     for cfg, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
         table.add_row(spec_of(cfg), f"{t:.3f}", f"{result.vs_bound[cfg]:.2f}")
-    console = Console()
     console.print(table)
     if result.period_error:
         console.print(f"device periods: {result.period_error}")
@@ -149,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     from commgemm import __version__
     from commgemm.cli import bench as bench_cli
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = types.HelpFormatter
     parser = argparse.ArgumentParser(prog="commgemm", description=__doc__, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"commgemm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune",
         help="measure candidate plans, cache the best for AUTO",
-        description=bench_cli.CPU_NOTE,
+        description=bench_cli.TUNE_CPU_NOTE,
         formatter_class=fmt,
     )
     tune.add_argument("--op", choices=["ag", "rs", "ar"], default="ag", help="the op")
@@ -230,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     launch.set_defaults(run=_launch)
-    info = sub.add_parser("info", help="devices, backend, versions, XLA flags")
+    info = sub.add_parser("info", help="devices, backend, versions, XLA flags", formatter_class=fmt)
     info.set_defaults(run=_info)
     return parser
 

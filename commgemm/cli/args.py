@@ -13,6 +13,17 @@ PRESET_NAMES = ("llama70b_mlp", "llama8b_mlp", "comm_heavy", "llama13b_mlp", "no
 DTYPES = ("bfloat16", "float32", "float16")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default shown once: not where the help names its own, nor a None default (an
+    option that is off, or required)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an int >= low."""
 

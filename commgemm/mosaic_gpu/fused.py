@@ -142,7 +142,16 @@ def unsupported_reason(
     w_transposed: bool,
 ) -> str | None:
     """Why the fused kernel cannot run this per-shard call (x the 2-D view [rows, K], w [K, n]
-    or [n, K] with w_transposed), or None when it can."""
+    or [n, K] with w_transposed), or None when it can. Off a Hopper GPU (or with several
+    processes) that comes first, and what the shape or config would still need after it."""
+    shape_reason = _call_reason(collective, x, w, size, config, w_transposed=w_transposed)
+    if (gpu := _gpu_reason()) is not None:
+        return gpu if shape_reason is None else f"{gpu} (and there: {shape_reason})"
+    return shape_reason
+
+
+def _call_reason(collective, x, w, size, config, *, w_transposed: bool) -> str | None:
+    """Why the fused kernel cannot run this call on a machine that runs the kernels."""
     if collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         return f"there is no fused kernel for {collective.name}"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
@@ -177,8 +186,6 @@ def unsupported_reason(
         return f"chain_tiles needs K/tile_k={k // tiles.tile_k} divisible by {tiles.stages} stages"
     if config.deterministic and (why := varies_between_calls(collective, config, size)):
         return f"deterministic=True, and {why}"
-    if (reason := _gpu_reason()) is not None:
-        return reason
     if size != jax.device_count():
         return f"the mesh axis must span all {jax.device_count()} devices, it has {size}"
     if isinstance(tiles, DirectRSConfig):
