@@ -16,6 +16,8 @@
 #                                              grouped GEMMs (benchmarks/grouped_gemm.py)
 #   bash benchmarks/run.sh layers-profile OUT  all GPUs: the layers' training step by method
 #                                              against XLA's partitioning, kernel time by kind
+#   bash benchmarks/run.sh multiprocess OUT    2 GPUs: the fused kernels and jax's own collective
+#                                              matmul with one process per GPU (and one for all)
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -66,5 +68,13 @@ case $target in
     exit $status ;;
   capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
   layers-profile) python3 benchmarks/layers_profile.py --out "$out" ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile or capabilities" >&2; exit 2 ;;
+  multiprocess)
+    one="python3 benchmarks/multiprocess_fused.py"
+    $one > "$out/one_process.log" 2>&1 || true
+    python3 -m commgemm launch -n 2 --gpus-per-process 1 --timeout 140 -- $one \
+      > "$out/two_processes.log" 2>&1 || true
+    COMMGEMM_LIFT_PROCESS_CHECK=1 python3 -m commgemm launch -n 2 --gpus-per-process 1 \
+      --timeout 140 -- $one > "$out/two_processes_lifted.log" 2>&1 || true
+    grep -h "OK\|FAILED" "$out"/*.log | cut -c1-400 ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess or capabilities" >&2; exit 2 ;;
 esac
