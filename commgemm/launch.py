@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -68,8 +69,24 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+#: What every rank's jax prints as the coordination service closes (the watch of the other
+#: tasks cancelled): the same five lines per rank after the results, never a fault.
+SHUTDOWN_CHATTER = re.compile(
+    r"WatchTasksAsync failed|Additional GRPC error information from remote target "
+    r"coordination_service|^:(CANCELLED|UNAVAILABLE):|=== Source Location Trace: ===|"
+    r"distributed_runtime/rpc/grpc_util\.h"
+)
+
+
 def _forward(rank: int, stream, tail: collections.deque, out) -> None:
+    """Copies a rank's lines to `out` under its rank, and into `tail`, less the coordination
+    service's shutdown chatter (and the blank line that closes each block of it)."""
+    chatter = False
     for line in iter(stream.readline, ""):
+        if SHUTDOWN_CHATTER.search(line) or (chatter and not line.strip()):
+            chatter = bool(line.strip())
+            continue
+        chatter = False
         tail.append(line.rstrip("\n"))
         out.write(f"[rank {rank}] {line}")
         out.flush()

@@ -5,8 +5,11 @@ mp_worker.py ids            prints the buffer id of a fixed config
 mp_worker.py uninitialized  runs an op without commgemm.initialize(): must raise
 mp_worker.py listen         prints the address the coordinator listens on (from process 0)
 mp_worker.py extra          rank 0 lowers an extra call first; every rank then runs the op
+mp_worker.py tune           each rank's timings favour another candidate: all take rank 0's
+mp_worker.py hosts          2 "hosts" x 4 devices: tensor parallel within, data parallel across
 """
 
+import dataclasses
 import os
 import sys
 
@@ -45,6 +48,54 @@ if mode == "listen":
         }
         print("coordinator on", ",".join(sorted(hosts)))
     sys.exit(0)
+if mode == "tune":
+    from commgemm.autotune import tuner
+    from commgemm.bench import overlap
+
+    real = overlap.overlap_report
+
+    def skewed(*args, **kwargs):  # this rank's own fastest: candidate number process_index
+        report = real(*args, **kwargs)
+        rows = [dataclasses.replace(r, t_ms=1.0 + (i - jax.process_index()) % len(report.rows))
+                for i, r in enumerate(report.rows)]  # fmt: skip
+        return dataclasses.replace(report, rows=rows)
+
+    overlap.overlap_report = skewed
+    methods = [cg.OverlapConfig(), cg.OverlapConfig(method="ring_exchange")]
+    result = tuner.tune("ag", (64, 16, 64), dtype="float32", methods=methods, iters=2,
+                        path=None)  # fmt: skip
+    print("winner", result.best.method.name)
+    sys.exit(0)
+if mode == "hosts":  # processes 0-3 one host's GPUs, 4-7 the other's: "tp" within a host
+    from jax.experimental import multihost_utils
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "tp"))
+    rng = np.random.default_rng(0)  # the same data on every rank
+    x, w = rng.standard_normal((4, 32, 16)), rng.standard_normal((16, 24))
+    layouts = {  # x spec, w spec, out spec
+        "ag": (P("data", "tp", None), P(None, "tp"), P("data", None, "tp")),
+        "rs": (P("data", None, "tp"), P("tp", None), P("data", "tp", None)),
+        "ar": (P("data", None, "tp"), P("tp", None), P("data", None, None)),
+    }
+    bad = []
+    for name, (xs, ws, os_) in layouts.items():
+        for method in ("none", "pipeline", "ring_exchange"):
+            xd, wd = (
+                jax.make_array_from_callback(a.shape, NamedSharding(mesh, s), a.__getitem__)
+                for a, s in ((x, xs), (w, ws))
+            )
+            cfg = cg.OverlapConfig(method=method)
+            f = jax.jit(
+                lambda a, b, cfg=cfg, xs=xs, ws=ws, os_=os_: cg.gemm(
+                    a, b, out_sharding=NamedSharding(mesh, os_), config=cfg, x_spec=xs, w_spec=ws
+                )
+            )
+            out = np.asarray(multihost_utils.process_allgather(f(xd, wd), tiled=True))
+            if not np.allclose(out, x @ w, rtol=1e-5, atol=1e-5):
+                bad.append(f"{name} {method}")
+    print("hosts ok" if not bad else f"hosts WRONG: {bad}")
+    sys.exit(1 if bad else 0)
 mesh = Mesh(np.array(jax.devices()), ("x",))
 x = np.ones((64, 16), np.float32)
 w = np.ones((16, 64), np.float32)

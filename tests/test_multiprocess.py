@@ -147,6 +147,24 @@ def test_extra_trace_on_one_rank_does_not_break_the_plan_check():
     assert out.getvalue().count("result ok") == 2
 
 
+def test_tuner_ranks_agree_on_process_0s_winner(tmp_path, monkeypatch):
+    """Each rank's timings favour another candidate; every rank takes process 0's."""
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    out = io.StringIO()
+    assert launch(2, [sys.executable, WORKER, "tune"], cpu_devices=2, out=out,
+                  timeout_s=180) == 0, out.getvalue()  # fmt: skip
+    winners = [line.split()[-1] for line in out.getvalue().splitlines() if "winner" in line]
+    assert winners == ["NONE", "NONE"], out.getvalue()
+
+
+def test_two_hosts_of_four_devices_as_eight_processes():
+    """The 2-host x 4-GPU layout (tensor parallel within a host, data parallel across) as 8
+    CPU processes of one device each: AG, RS and AR by every XLA method, against numpy."""
+    out = io.StringIO()
+    code = launch(8, [sys.executable, WORKER, "hosts"], cpu_devices=1, out=out, timeout_s=300)
+    assert code == 0 and out.getvalue().count("hosts ok") == 8, out.getvalue()
+
+
 def test_launch_rejects_bad_arguments():
     with pytest.raises(ValueError, match="n=0"):
         launch(0, ["true"])

@@ -79,6 +79,7 @@ def resolve_auto(
             deterministic=cfg.deterministic,
             tpu=uses_tpu_kernels(cfg.replace(atomic_gemm=True, interpret=cfg.interpret)),
             interpret=cfg.interpret,
+            backend=jax.default_backend(),
         )
     chosen_fields = {f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS}
     return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)

@@ -25,7 +25,7 @@ class MachineFigures:
     bytes_per_s, on links of their own (TPU ICI), rather than one after the other through the
     device's one set of links (GPUs behind NVSwitch, where XLA also keeps one collective in
     flight: on 4 x H200 the bidirectional split ring ran 2.4x slower than this model without
-    that, BENCHMARKS.md "AUTO on four GPUs")."""
+    that)."""
 
     flops_per_s: float
     bytes_per_s: float
@@ -53,6 +53,32 @@ TPU_FIGURES = {
     "v5p": MachineFigures(4.59e14, 9.0e10, 1.0e-5, 0.1, duplex_ring=True),
     "v6e": MachineFigures(9.18e14, 9.0e10, 1.0e-5, 0.1, duplex_ring=True),
 }
+
+
+#: How much faster than serial (NONE) the model must predict an overlapped plan before AUTO
+#: takes it, by (backend, family, devices: 2 or "3+"): the model's own error where it was
+#: measured, so that AUTO runs NONE wherever the predicted gain is within it. A candidate
+#: scores its predicted time x (1 + margin); NONE scores its own. 0 where nothing was measured
+#: (TPUs, CPUs): the model's choice as it is. A tune cache's measured winner overrides all.
+AUTO_MARGINS = {
+    # AUTO's fused picks ran 1.2x to 1.9x faster than serial on 2 and 4 H200s, as predicted
+    ("gpu", "fused", 2): 0.10,
+    ("gpu", "fused", "3+"): 0.10,
+    # comm_heavy AG's split ring: predicted 0.77 of serial, measured 0.66 to 0.79 (2 x H200)
+    ("gpu", "split", 2): 0.15,
+    # RS 16384 x 8192 x 28672 on 4 x H100: the split ring predicted 0.63 of serial, measured
+    # 1.33; the bidirectional ring 2.4x its prediction on 4 x H200: unknown to the model
+    ("gpu", "split", "3+"): 1.0,
+}
+
+
+def auto_margin(backend: str | None, cfg: OverlapConfig, size: int) -> float:
+    """`AUTO_MARGINS`' entry for `cfg` on `size` devices of `backend` (0 for NONE, for no
+    backend, and where nothing was measured)."""
+    if backend is None or cfg.method is Method.NONE:
+        return 0.0
+    family = "fused" if cfg.atomic_gemm else "split"
+    return AUTO_MARGINS.get((backend, family, 2 if size <= 2 else "3+"), 0.0)
 
 
 def default_figures(backend: str, device_kind: str = "") -> MachineFigures:
@@ -258,10 +284,13 @@ def choose(
     deterministic: bool = False,
     tpu: bool = False,
     interpret: bool = False,
+    backend: str | None = None,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals), the
     ring AG kernel in place of the direct one where `heuristics.ring_ag_first`; `runs(config)`
-    says whether a fused candidate can run the call (None: all can)."""
+    says whether a fused candidate can run the call (None: all can). On `backend`, an
+    overlapped candidate must beat serial by its family's `AUTO_MARGINS` (its predicted time
+    is scored x (1 + margin)); the time returned is the prediction."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
         collective,
@@ -279,10 +308,17 @@ def choose(
     scored = [
         (predict(collective, c, shape, size, itemsize, fig), i, c) for i, c in enumerate(options)
     ]
-    best = min(scored, key=lambda x: (round(x[0], 12), x[1]))
+
+    def score(entry) -> tuple[float, int]:
+        return round(entry[0] * (1 + auto_margin(backend, entry[2], size)), 12), entry[1]
+
+    best = min(scored, key=score)
     hopper_ag = collective is Collective.ALL_GATHER and not tpu
     if hopper_ag and best[2].atomic_gemm and ring_ag_first(size):
-        # the model has both AG kernels at the transfers' time; the tuner measures both
+        # the model has both AG kernels at the transfers' time; the tuner measures both. The
+        # direct one ran slower than the ring there: where the ring does not beat serial,
+        # neither does it
         ring = [s for s in scored if s[2].atomic_gemm and s[2].method is Method.RING_EXCHANGE]
-        best = ring[0] if ring else best
+        serial = next(s for s in scored if s[2].method is Method.NONE)
+        best = min(ring[:1] + [serial], key=score) if ring else best
     return best[2], best[0]

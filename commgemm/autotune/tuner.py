@@ -135,6 +135,11 @@ def tune(
         return r.vs_bound_period if by_period else r.vs_bound
 
     best = min(report.rows, key=t_of)
+    if jax.process_count() > 1:  # every rank stores and then plans the same winner: process 0's
+        from jax.experimental import multihost_utils
+
+        index = np.int32(report.rows.index(best))
+        best = report.rows[int(multihost_utils.broadcast_one_to_all(index))]
     # the split methods multiply with XLA's dot: its rate is what the cost model predicts with
     t_gemm = report.period_gemm_xla_ms if by_period else report.t_gemm_xla_ms
     t_comm = report.period_comm_ms if by_period else report.t_comm_ms

@@ -115,7 +115,8 @@ def benchmark_interleaved(
     sample would come out short, so that sample is dropped and the variant's head doubled (up
     to MAX_HEAD). `dispatch_bound` is set when even MAX_HEAD calls were not enough in over a
     tenth of the samples: enqueuing a call takes about as long as running it. `dispatch_ms`
-    is the median host time to enqueue one call.
+    is the median host time to enqueue one call. With several processes the head is MAX_HEAD
+    throughout, the same on every process, so that all enqueue the same collectives.
     """
     if iters < 2:
         raise ValueError(f"iters={iters} must be >= 2")
@@ -131,7 +132,10 @@ def benchmark_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in variants}
     dispatch: dict[str, list[float]] = {name: [] for name in variants}
     late = dict.fromkeys(variants, 0)
-    head = dict.fromkeys(variants, 1)
+    # several processes enqueue the same calls (each holds a collective its peers wait for), so
+    # none adapts its head on its own clock: a fixed head, as deep as the adaptive one may grow
+    several = jax.process_count() > 1
+    head = dict.fromkeys(variants, MAX_HEAD if several else 1)
     names = list(variants)
     for cycle in range(iters):
         order = list(names)
@@ -144,7 +148,7 @@ def benchmark_interleaved(
                 outs = [fn(*args) for _ in range(calls)]
                 dispatch[name].append((time.perf_counter() - enqueue) * 1e3 / calls)
                 mark = outs[head[name] - 1]
-                if not _is_ready(mark) or head[name] >= MAX_HEAD:
+                if several or not _is_ready(mark) or head[name] >= MAX_HEAD:
                     break
                 jax.block_until_ready(outs[-1])
                 head[name] *= 2

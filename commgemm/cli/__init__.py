@@ -111,8 +111,11 @@ def _tune(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"commgemm tune: {err}", file=sys.stderr)
         return 2
-    console = Console()
-    with steps(console, f"tune {args.op}") as step:
+    import jax
+
+    lead = jax.process_index() == 0  # every process measures; process 0 reports
+    console = Console(quiet=not lead)
+    with steps(console, f"tune {args.op}", lead=lead) as step:
         result = tune(args.op, shape, dtype=args.dtype, methods=methods, iters=args.iters,
                       periods=args.periods, label=spec_of, progress=step)  # fmt: skip
     table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
