@@ -136,7 +136,15 @@ def build(shape: Shape, mesh: Mesh, config, scaling=None) -> tuple[Decoder, nnx.
     model = cgnnx.create_sharded(
         lambda: Decoder(shape, mesh=mesh, config=config, rngs=nnx.Rngs(0), scaling=scaling), mesh
     )
-    return model, nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    # the optimizer's scalars (its step count) made on one device would come back from the
+    # first step replicated on the mesh, and the step would compile again: place them there
+    on_mesh = NamedSharding(mesh, P())
+    state = nnx.state(optimizer)
+    nnx.update(optimizer, jax.tree.map(
+        lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, on_mesh),
+        state))  # fmt: skip
+    return model, optimizer
 
 
 def check_checkpoint(model: Decoder, shape: Shape, mesh: Mesh, config) -> None:

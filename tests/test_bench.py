@@ -211,6 +211,33 @@ def test_overlap_report_figures():
     assert report.rows[2].max_error < 1e-3
 
 
+@pytest.mark.parametrize("scaling", ["current_tensor_scaling", "mxfp8_1d_scaling"])
+def test_overlap_report_with_scaling(scaling):
+    """Quantized methods: the quantized local GEMM joins the bound's GEMMs, the methods agree
+    with the quantized serial op, and the mode is recorded."""
+    from commgemm.bench.overlap import QUANTIZED_GEMM
+
+    report = cg.bench.overlap_report(
+        "ag", (256, 64, 256), methods={m: parse_method(m) for m in ("none", "ring")},
+        dtype="float32", iters=2, scaling=scaling,
+    )  # fmt: skip
+    assert QUANTIZED_GEMM in report.gemm_ms
+    assert report.t_gemm_ms == min(report.gemm_ms.values())
+    assert report.scaling == scaling.upper() and report.as_dict()["scaling"] == scaling.upper()
+    assert report.rows[-1].max_error < 1e-5  # the ring against the quantized serial op
+
+
+def test_overlap_report_refuses_stateful_scaling():
+    with pytest.raises(ValueError, match="stateless"):
+        cg.bench.overlap_report("ag", (256, 64, 64), scaling="delayed_tensor_scaling", iters=2)
+
+
+def test_cli_bench_scaling(capsys):
+    assert main(["bench", "--shape", "256,64,64", "--iters", "2", "--methods", "none",
+                 "--scaling", "current_tensor_scaling"]) == 0  # fmt: skip
+    assert "current_tensor_scaling on 8 x cpu" in " ".join(capsys.readouterr().out.split())
+
+
 def test_best_gemm_bound_is_the_fastest_measured(monkeypatch):
     """A faster local GEMM (here a stand-in for torch's cuBLAS that multiplies a smaller block)
     becomes t_gemm and the bound; XLA's stays t_gemm_xla, with vs_bound_xla over it; one that

@@ -427,3 +427,20 @@ def test_delayed_scaling(rng, dy):
     qdy = _dq_delayed(g, start, jnp.float8_e5m2).reshape(-1, 32)
     want_dw = _dq_delayed(x, states["x"]).reshape(-1, 64).T @ qdy
     np.testing.assert_allclose(params["kernel"][...], want_dw, rtol=1e-4, atol=1e-4)
+
+
+def test_training_example_state_keeps_its_shardings(example):
+    """The example's model and optimizer state come back from a step with the shardings they
+    went in with, so the second step reuses the first's program (no recompile)."""
+    shape = example.Shape(layers=1)
+    mesh = example.make_mesh(jax.devices())
+    model, optimizer = example.build(shape, mesh, None)
+
+    def shardings():
+        return [(a.sharding, a.ndim) for a in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+    before = shardings()
+    example.train_step(model, optimizer, next(example.batches(shape)))
+    after = shardings()
+    assert all(isinstance(s, jax.sharding.NamedSharding) for s, _ in before)
+    assert all(b.is_equivalent_to(a, n) for (b, n), (a, _) in zip(before, after, strict=True))

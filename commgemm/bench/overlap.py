@@ -13,12 +13,15 @@ from commgemm.bench.problems import Problem, make_problem
 from commgemm.bench.spans import device_periods_interleaved, device_spans
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 from commgemm.config import OverlapConfig
+from commgemm.quant import ScalingMode
 
 #: The two forms of XLA's GEMM alone (`Problem.gemm_alone`).
 GEMM_ALONE = {False: "gemm alone", True: "gemm alone (float32 result, cast)"}
 #: The other local GEMMs the best-GEMM bound takes, where they run (`Problem.gemm_alone_mosaic`,
 #: `Problem.gemm_alone_torch`). t_gemm is the fastest of all; t_gemm_xla of XLA's two forms.
 OTHER_GEMMS = ("gemm alone (Mosaic GPU)", "gemm alone (torch cuBLAS)")
+#: The local GEMM under the report's scaling (its quantizing passes included).
+QUANTIZED_GEMM = "gemm alone (quantized)"
 
 
 #: What `overlap_report` times when no methods are given.
@@ -84,6 +87,7 @@ class OverlapReport:
     period_gemm_xla_ms: float | None = None
     #: every variant's `round_spread` (the GEMMs and the collective alone included)
     period_spread: dict[str, float] = dataclasses.field(default_factory=dict)
+    scaling: str | None = None  # the methods' ScalingMode, by name
 
     @property
     def period_noise(self) -> tuple[str, float] | None:
@@ -108,6 +112,7 @@ class OverlapReport:
             "op": self.op,
             "shape": list(self.shape),
             "dtype": self.dtype,
+            "scaling": self.scaling,
             "devices": self.devices,
             "t_gemm_ms": self.t_gemm_ms,
             "t_comm_ms": self.t_comm_ms,
@@ -199,6 +204,7 @@ def overlap_report(
     include_xla: bool = True,
     best_gemm: bool = True,
     progress: Callable[[str], None] | None = None,
+    scaling: ScalingMode | str | None = None,
 ) -> OverlapReport:
     """Times, in one run: the GEMM alone (XLA's dot in both result forms of
     `Problem.gemm_alone`, and with best_gemm jax's Mosaic GPU Hopper matmul and torch's cuBLAS
@@ -214,13 +220,23 @@ def overlap_report(
     that cannot work (a CPU backend) span_error says why. With periods > 0, every variant's
     steady-state device time per call is read from one trace of `periods` interleaved rounds
     (`device_periods_interleaved`; period_error says why not, where it cannot work).
+
+    With `scaling` (a stateless `ScalingMode`: current tensor scaling, MXFP8, NVFP4) the methods
+    and the serial reference run quantized, and the quantized local GEMM (`QUANTIZED_GEMM`,
+    its quantizing passes included) joins the GEMMs the bound takes the fastest of; XLA's dot
+    and the other GEMMs stay in `dtype`.
     """
     if spans < 0 or periods < 0:
         raise ValueError(f"spans={spans} and periods={periods} must be >= 0")
     problem: Problem = make_problem(op, shape, dtype, mesh_devices)
     step = progress or (lambda _: None)
+    if scaling is not None:
+        scaling = ScalingMode(scaling)
+        if scaling in (ScalingMode.NO_SCALING, ScalingMode.DELAYED_TENSOR_SCALING):
+            raise ValueError(f"scaling={scaling.name}: the report takes a stateless mode "
+                             "(current tensor scaling, MXFP8, NVFP4)")  # fmt: skip
     x, w = problem.operands()
-    reference = problem.overlapped(OverlapConfig())(x, w)
+    reference = problem.overlapped(OverlapConfig(), scaling=scaling)(x, w)
     timed: dict[str, tuple[Callable, tuple]] = {
         GEMM_ALONE[False]: problem.gemm_alone(),
         GEMM_ALONE[True]: problem.gemm_alone(cast=True),
@@ -237,6 +253,8 @@ def overlap_report(
                     timed[name] = found
             except Exception as err:  # noqa: BLE001 - a GEMM that cannot run here is left out
                 failures.append((name, f"{type(err).__name__}: {err}"[:300]))
+    if scaling is not None:
+        timed[QUANTIZED_GEMM] = problem.gemm_alone_quantized(scaling)
     if include_xla:
         timed["xla"] = (problem.xla(), (x, w))
     if methods is None:
@@ -245,7 +263,7 @@ def overlap_report(
         methods = {repr(cfg): cfg for cfg in methods}
     for name, cfg in methods.items():
         step(f"{name} (compile, check)")
-        fn = problem.overlapped(cfg)
+        fn = problem.overlapped(cfg, scaling=scaling)
         try:
             errors[name] = _max_error(fn(x, w), reference)
         except (ValueError, NotImplementedError) as err:  # e.g. fused kernel on a CPU
@@ -257,7 +275,7 @@ def overlap_report(
     results = benchmark_interleaved(timed, iters=iters, warmup=warmup, group=group)
     span_ms, span_error = _spans(timed, spans, step) if spans else ({}, None)
     period_ms, spread, period_error = _periods(timed, periods, step) if periods else ({}, {}, None)
-    gemm_names = [n for n in (*GEMM_ALONE.values(), *OTHER_GEMMS) if n in results]
+    gemm_names = [n for n in (*GEMM_ALONE.values(), *OTHER_GEMMS, QUANTIZED_GEMM) if n in results]
     gemm_ms = {name: results.pop(name).median for name in gemm_names}
     t_gemm = min(gemm_ms.values())
     t_gemm_xla = min(gemm_ms[name] for name in GEMM_ALONE.values())
@@ -307,4 +325,5 @@ def overlap_report(
         t_gemm_xla,
         period_gemm_xla,
         spread,
+        None if scaling is None else scaling.name,
     )

@@ -102,6 +102,23 @@ class Problem:
         fn = self._local(body, (spec, spec), spec)
         return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
 
+    def gemm_alone_quantized(self, scaling) -> tuple[Callable, tuple[jax.Array, jax.Array]]:
+        """The local GEMM of the op under `scaling` (its quantizing passes included, as the
+        op runs them: `commgemm.scaled.matmul`), with no communication: the bound's first term
+        for a quantized op."""
+        from commgemm.scaled import matmul as quantized_matmul
+
+        p = self.size
+        lm, lk, ln = self._local_shape()
+        spec = P(tuple(self.mesh.axis_names))
+        dtype = jnp.dtype(self.dtype)
+
+        def body(a, b):
+            return quantized_matmul(a[0], b[0], scaling).astype(dtype)[None]
+
+        fn = self._local(body, (spec, spec), spec)
+        return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
+
     def _local_shape(self) -> tuple[int, int, int]:
         m, k, n = self.shape
         if self.op == "2d":

@@ -12,6 +12,8 @@ from commgemm.cli import args as types
 from commgemm.cli.progress import steps
 
 DEFAULT_METHODS = "none,pipeline:2,pipeline:4,ring,ring-bidi,ring:2,ring-bidi:2"
+#: The stateless scaling modes `--scaling` takes, by ScalingMode value.
+SCALINGS = ("current_tensor_scaling", "mxfp8_1d_scaling", "nvfp4_1d_scaling")
 #: How long the commands take where there is no GPU, for the help texts (measured on a 2-core
 #: machine with 8 virtual CPU devices: wall time and peak memory of the whole command).
 CPU_NOTE = (
@@ -37,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--preset", choices=types.PRESET_NAMES, help="a named problem (M,K,N)")
     parser.add_argument("--dtype", type=types.dtype, default="bfloat16", help="operand dtype")
+    parser.add_argument(
+        "--scaling",
+        choices=SCALINGS,
+        help="quantized methods (FP8 or block scaling); the bound also takes the quantized "
+        "local GEMM (default: none, the operands as they are)",
+    )
     parser.add_argument(
         "--methods",
         type=types.methods,
@@ -106,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
             spans=args.spans,
             periods=args.periods,
             progress=step,
+            scaling=args.scaling,
         )
     env = environment()
     table = Table(
-        title=f"{args.op} M,K,N={shape} {dtype} on {report.devices} x "
+        title=f"{args.op} M,K,N={shape} {dtype}"
+        f"{'' if args.scaling is None else ', ' + args.scaling} on {report.devices} x "
         f"{env['device_kind']}: best gemm {report.t_gemm_ms:.3f} ms "
         f"(XLA's {report.t_gemm_xla_ms:.3f}), comm {report.t_comm_ms:.3f} ms"
     )
