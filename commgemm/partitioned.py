@@ -98,15 +98,7 @@ def _layout(call: _Call, mesh, arg_shapes):
     )
     layout = None if uneven else classify_on(mesh, x_spec, w_spec, call.out_spec)
     if layout is not None and layout.collective is not None:
-        reason = _unrunnable(layout, call, mesh, x_shape, w_shape)
-        if reason is not None:
-            warnings.warn(
-                f"commgemm.gemm: the shardings XLA chose (x {x_spec}, w {w_spec} -> out "
-                f"{call.out_spec}) imply {layout.collective.name} over {layout.axis!r}, which "
-                f"config {call.config} cannot run: {reason}. Computing this GEMM without "
-                "overlap; pass x_spec= and w_spec= to get this error at trace time",
-                stacklevel=2,
-            )
+        if _unrunnable(layout, call, mesh, tuple(x_shape), tuple(w_shape)) is not None:
             layout = None
     if layout is None or layout.collective is None:
         # XLA pads uneven shards with values that are not zeros: a dimension the GEMM
@@ -135,10 +127,12 @@ def _even(mesh, spec, shape) -> bool:
     return all(_divides(mesh, e, d) for e, d in zip(spec, shape, strict=True))
 
 
+@functools.lru_cache(maxsize=256)
 def _unrunnable(layout, call: _Call, mesh, x_shape, w_shape) -> str | None:
     """Why the per-shard op of `layout` refuses this call (its plan-time error), or None: found
-    by tracing it on the shards' shapes, so that a refusal becomes a warning and the local GEMM
-    here rather than an error from inside XLA's partitioner."""
+    by tracing it on the shards' shapes, so that a refusal becomes a warning (once per call:
+    the forward and backward partitions both ask) and the local GEMM rather than an error from
+    inside XLA's partitioner."""
     from jax.sharding import Mesh
 
     def spec(s):
@@ -159,6 +153,13 @@ def _unrunnable(layout, call: _Call, mesh, x_shape, w_shape) -> str | None:
     try:
         jax.eval_shape(mapped, x, w)
     except (ValueError, TypeError) as err:
+        warnings.warn(
+            f"commgemm.gemm: the shardings XLA chose (x {layout.x_spec}, w {layout.w_spec} -> "
+            f"out {layout.out_spec}) imply {layout.collective.name} over {layout.axis!r}, which "
+            f"config {call.config} cannot run: {err}. Computing this GEMM without overlap; "
+            "pass x_spec= and w_spec= to get this error at trace time",
+            stacklevel=2,
+        )
         return str(err)
     return None
 
