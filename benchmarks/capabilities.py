@@ -482,7 +482,7 @@ def _patched_backward(name: str):
     whatever the dgrad flag), else none."""
     import unittest.mock
 
-    from commgemm import autodiff, scaled
+    from commgemm import autodiff
 
     if name.endswith("dX ring"):
 
@@ -492,11 +492,11 @@ def _patched_backward(name: str):
         return unittest.mock.patch.object(autodiff, "fused_backward_config", ring)
     if name.endswith("dX fused"):
 
-        def fused(collective, cfg, like_x, dy, w, axis_name, w_transposed, mode, split):
+        def fused(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transposed):
             return autodiff.fused_backward_config(collective, cfg, like_x, dy, w, axis_name,
                                                   w_transposed)  # fmt: skip
 
-        return unittest.mock.patch.object(scaled, "_backward_config", fused)
+        return unittest.mock.patch.object(autodiff, "_dgrad_config", fused)
     return contextlib.nullcontext()
 
 

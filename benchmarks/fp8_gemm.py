@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 from gemm_table import events_ms  # noqa: E402  (this directory, as the script runs)
 
 import commgemm as cg  # noqa: E402
-from commgemm import scaled  # noqa: E402
+from commgemm import quantized_gemm, scaled  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.record import record  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
@@ -49,7 +49,9 @@ def fp8_gemm(form: str, split: bool):
 
     def run(a8, b8, sa, sb):
         if form == "library":
-            rhs = scaled.QuantizedRhs(cg.ScaledTensor(b8, sb), sa, a8.shape[1], "bfloat16", split)
+            rhs = quantized_gemm.QuantizedRhs(
+                cg.ScaledTensor(b8, sb), sa, a8.shape[1], "bfloat16", split
+            )
             return rhs.matmul(a8, True, "float32", jnp.bfloat16)
         algo = preset.ANY_F8_ANY_F8_F32 if split else preset.ANY_F8_ANY_F8_F32_FAST_ACCUM
         out = jax.lax.dot_general(a8, b8, dims, precision=algo, preferred_element_type=jnp.float32)

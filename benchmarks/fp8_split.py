@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import commgemm as cg
-from commgemm import scaled
+from commgemm import quantized_gemm
 from commgemm.bench.problems import PRESETS
 from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
@@ -128,7 +128,7 @@ def main() -> None:
         variants = {}
         for split in (True, False):
             name = f"xla {'promoted' if split else 'fast'}"
-            fn = jax.jit(lambda a, b, s, split=split: scaled._scaled_dot(
+            fn = jax.jit(lambda a, b, s, split=split: quantized_gemm.scaled_dot(
                 a, b, ((1,), (1,)), s[0], "float32", jnp.bfloat16, split))  # fmt: skip
             variants[name] = (fn, operands)
         kernels = {"kernel fast": (False, None, False), "kernel split": (True, None, False),

@@ -43,7 +43,7 @@ from gemm_table import torch_ms as torch_bf16_ms  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import commgemm as cg  # noqa: E402
-from commgemm import scaled  # noqa: E402
+from commgemm import quantized_gemm  # noqa: E402
 from commgemm.bench.problems import PRESETS  # noqa: E402
 from commgemm.bench.record import record  # noqa: E402
 from commgemm.bench.spans import device_periods_interleaved  # noqa: E402
@@ -240,8 +240,8 @@ def main() -> None:
             qa = cg.quantize(a, "current_tensor_scaling")
             qb = cg.quantize(b, "current_tensor_scaling", axis=0)
             ref8 = jnp.dot(cg.dequantize(qa), cg.dequantize(qb), precision="highest")
-            rhs = scaled.QuantizedRhs(cg.ScaledTensor(qb.data.T, qb.scale_inv), qa.scale_inv,
-                                      k, "bfloat16", False)  # fmt: skip
+            b_nk = cg.ScaledTensor(qb.data.T, qb.scale_inv)
+            rhs = quantized_gemm.QuantizedRhs(b_nk, qa.scale_inv, k, "bfloat16", False)
             xla8 = jax.jit(lambda x8, r: r.matmul(x8, True, "float32", jnp.bfloat16))
             variants["xla fp8 (fast)"] = (xla8, (qa.data, rhs))
             for label, tiles in tilings.items():

@@ -1,4 +1,5 @@
-"""Custom VJPs that keep the backward pass overlapped, in the same method family as the forward.
+"""The one custom VJP of the collective GEMMs, which keeps the backward pass overlapped in the
+forward's method family, for plain and quantized operands alike.
 
   AG + GEMM   forward: Y = all_gather(X) @ W
               backward: dX = reduce_scatter(dY @ W^T)       (GEMM + RS, same method)
@@ -7,12 +8,24 @@
   GEMM + RS   forward: Y = reduce_scatter(X @ W)
               backward: dX = all_gather(dY) @ W^T            (AG + GEMM, same method; the ring
                         dW = X^T @ all_gather(dY)             also returns the gathered dY)
-  A fused Hopper forward (atomic_gemm, one kernel) runs dX on the other collective's fused
-  kernel of its method family where that kernel takes dY's shape, else RING_EXCHANGE
-  (`fused_backward_config`); the fused AG kernel returns the rows it gathered.
   GEMM + AR   forward: Y = all_reduce(X @ W)
               backward: dP = the transpose of the all-reduce applied to dY; dX = dP @ W^T,
                         dW = X^T @ dP (both local)
+  A fused Hopper forward (atomic_gemm, one kernel) runs dX on the other collective's fused
+  kernel of its method family where that kernel takes dY's shape, else RING_EXCHANGE
+  (`fused_backward_config`); the fused AG kernel returns the rows it gathered.
+
+A `Quantizer` says how the operands and dY enter the GEMMs. `NO_QUANTIZER` (plain operands)
+passes them as they are, as Transformer Engine's no-op quantizer set. A recipe's quantizer
+(straight-through, as the reference system's): x and w are quantized before the op (their
+payload moves; commgemm.quantized_gemm), dY by current scaling to `grad_dtype` (float8_e5m2 by
+default; block modes use their own format) with its amax over the axis, or by the caller's
+`dy_state` (delayed scaling, its advanced state returned as the state's cotangent); dX runs the
+complementary collective on the quantized dY and W (block modes quantize W again with blocks
+along N, dX's contracting dimension); with fast dgrad (`ScalingRecipe.split_accumulator[1]`
+False) a fused forward's dX runs the other collective's fused kernel as a plain op's does, else
+RING_EXCHANGE on XLA's promoted FP8 GEMMs. dW multiplies the quantized X (the gathered payload,
+for AG) by the quantized dY; block modes' dW is emulated on the row-wise blocks.
 
 All functions act on the 2-D views [rows, K]; the epilogue (bias, GELU) stays outside, where JAX
 differentiates it and XLA fuses the bias gradient and GELU derivative into one pass. dX and dW
@@ -25,21 +38,78 @@ and hessian (forward mode) raise JAX's TypeError.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 from jax import lax
 
+from commgemm.backend import FN_NAMES, backend_for
 from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
+from commgemm.operand_scaling import (
+    check_blocks,
+    dy_quantized,
+    quantize_operand,
+    tensor_scale,
+    weight_operand,
+)
 from commgemm.operands import dot
+from commgemm.quant import TENSOR_MODES, ScaledTensor, ScalingMode, ScalingRecipe, amax, quantize
+from commgemm.quantized_gemm import QuantizedRhs, block_values, payload, scaled_dot, unpack_rows
 from commgemm.vma import all_reduce_transpose, like_primal
-from commgemm.xla import module_for
 
 
-def _weight_grad(a: jax.Array, d: jax.Array, w: jax.Array, w_transposed: bool, cfg) -> jax.Array:
-    """dW for out = a @ W: a^T @ d as [K, n], or d^T @ a as [n, K] when W is stored transposed."""
-    lhs, rhs = (d, a) if w_transposed else (a, d)
-    return dot(lhs, rhs, ((0,), (0,)), accumulate_dtype=cfg.accumulate_dtype, result_dtype=w.dtype)
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """How a call's operands and dY enter its GEMMs: `mode` None passes them as they are (the
+    no-op quantizer); else `mode`'s scaling, dY in `grad_dtype`, and the recipe's
+    split_accumulator flags (forward, dgrad, wgrad)."""
+
+    mode: ScalingMode | None = None
+    grad_dtype: str = "float8_e5m2"
+    split: tuple[bool, bool, bool] = (True, True, True)
+
+    @classmethod
+    def of(cls, recipe: ScalingRecipe) -> Quantizer:
+        return cls(recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not None
+
+    def lhs(self, x: jax.Array, qx: ScaledTensor | None) -> tuple[jax.Array, jax.Array | None]:
+        """The left operand's rows as they travel, and its tensor scale (None: plain)."""
+        return (x, None) if qx is None else (payload(qx), tensor_scale(qx))
+
+    def rhs(self, w, qw, lhs_scale, k: int, dtype: str, split: bool, kept=None):
+        """W as the methods' local GEMM takes it: w itself, or a `QuantizedRhs`."""
+        if not self.active:
+            return w
+        return QuantizedRhs(qw, lhs_scale, k, dtype, split, kept)
+
+    def local(self, rows, rhs, w_transposed: bool, accumulate_dtype: str, out_dtype) -> jax.Array:
+        """rows @ W on one device: [r, n] in out_dtype."""
+        if self.active:
+            return rhs.matmul(rows, w_transposed, accumulate_dtype, out_dtype)
+        dims = ((1,), (1 if w_transposed else 0,))
+        return dot(rows, rhs, dims, accumulate_dtype=accumulate_dtype, result_dtype=out_dtype)
+
+    def weight_grad(self, a, a_scale, d, d_scale, k_a: int, k_d: int, w_transposed: bool,
+                    accumulate_dtype: str, w_dtype) -> jax.Array:  # fmt: skip
+        """dW for out = a @ W from the rows of a and dY: a^T @ d as [K, n], or d^T @ a as
+        [n, K] when W is stored transposed."""
+        if self.active and self.mode not in TENSOR_MODES:  # dequantized per block
+            a = block_values(unpack_rows(a, self.mode, k_a), w_dtype)
+            d = block_values(unpack_rows(d, self.mode, k_d), w_dtype)
+        lhs, rhs = (d, a) if w_transposed else (a, d)
+        if not self.active:
+            return dot(lhs, rhs, ((0,), (0,)), accumulate_dtype=accumulate_dtype,
+                       result_dtype=w_dtype)  # fmt: skip
+        dims, scale = ((0,), (0,)), a_scale * d_scale
+        return scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, w_dtype, self.split[2])
+
+
+NO_QUANTIZER = Quantizer()
 
 
 def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
@@ -57,37 +127,6 @@ def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
         collective=None,
         out_dtype=x.dtype.name,
     )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
-def collective_matmul(
-    collective: Collective,
-    x: jax.Array,
-    w: jax.Array,
-    axis_name: str,
-    cfg: OverlapConfig,
-    w_transposed: bool,
-) -> jax.Array:
-    """The validated 2-D collective GEMM `collective` with method cfg.method (see ops)."""
-    return _forward(collective, x, w, axis_name, cfg, w_transposed)[0]
-
-
-FN_NAMES = {
-    Collective.ALL_GATHER: "all_gather_matmul",
-    Collective.REDUCE_SCATTER: "matmul_reduce_scatter",
-    Collective.ALL_REDUCE: "matmul_all_reduce",
-}
-
-
-def _forward(collective, x, w, axis_name, cfg, w_transposed):
-    module = module_for(cfg)
-    if collective is Collective.ALL_GATHER and cfg.save_gathered_input:
-        out, gathered = module.all_gather_matmul(
-            x, w, axis_name, cfg, w_transposed=w_transposed, return_gathered=True
-        )
-        return out, (x, w, gathered)
-    out = getattr(module, FN_NAMES[collective])(x, w, axis_name, cfg, w_transposed=w_transposed)
-    return out, (x, w, None)
 
 
 def fused_backward_config(
@@ -111,29 +150,109 @@ def fused_backward_config(
     return back if kernel is None else kernel
 
 
-def _backward(collective, axis_name, cfg, w_transposed, residuals, dy):
-    x, w, gathered = residuals
-    back = fused_backward_config(collective, cfg, x, dy, w, axis_name, w_transposed)
-    module = module_for(back)
+def _dgrad_config(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transposed):
+    """dX's config: `fused_backward_config` where dY enters the fused kernels (plain, or a
+    tensor mode with fast dgrad), else `backward_config` (a fused forward's dX on RING_EXCHANGE,
+    whose promoted XLA GEMMs the kernels' split form did not beat)."""
+    fused_dgrad = not quantizer.active or (
+        quantizer.mode in TENSOR_MODES
+        and collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+        and not quantizer.split[1]
+    )
+    if fused_dgrad:
+        return fused_backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed)
+    return backward_config(cfg, like_x)
+
+
+def collective_matmul(
+    collective: Collective,
+    x: jax.Array,
+    w,
+    axis_name: str | None,
+    cfg: OverlapConfig,
+    w_transposed: bool,
+    recipe: ScalingRecipe | None = None,
+) -> jax.Array:
+    """The validated 2-D collective GEMM `collective` with method cfg.method (see ops): x
+    [rows, K], w [K, n] (or [n, K] with w_transposed). With `recipe`, x is quantized with blocks
+    along K and w along its K dimension (w may be a `QuantizedWeight`), scales shared over
+    `axis_name`; Collective.NONE (axis_name None) is then the local GEMM. Out in
+    cfg.out_dtype."""
+    if recipe is None:
+        return _vjp(collective, axis_name, cfg, w_transposed, NO_QUANTIZER, x, w, None, None)
+    check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
+    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
+    k_dim = 1 if w_transposed else 0
+    w, qw, kept = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
+    quantizer = Quantizer.of(recipe)
+    return _vjp(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw,
+                recipe.dy_state, kept)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _vjp(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None,
+         kept=None):  # fmt: skip
+    """x and w are what gradients flow to; qx, qw their quantized forms (None: plain; `kept`:
+    qw's values transposed, or None); dy_state's cotangent is its advanced state."""
+    return forward(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state,
+                   kept)[0]  # fmt: skip
+
+
+def forward(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None,
+            kept=None):  # fmt: skip
+    """The forward and its residuals: the rows dW reads (the gathered ones for AG, where kept),
+    x's scale, w, qw, x (plain) or a zero-row slice of it (its dtype, K and varying axes)."""
+    lhs, x_scale = quantizer.lhs(x, qx)
+    rhs = quantizer.rhs(w, qw, x_scale, x.shape[1], x.dtype.name, quantizer.split[0], kept)
+    like_x = x[:0] if quantizer.active else x
+    if collective is Collective.NONE:  # a local GEMM
+        out = quantizer.local(lhs, rhs, w_transposed, cfg.accumulate_dtype, cfg.out_dtype)
+        return out, (lhs, x_scale, w, qw, like_x, dy_state, kept)
+    fn = getattr(backend_for(cfg), FN_NAMES[collective])
+    if collective is not Collective.ALL_GATHER:
+        out, rows = fn(lhs, rhs, axis_name, cfg, w_transposed=w_transposed), lhs
+    elif quantizer.active or cfg.save_gathered_input:
+        out, rows = fn(lhs, rhs, axis_name, cfg, w_transposed=w_transposed, return_gathered=True)
+    else:  # BULK: the backward gathers x again beside its dX GEMM
+        out, rows = fn(lhs, rhs, axis_name, cfg, w_transposed=w_transposed), None
+    return out, (rows, x_scale, w, qw, like_x, dy_state, kept)
+
+
+def _backward(collective, axis_name, cfg, w_transposed, quantizer, residuals, dy):
+    rows, x_scale, w, qw, like_x, dy_state, kept = residuals
+    back = _dgrad_config(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transposed)
+    if collective is Collective.ALL_REDUCE:
+        dy = all_reduce_transpose(dy, axis_name)
+    n, x_dtype = dy.shape[1], like_x.dtype
+    if quantizer.active:
+        names = () if axis_name is None else axis_name
+        qdy, new_state = dy_quantized(dy, quantizer.mode, quantizer.grad_dtype, names, dy_state)
+        if quantizer.mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
+            n_dim = 0 if w_transposed else 1
+            qw, kept = quantize(w, quantizer.mode, axis=n_dim, amax=amax(w, names)), None
+        d, d_scale = payload(qdy), tensor_scale(qdy)
+    else:
+        (d, d_scale), new_state = (dy, None), None
+    rhs = quantizer.rhs(w, qw, d_scale, n, x_dtype.name, quantizer.split[1], kept)
+    backend = backend_for(back)
     if collective is Collective.ALL_GATHER:
-        if gathered is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
-            gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-        dx = module.matmul_reduce_scatter(dy, w, axis_name, back, w_transposed=not w_transposed)
-        return _typed(dx, x, _weight_grad(gathered, dy, w, w_transposed, cfg), w)
-    if collective is Collective.REDUCE_SCATTER:
-        dx, dy_gathered = module.all_gather_matmul(
-            dy, w, axis_name, back, w_transposed=not w_transposed, return_gathered=True
+        if rows is None:  # BULK: independent of the dX GEMM below, so XLA overlaps them
+            rows = lax.all_gather(like_x, axis_name, axis=0, tiled=True)
+        dx = backend.matmul_reduce_scatter(d, rhs, axis_name, back, w_transposed=not w_transposed)
+        d_rows = d
+    elif collective is Collective.REDUCE_SCATTER:
+        dx, d_rows = backend.all_gather_matmul(
+            d, rhs, axis_name, back, w_transposed=not w_transposed, return_gathered=True
         )
-        return _typed(dx, x, _weight_grad(x, dy_gathered, w, w_transposed, cfg), w)
-    dp = all_reduce_transpose(dy, axis_name)
-    dx = dot(dp, w, ((1,), (0 if w_transposed else 1,)), accumulate_dtype=cfg.accumulate_dtype,
-             result_dtype=x.dtype)  # fmt: skip
-    return _typed(dx, x, _weight_grad(x, dp, w, w_transposed, cfg), w)
+    else:  # a local GEMM, or the GEMM of an all-reduce (whose transpose is done above)
+        d_rows = d
+        dx = quantizer.local(d, rhs, not w_transposed, cfg.accumulate_dtype, x_dtype)
+    k = like_x.shape[1]
+    dw = quantizer.weight_grad(
+        rows, x_scale, d_rows, d_scale, k, n, w_transposed, cfg.accumulate_dtype, w.dtype
+    )
+    dx, dw = like_primal(dx.astype(x_dtype), like_x), like_primal(dw, w)
+    return dx, dw, None, None, new_state, None
 
 
-def _typed(dx, x, dw, w):
-    """(dx, dw) typed as x and w (summed over the mesh axes only they vary over: vma)."""
-    return like_primal(dx, x), like_primal(dw, w)
-
-
-collective_matmul.defvjp(_forward, _backward)
+_vjp.defvjp(forward, _backward)

@@ -3,7 +3,6 @@ infers the collective, and runs the matching per-shard op under `jax.shard_map`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -13,6 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from commgemm.config import Collective, OverlapConfig
 from commgemm.distributed import check_launched_initialized
 from commgemm.epilogue import Activation, apply_epilogue, check_epilogue
+from commgemm.layout import Layout, classify_on, implied_specs, spec_entries
 from commgemm.operands import check_dtypes, check_matmul_shapes, dot
 from commgemm.ops import (
     all_gather_matmul,
@@ -25,45 +25,6 @@ from commgemm.plan import with_dtypes
 from commgemm.quant import QuantizedWeight, Scaling, as_recipe
 from commgemm.registry import resolve
 from commgemm.scaled import matmul as quantized_matmul
-
-Spec = tuple[str | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """What `gemm` decided: the collective (NONE for the XLA fall-back), the mesh axis (or the
-    (row, k) axes of the 2-D case), x's split dimension and the three specs it runs with."""
-
-    collective: Collective | None
-    axis: str | tuple[str, str] | None
-    row_dim: int
-    x_spec: Spec
-    w_spec: Spec
-    out_spec: Spec
-
-
-def spec_entries(
-    spec: PartitionSpec | None, ndim: int, what: str, mesh_axes: tuple[str, ...]
-) -> Spec:
-    """A PartitionSpec as one entry per dimension: None or a single mesh-axis name."""
-    entries = tuple(spec) if spec is not None else ()
-    if len(entries) > ndim:
-        raise ValueError(f"{what} spec {spec} has {len(entries)} entries for {ndim} dimensions")
-    out: list[str | None] = []
-    for e in entries + (None,) * (ndim - len(entries)):
-        if isinstance(e, tuple | list):
-            e = tuple(e)
-            if len(e) == 0:
-                e = None
-            elif len(e) == 1:
-                e = e[0]
-        if e is not None and not isinstance(e, tuple) and e not in mesh_axes:
-            raise ValueError(f"{what} spec {spec} names axis {e!r}, not in the mesh {mesh_axes}")
-        out.append(e)
-    named = [a for a in out if a is not None]
-    if len(set(map(str, named))) != len(named):
-        raise ValueError(f"{what} spec {spec} uses a mesh axis twice")
-    return tuple(out)
 
 
 def _mesh_of(x: jax.Array, out_sharding: NamedSharding | PartitionSpec):
@@ -94,81 +55,6 @@ def _spec_of(a: jax.Array, given: PartitionSpec | None, mesh) -> PartitionSpec |
     if mesh.axis_names and all(t == AxisType.Explicit for t in mesh.axis_types):
         return typed.spec
     return None
-
-
-def _implied_specs(collective: Collective, out: Spec, ndim: int) -> tuple[Spec, Spec]:
-    """x and w specs implied by a collective and the requested output spec (rank-2 layouts)."""
-    rows, n = out[:-1], out[-1]
-    if collective is Collective.ALL_GATHER and n is not None:
-        return (n,) + (None,) * (ndim - 1), (None, n)
-    sharded = [a for a in rows if a is not None]
-    if collective is Collective.REDUCE_SCATTER and len(sharded) == 1 and n is None:
-        a = sharded[0]
-        return tuple(None if r == a else r for r in rows) + (a,), (a, None)
-    raise ValueError(
-        f"cannot work out the operand shardings for collective={collective.name} and output spec "
-        f"{out}: pass x_spec= and w_spec="
-    )
-
-
-def classify(x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
-    """The collective a sharding triple asks for; collective None means "let XLA do it"."""
-    x_rows, x_k = x_spec[:-1], x_spec[-1]
-    w_k, w_n = w_spec
-    out_rows, out_n = out_spec[:-1], out_spec[-1]
-    sharded = [i for i, a in enumerate(x_rows) if a is not None]
-
-    def same_rows_except(dim: int, x_val, out_val) -> bool:
-        return all(
-            (xr == orow) if i != dim else (xr == x_val and orow == out_val)
-            for i, (xr, orow) in enumerate(zip(x_rows, out_rows, strict=True))
-        )
-
-    layout = functools.partial(Layout, x_spec=x_spec, w_spec=w_spec, out_spec=out_spec)
-    if x_k is None and w_k is None and w_n is not None and out_n == w_n:
-        for dim in sharded:
-            a = x_rows[dim]
-            if a == w_n and same_rows_except(dim, a, None):
-                return layout(Collective.ALL_GATHER, a, dim)
-    if x_k is not None and w_k == x_k and w_n is None and out_n is None:
-        a = x_k
-        if x_rows == out_rows and a not in x_rows:
-            return layout(Collective.ALL_REDUCE, a, 0)
-        for dim, orow in enumerate(out_rows):
-            if orow == a and same_rows_except(dim, None, a):
-                return layout(Collective.REDUCE_SCATTER, a, dim)
-    if (
-        len(x_spec) == 2
-        and None not in x_spec
-        and x_spec[0] != x_spec[1]
-        and w_spec == (x_spec[0], None)
-        and out_spec == (x_spec[0], None)
-    ):
-        return layout(Collective.NONE, (x_spec[0], x_spec[1]), 0)
-    return layout(None, None, 0)
-
-
-def classify_on(mesh, x_spec: Spec, w_spec: Spec, out_spec: Spec) -> Layout:
-    """`classify`, and where that finds no collective, again with the mesh's axes of size 1
-    left out: they shard nothing, and XLA's propagation drops them where a caller's spec may
-    keep them (x P(None, "tp", None) meeting out P("data", None, "tp") with "data" of size 1).
-    The layout keeps the specs as given (Explicit axes of size 1 are in the types too)."""
-    layout = classify(x_spec, w_spec, out_spec)
-    unit = {n for n, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if size == 1}
-    if layout.collective is not None or not unit:
-        return layout
-
-    def without(spec: Spec) -> Spec:
-        entries = []
-        for e in spec:
-            axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a not in (None, *unit))
-            entries.append(axes[0] if len(axes) == 1 else axes or None)
-        return tuple(entries)
-
-    found = classify(without(x_spec), without(w_spec), without(out_spec))
-    if found.collective is None:
-        return layout
-    return dataclasses.replace(found, x_spec=x_spec, w_spec=w_spec, out_spec=out_spec)
 
 
 def gemm(
@@ -246,7 +132,7 @@ def gemm(
             z = partitioned_gemm(x, w, mesh=mesh, out_spec=out, config=config,
                                  scaling=recipe, out_dtype=out_dtype)  # fmt: skip
             return apply_epilogue(z, bias, activation, return_pre_activation)
-        implied_x, implied_w = _implied_specs(cfg.collective, out, x.ndim)
+        implied_x, implied_w = implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)
     layout = classify_on(mesh, spec_entries(xs, x.ndim, "x", names),

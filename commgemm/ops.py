@@ -32,7 +32,6 @@ from commgemm.quant import (
     check_weight_scaling,
 )
 from commgemm.registry import resolve
-from commgemm.scaled import collective_matmul as scaled_collective_matmul
 from commgemm.scaled import prequantized_matmul
 from commgemm.vma import all_gather_invariant
 
@@ -76,8 +75,6 @@ def _run(
         return _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_transposed)
     recipe = as_recipe(scaling)
     check_weight_scaling(fn_name, w, recipe)
-    if recipe is not None:
-        _check_fused_scaling(fn_name, resolve(config)[0], recipe)
     x2d, restore = _as_rows(x, axis, x_transposed)
     plan = make_plan(
         x2d,
@@ -88,16 +85,14 @@ def _run(
         rows=x2d.shape[0],
         w_transposed=w_transposed,
         op=fn_name,
+        recipe=recipe,
     )
     n = w.shape[0] if w_transposed else w.shape[1]
     check_epilogue(bias, activation, n, x.dtype)
     if 0 in (x2d.shape + (n,)):
         z = _empty_result(collective, x2d, n, plan)
-    elif recipe is not None:
-        cfg = _quantized_config(plan.config, recipe, resolve(config)[0])
-        z = scaled_collective_matmul(collective, x2d, w, axis_name, cfg, w_transposed, recipe)
     else:
-        z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
+        z = collective_matmul(collective, x2d, w, axis_name, plan.config, w_transposed, recipe)
     return apply_epilogue(restore(z), bias, activation, return_pre_activation)
 
 
@@ -111,48 +106,13 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
     out_dtype = resolve(config)[0].out_dtype or "float32"
     stand_in = jax.ShapeDtypeStruct(data2d.shape, out_dtype)  # what the plan checks shapes by
     w_stand_in = jax.ShapeDtypeStruct(w.data.shape, out_dtype)
-    plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
-                     w_transposed=w_transposed, op=fn_name)  # fmt: skip
     recipe = ScalingRecipe(x.mode)  # the defaults, which scaled.prequantized_matmul runs
-    _check_fused_scaling(fn_name, resolve(config)[0], recipe)
-    cfg = _quantized_config(plan.config, recipe, resolve(config)[0])
-    out = prequantized_matmul(collective, x2d, w, axis_name, cfg, w_transposed)
+    plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
+                     w_transposed=w_transposed, op=fn_name, recipe=recipe)  # fmt: skip
+    out = prequantized_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
     if collective is Collective.ALL_GATHER and scales_may_differ(x, axis_name):
         out = rescaled_by_source(out, tensor_scale(x), axis_name)
     return restore(out)
-
-
-def _fused_scaling_reason(cfg: OverlapConfig, recipe: ScalingRecipe) -> str | None:
-    """Why cfg's fused kernel takes no operands quantized by `recipe`, or None."""
-    if uses_tpu_kernels(cfg):
-        return None  # tensor and block modes alike (`commgemm.pallas_tpu.ops`)
-    from commgemm.mosaic_gpu import fused
-
-    return fused.scaling_reason(cfg, recipe)
-
-
-def _check_fused_scaling(fn_name: str, cfg: OverlapConfig, recipe: ScalingRecipe) -> None:
-    """A fused config asked for explicitly must take the quantized operands."""
-    if cfg.atomic_gemm and (why := _fused_scaling_reason(cfg, recipe)):
-        raise ValueError(f"{fn_name} with {recipe.mode.name} and atomic_gemm=True: {why}; "
-                         "use atomic_gemm=False")  # fmt: skip
-
-
-def _quantized_config(
-    cfg: OverlapConfig, recipe: ScalingRecipe, requested: OverlapConfig
-) -> OverlapConfig:
-    """The config a quantized call runs: AUTO's fused choice (`requested` not fused itself)
-    becomes the split algorithm of its method where that kernel cannot take the quantized
-    operands, where the recipe promotes the forward's partial sums (the Hopper kernels' split
-    form ran slower than XLA's promoted GEMM: BENCHMARKS.md), or where it is a TPU kernel
-    (their float8 path has not run on TPU hardware: asked for explicitly only)."""
-    auto_pick = not requested.atomic_gemm
-    if cfg.atomic_gemm and (
-        _fused_scaling_reason(cfg, recipe)
-        or (auto_pick and (recipe.split_accumulator[0] or uses_tpu_kernels(cfg)))
-    ):
-        return cfg.replace(atomic_gemm=False, kernel=None, interpret=False)
-    return cfg
 
 
 def _empty_result(collective: Collective, x2d: jax.Array, n: int, plan) -> jax.Array:
@@ -391,9 +351,8 @@ def matmul_2d(
         # the TPU kernels reduce over k_axis by their GEMM + RS, then gather: planned as RS
         reduce = Collective.REDUCE_SCATTER if cfg.atomic_gemm else Collective.ALL_REDUCE
         plan = make_plan(x, block, k_axis, chunk, reduce, rows=x.shape[0], w_transposed=False,
-                         op="matmul_2d")  # fmt: skip
-        chunk = _quantized_config(plan.config, recipe, cfg)
-        z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, chunk, splits, recipe)
+                         op="matmul_2d", recipe=recipe)  # fmt: skip
+        z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, plan.config, splits, recipe)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.method is Method.RING_EXCHANGE:
         z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)

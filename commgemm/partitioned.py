@@ -1,6 +1,6 @@
 """`gemm` under `jax.jit` where the operands' shardings are known only when XLA partitions the
 program (mesh axes of type Auto): a `custom_partitioning` op whose partition callback reads the
-shardings that propagation chose, picks the collective they imply (`gemm.classify`) and runs
+shardings that propagation chose, picks the collective they imply (`layout.classify_on`) and runs
 the per-shard op; layouts it cannot overlap become a local GEMM on operands XLA reshards first
 (correct, without overlap). A Shardy sharding rule (and the GSPMD callbacks) let sharding
 propagation flow through it both ways.
@@ -27,6 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
+from commgemm.layout import classify_on, spec_entries
 from commgemm.operands import dot
 from commgemm.registry import resolve
 from commgemm.vma import whole_cotangents
@@ -85,8 +86,6 @@ def _layout(call: _Call, mesh, arg_shapes):
     """(per-shard body, x spec, w spec, out spec, the axes the body all-reduces its result over)
     of the layout the operands' shardings imply; a layout gemm cannot overlap becomes a local
     GEMM on x's row shards and a whole w, which XLA reshards the operands to."""
-    from commgemm.gemm import classify_on, spec_entries
-
     names = tuple(mesh.axis_names)
     x_spec = spec_entries(arg_shapes[0].sharding.spec, call.ndim, "x", names)
     w_spec = spec_entries(arg_shapes[1].sharding.spec, 2, "w", names)

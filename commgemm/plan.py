@@ -1,4 +1,6 @@
-"""Plan time: turn an op's arguments into a validated (config, algorithm) before any collective.
+"""Plan time: one op call's arguments (collective, shapes, axis, config, scaling recipe) turned
+into a validated `Plan` before any collective: AUTO resolved, the algorithm, the backend that
+runs it and the recipe. Everything downstream (ops, the VJP, the kernels) reads the plan.
 
 Every check here raises at trace time, so a wrong shape never becomes a hang.
 """
@@ -10,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from commgemm.backend import Backend, backend_for, fused_backend
 from commgemm.config import (
     ATOMIC_ALGORITHMS,
     Algorithm,
@@ -17,19 +20,24 @@ from commgemm.config import (
     Method,
     OverlapConfig,
     split_requirement,
+    uses_tpu_kernels,
 )
 from commgemm.distributed import check_same_plan
 from commgemm.operands import axis_size, check_divisible, check_dtypes, check_matmul_shapes
+from commgemm.quant import ScalingRecipe
 from commgemm.registry import OverlapBuffer, resolve
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A validated call: `config` has out_dtype filled in and method never AUTO."""
+    """A validated call: `config` has out_dtype filled in and method never AUTO; `backend`
+    runs it (`commgemm.backend`); `recipe` quantizes its operands (None: as they are)."""
 
     config: OverlapConfig
     algorithm: Algorithm
     axis_size: int
+    backend: Backend
+    recipe: ScalingRecipe | None = None
 
 
 def _check_buffer(buf: OverlapBuffer, x: jax.Array, size: int) -> None:
@@ -59,9 +67,7 @@ def _check_fused(
 ) -> None:
     """ATOMIC_GEMM_AG_P2P / _RS_P2P / _RS run one fused kernel (commgemm.mosaic_gpu.fused)
     where it can run; anything else is a clear error, not a silent fallback."""
-    from commgemm.xla import module_for  # the fused module: TPU kernels or Hopper ones
-
-    reason = module_for(cfg).unsupported_reason(
+    reason = fused_backend(cfg).unsupported_reason(
         collective, x, w, size, cfg, w_transposed=w_transposed
     )
     if reason is not None:
@@ -69,6 +75,30 @@ def _check_fused(
             f"{algorithm.name} (the fused GEMM kernel) cannot run this call: {reason}. Use "
             "atomic_gemm=False for the split algorithm of the same method"
         )
+
+
+def _check_fused_scaling(op: str, cfg: OverlapConfig, recipe: ScalingRecipe) -> None:
+    """A fused config asked for explicitly must take the quantized operands."""
+    if cfg.atomic_gemm and (why := fused_backend(cfg).scaling_reason(cfg, recipe)):
+        raise ValueError(f"{op} with {recipe.mode.name} and atomic_gemm=True: {why}; use "
+                         "atomic_gemm=False")  # fmt: skip
+
+
+def _quantized_config(
+    cfg: OverlapConfig, recipe: ScalingRecipe, requested: OverlapConfig
+) -> OverlapConfig:
+    """The config a quantized call runs: AUTO's fused choice (`requested` not fused itself)
+    becomes the split algorithm of its method where that kernel cannot take the quantized
+    operands, where the recipe promotes the forward's partial sums (the Hopper kernels' split
+    form is slower than XLA's promoted FP8 GEMM), or where it is a TPU kernel (their float8
+    path is asked for explicitly only: it has not run on TPU hardware)."""
+    auto_pick = not requested.atomic_gemm
+    if cfg.atomic_gemm and (
+        fused_backend(cfg).scaling_reason(cfg, recipe)
+        or (auto_pick and (recipe.split_accumulator[0] or uses_tpu_kernels(cfg)))
+    ):
+        return cfg.replace(atomic_gemm=False, kernel=None, interpret=False)
+    return cfg
 
 
 def with_dtypes(cfg: OverlapConfig, dtype) -> OverlapConfig:
@@ -89,9 +119,14 @@ def make_plan(
     rows: int,
     w_transposed: bool,
     op: str,
+    recipe: ScalingRecipe | None = None,
 ) -> Plan:
-    """Validates one per-shard call. `rows` is the size of x's split dimension in its 2-D view."""
+    """Validates one per-shard call. `rows` is the size of x's split dimension in its 2-D view;
+    `recipe` the scaling the operands are quantized by (None: as they are)."""
     cfg, buf = resolve(config)
+    requested = cfg
+    if recipe is not None:
+        _check_fused_scaling(op, cfg, recipe)
     check_dtypes(x, w)
     check_matmul_shapes(x, w, w_transposed=w_transposed)
     size = axis_size(axis_name)
@@ -100,7 +135,7 @@ def make_plan(
     if cfg.method is Method.AUTO:
         from commgemm.autotune.auto import resolve_auto
 
-        cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed)
+        cfg = resolve_auto(cfg, collective, x, w, size, w_transposed=w_transposed, recipe=recipe)
     algorithm = cfg.algorithm(collective)
     if algorithm in (
         Algorithm.BULK_OVERLAP_AG,
@@ -143,9 +178,11 @@ def make_plan(
     )
     check_divisible(rows, need, f"{op}: x's split dimension", why)
     cfg = with_dtypes(cfg, x.dtype).replace(collective=collective)
+    if recipe is not None:
+        cfg = _quantized_config(cfg, recipe, requested)
     check_same_plan(
         f"{op}(x {x.dtype.name}{list(x.shape)}, w {w.dtype.name}{list(w.shape)}, "
         f"axis {axis_name!r} of {size})",
         str(cfg),
     )
-    return Plan(cfg, algorithm, size)
+    return Plan(cfg, algorithm, size, backend_for(cfg), recipe)

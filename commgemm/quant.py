@@ -14,7 +14,7 @@ keep their values (clipped to the format's range) and only the non-finite ones c
 non-finite (NaN in formats without inf), as they would in a jnp product: never a tensor of NaN
 from one bad element. NVFP4's values hold no NaN or inf: a 16-element block with a non-finite
 element comes back all NaN. A tiny amax gives at most MAX_SCALE, never an inf scale.
-The ops' quantized path is commgemm.scaled.
+The ops' quantized path is commgemm.autodiff's quantizer (commgemm.quantized_gemm, commgemm.scaled).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class ScalingState:
         return ScalingState(jnp.zeros(history, jnp.float32), jnp.ones((), jnp.float32), algorithm)
 
     def update(self, amax: jax.Array, dtype=jnp.float8_e4m3fn) -> ScalingState:
-        """The state after observing `amax` (e.g. `commgemm.scaled.amax(x, axis_name)`, the
+        """The state after observing `amax` (e.g. `commgemm.amax(x, axis_name)`, the
         tensor's amax over its shards): the history shifted, the next scale from it. A
         non-finite amax leaves the scale as it was."""
         history = jnp.roll(self.amax_history, 1).at[0].set(jnp.asarray(amax, jnp.float32))

@@ -6,10 +6,10 @@ recipe's states), so the K blocks' partial sums, scaled back in each GEMM's epil
 one scale over `k_axis`. Block modes quantize W's local rows in blocks along K (which never
 straddle shards: K per shard, of x and of W, must be whole blocks); the gathered scales are
 sliced with their K block. The GEMM + all-reduce over `k_axis` is the ops' quantized path
-(commgemm.scaled) on this device's K block of the gathered payload, per column chunk for
-PIPELINE.
+(commgemm.autodiff's quantizer) on this device's K block of the gathered payload, per column
+chunk for PIPELINE.
 
-Backward (straight-through, as commgemm.scaled): dY quantized by current scaling (e5m2 by
+Backward (straight-through, as commgemm.autodiff's): dY quantized by current scaling (e5m2 by
 default; block modes their own format, W again with blocks along N); dX is the local GEMM of dY
 with this device's K block of W; dW's K block is X^T dY, and W's cotangent the transpose of the
 gather and slice: the block put in its place among zeros and reduce-scattered over the row
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.autodiff import Quantizer, forward
 from commgemm.config import Collective, OverlapConfig
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
     quantize_operand,
-    tensor_scale,
     weight_operand,
 )
 from commgemm.quant import (
@@ -44,7 +44,6 @@ from commgemm.quant import (
     dequantize,
     quantize,
 )
-from commgemm.scaled import QuantizedRhs, _forward, _weight_grad, payload
 from commgemm.vma import all_reduce_transpose, like_primal, varying_like
 
 
@@ -65,8 +64,8 @@ def matmul_2d(
     axes = (row_axis, k_axis)
     qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axes, recipe.x_state)
     w, qw, _ = weight_operand(w, recipe, 0, axes)  # its GEMMs take w's blocks as quantized
-    fmt = (recipe.mode, recipe.grad_dtype, recipe.split_accumulator)
-    return _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, recipe.dy_state)
+    quantizer = Quantizer.of(recipe)
+    return _scaled_2d(row_axis, k_axis, cfg, splits, quantizer, x, w, qx, qw, recipe.dy_state)
 
 
 def _columns(t: ScaledTensor, start: int, width: int) -> ScaledTensor:
@@ -108,39 +107,41 @@ def _concat(blocks: list[ScaledTensor]) -> ScaledTensor:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _scaled_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state) -> jax.Array:
+def _scaled_2d(row_axis, k_axis, cfg, splits, quantizer, x, w, qx, qw, dy_state) -> jax.Array:
     """The 2-D GEMM on quantized operands qx (x's rows, blocks along K) and qw (W's local rows,
     blocks along K); x and w are what gradients flow to (straight-through); dy_state's
     cotangent is its advanced state (`operand_scaling.dy_quantized`)."""
-    return _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state)[0]
+    return _forward_2d(row_axis, k_axis, cfg, splits, quantizer, x, w, qx, qw, dy_state)[0]
 
 
-def _forward_2d(row_axis, k_axis, cfg, splits, fmt, x, w, qx, qw, dy_state):
+def _forward_2d(row_axis, k_axis, cfg, splits, quantizer, x, w, qx, qw, dy_state):
     width = w.shape[1] // splits
     outs, blocks = [], []
     for c in range(splits):
         block = _k_block(_columns(qw, c * width, width), row_axis, k_axis, x.shape[1])
-        out, _ = _forward(Collective.ALL_REDUCE, k_axis, cfg, False, fmt, x, None, qx, block)
+        out, _ = forward(Collective.ALL_REDUCE, k_axis, cfg, False, quantizer, x, None, qx, block)
         outs.append(out)
         blocks.append(block)
     out = outs[0] if splits == 1 else jnp.concatenate(outs, axis=1)
-    return out, (payload(qx), tensor_scale(qx), _concat(blocks), x[:0], w[:, :0], dy_state)
+    rows, x_scale = quantizer.lhs(x, qx)
+    return out, (rows, x_scale, _concat(blocks), x[:0], w[:, :0], dy_state)
 
 
-def _backward_2d(row_axis, k_axis, cfg, splits, fmt, residuals, dy):
+def _backward_2d(row_axis, k_axis, cfg, splits, quantizer, residuals, dy):
     rows, x_scale, qw, like_x, like_w, dy_state = residuals
-    mode, grad_dtype, split = fmt
+    mode = quantizer.mode
     k_block, n = like_x.shape[1], dy.shape[1]
     dy = all_reduce_transpose(dy, k_axis)
     axes = (row_axis, k_axis)
-    qdy, new_state = dy_quantized(dy, mode, grad_dtype, axes, dy_state)
+    qdy, new_state = dy_quantized(dy, mode, quantizer.grad_dtype, axes, dy_state)
     if mode not in TENSOR_MODES:  # blocks along N, dX's contracting dimension
         values = dequantize(qw, like_x.dtype)
         qw = quantize(values, mode, axis=1, amax=amax(values, axes))
-    rhs = QuantizedRhs(qw, tensor_scale(qdy), n, like_x.dtype.name, split[1])
-    dx = rhs.matmul(payload(qdy), True, cfg.accumulate_dtype, like_x.dtype)
-    dw = _weight_grad(rows, x_scale, payload(qdy), tensor_scale(qdy), fmt, k_block, n, False, cfg,
-                      like_w.dtype)  # fmt: skip
+    d, d_scale = quantizer.lhs(dy, qdy)
+    rhs = quantizer.rhs(None, qw, d_scale, n, like_x.dtype.name, quantizer.split[1])
+    dx = quantizer.local(d, rhs, True, cfg.accumulate_dtype, like_x.dtype)
+    acc = cfg.accumulate_dtype
+    dw = quantizer.weight_grad(rows, x_scale, d, d_scale, k_block, n, False, acc, like_w.dtype)
     # the transpose of gather-then-slice: the block among zeros, reduce-scattered over rows
     whole = varying_like(jnp.zeros((like_w.shape[0] * lax.axis_size(row_axis), n), dw.dtype), dw)
     whole = lax.dynamic_update_slice_in_dim(whole, dw, lax.axis_index(k_axis) * k_block, axis=0)

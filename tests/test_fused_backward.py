@@ -191,15 +191,16 @@ def test_quantized_backward_plan(op, hopper, monkeypatch):
     """A tensor-scaled fused op's dX with fast dgrad takes the bf16 op's fused plan (the
     float8 operands are the kernel's concern); with promoted dgrad (the default), or under a
     block mode (which the fused kernels do not take), the ring."""
-    from commgemm import scaled
+    from commgemm import autodiff
     from commgemm.quant import ScalingMode
 
     monkeypatch.setattr(jax, "device_count", lambda: 2)
 
     def plan(mode=None, split=False):
         def planner(collective, cfg, x, dy, w, axis_name, w_transposed):
-            return scaled._backward_config(
-                collective, cfg, x[:0], dy, w, axis_name, w_transposed, mode, split
+            quantizer = autodiff.Quantizer(mode, split=(True, split, True))
+            return autodiff._dgrad_config(
+                collective, cfg, quantizer, x[:0], dy, w, axis_name, w_transposed
             )
 
         return _plan(op, "fused-direct", 2, 1024, 512, 1024,

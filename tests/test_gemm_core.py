@@ -172,7 +172,7 @@ def test_gemm_reason(hopper):
     f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
     assert "bf16 or fp16" in gemm_core.gemm_reason(f32, w, False, "float32")
     # float8: one format on both sides (dX's e5m2 dY against e4m3 W stays on XLA's dot)
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     w8 = cg.ScaledTensor(jax.ShapeDtypeStruct((512, 128), jnp.float8_e4m3fn), jnp.ones(()))
     fast = QuantizedRhs(w8, jnp.ones(()), 128, "bfloat16", False)
@@ -189,7 +189,7 @@ def _core_operands(x_shape, w_shape, dtype):
     x = jax.ShapeDtypeStruct(x_shape, dtype)
     if dtype == jnp.bfloat16:
         return x, jax.ShapeDtypeStruct(w_shape, dtype)
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     data = cg.ScaledTensor(jax.ShapeDtypeStruct(w_shape, dtype), jnp.ones(()))
     return x, QuantizedRhs(data, jnp.ones(()), x_shape[1], "bfloat16", False)

@@ -408,7 +408,7 @@ def test_fused_kernels_lower_on_float8(spec, op, size, split):
     """The ops' quantized path into the direct and ring kernels: float8 x and w ([n, K]) reach
     the kernel as float8 (and no bf16 copy of either), with the scale as a third operand; with
     fast and split accumulation."""
-    from commgemm import scaled
+    from commgemm import quantized_gemm
     from commgemm.mosaic_gpu import fused
 
     cfg = parse_method(spec, op)
@@ -421,7 +421,7 @@ def test_fused_kernels_lower_on_float8(spec, op, size, split):
 
     def body(x, w):
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
-        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, x.shape[1], "bfloat16", split)
+        rhs = quantized_gemm.QuantizedRhs(qw, qx.scale_inv, x.shape[1], "bfloat16", split)
         return fn(qx.data, rhs, None if size is None else "x", cfg, w_transposed=False)
 
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (x_shape, w_shape)]
@@ -584,7 +584,7 @@ def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow, rin
 def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     """The direct AG kernel with a narrowed tail lowers, on one device (its GEMM core) and on a
     mesh, in bf16 and float8 (N = 1792: 7 column tiles); so do 128 x 192 tiles (N = 1728)."""
-    from commgemm import scaled
+    from commgemm import quantized_gemm
     from commgemm.mosaic_gpu import fused
 
     planned = _recorded(monkeypatch, push_gather_gemm, "narrow_tail")
@@ -595,7 +595,7 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
         if not fp8:
             return push_gather_gemm.all_gather_matmul(x, w, None if size is None else "x", cfg)
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
-        rhs = scaled.QuantizedRhs(qw, qx.scale_inv, k, "bfloat16", False)
+        rhs = quantized_gemm.QuantizedRhs(qw, qx.scale_inv, k, "bfloat16", False)
         return fused.all_gather_matmul(qx.data, rhs, None if size is None else "x", cfg,
                                        w_transposed=False)  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""The house's shape: no import cycle among commgemm's modules, the runtime path never imports
+"""The house's shape: no import cycle among commgemm's modules (imports inside functions
+included), the runtime path never imports
 the measuring code (tuner, bench) or the CLI, every module says what it owns, and no file
 grows past the size a reader can hold."""
 
@@ -21,6 +22,7 @@ RUNTIME = [
         ["ops"], ["gemm"], ["plan"], ["autodiff"], ["config"], ["registry"], ["operands"],
         ["epilogue"], ["vma"], ["distributed"], ["xla"], ["mosaic_gpu"], ["pallas_tpu"],
         ["grouped"], ["quant"], ["scaled"], ["operand_scaling"], ["bulk"], ["partitioned"],
+        ["backend"], ["quantized_gemm"], ["layout"],
     )
     or m in ("commgemm.autotune.auto", "commgemm.autotune.cache", "commgemm.autotune.costmodel")
 ]  # fmt: skip
@@ -46,7 +48,7 @@ def _imports(module: str, top_level_only: bool) -> set[str]:
 
 
 def test_no_import_cycle():
-    graph = {m: _imports(m, top_level_only=True) for m in MODULES}
+    graph = {m: _imports(m, top_level_only=False) for m in MODULES}
     state: dict[str, int] = {}
 
     def visit(m: str, path: list[str]) -> None:

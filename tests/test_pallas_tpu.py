@@ -308,16 +308,16 @@ def test_float8_kernels(rng, size, direct):
 def _block_operands(rng, mode, x_shape, w_shape):
     """x's payload rows and w's kernel operands (float8 values [K, n], float32 block scales
     [K / block, n]) under block mode `mode`, with their float64 dequantized values."""
-    from commgemm import scaled
+    from commgemm import quantized_gemm
 
     qx = cg.quantize(jnp.asarray(rng.standard_normal(x_shape), jnp.float32), mode)
     qw = cg.quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), mode, axis=0)
     nvfp4 = qx.mode is cg.ScalingMode.NVFP4_1D_SCALING
     blocks = gemm.Blocks(16 if nvfp4 else 32, "float8_e4m3fn" if nvfp4 else "float8_e8m0fnu")
-    x64 = np.asarray(scaled._block_values(qx, jnp.float32), np.float64)
-    w64 = np.asarray(scaled._block_values(qw, jnp.float32), np.float64)
+    x64 = np.asarray(quantized_gemm.block_values(qx, jnp.float32), np.float64)
+    w64 = np.asarray(quantized_gemm.block_values(qw, jnp.float32), np.float64)
     w_operands = (qw.data.astype(jnp.float8_e4m3fn), qw.scale_inv.astype(jnp.float32).T)
-    return scaled.payload(qx), w_operands, blocks, x64, w64
+    return quantized_gemm.payload(qx), w_operands, blocks, x64, w64
 
 
 @pytest.mark.parametrize(
@@ -452,7 +452,7 @@ def test_quantized_2d_case_and_choices(rng):
     quantized operands (not run on TPU hardware)."""
     from test_scaled import ATOL, RTOL, _dq
 
-    from commgemm.ops import _quantized_config
+    from commgemm.plan import _quantized_config
 
     mode = "current_tensor_scaling"
     x = rng.standard_normal((2 * 16, 2 * 64)).astype(np.float32)

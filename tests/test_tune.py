@@ -206,6 +206,40 @@ def test_tune_caches_the_winner_and_auto_uses_it(tmp_path, monkeypatch, rng):
     assert_close(f(x, w), reference(x, w), np.float32, 32)
 
 
+def test_tune_with_scaling_keeps_its_winner_apart(tmp_path, monkeypatch, rng):
+    """A quantized tune stores its winner under the scaling's key, leaves the plain key and the
+    machine figures alone, and AUTO reads it for calls with that scaling only."""
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    mode = "current_tensor_scaling"
+    methods = [parse_method(m, "ag") for m in ("ring:2", "pipeline:2")]
+    result = tuner.tune("ag", (256, 32, 64), dtype="float32", methods=methods, iters=3,
+                        scaling=mode)  # fmt: skip
+    plain_key = cache.plan_key("cpu", 8, "ag", (256, 32, 64), "float32")
+    assert result.key == f"{plain_key}/{mode}"
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert set(data["plans"]) == {result.key} and data["machines"] == {}
+    x, w = random(rng, (256, 32)), random(rng, (32, 64))
+    recipe = cg.ScalingRecipe(cg.ScalingMode(mode))
+    quantized = auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x[:32], w[:, :8], 8,
+                                  w_transposed=False, recipe=recipe)  # fmt: skip
+    assert quantized == result.best
+    plain = auto.resolve_auto(cg.OverlapConfig(method="auto"), AG, x[:32], w[:, :8], 8,
+                              w_transposed=False)  # fmt: skip
+    assert plain.method is cg.Method.NONE  # the cost model's pick: nothing cached for it
+    f = shard(
+        lambda a, b: cg.all_gather_matmul(
+            a, b, "x", config=cg.OverlapConfig(method="auto"), scaling=mode
+        ),
+        mesh1d(8),
+        (P("x", None), P(None, "x")),
+        P(None, "x"),
+    )
+    ref = np.asarray(cg.dequantize(cg.quantize(x, mode)), np.float64) @ np.asarray(
+        cg.dequantize(cg.quantize(w, mode)), np.float64
+    )
+    np.testing.assert_allclose(np.asarray(f(x, w), np.float64), ref, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "op", [cg.all_gather_matmul, cg.matmul_reduce_scatter, cg.matmul_all_reduce]
 )
@@ -475,25 +509,11 @@ def test_tune_by_device_periods_reports_their_noise(tmp_path, monkeypatch, rng, 
     assert "candidates closer than that are not told apart" in out
 
 
-def test_cli_tune(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
+def test_cli_tune(tmp_path, monkeypatch, capsys, scaling):
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "t.json"))
-    assert (
-        main(
-            [
-                "tune",
-                "--op",
-                "rs",
-                "--shape",
-                "256,64,32",
-                "--dtype",
-                "f32",
-                "--iters",
-                "3",
-                "--methods",
-                "none,ring",
-            ]
-        )
-        == 0
-    )
+    argv = "tune --op rs --shape 256,64,32 --dtype f32 --iters 3 --methods none,ring".split()
+    assert main(argv + (["--scaling", scaling] if scaling else [])) == 0
     assert "best:" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / "t.json").read_text())["plans"]) == 1
+    (key,) = json.loads((tmp_path / "t.json").read_text())["plans"]
+    assert key.endswith("/float32" if scaling is None else f"/float32/{scaling}")

@@ -8,6 +8,7 @@ import jax
 from commgemm.autotune import cache
 from commgemm.autotune.costmodel import choose, default_figures
 from commgemm.config import Collective, OverlapConfig, split_requirement, uses_tpu_kernels
+from commgemm.quant import ScalingRecipe
 
 #: The tuner's and the cache's short names of the collectives.
 OP_NAMES = {
@@ -36,18 +37,20 @@ def resolve_auto(
     size: int,
     *,
     w_transposed: bool,
+    recipe: ScalingRecipe | None = None,
 ) -> OverlapConfig:
     """The concrete config for method=AUTO on this per-shard call: the cached winner for the
-    global shape (where it can run here), else the cost model's choice (with cfg.deterministic,
-    among the plans whose result is the same on every call). The dtype fields,
-    save_gathered_input and deterministic stay cfg's."""
+    global shape and `recipe`'s scaling mode (where it can run here), else the cost model's
+    choice (with cfg.deterministic, among the plans whose result is the same on every call).
+    The dtype fields, save_gathered_input and deterministic stay cfg's."""
     from commgemm.mosaic_gpu.fused import varies_between_calls
     from commgemm.mosaic_gpu.tiles import hopper_reason
 
     shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
     kind = jax.devices()[0].device_kind
     found = cache.load()
-    key = cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name)
+    scaling = None if recipe is None else recipe.mode.value
+    key = cache.plan_key(kind, size, OP_NAMES[collective], shape, x.dtype.name, scaling)
     entry = found.plans.get(key)
     chosen = entry.config if entry is not None else None
     if chosen is not None and (problem := _unfit(chosen, collective, x.shape[0], size)):
@@ -114,7 +117,7 @@ def _fused_runs(cfg, collective, x, w, size, w_transposed, candidate: OverlapCon
         chain_gemms=False,
         interpret=cfg.interpret,
     )
-    from commgemm.xla import module_for  # the fused module: TPU kernels or Hopper ones
+    from commgemm.backend import fused_backend
 
-    reason = module_for(trial).unsupported_reason
+    reason = fused_backend(trial).unsupported_reason
     return reason(collective, x, w, size, trial, w_transposed=w_transposed) is None

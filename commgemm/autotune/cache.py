@@ -87,9 +87,19 @@ def cache_path() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "commgemm" / "tune.json"
 
 
-def plan_key(device_kind: str, size: int, op: str, shape: tuple[int, int, int], dtype: str) -> str:
+def plan_key(
+    device_kind: str,
+    size: int,
+    op: str,
+    shape: tuple[int, int, int],
+    dtype: str,
+    scaling: str | None = None,
+) -> str:
+    """The cache key of a problem; `scaling` (a ScalingMode's value) for quantized operands,
+    whose winner is measured quantized and kept apart from the plain one's."""
     m, k, n = shape
-    return f"{device_kind}/P{size}/{op}/{m}x{k}x{n}/{np.dtype(dtype).name}"
+    key = f"{device_kind}/P{size}/{op}/{m}x{k}x{n}/{np.dtype(dtype).name}"
+    return key if scaling in (None, "no_scaling") else f"{key}/{scaling}"
 
 
 def machine_key(device_kind: str, size: int) -> str:

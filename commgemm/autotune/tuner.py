@@ -98,9 +98,14 @@ def tune(
     path: pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
     label: Callable[[OverlapConfig], str] = repr,
+    scaling: str | None = None,
 ) -> TuneResult:
     """Measures every candidate (`overlap_report`: one run, interleaved) and stores the fastest
     and the machine figures the run implies (GEMM rate, received bytes per second) in the cache.
+    With `scaling` (a stateless ScalingMode's value) the candidates run quantized and the winner
+    is stored under that mode's key (`cache.plan_key`), which AUTO reads for calls with that
+    scaling; the machine figures, which the cost model reads for plain operands, are then left
+    as they are.
     Where device periods can be read (GPUs; `periods` rounds, 0 for none) they rank the
     candidates, being far steadier than the host-timed medians; elsewhere the host timing.
     A cache that cannot be written does not lose the measurements: `save_error` says why and
@@ -123,6 +128,7 @@ def tune(
         periods=periods,
         include_xla=False,
         progress=progress,
+        scaling=scaling,
     )
     if not report.rows:
         raise ValueError(f"no candidate could run: {report.failures}")
@@ -160,7 +166,7 @@ def tune(
         duplex_ring=default.duplex_ring,
     )
     timing = "device periods" if by_period else "host"
-    key = cache.plan_key(kind, size, op, shape, dtype)
+    key = cache.plan_key(kind, size, op, shape, dtype, scaling)
     entry = cache.PlanEntry(
         config=named[best.name],
         t_ms=t_of(best),
@@ -170,7 +176,8 @@ def tune(
     )
     saved_to = save_error = None
     try:
-        saved_to = cache.store({key: entry}, {cache.machine_key(kind, size): machine}, path)
+        machines = {cache.machine_key(kind, size): machine} if scaling is None else {}
+        saved_to = cache.store({key: entry}, machines, path)
     except OSError as err:
         save_error = f"{type(err).__name__}: {err}"
     return TuneResult(

@@ -117,7 +117,8 @@ def _tune(args: argparse.Namespace) -> int:
     console = Console(quiet=not lead)
     with steps(console, f"tune {args.op}", lead=lead) as step:
         result = tune(args.op, shape, dtype=args.dtype, methods=methods, iters=args.iters,
-                      periods=args.periods, label=spec_of, progress=step)  # fmt: skip
+                      periods=args.periods, label=spec_of, progress=step,
+                      scaling=args.scaling)  # fmt: skip
     table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
     for cfg, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
         table.add_row(spec_of(cfg), f"{t:.3f}", f"{result.vs_bound[cfg]:.2f}")
@@ -192,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shape", type=types.shape, help="M,K,N totals across the TP group")
     group.add_argument("--preset", choices=types.PRESET_NAMES, help="a named problem (M,K,N)")
     tune.add_argument("--dtype", type=types.dtype, default="bfloat16", help="operand dtype")
+    tune.add_argument(
+        "--scaling",
+        choices=bench_cli.SCALINGS,
+        help="time the candidates quantized and cache the winner for AUTO calls with this "
+        "scaling (default: none, the operands as they are)",
+    )
     tune.add_argument(
         "--methods",
         type=types.methods,

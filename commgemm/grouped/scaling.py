@@ -1,7 +1,7 @@
 """Quantized grouped GEMMs (`scaling=` on the grouped ops), emulated: x and the experts' weights
 are quantized with blocks (or one scale) along K, their scales shared over the op's mesh axis as
 in commgemm.scaled, and the grouped GEMMs run on the quantized values in x's dtype; the
-backward is straight-through, with dY quantized as in commgemm.scaled (current scaling to
+backward is straight-through, with dY quantized as in commgemm.autodiff (current scaling to
 float8_e5m2, delayed with the recipe's dy_state, or the block mode along N). Where x's rows
 travel (the all-gather's ring or gathers, the expert-parallel dispatch) they travel quantized:
 float8 values, or bytes of values and block scales (`Rows`, `moved`), dequantized on arrival;
@@ -42,7 +42,7 @@ from commgemm.quant import (
     as_recipe,
     dequantize,
 )
-from commgemm.scaled import payload, unpack_rows
+from commgemm.quantized_gemm import payload, unpack_rows
 from commgemm.vma import varying_like
 from commgemm.xla.common import after
 
@@ -118,7 +118,7 @@ def float8_experts(
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """Quantized rows [..., K] as they travel: `payload` (float8 values, or values and block
-    scales as bytes [..., K + K/block]: commgemm.scaled.payload) and `scale`, the part of the
+    scales as bytes [..., K + K/block]: `quantized_gemm.payload`) and `scale`, the part of the
     scale that is one number for the whole tensor (tensor modes; NVFP4's global scale),
     dequantized on arrival to `dtype` (`values`): the values of the sender's rows, exactly."""
 

@@ -32,6 +32,9 @@ ZERO_ROWS = 16
 #: Most float32 registers a thread of a ping-pong kernel's compute warpgroup gives its
 #: accumulator (a whole tile's: tile_m x tile_n / 128), leaving room for the rest of its 232.
 ACC_REGISTERS = 192
+#: K-steps of the float8 kernels where K allows: 128 bytes a row, the widest shared-memory
+#: swizzle, and the same shared memory as 64 steps of 16-bit operands.
+FLOAT8_TILE_K = 128
 
 
 def _positive_int(value: object, field: str, family: str) -> None:

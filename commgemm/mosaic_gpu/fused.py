@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.mosaic_gpu import (
+    heuristics,
     pingpong,
     pingpong_gather_gemm,
     pingpong_scatter_gemm,
@@ -68,6 +69,7 @@ from commgemm.mosaic_gpu import (
 )
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
+    FLOAT8_TILE_K,
     PINGPONG_FAMILIES,
     DirectAGConfig,
     DirectRSConfig,
@@ -223,11 +225,6 @@ def reason_for_shape(
     )
 
 
-#: K-steps of the float8 kernels by default: 128 bytes a row, the widest smem swizzle, and the
-#: same shared memory as bf16's 64.
-FLOAT8_TILE_K = 128
-
-
 def scaling_reason(config: OverlapConfig, recipe: ScalingRecipe) -> str | None:
     """Why the fused kernel of `config` cannot take operands quantized by `recipe`, or None."""
     if recipe.mode not in TENSOR_MODES:
@@ -282,7 +279,7 @@ def _longer_steps(tiles: KernelConfig, k: int, tile_k: int, stages: int) -> Kern
 
 def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: bool, options=None):
     """The kernel of `collective` and config's method on a float8 payload x [rows, K] and a
-    `scaled.QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
+    `QuantizedRhs` w: float8 wgmma on w laid out [n, K], the two scales applied in the
     epilogue, the result in x's original dtype, in config's tiling (`float8_tiling`; with split
     accumulation `split_tiling`); `options`: more of the kernel's options."""
     data = w.k_major(w_transposed)  # [n, K]: the kept transposed values where w has them
@@ -326,8 +323,6 @@ def backward_config(
     AUTO does; None where no such kernel can run this call
     (`unsupported_reason`). dy: the 2-D view of dY; w and w_transposed as the dX GEMM takes them
     (the forward's w, w_transposed flipped)."""
-    from commgemm.mosaic_gpu import heuristics
-
     rows, n = dy.shape
     out_columns = w.shape[0] if w_transposed else w.shape[1]
     back = config.replace(kernel=None, collective=None, out_dtype=dy.dtype.name)
@@ -354,7 +349,7 @@ def _array(w) -> jax.Array:
 
 
 def _is_quantized(w) -> bool:
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     return isinstance(w, QuantizedRhs)
 

@@ -37,7 +37,7 @@ from commgemm.mosaic_gpu.configs import DirectAGConfig, PingPongRSConfig
 from commgemm.mosaic_gpu.heuristics import COLUMNS_192, pingpong_tiles
 from commgemm.quant import TENSOR_MODES
 
-#: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `fused.FLOAT8_TILE_K`);
+#: The kernel's tilings: bf16 / fp16, and float8 (128-byte K-steps, `configs.FLOAT8_TILE_K`);
 #: a last wave at most half full runs its tiles as half-width ones (`narrow_tail`).
 TILES = DirectAGConfig(narrow_tail=True)
 FLOAT8_TILES = DirectAGConfig(tile_k=128, narrow_tail=True)
@@ -55,8 +55,8 @@ def tiling(n: int, *, float8: bool) -> DirectAGConfig:
 
 def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None:
     """Why the kernel cannot compute x [r, K] @ w ([K, n], [n, K] with w_transposed, or a
-    `scaled.QuantizedRhs`) in `result_dtype` on this backend, or None."""
-    from commgemm.scaled import QuantizedRhs
+    `quantized_gemm.QuantizedRhs`) in `result_dtype` on this backend, or None."""
+    from commgemm.quantized_gemm import QuantizedRhs
 
     if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
@@ -82,13 +82,13 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
 
 
 def auto_takes(x: jax.Array, w, w_transposed: bool, result_dtype) -> bool:
-    """Whether local_gemm "auto" runs x [r, K] @ w here: w a `scaled.QuantizedRhs` (tensor
+    """Whether local_gemm "auto" runs x [r, K] @ w here: w a `quantized_gemm.QuantizedRhs` (tensor
     scales, fast accumulation, one float8 format) that the kernel can run (`gemm_reason`) on
     the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%). On one H200 that
     core ran the presets' eight P = 2 local shapes at 1.80 to 1.94x the best bf16 GEMM, XLA's
     FP8 dot at 1.61 to 1.90x, and on one H100 it beat XLA's FP8 dot on all eight too
     (BENCHMARKS.md); bf16 stays on XLA's dot, as fast or faster there."""
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     if not isinstance(w, QuantizedRhs) or gemm_reason(x, w, w_transposed, result_dtype):
         return False
@@ -107,7 +107,7 @@ def matmul(x: jax.Array, w, w_transposed: bool) -> jax.Array:
     """x [r, K] @ w by the kernel (`gemm_reason` must be None): [r, n] in x's dtype (a
     QuantizedRhs: in its dtype, scaled back)."""
     from commgemm.mosaic_gpu import fused
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     quantized = isinstance(w, QuantizedRhs)
     data = w.w.data if quantized else w

@@ -38,13 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
-from commgemm.mosaic_gpu.configs import ROW_ALIGN, PingPongTiles
+from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, PingPongTiles
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 
 #: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
-#: K-steps of float8 operands where K allows: 128 bytes, as 64 of 16-bit ones.
-FLOAT8_TILE_K = 128
 #: The shared-memory swizzle of the operands' tiles, bytes: w's rows [K, N] are whole ones.
 SWIZZLE = 128
 

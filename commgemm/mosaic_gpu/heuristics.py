@@ -13,7 +13,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from commgemm.mosaic_gpu import pingpong_scatter_gemm
 from commgemm.mosaic_gpu.configs import (
+    FLOAT8_TILE_K,
     DirectAGConfig,
     DirectRSConfig,
     KernelConfig,
@@ -42,16 +44,14 @@ def pingpong_tiles(
     and in float8 (K whole 128-element steps, as the fused ops raise them), and its partial
     last column and row of tiles pad at most PINGPONG_PAD of the output (float8 operands:
     FLOAT8_PINGPONG_PAD); else None."""
-    from commgemm.mosaic_gpu import fused, pingpong_scatter_gemm
-
     tiles = PingPongRSConfig()
     pad = FLOAT8_PINGPONG_PAD if _float8(dtype) else PINGPONG_PAD
     padded = -(-n // tiles.tile_n) * tiles.tile_n * -(-rows // tiles.cluster_m) * tiles.cluster_m
     if padded > rows * n * (1 + pad):
         return None
-    if k % fused.FLOAT8_TILE_K:  # as `fused.unsupported_reason`: float8's K-steps must fit
+    if k % FLOAT8_TILE_K:  # as the fused ops' check: float8's K-steps must fit
         return None
-    steps = dataclasses.replace(tiles, tile_k=fused.FLOAT8_TILE_K) if _float8(dtype) else tiles
+    steps = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K) if _float8(dtype) else tiles
     reason = pingpong_scatter_gemm.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
                                                 out_dtype=out_dtype, partial_rows=True)  # fmt: skip
     return tiles if reason is None else None

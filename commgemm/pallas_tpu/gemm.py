@@ -55,7 +55,7 @@ def _mxu(v: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Block-scaled operands (MXFP8, NVFP4) as the kernels take them: x's rows are the bytes of
-    `commgemm.scaled.payload`, [r, K + K / size] (float8_e4m3fn values, then one `scale_dtype`
+    `quantized_gemm.payload`, [r, K + K / size] (float8_e4m3fn values, then one `scale_dtype`
     scale per `size` of them), and move as these bytes; w comes as float8_e4m3fn values
     [K, n] beside float32 block scales [K / size, n]. Each tile is dequantized per block into
     bf16 in VMEM before the MXU, exactly: a float8_e4m3fn value (4 significant bits) times a

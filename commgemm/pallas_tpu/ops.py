@@ -3,13 +3,13 @@ RING_EXCHANGE) and ATOMIC_GEMM_AG / _RS (direct, method PIPELINE), on a TPU back
 `OverlapConfig(interpret=True)`, in Pallas' TPU interpret mode on any backend.
 
 Quantized operands (an op's `scaling=`): x arrives as its payload rows and w as a
-`commgemm.scaled.QuantizedRhs`. Tensor modes: the kernels move the float8 rows (AG gathers
+`commgemm.quantized_gemm.QuantizedRhs`. Tensor modes: the kernels move the float8 rows (AG gathers
 them, half of bf16's bytes), widen each tile to bf16 in VMEM, multiply by the two tensor scales
-and store x's dtype (`gemm`). Block modes (MXFP8, NVFP4): the rows move as values and block
-scales together (`scaled.payload`), and each tile of x and w is dequantized per block in VMEM
-(`gemm.Blocks`); NVFP4's global scales are the tensor scales. RS partial sums travel in x's
-dtype. The quantized paths run in interpret mode in the tests and lower for a TPU target; they
-have not run on TPU hardware.
+and store x's dtype (`gemm`). Block modes (MXFP8, NVFP4): the rows move as values and
+block scales together (`quantized_gemm.payload`), and each tile of x and w is dequantized per
+block in VMEM (`gemm.Blocks`); NVFP4's global scales are the tensor scales. RS partial sums
+travel in x's dtype. The quantized paths run in interpret mode in the tests and lower for a TPU
+target; they have not run on TPU hardware.
 
 Interpret mode on the CPU runs each device's kernel on one of the CPU client's threads (one per
 device) and needs one more: use a mesh of fewer devices than `jax.devices()` has there (the
@@ -91,7 +91,7 @@ def _kernel_args(collective: Collective, x, w, axis_name: str, config, w_transpo
     its form."""
     from commgemm.operand_scaling import tensor_scale
     from commgemm.quant import BLOCK, TENSOR_MODES, ScalingMode
-    from commgemm.scaled import QuantizedRhs
+    from commgemm.quantized_gemm import QuantizedRhs
 
     quantized = {}
     if isinstance(w, QuantizedRhs):
@@ -110,6 +110,12 @@ def _kernel_args(collective: Collective, x, w, axis_name: str, config, w_transpo
     tiles = tiles_for(collective, x, w, size, w_transposed, dtype)
     kwargs = dict(direct=config.method is Method.PIPELINE, interpret=config.interpret)
     return (w.T if w_transposed else w), dict(tiles=tiles, **kwargs, **quantized)
+
+
+def scaling_reason(config: OverlapConfig, recipe) -> str | None:
+    """Why the kernels cannot take operands quantized by `recipe`: never (tensor and block
+    modes alike)."""
+    return None
 
 
 def all_gather_matmul(x, w, axis_name, config, *, w_transposed, return_gathered=False):

@@ -7,7 +7,7 @@ from jax import lax
 
 from commgemm.config import OverlapConfig
 from commgemm.operands import dot
-from commgemm.scaled import QuantizedRhs
+from commgemm.quantized_gemm import QuantizedRhs
 
 
 def matmul(
@@ -20,7 +20,7 @@ def matmul(
 ) -> jax.Array:
     """a [r, K] @ w -> [r, n], accumulated in config.accumulate_dtype and returned in
     `result_dtype` (default: the accumulate dtype). Named "gemm" in profiles. Under an op's
-    `scaling=`, a is a quantized payload and w a `commgemm.scaled.QuantizedRhs`, which
+    `scaling=`, a is a quantized payload and w a `commgemm.quantized_gemm.QuantizedRhs`, which
     multiplies it.
 
     The result is asked of XLA in a 16-bit result dtype directly (see operands.dot). With

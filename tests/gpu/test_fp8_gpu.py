@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import commgemm as cg
-from commgemm import scaled
+from commgemm import quantized_gemm, scaled
 
 
 def _operands(m=512, k=1024, n=768):
@@ -96,7 +96,7 @@ def test_fused_kernels_float8_core(family, op, k):
     tiles = getattr(mosaic_gpu, f"{family.capitalize()}{op.upper()}Config")()
     qx = cg.quantize(x, "current_tensor_scaling")
     qw = cg.quantize(w, "current_tensor_scaling", axis=0)
-    rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+    rhs = quantized_gemm.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
                               "bfloat16", False)  # fmt: skip
     out = _gemm_core(op, tiles, True)(qx.data, rhs)
     assert out.dtype == jnp.bfloat16

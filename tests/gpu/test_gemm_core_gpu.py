@@ -122,14 +122,14 @@ def test_float8_core_tilings(n, tiles):
 def _check_float8_core(f, x, w):
     """f(x8, QuantizedRhs of w stored [n, K]) against the float32 product of the quantized
     operands, after a call on -x."""
-    from commgemm import scaled
+    from commgemm import quantized_gemm
 
     k = x.shape[1]
     qw = cg.quantize(w, "current_tensor_scaling", axis=0)
     for sign in (-1, 1):
         qx = cg.quantize(sign * x, "current_tensor_scaling")
         ref = jnp.dot(cg.dequantize(qx), cg.dequantize(qw), precision="highest")
-        rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+        rhs = quantized_gemm.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
                                   "bfloat16", False)  # fmt: skip
         assert _rel_err(f(qx.data, rhs), ref) < 1.5e-2  # bf16 result, fast accumulation
 
@@ -200,7 +200,7 @@ def test_float8_split_accumulation(op, method):
     product added into a float32 total) against the float32 product of the same quantized
     operands: at least as close as the fast accumulation, and within the bf16 rounding of the
     result; K long enough (8192) for the tensor cores' narrower accumulator to show."""
-    from commgemm import scaled
+    from commgemm import quantized_gemm
 
     m, k, n = 1024, 8192, 1024
     x, w = _operands(m, k, n, seed=3)
@@ -211,7 +211,7 @@ def test_float8_split_accumulation(op, method):
     config = cg.OverlapConfig(method=method, atomic_gemm=True)
     errors = {}
     for split in (False, True):
-        rhs = scaled.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
+        rhs = quantized_gemm.QuantizedRhs(cg.ScaledTensor(qw.data.T, qw.scale_inv), qx.scale_inv, k,
                                   "bfloat16", split)  # fmt: skip
         out = jax.jit(lambda a, r: fn(a, r, None, config, w_transposed=True))(qx.data, rhs)  # noqa: B023
         assert out.shape == (m, n) and out.dtype == jnp.bfloat16
