@@ -18,6 +18,9 @@
 #                                              against XLA's partitioning, kernel time by kind
 #   bash benchmarks/run.sh multiprocess OUT    2 GPUs: the fused kernels and jax's own collective
 #                                              matmul with one process per GPU (and one for all)
+#   bash benchmarks/run.sh step    OUT         all GPUs: a transformer layer's training step (3 sizes,
+#                                              bf16 and FP8) by method against its bound, XLA's
+#                                              partitioning and XLA's windowed einsum
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -54,6 +57,7 @@ case $target in
     python3 benchmarks/fp8_gemm.py --out "$out"
     exit $status ;;
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
+  step) python3 benchmarks/step.py --out "$out" ;;
   core)  # the benchmark runs even when a test fails; the exit status is the tests'
     status=0
     JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_gemm_core_gpu.py tests/gpu/test_fp8_gpu.py \

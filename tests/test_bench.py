@@ -547,3 +547,27 @@ def test_layers_profile_breakdown_and_smoke_run(tmp_path):
     losses = row["ms"]  # on CPU: each variant's loss after its first step
     assert set(losses) == {"xla", "none", "auto"}
     np.testing.assert_allclose(list(losses.values()), losses["xla"], rtol=1e-5)
+
+
+def test_step_script_runs(tmp_path):
+    """benchmarks/step.py (the layer step's benchmark) on 8 virtual CPU devices with tiny
+    shapes: the commgemm layer's first loss equals XLA's partitioning of the same layer, in bf16
+    and FP8; no device timing on a CPU, so no ratio is claimed."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parent.parent
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "step.py"), "--out", str(tmp_path), "--quick",
+         "--sizes", "8b", "--variants", "auto,none,xla,comm"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
+    for row in rows:
+        assert row["loss_ok"] == {"auto": True, "none": True, "xla": True}
+        assert row["ms"] == {} and row["ratios"] == {}

@@ -287,3 +287,66 @@ def device_periods_interleaved(
             "kernels": mine[0]["kernels"],
         }
     return out
+
+
+def batch_spans_interleaved(
+    variants: Mapping[str, tuple[Callable, tuple]],
+    *,
+    rounds: int = 5,
+    calls: int = 4,
+    gap_s: float = 0.05,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Device time per call where `device_periods_interleaved` cannot split calls (a training
+    step has no one main kernel; host-paced steps leave gaps inside a batch): `rounds` rounds,
+    each running every variant's `calls` calls back to back in a shuffled order, batches gap_s
+    apart. On each GPU a batch is the run between the longest gaps; its span (first kernel's
+    start to last's end, idle time inside included) / calls is the time per call, its busy
+    fraction the union of its kernels over the span. Returns {name: {"median": median over
+    rounds of the median over GPUs of ms per call, "rounds", "busy": median busy fraction,
+    "events": GPU 0's (start, end, name) of one middle batch, in ns}}."""
+    if rounds < 1 or calls < 1:
+        raise ValueError(f"rounds={rounds} and calls={calls} must be >= 1")
+    for fn, args in variants.values():
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    rng = random.Random(seed)
+    order = []
+    for _ in range(rounds):
+        names = list(variants)
+        rng.shuffle(names)
+        order += names
+
+    def work():
+        for name in order:
+            fn, args = variants[name]
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+            time.sleep(gap_s)
+
+    per_device = []  # [device][batch] -> (ms per call, busy fraction, events)
+    for d, events in enumerate(_gpu_events(_trace(work))):
+        gaps, last_end = [], events[0][1]
+        for i in range(1, len(events)):
+            gaps.append((events[i][0] - last_end, i))
+            last_end = max(last_end, events[i][1])
+        if len(gaps) < len(order) - 1:
+            raise RuntimeError(f"GPU {d}: {len(events)} kernels for {len(order)} batches")
+        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: len(order) - 1])
+        batches = []
+        for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True):
+            run = events[a:b]
+            span = max(e for _, e, _ in run) - run[0][0]
+            busy = busy_ns(split_calls([(s, e) for s, e, _ in run], float("inf"))[0])
+            batches.append((span / calls / 1e6, busy / span, run))
+        per_device.append(batches)
+    out = {}
+    for name in variants:
+        index = [i for i, n in enumerate(order) if n == name]
+        per_round = [statistics.median(dev[i][0] for dev in per_device) for i in index]
+        out[name] = {
+            "median": statistics.median(per_round),
+            "rounds": per_round,
+            "busy": statistics.median(dev[i][1] for dev in per_device for i in index),
+            "events": per_device[0][index[len(index) // 2]][2],
+        }
+    return out

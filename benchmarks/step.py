@@ -1,0 +1,317 @@
+"""One transformer layer's training step on all devices of the host, against its bound and XLA's
+own partitioning: layernorms, the QKV and output projections, causal attention in plain jax
+(`jax.nn.dot_product_attention`), the MLP (GELU), sequence-parallel tensor parallelism over
+every device, forward, backward and an optax AdamW update, bf16 and FP8 (current tensor scaling
+on the four GEMMs).
+
+Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved`):
+  auto, none: the layer with commgemm's ops inside shard_map (AUTO, and NONE: serial)
+  xla:        the same layer in jnp on global arrays with NamedShardings (XLA's partitioning;
+              FP8: `commgemm.scaled.matmul` on the global arrays)
+  comm:       the step's collectives alone, back to back (4 all-gathers and 4 reduce-scatters
+              of [tokens, H]; FP8: the gathers in float8) -> t_comm
+  local:      the per-device layer (heads/P, F/P, every token) on one device, no
+              communication -> t_local; timed right after the others
+  xla-flags:  `xla` in a child process with XLA's windowed-einsum collective matmul on
+              (threshold 0, multi-streamed), reported as failing where it does not compile
+t_bound = max(t_local, t_comm). Each variant: ms per step, step / t_bound, speedup over xla,
+the devices' busy fraction and the exposed collective time (collective kernels with no other
+kernel beside them, GPU 0). A step under 90% busy is host-bound: no ratio is given from it.
+Before timing, every variant's loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8).
+
+    PYTHONPATH=. python benchmarks/step.py --out DIR [--sizes 8b,70b,13b] [--dtypes bf16,fp8]
+    PYTHONPATH=. python benchmarks/step.py --out DIR --quick     # tiny shapes, any backend
+
+Writes DIR/step.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from commgemm.devices import setup_devices
+
+setup_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import commgemm as cg  # noqa: E402
+from commgemm import scaled  # noqa: E402
+from commgemm.bench import spans  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    hidden: int
+    ffn: int
+    heads: int
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+SIZES = {
+    "8b": Size(4096, 14336, 32, 4, 4096),  # Llama-3-8B-like, 16384 tokens
+    "70b": Size(8192, 28672, 64, 4, 4096),  # Llama-3-70B-like, 16384 tokens
+    "13b": Size(5120, 13824, 40, 4, 2048),  # Llama-2-13B-like, 8192 tokens
+}
+QUICK = Size(64, 128, 8, 2, 32)
+FP8 = "current_tensor_scaling"
+WINDOWED = (
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+)
+COLLECTIVE_NAMES = ("nccl", "all_gather", "allgather", "reduce_scatter", "reducescatter",
+                    "all_reduce", "allreduce", "sendrecv", "permute")  # fmt: skip
+BUSY = 0.9
+
+
+def layernorm(x, scale):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * scale).astype(x.dtype)
+
+
+def layer(p, x, ag, rs, size: Size, heads: int, place=lambda a: a):
+    """The layer on x [rows, H]: ag(h, w, activation) gathers rows before its GEMM, rs(a, w)
+    reduces (and scatters) after; `heads` the heads this device holds; place(a) lays out the
+    per-head activations [batch, seq, heads, ...] (XLA's variant: sharded by head)."""
+    d = size.hidden // size.heads
+    qkv = ag(layernorm(x, p["ln1"]), p["w_qkv"], None)  # [T, heads * 3 * d]
+    t = qkv.shape[0]
+    qkv = place(qkv.reshape(t // size.seq, size.seq, heads, 3, d))
+    q, k, v = (place(qkv[..., i, :]) for i in range(3))
+    a = place(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    x = x + rs(a.reshape(t, heads * d), p["w_o"])
+    u = ag(layernorm(x, p["ln2"]), p["w1"], "gelu")
+    return x + rs(u, p["w2"])
+
+
+def init(size: Size, heads: int, ffn: int, dtype, seed: int = 0):
+    """Parameters of a layer holding `heads` heads and `ffn` columns of the MLP."""
+    rng = np.random.default_rng(seed)
+    h, d = size.hidden, size.hidden // size.heads
+
+    def w(rows, cols):
+        return jnp.asarray(rng.standard_normal((rows, cols)) / np.sqrt(rows), dtype)
+
+    return {"ln1": jnp.ones((h,), jnp.float32), "ln2": jnp.ones((h,), jnp.float32),
+            "w_qkv": w(h, heads * 3 * d), "w_o": w(heads * d, h), "w1": w(h, ffn),
+            "w2": w(ffn, h)}  # fmt: skip
+
+
+SPECS = {"ln1": P(), "ln2": P(), "w_qkv": P(None, "tp"), "w_o": P("tp", None),
+         "w1": P(None, "tp"), "w2": P("tp", None)}  # fmt: skip
+
+
+def train_step(forward, optimizer):
+    """jit(loss, grad, AdamW update) of forward(params, x) -> the layer's output."""
+
+    def step(params, opt_state, x):
+        def loss_fn(p):
+            return jnp.mean(jnp.square(forward(p, x).astype(jnp.float32)))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step)
+
+
+def epilogue(y, activation):
+    return jax.nn.gelu(y) if activation == "gelu" else y
+
+
+def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
+    """{name: (step fn, args)} of the variants in `names` (all but xla-flags)."""
+    n = mesh.devices.size
+    opt = optax.adamw(1e-4)
+    params = init(size, size.heads, size.ffn, dtype)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((size.tokens, size.hidden)), dtype)
+    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    placed = {k: shard(v, SPECS[k]) for k, v in params.items()}
+    x_placed = shard(x, P("tp", None))
+    out = {}
+    for name in names:
+        if name in ("auto", "none"):
+            cfg = cg.OverlapConfig(method=name)
+
+            def ag(h, w, act, cfg=cfg):
+                return cg.all_gather_matmul(h, w, "tp", config=cfg, activation=act,
+                                            scaling=scaling)  # fmt: skip
+
+            def rs(a, w, cfg=cfg):
+                return cg.matmul_reduce_scatter(a, w, "tp", config=cfg, scaling=scaling)
+
+            body = jax.shard_map(
+                lambda p, x, ag=ag, rs=rs: layer(p, x, ag, rs, size, size.heads // n),
+                mesh=mesh, in_specs=(SPECS, P("tp", None)), out_specs=P("tp", None),
+            )  # fmt: skip
+            out[name] = (train_step(body, opt), (placed, opt.init(placed), x_placed))
+        elif name == "xla":
+
+            def xla_mm(a, w, spec, act=None):
+                y = jnp.dot(a, w) if scaling is None else scaled.matmul(a, w, scaling)
+                return jax.lax.with_sharding_constraint(epilogue(y, act),
+                                                        NamedSharding(mesh, spec))  # fmt: skip
+
+            def forward(p, x):
+                ag = lambda h, w, act: xla_mm(h, w, P(None, "tp"), act)  # noqa: E731
+                rs = lambda a, w: xla_mm(a, w, P("tp", None))  # noqa: E731
+                by_head = NamedSharding(mesh, P(None, None, "tp"))
+                place = lambda a: jax.lax.with_sharding_constraint(a, by_head)  # noqa: E731
+                return layer(p, x, ag, rs, size, size.heads, place)
+
+            out[name] = (train_step(forward, opt), (placed, opt.init(placed), x_placed))
+        elif name == "local":
+            local = init(size, size.heads // n, size.ffn // n, dtype)
+            dev = mesh.devices.flat[0]
+            local = jax.device_put(local, dev)
+
+            def local_mm(a, w, act=None):
+                y = jnp.dot(a, w) if scaling is None else scaled.matmul(a, w, scaling)
+                return epilogue(y, act)
+
+            def local_forward(p, x):
+                return layer(p, x, local_mm, local_mm, size, size.heads // n)
+
+            args = (local, opt.init(local), jax.device_put(x, dev))
+            out[name] = (train_step(local_forward, opt), args)
+        elif name == "comm":
+
+            def chain(x, gather_dtype=jnp.float8_e4m3fn if scaling else dtype):
+                for _ in range(4):
+                    g = jax.lax.all_gather(x.astype(gather_dtype), "tp", axis=0, tiled=True)
+                    x = jax.lax.psum_scatter(g.astype(dtype), "tp", scatter_dimension=0,
+                                             tiled=True)  # fmt: skip
+                return x
+
+            fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp", None),
+                                       out_specs=P("tp", None)))  # fmt: skip
+            out[name] = (fn, (x_placed,))
+    return out
+
+
+def exposed_ms(events, calls: int) -> float:
+    """Collective kernels' time with no other kernel beside them, ms per call."""
+    is_comm = [any(s in n.lower() for s in COLLECTIVE_NAMES) for _, _, n in events]
+    compute = [(s, e) for (s, e, _), c in zip(events, is_comm, strict=True) if not c]
+    total = 0.0
+    for (s, e, _), c in zip(events, is_comm, strict=True):
+        if c:
+            covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in compute)
+            total += max(0.0, (e - s) - covered)
+    return total / calls / 1e6
+
+
+def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: int) -> dict:
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    dtype = jnp.bfloat16
+    scaling = FP8 if dtype_name == "fp8" else None
+    found = variants(size, mesh, dtype, scaling, names)
+    row = {"size": size_name, "dtype": dtype_name, "devices": mesh.devices.size,
+           "shape": dataclasses.asdict(size), "loss": {}, "ms": {}, "busy": {},
+           "exposed_ms": {}, "rounds": {}}  # fmt: skip
+    for name, (fn, args) in found.items():
+        if name != "comm":
+            row["loss"][name] = float(fn(*args)[2])
+    if "xla" in row["loss"]:
+        tol = 1e-1 if scaling else 5e-2
+        ref = row["loss"]["xla"]
+        row["loss_ok"] = {  # local has other (per-device) parameters
+            n: abs(v - ref) <= tol * abs(ref) for n, v in row["loss"].items() if n != "local"
+        }
+    if jax.default_backend() != "gpu":
+        return row
+    together = {n: v for n, v in found.items() if n != "local"}
+    timed = spans.batch_spans_interleaved(together, calls=calls)
+    if "local" in found:
+        timed |= spans.batch_spans_interleaved({"local": found["local"]}, calls=calls)
+    for name, t in timed.items():
+        row["ms"][name] = round(t["median"], 4)
+        row["rounds"][name] = [round(r, 4) for r in t["rounds"]]
+        row["busy"][name] = round(t["busy"], 3)
+        row["exposed_ms"][name] = round(exposed_ms(t["events"], calls), 4)
+    return row
+
+
+def ratios(row: dict) -> dict:
+    """step / t_bound and the speedup over xla for every device-bound variant."""
+    ms, busy = row["ms"], row["busy"]
+    if "local" not in ms or "comm" not in ms:
+        return {}
+    bound = max(ms["local"], ms["comm"])
+    out = {"t_bound_ms": bound}
+    for name, t in ms.items():
+        if name in ("local", "comm"):
+            continue
+        if busy.get(name, 1.0) < BUSY:
+            out[name] = "host-bound"
+            continue
+        xla_ok = "xla" in ms and busy.get("xla", 0.0) >= BUSY
+        out[name] = {"vs_bound": round(t / bound, 3),
+                     "speedup_vs_xla": round(ms["xla"] / t, 3) if xla_ok else None}  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--sizes", default="8b,70b,13b")
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--variants", default="auto,none,xla,comm,local,xla-flags")
+    parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = args.variants.split(",")
+    result = {"devices": jax.device_count(), "backend": jax.default_backend(),
+              "kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}  # fmt: skip
+    path = args.out / "step.json"
+    for size_name in args.sizes.split(","):
+        size = QUICK if args.quick else SIZES[size_name]
+        for dtype_name in args.dtypes.split(","):
+            row = run(size_name, size, dtype_name, [n for n in names if n != "xla-flags"],
+                      args.calls)  # fmt: skip
+            if "xla-flags" in names:
+                row["xla-flags"] = flags_variant(args, size_name, dtype_name)
+            row["ratios"] = ratios(row)
+            result["rows"].append(row)
+            path.write_text(json.dumps(result, indent=1))  # a run cut short keeps its rows
+            print(json.dumps({k: row[k] for k in ("size", "dtype", "ms", "busy", "ratios")}),
+                  flush=True)  # fmt: skip
+
+
+def flags_variant(args, size_name: str, dtype_name: str) -> dict:
+    """`xla` in a child process with XLA's windowed einsum on: its ms and busy, or the error."""
+    out = args.out / f"flags-{size_name}-{dtype_name}"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED}".strip())
+    cmd = [sys.executable, __file__, "--out", str(out), "--sizes", size_name, "--dtypes",
+           dtype_name, "--variants", "xla", "--calls", str(args.calls)]  # fmt: skip
+    if args.quick:
+        cmd.append("--quick")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1][:400] if done.stderr else "failed"}
+    row = json.loads((out / "step.json").read_text())["rows"][0]
+    return {"ms": row["ms"].get("xla"), "busy": row["busy"].get("xla"),
+            "loss": row["loss"].get("xla")}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
