@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -307,7 +308,9 @@ def flags_variant(args, size_name: str, dtype_name: str) -> dict:
         cmd.append("--quick")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1][:400] if done.stderr else "failed"}
+        lines = done.stderr.strip().splitlines() or ["failed"]
+        errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+        return {"error": (errors or lines)[-1][:600]}
     row = json.loads((out / "step.json").read_text())["rows"][0]
     return {"ms": row["ms"].get("xla"), "busy": row["busy"].get("xla"),
             "loss": row["loss"].get("xla")}  # fmt: skip
