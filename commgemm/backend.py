@@ -81,6 +81,18 @@ def fused_backend(config: OverlapConfig) -> FusedBackend:
     return cast(FusedBackend, fused)
 
 
+def auto_may_fuse(config: OverlapConfig, recipe: ScalingRecipe | None) -> bool:
+    """Whether AUTO may run the fused `config` on operands quantized by `recipe` (None: plain):
+    the kernel takes them, and the recipe accumulates the forward fast (the fused kernels'
+    promoted form is slower than XLA's promoted FP8 GEMM); the TPU kernels' float8 path only
+    where asked for explicitly."""
+    if recipe is None:
+        return True
+    if recipe.split_accumulator[0] or uses_tpu_kernels(config):
+        return False
+    return fused_backend(config).scaling_reason(config, recipe) is None
+
+
 def backend_for(config: OverlapConfig) -> Backend:
     """The backend that runs `config`: the fused kernels for atomic_gemm, else its method's
     XLA module."""

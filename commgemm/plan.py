@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from commgemm.backend import Backend, backend_for, fused_backend
+from commgemm.backend import Backend, auto_may_fuse, backend_for, fused_backend
 from commgemm.config import (
     ATOMIC_ALGORITHMS,
     Algorithm,
@@ -20,7 +20,6 @@ from commgemm.config import (
     Method,
     OverlapConfig,
     split_requirement,
-    uses_tpu_kernels,
 )
 from commgemm.distributed import check_same_plan
 from commgemm.operands import axis_size, check_divisible, check_dtypes, check_matmul_shapes
@@ -87,15 +86,14 @@ def _check_fused_scaling(op: str, cfg: OverlapConfig, recipe: ScalingRecipe) -> 
 def _quantized_config(
     cfg: OverlapConfig, recipe: ScalingRecipe, requested: OverlapConfig
 ) -> OverlapConfig:
-    """The config a quantized call runs: AUTO's fused choice (`requested` not fused itself)
-    becomes the split algorithm of its method where that kernel cannot take the quantized
-    operands, where the recipe promotes the forward's partial sums (the Hopper kernels' split
-    form is slower than XLA's promoted FP8 GEMM), or where it is a TPU kernel (their float8
-    path is asked for explicitly only: it has not run on TPU hardware)."""
+    """The config a quantized call runs: a fused config whose kernel cannot take the quantized
+    operands, or one AUTO chose (`requested` not fused itself) where `backend.auto_may_fuse`
+    says no (AUTO does not choose those: this guards a stale cached winner), becomes the split
+    algorithm of its method."""
     auto_pick = not requested.atomic_gemm
     if cfg.atomic_gemm and (
         fused_backend(cfg).scaling_reason(cfg, recipe)
-        or (auto_pick and (recipe.split_accumulator[0] or uses_tpu_kernels(cfg)))
+        or (auto_pick and not auto_may_fuse(cfg, recipe))
     ):
         return cfg.replace(atomic_gemm=False, kernel=None, interpret=False)
     return cfg

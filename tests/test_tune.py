@@ -173,6 +173,58 @@ def test_auto_plans_the_fused_ag_by_gpu_count(tmp_path, monkeypatch, size, metho
     assert cfg.atomic_gemm and cfg.method is cg.Method(method)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("collective", [AG, RS])
+def test_quantized_auto_takes_only_fused_kernels_that_take_the_recipe(
+    tmp_path, monkeypatch, size, collective
+):
+    """With FP8 operands whose forward promotes, AUTO chooses among the XLA methods alone, as
+    the cost model does without fused candidates, instead of a fused pick that the plan would
+    then split; with fast forward accumulation (the default recipe) the fused kernel stays a
+    candidate."""
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(jax, "device_count", lambda: size)
+    m, k, n = 8192, 4096, 14336
+    rows, k_local = (m // size, k) if collective is AG else (m, k // size)
+    x = jax.ShapeDtypeStruct((rows, k_local), np.dtype("bfloat16"))
+    w = jax.ShapeDtypeStruct((k_local, n // size if collective is AG else n), np.dtype("bfloat16"))
+    mode = cg.ScalingMode.CURRENT_TENSOR_SCALING
+    plan = lambda recipe: auto.resolve_auto(  # noqa: E731
+        cg.OverlapConfig(method="auto"), collective, x, w, size, w_transposed=False, recipe=recipe
+    )
+    promoted = plan(cg.ScalingRecipe(mode, split_accumulator=(True, True, True)))
+    fig = costmodel.default_figures("cpu", jax.devices()[0].device_kind)
+    split, _ = costmodel.choose(collective, (m, k, n), rows, size, 2, fig, fused=False,
+                                backend="cpu", quantized=True)  # fmt: skip
+    assert not promoted.atomic_gemm
+    chosen = {f: getattr(split, f) for f in cache.CHOSEN_FIELDS}
+    assert promoted == cg.OverlapConfig(method="auto").replace(**chosen)
+    assert plan(cg.ScalingRecipe(mode)).atomic_gemm
+    assert plan(None).atomic_gemm
+
+
+@pytest.mark.parametrize("collective", [AG, RS])
+def test_quantized_auto_on_more_than_two_gpus_is_serial(collective):
+    """FP8 on 4 GPUs: the cost model (bf16 rates) overlaps, but the layer step measured AUTO
+    slower than NONE there in FP8, so without a tuned winner AUTO runs NONE; on 2 GPUs the FP8
+    margins are bf16's."""
+    shape, fig = (16384, 8192, 28672), costmodel.default_figures("gpu")
+    for size, overlapped in ((4, False), (2, True)):
+        rows = shape[0] // size if collective is AG else shape[0]
+        plain, _ = costmodel.choose(collective, shape, rows, size, 2, fig, fused=True,
+                                    backend="gpu")  # fmt: skip
+        fp8, _ = costmodel.choose(collective, shape, rows, size, 2, fig, fused=True,
+                                  backend="gpu", quantized=True)  # fmt: skip
+        assert plain.method is not cg.Method.NONE
+        assert (fp8.method is not cg.Method.NONE) == overlapped
+        if overlapped:
+            assert fp8 == plain
+
+
 def test_candidates_respect_divisibility():
     for cfg in costmodel.candidates(AG, rows=6, size=4):
         assert 6 % cfg.num_splits == 0

@@ -7,6 +7,7 @@ import jax
 
 from commgemm.autotune import cache
 from commgemm.autotune.costmodel import choose, default_figures
+from commgemm.backend import auto_may_fuse
 from commgemm.config import Collective, OverlapConfig, split_requirement, uses_tpu_kernels
 from commgemm.quant import ScalingRecipe
 
@@ -42,7 +43,10 @@ def resolve_auto(
     """The concrete config for method=AUTO on this per-shard call: the cached winner for the
     global shape and `recipe`'s scaling mode (where it can run here), else the cost model's
     choice (with cfg.deterministic, among the plans whose result is the same on every call).
-    The dtype fields, save_gathered_input and deterministic stay cfg's."""
+    The dtype fields, save_gathered_input and deterministic stay cfg's. With `recipe`, only
+    fused kernels that AUTO may run on its quantized operands are candidates
+    (`backend.auto_may_fuse`): a fused pick the plan then had to split was measured slower than
+    serial (the split ring at P = 4)."""
     from commgemm.mosaic_gpu.fused import varies_between_calls
     from commgemm.mosaic_gpu.tiles import hopper_reason
 
@@ -57,8 +61,11 @@ def resolve_auto(
         cache.warn_entry(key, problem)
         chosen = None
 
-    def runs(candidate: OverlapConfig) -> bool:
-        return _fused_runs(cfg, collective, x, w, size, w_transposed, candidate)
+    def runs(candidate: OverlapConfig) -> bool:  # and takes the recipe's operands
+        trial = candidate.replace(interpret=cfg.interpret)
+        return _fused_runs(cfg, collective, x, w, size, w_transposed, candidate) and (
+            auto_may_fuse(trial, recipe)
+        )
 
     if chosen is not None and chosen.atomic_gemm:
         varies = cfg.deterministic and varies_between_calls(collective, chosen, size)
@@ -83,6 +90,7 @@ def resolve_auto(
             tpu=uses_tpu_kernels(cfg.replace(atomic_gemm=True, interpret=cfg.interpret)),
             interpret=cfg.interpret,
             backend=jax.default_backend(),
+            quantized=recipe is not None,
         )
     chosen_fields = {f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS}
     return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)

@@ -69,15 +69,26 @@ AUTO_MARGINS = {
     # RS 16384 x 8192 x 28672 on 4 x H100: the split ring predicted 0.63 of serial, measured
     # 1.33; the bidirectional ring 2.4x its prediction on 4 x H200: unknown to the model
     ("gpu", "split", "3+"): 1.0,
+    # FP8 operands (the model knows bf16 rates only). 2 GPUs: as bf16's (the FP8 fused ops ran
+    # 1.3x to 1.6x faster than serial on 2 x H200; the layer step's AUTO equalled NONE on
+    # 2 x H100)
+    ("gpu", "fused-fp8", 2): 0.10,
+    ("gpu", "split-fp8", 2): 0.15,
+    # 4 x H100: the layer step's AUTO ran 1.06x to 1.14x NONE's time in FP8; only a tuned
+    # winner (`commgemm tune --scaling`) overlaps there
+    ("gpu", "fused-fp8", "3+"): float("inf"),
+    ("gpu", "split-fp8", "3+"): float("inf"),
 }
 
 
-def auto_margin(backend: str | None, cfg: OverlapConfig, size: int) -> float:
-    """`AUTO_MARGINS`' entry for `cfg` on `size` devices of `backend` (0 for NONE, for no
-    backend, and where nothing was measured)."""
+def auto_margin(
+    backend: str | None, cfg: OverlapConfig, size: int, *, quantized: bool = False
+) -> float:
+    """`AUTO_MARGINS`' entry for `cfg` on `size` devices of `backend`, its FP8 family's where
+    `quantized` (0 for NONE, for no backend, and where nothing was measured)."""
     if backend is None or cfg.method is Method.NONE:
         return 0.0
-    family = "fused" if cfg.atomic_gemm else "split"
+    family = ("fused" if cfg.atomic_gemm else "split") + ("-fp8" if quantized else "")
     return AUTO_MARGINS.get((backend, family, 2 if size <= 2 else "3+"), 0.0)
 
 
@@ -285,12 +296,14 @@ def choose(
     tpu: bool = False,
     interpret: bool = False,
     backend: str | None = None,
+    quantized: bool = False,
 ) -> tuple[OverlapConfig, float]:
     """The candidate with the least predicted time (the first, i.e. simplest, among equals), the
     ring AG kernel in place of the direct one where `heuristics.ring_ag_first`; `runs(config)`
     says whether a fused candidate can run the call (None: all can). On `backend`, an
     overlapped candidate must beat serial by its family's `AUTO_MARGINS` (its predicted time
-    is scored x (1 + margin)); the time returned is the prediction."""
+    is scored x (1 + margin); `quantized`: the FP8 families'); the time returned is the
+    prediction."""
     t_gemm, t_comm = _times(collective, shape, size, itemsize, fig)
     options = candidates(
         collective,
@@ -310,7 +323,8 @@ def choose(
     ]
 
     def score(entry) -> tuple[float, int]:
-        return round(entry[0] * (1 + auto_margin(backend, entry[2], size)), 12), entry[1]
+        margin = auto_margin(backend, entry[2], size, quantized=quantized)
+        return round(entry[0] * (1 + margin), 12), entry[1]
 
     best = min(scored, key=score)
     hopper_ag = collective is Collective.ALL_GATHER and not tpu
