@@ -249,16 +249,16 @@ class OverlapConfig:
         (`RingAGConfig`, `RingRSConfig`, `DirectAGConfig`, `DirectRSConfig`; checked at plan
         time); None: that family's default.
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
-        XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2xH200 it was slower
+        XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2 GPUs it was slower
         in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
       local_gemm: the GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE):
         "xla" (XLA's dot, every backend), "mosaic" (the fused kernels' GEMM core run with no
         peers, `commgemm.mosaic_gpu.gemm_core`: Hopper GPUs with jax >= 0.11, else refused at
         plan time; a GEMM it cannot run multiplies on XLA's dot), or "auto" (the default):
         XLA's dot, except a tensor-scaled float8 GEMM with fast accumulation that the ping-pong
-        kernel takes on a Hopper GPU (`gemm_core.auto_takes`), which runs on it (on one H200
+        kernel takes on a Hopper GPU (`gemm_core.auto_takes`), which runs on it (on one GPU
         1.80 to 1.94x the best bf16 GEMM of the presets' P = 2 shapes, XLA's FP8 dot 1.61 to
-        1.90x: BENCHMARKS.md). AUTO takes it from the tune cache, where the tuner measured
+        1.90x). AUTO takes it from the tune cache, where the tuner measured
         "mosaic" faster.
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a

@@ -1,6 +1,6 @@
 """XLA flags the overlap can use on GPUs, for the user to apply before jax starts.
 
-Measured on 2xH200 (docs/performance.md): none of these helps every preset, so
+Measured on 2 GPUs (docs/performance.md): none of these helps every preset, so
 the library sets none by default; its own schedule hints (commgemm.xla.common.after) are
 per call and need no flag.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-#: flag -> what it does (and what the 2xH200 suite measured).
+#: flag -> what it does (and what the 2-GPU suite measured).
 KNOWN = {
     "cublas_gemm": (
         "--xla_gpu_enable_triton_gemm=false",

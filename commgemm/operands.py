@@ -90,7 +90,7 @@ def dot(
     A float32 accumulator with a 16-bit result is asked of XLA as a dot with a 16-bit result:
     its bf16/fp16 dots accumulate in float32 on CPU and GPU (cuBLAS compute type 32F) and round
     once at the end, the same as accumulating in float32 and casting, but without writing a
-    float32 result and reading it back (on 2xH200 that separate cast made the serial llama70b
+    float32 result and reading it back (on 2 GPUs that separate cast made the serial llama70b
     GEMM+RS 10% slower; docs/performance.md).
     """
     result = jnp.dtype(result_dtype)

@@ -300,18 +300,16 @@ class ScalingRecipe:
     accumulator (False: ..._FAST_ACCUM). The direct fused kernels do either: split adds each
     K-step's product into a float32 total, in smaller tiles (`mosaic_gpu.tiles.accumulated`).
     Default (False, True, True), the reference system's: fast for the forward, promoted for the
-    two gradients. XLA's GEMM ran at the same speed with the same error either way on H200 with
-    jax 0.11.2 (BENCHMARKS.md "FP8 GEMMs": XLA kept promoting). The fused kernels' fast form,
-    which the forward's default lets AUTO pick, had 1.9 to 3x the error of the promoted GEMM on
-    the presets' P = 2 shapes (at most 8.8e-3 of max |ref|); their split form has XLA's error
-    but takes 1.2 to 1.3x the time of XLA's promoted FP8 GEMM (one H200, BENCHMARKS.md
-    "Promoted or fast accumulation for dgrad"). Fast dgrad (split_accumulator[1] False) lets
-    a fused op's dX run on the fused kernels (commgemm.scaled); with the default it runs the
-    split ring on XLA's promoted GEMMs. On the presets' dX GEMMs the largest error against the
-    bf16 operands' product was the same either way, dY's e5m2 rounding outweighing the
-    accumulation's (same section); whether fast accumulation biases long sums in training was
-    not measured, so the default stays the reference's. Elsewhere the GEMMs accumulate in
-    float32 and the flag does nothing.
+    two gradients. XLA's GEMM keeps promoting either way (same speed, same error). The fused
+    kernels' fast form, which the forward's default lets AUTO pick, had 1.9 to 3x the error of
+    the promoted GEMM on the presets' shapes (at most 8.8e-3 of max |ref|); their split form has
+    XLA's error but 1.2 to 1.3x the time of XLA's promoted FP8 GEMM. Fast dgrad
+    (split_accumulator[1] False) lets a fused op's dX run on the fused kernels
+    (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. On the presets' dX
+    GEMMs the largest error against the bf16 operands' product was the same either way, dY's
+    e5m2 rounding outweighing the accumulation's; whether fast accumulation biases long sums in
+    training was not measured, so the default stays the reference's. Elsewhere the GEMMs
+    accumulate in float32 and the flag does nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and

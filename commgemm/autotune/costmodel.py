@@ -24,7 +24,7 @@ class MachineFigures:
     duplex_ring: whether the two directions of a bidirectional ring move at once, each at
     bytes_per_s, on links of their own (TPU ICI), rather than one after the other through the
     device's one set of links (GPUs behind NVSwitch, where XLA also keeps one collective in
-    flight: on 4 x H200 the bidirectional split ring ran 2.4x slower than this model without
+    flight: on 4 GPUs the bidirectional split ring ran 2.4x slower than this model without
     that)."""
 
     flops_per_s: float
@@ -34,7 +34,7 @@ class MachineFigures:
     duplex_ring: bool = False
 
 
-#: Defaults when nothing was measured: about what the 2xH200 suite measured (bf16 GEMM about
+#: Defaults when nothing was measured: about what the 2-GPU suite measured (bf16 GEMM about
 #: 700 TFLOP/s, NVLink all-gather about 240 GB/s received; overlapped GEMMs ran about 25%
 #: slower than alone), and a slow CPU.
 DEFAULT_FIGURES = {
@@ -61,20 +61,20 @@ TPU_FIGURES = {
 #: scores its predicted time x (1 + margin); NONE scores its own. 0 where nothing was measured
 #: (TPUs, CPUs): the model's choice as it is. A tune cache's measured winner overrides all.
 AUTO_MARGINS = {
-    # AUTO's fused picks ran 1.2x to 1.9x faster than serial on 2 and 4 H200s, as predicted
+    # AUTO's fused picks ran 1.2x to 1.9x faster than serial on 2 and 4 GPUs, as predicted
     ("gpu", "fused", 2): 0.10,
     ("gpu", "fused", "3+"): 0.10,
-    # comm_heavy AG's split ring: predicted 0.77 of serial, measured 0.66 to 0.79 (2 x H200)
+    # comm_heavy AG's split ring: predicted 0.77 of serial, measured 0.66 to 0.79 (2 GPUs)
     ("gpu", "split", 2): 0.15,
-    # RS 16384 x 8192 x 28672 on 4 x H100: the split ring predicted 0.63 of serial, measured
-    # 1.33; the bidirectional ring 2.4x its prediction on 4 x H200: unknown to the model
+    # RS 16384 x 8192 x 28672 on 4 GPUs: the split ring predicted 0.63 of serial, measured
+    # 1.33; the bidirectional ring 2.4x its prediction on 4 GPUs: unknown to the model
     ("gpu", "split", "3+"): 1.0,
     # FP8 operands (the model knows bf16 rates only). 2 GPUs: as bf16's (the FP8 fused ops ran
-    # 1.3x to 1.6x faster than serial on 2 x H200; the layer step's AUTO equalled NONE on
-    # 2 x H100)
+    # 1.3x to 1.6x faster than serial on 2 GPUs; the layer step's AUTO equalled NONE on
+    # 2 GPUs)
     ("gpu", "fused-fp8", 2): 0.10,
     ("gpu", "split-fp8", 2): 0.15,
-    # 4 x H100: the layer step's AUTO ran 1.06x to 1.14x NONE's time in FP8; only a tuned
+    # 4 GPUs: the layer step's AUTO ran 1.06x to 1.14x NONE's time in FP8; only a tuned
     # winner (`commgemm tune --scaling`) overlaps there
     ("gpu", "fused-fp8", "3+"): float("inf"),
     ("gpu", "split-fp8", "3+"): float("inf"),
@@ -230,7 +230,7 @@ def _predict_fused(t_gemm: float, t_comm: float, size: int, lat: float) -> float
     """The fused kernel: P steps of one row block's GEMM each; a step's block (AG: the x rows it
     multiplied; RS: the partial sums it wrote) travels to the next device during the step, by the
     CTAs themselves, and the next step waits for it. No interference term: the CTAs that send
-    are the ones computing (on 2xH200 the fused GEMM ran within 7% of the same kernel alone)."""
+    are the ones computing (on 2 GPUs the fused GEMM ran within 7% of the same kernel alone)."""
     step, transfer = t_gemm / size, t_comm / (size - 1)
     return (size - 1) * (max(step, transfer) + lat) + step + lat
 

@@ -173,7 +173,7 @@ def _periods(timed, rounds: int, step) -> tuple[dict[str, float], dict[str, floa
     that has one (and the bound's terms), or ({}, {}, why not); a variant whose calls could not
     be told apart is left out, its reason in the third item. torch's GEMM is left out: its
     kernels are not in jax's profiler trace, so its batches were the ones missing from every
-    round on 2 x H200 and no variant got a period; it keeps its host-timed figure."""
+    round on 2 GPUs and no variant got a period; it keeps its host-timed figure."""
     timed = {name: v for name, v in timed.items() if name != OTHER_GEMMS[1]}
     step(f"{len(timed)} variants, device periods, {rounds} rounds")
     try:

@@ -89,7 +89,7 @@ class Problem:
         first term), and its operands: one [lm, lk] @ [lk, ln] block per device. XLA's dot
         with a 16-bit result (float32 accumulation inside, as commgemm's GEMMs ask for it), or
         with cast=True a float32 result cast after; XLA picks other kernels for the two, and
-        either can be the faster (on 2xH200 by 2 to 8%)."""
+        either can be the faster (on 2 GPUs by 2 to 8%)."""
         p = self.size
         lm, lk, ln = self._local_shape()
         spec = P(tuple(self.mesh.axis_names))

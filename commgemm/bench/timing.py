@@ -55,7 +55,7 @@ def benchmark(
     (`block_until_ready` on every output shard) of call i and of call i+group, divided by
     group: the device time per call, with the Python dispatch of later calls happening meanwhile
     and so not timed. On several GPUs the host sees
-    completions late and sometimes in bursts, so single deltas jitter (on 2xH200 some fell far
+    completions late and sometimes in bursts, so single deltas jitter (on 2 GPUs some fell far
     below the bound); averaging over a group narrows that, without removing it, so use the
     median, not the minimum.
     If dispatching fell behind the device (the queue ran dry), `dispatch_bound` is set and the
@@ -106,7 +106,7 @@ def benchmark_interleaved(
     Each of `iters` cycles takes one sample of every variant, in an order shuffled per cycle
     (seeded, so every process of a multi-process run agrees on it). Sample i of every variant
     comes from cycle i, a fraction of a second wide, so a slow drift of the GPUs' speed (seen on
-    2xH200: up to 18% over a minute under load) reaches every variant alike.
+    2 GPUs: up to 18% over a minute under load) reaches every variant alike.
 
     A sample enqueues `head` calls and then `group` more, and is the time from the completion
     of the last head call (the start mark) to that of the last call, over group: the device time

@@ -36,12 +36,11 @@ ConfigLike = OverlapConfig | int | None
 
 #: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE) on 16-bit blocks; at
 #: the others, and wherever the blocks multiply on the float8 kernel, it runs NONE, every block
-#: in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096, N 14336 sharded
-#: (BENCHMARKS.md, "One grouped GEMM over the blocks", "The grouped ops on four GPUs" and "The
-#: experts' float8 values kept transposed"): on 2 x H100 the AG's ring took 1.254 ms against
+#: in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096, N 14336 sharded: on 2
+#: GPUs the AG's ring took 1.254 ms against
 #: 1.302 for none, while the RS's none (1.116 against 1.212) and the dispatch's (1.457 against
-#: 1.820) won; on 4 x H100 none won everywhere, the AG's 0.800 against 1.050 for its ring (the
-#: ring's P blocks each bring their G group boundaries). In float8 on 2 x H100 the AG's none
+#: 1.820) won; on 4 GPUs none won everywhere, the AG's 0.800 against 1.050 for its ring (the
+#: ring's P blocks each bring their G group boundaries). In float8 on 2 GPUs the AG's none
 #: won too: forward 0.814 against 1.042 ms (experts quantized before), 1.236 against 1.496
 #: (quantized in the call), forward and backward 3.465 against 4.456. The return, whose
 #: blocks are the dispatch's, follows it (not timed alone). Column chunks (pipeline:4) were

@@ -129,8 +129,9 @@ def grouped_matmul(
         dot); None picks one by the shape
         (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
         divides into the tiles, the forward and dX run a Mosaic GPU kernel and dW jax's
-        transposed ragged dot; elsewhere XLA's ragged dot (on H200 4 to 23 times slower for 8
-        to 64 groups, its dW 6.6 to 18 times slower on H100: BENCHMARKS.md).
+        transposed ragged dot; elsewhere XLA's ragged dot (on a Hopper GPU 4 to 23 times slower for
+        8
+        to 64 groups, its dW 6.6 to 18 times slower on a Hopper GPU).
     Returns:
       [M, N]. Differentiable in x, w and bias. Not batchable with `jax.vmap` where x, w and
       group_sizes are not all batched along axis 0: `lax.ragged_dot` raises

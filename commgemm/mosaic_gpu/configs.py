@@ -226,7 +226,7 @@ class PingPongTiles:
     """The ping-pong grouped kernel's tiling (`grouped_pingpong`): tile_m x tile_n tiles, one per
     compute warpgroup, K-steps of tile_k, `stages` slots in the ring the two share, CTAs
     walking the tiles in bands `band` row tiles wide. The defaults were the fastest of the few
-    measured (BENCHMARKS.md); shared memory holds stages x (tile_m + tile_n) x tile_k operands
+    measured; shared memory holds stages x (tile_m + tile_n) x tile_k operands
     and two tile_m x tile_n results (fewer stages where they do not fit:
     `grouped_pingpong.ring_stages`). tile_m is whole 64s, tile_n whole 8s up to 256 (whole 64s
     for 16-bit w read [G, K, N]: `grouped_pingpong.shape_reason`)."""
@@ -308,8 +308,7 @@ class PingPongRSConfig(_PingPong):
     """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_scatter_gemm`; the tiling: `_PingPong`).
     zero_ahead: D > 0 zeroes the output D waves of CTAs ahead of the adds (the load warpgroup,
     between two tiles' loads); 0 zeroes it all first. The defaults ran within 0 to 1.4% of the
-    best GEMM on the RS presets' local shapes but comm_heavy's (4 to 5%) on one H100
-    (BENCHMARKS.md)."""
+    best GEMM on the RS presets' local shapes but comm_heavy's (4 to 5%) on one GPU."""
 
     zero_ahead: int = 2
 

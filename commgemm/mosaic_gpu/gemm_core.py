@@ -4,8 +4,8 @@ the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
 Where the ping-pong RS kernel (`pingpong_scatter_gemm`) takes the shape and its 192-wide
 tiles pad at most 1% of N (`heuristics.pingpong_tiles`), it is that kernel with nothing to
 add: each compute warpgroup a whole 128 x 192 tile, its epilogue under the other's K loop, 2-CTA
-clusters; on one H100 it ran the RS presets' llama local GEMMs at 0.99 to 1.014x XLA's dot,
-where the kernel below ran them at 1.06 to 1.19x (BENCHMARKS.md "The ping-pong RS kernel").
+clusters; on one GPU it ran the RS presets' llama local GEMMs at 0.99 to 1.014x XLA's dot,
+where the kernel below ran them at 1.06 to 1.19x.
 Elsewhere it is the kernel the fused AG op runs, with nothing to send: one persistent CTA per
 SM, 128 x 256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA
 stores of the result in 64 x 64 blocks; where the last wave of tiles fills at most half the
@@ -13,15 +13,14 @@ CTAs, those tiles run as two 128 x 128 halves each (`DirectAGConfig.narrow_tail`
 whole 192s but not 256s takes 128 x 192 tiles (`tiling`). Float8 operands (an op's
 tensor-scaled `scaling=`) multiply on the float8 tensor cores with w laid out [n, K] and the two
 scales applied in the epilogue, as in the fused ops. Which of it and XLA's dot is faster
-depends on the shape (BENCHMARKS.md, "GEMM core"): the tuner measures both, and AUTO reads its
+depends on the shape: the tuner measures both, and AUTO reads its
 choice from the tune cache.
 
 A GEMM the kernel cannot run (`gemm_reason`: not whole tiles, a float32 result, block-scaled
 modes, two float8 formats, split accumulation) multiplies with XLA's dot instead, so a chunk of
 a split method or a backward GEMM never fails for the choice; on a backend without the kernel
 the plan refuses the config (`commgemm.plan`). Float8 asking for split accumulation stays on
-XLA's promoted GEMM, faster than the kernel's split form (BENCHMARKS.md, "Split accumulation
-in the fused kernels").
+XLA's promoted GEMM, faster than the kernel's split form.
 """
 
 from __future__ import annotations
@@ -84,10 +83,10 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
 def auto_takes(x: jax.Array, w, w_transposed: bool, result_dtype) -> bool:
     """Whether local_gemm "auto" runs x [r, K] @ w here: w a `quantized_gemm.QuantizedRhs` (tensor
     scales, fast accumulation, one float8 format) that the kernel can run (`gemm_reason`) on
-    the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%). On one H200 that
+    the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%). On one GPU that
     core ran the presets' eight P = 2 local shapes at 1.80 to 1.94x the best bf16 GEMM, XLA's
-    FP8 dot at 1.61 to 1.90x, and on one H100 it beat XLA's FP8 dot on all eight too
-    (BENCHMARKS.md); bf16 stays on XLA's dot, as fast or faster there."""
+    FP8 dot at 1.61 to 1.90x, and on one GPU it beat XLA's FP8 dot on all eight too; bf16 stays on
+    XLA's dot, as fast or faster there."""
     from commgemm.quantized_gemm import QuantizedRhs
 
     if not isinstance(w, QuantizedRhs) or gemm_reason(x, w, w_transposed, result_dtype):

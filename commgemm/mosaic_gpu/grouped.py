@@ -5,12 +5,13 @@ ping-pong kernel (`grouped_pingpong`: tiles aligned to the groups, each compute 
 whole 128 x 128 tile, one's epilogue under the other's K loop) or the row-aligned kernel
 (`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that straddles
 group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ragged_dot_mgpu`:
-one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one H100 (M = 8192, K
+one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one GPU (M = 8192, K
 = 4096, N = 1792) the ping-pong kernel ran the forward 24 to 30% faster than the others with 16
 to 128 groups and dX 12 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
-with 8 groups (3 to 5% faster; BENCHMARKS.md). dW runs jax's transposed ragged dot
+with 8 groups (3 to 5% faster). dW runs jax's transposed ragged dot
 (`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot runs
-far below the tensor cores' rate on H200 (docs/performance.md), which is why this path exists;
+far below the tensor cores' rate on a Hopper GPU (docs/performance.md), which is why this path
+exists;
 it stays the fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the
 forward and dX on float8 operands in the same two kernels (`float8_matmul`: the ping-pong one
 where the groups average under 1024 rows and accumulation is fast)."""
@@ -30,8 +31,8 @@ from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
 from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run
-#: the forward: on one H100 (M 8192, K 4096, N 1792) it was 3% faster than the ping-pong kernel
-#: with 1024 rows a group, and 24 to 26% slower with 512 (BENCHMARKS.md). dX runs the ping-pong
+#: the forward: on one GPU (M 8192, K 4096, N 1792) it was 3% faster than the ping-pong kernel
+#: with 1024 rows a group, and 24 to 26% slower with 512. dX runs the ping-pong
 #: kernel at any group size (12 to 36% faster with 8 to 128 groups).
 TILES_KERNEL_ROWS = 1024
 
@@ -70,8 +71,8 @@ Kernel = PingPongTiles | GroupedConfig | GroupedTiles
 
 
 def default_tiles(n: int) -> GroupedTiles:
-    """128 x 128 tiles walked in bands two wide where N allows (on H200 the fastest of five
-    tilings for 8 and 64 groups, M = 8192, K = 4096, N = 1792: BENCHMARKS.md)."""
+    """128 x 128 tiles walked in bands two wide where N allows (on a Hopper GPU the fastest of five
+    tilings for 8 and 64 groups, M = 8192, K = 4096, N = 1792)."""
     return GroupedTiles(grid_block_n=2 if n % 256 == 0 else 1)
 
 
@@ -118,7 +119,7 @@ def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
     """dW [G, K, N] = x_g^T @ dy_g per group (rows past the groups' sum contribute nothing), in
     x's dtype, float32 accumulation: jax's transposed ragged-dot kernel (block_m x block_n tiles
     of each group's gradient, K-steps of block_k tokens; `default_tiles`, which was also dW's
-    fastest of four tilings: BENCHMARKS.md) where K and N are whole tiles, else XLA's ragged
+    fastest of four tilings) where K and N are whole tiles, else XLA's ragged
     dot."""
     tiles = tiles or default_tiles(dy.shape[1])
     (_, k), n = x.shape, dy.shape[1]

@@ -113,8 +113,8 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
     m_idx, _ = jax.vmap(lambda t: mt.cluster_tile(tiles, t, tiles_m, tiles_n))(walk)
     # each tile's rank by cost, costliest first, ties in walk order: counted over all pairs of
-    # tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on H100;
-    # tiles**2 stays small beside the GEMM: BENCHMARKS.md)
+    # tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on a Hopper GPU;
+    # tiles**2 stays small beside the GEMM)
     cost = jnp.sum(jnp.where(in_tile, blocks[None, :], 0), axis=1, dtype=jnp.int32)[m_idx]
     ahead = (cost[None, :] > cost[:, None]) | (
         (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
@@ -134,10 +134,10 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
     whole tile's time whatever its rows (w[g]'s blocks are loaded either way), a half tile half
     that; the G - 1 group boundaries fall inside row tiles spread evenly; tiles are dealt as
     `balanced_slots` deals them, costliest first. A tie keeps the tiles whole (a half tile does
-    about 10% less per cycle). On one H100 (M 8192, K 4096, N 1792, uneven groups) the model's
+    about 10% less per cycle). On one GPU (M 8192, K 4096, N 1792, uneven groups) the model's
     choice was the faster with 8 groups (whole: 7 to 15% faster; the model 4 tile-times whole
     against 4.5) and 16 (narrowed: 5 to 10% faster; 5 against 4.5); with 32 and 64 groups,
-    where the weights' reads bound the kernel, the two were within 3% (BENCHMARKS.md)."""
+    where the weights' reads bound the kernel, the two were within 3%."""
     if tiles.cta_m % 128 or tiles.cta_n % 128:  # no half tiles of whole epilogue blocks
         return False
     tiles_m, tiles_n = m // tiles.cta_m, n // tiles.cta_n

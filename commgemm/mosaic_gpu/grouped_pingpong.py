@@ -23,10 +23,10 @@ the "loaded" barriers of its own tiles only (one array per warpgroup, so each ba
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
 awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
 
-On one H100 (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
+On one GPU (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
 the faster of the other two kernels with 16 to 128 groups and 3 to 5% slower than
 `grouped_kernel` with 8; dX (w read [G, N, K]) 12 to 36% faster with 8 to 128; on float8
-operands 3, 24 and 39% faster than `grouped_kernel` with 8, 16 and 64 groups (BENCHMARKS.md)."""
+operands 3, 24 and 39% faster than `grouped_kernel` with 8, 16 and 64 groups."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Default configs and autotuning candidates of the fused kernel families, beside the kernels:
-what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`) and the extra
-tilings the tuner also measures (`TUNING_CANDIDATES`). Each was the fastest, or within noise of
-it, on some 2xH200 preset (docs/performance.md), except the ping-pong kernels': the RS one was
-the fastest on three presets on 2 x H100, the AG one on llama70b once on 2 x H200 (within AUTO's
-own spread) and 2 to 3% behind on llama8b and llama13b; their tilings in bands 1 row wide were
-the fastest GEMM cores of ours on some local shapes on one H200, not yet timed as ops on
-several GPUs (BENCHMARKS.md)."""
+what the cost model proposes for a shape (`direct_rs_config`, `direct_ag_config`), the
+thresholds they read, and the extra tilings the tuner also measures (`TUNING_CANDIDATES`).
+Each entry is the fastest measured on some preset, or within noise of it; docs/performance.md
+keeps the decisions and their outcomes."""
 
 from __future__ import annotations
 
@@ -26,13 +23,10 @@ from commgemm.mosaic_gpu.configs import (
 from commgemm.mosaic_gpu.tiles import HOPPER_SMS
 
 #: Most of N that the ping-pong RS kernel's partial last column of 192-wide tiles may pad (the
-#: work on columns past N is wasted): 0.45% on llama8b's and llama70b's N (14336, 28672), none
-#: on llama13b's (13824), 3.1% on comm_heavy's (4096), where it ran 4 to 5% slower than the
-#: cooperative kernel (BENCHMARKS.md "The ping-pong RS kernel").
+#: work on columns past N is wasted): at 3.1% padding it ran 4 to 5% slower than the
+#: cooperative kernel; at 0.45% it was faster.
 PINGPONG_PAD = 0.01
-#: The same for float8 operands: with comm_heavy's 3.1% of padding the kernel's FP8 core still
-#: beat XLA's FP8 dot on both its P = 2 shapes (AG and RS) on one H200 and one H100
-#: (BENCHMARKS.md "The ping-pong AG kernel; the GEMM cores and FP8 on H200").
+#: The same for float8 operands, whose core still beat XLA's FP8 dot at 3.1% padding.
 FLOAT8_PINGPONG_PAD = 0.035
 
 
@@ -69,17 +63,14 @@ def direct_rs_config(
     deterministic: bool = False,
 ) -> DirectRSConfig | PingPongRSConfig:
     """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known).
-    On 2 devices, where `pingpong_tiles` gives one (bf16): the ping-pong kernel (its two adds a
-    tile are in a fixed order); on 2 x H100 it ran 1% faster than the cooperative tiling below
-    on llama8b RS, as fast on llama13b and 5 to 9% faster on llama70b (one run each; not
-    measured on more devices), with its last wave whole (narrow_tail off: on 2 x H100 the
-    halved last wave ran 1.2% slower on llama8b and llama70b RS, 0.9% faster on comm_heavy, one
-    call; BENCHMARKS.md). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
+    On 2 devices, where `pingpong_tiles` gives one: the ping-pong kernel with its last wave
+    whole (as fast as the cooperative tiling or up to 9% faster on the llama presets; not
+    measured on more devices). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
     128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA clusters along M where the rows
     per device fill them, the last wave split or streamed along K (`rs_schedule.tail_plan`)
     unless `deterministic`, chained tile pipelines where K/tile_k is whole rounds of stages and
     every CTA of a 132-SM GPU gets two tiles, and the output zeroed two waves ahead of the adds:
-    the fastest tiling on the 2xH200 RS presets (docs/performance.md)."""
+    the fastest tiling measured on the RS presets."""
     if size == 2 and shape is not None:
         _, k, n = shape
         if (pingpong := pingpong_tiles(rows // size, k // size, n)) is not None:
@@ -102,7 +93,7 @@ def direct_rs_config(
 def ring_ag_first(size: int) -> bool:
     """Whether the ring AG kernel is the preferred fused AG on `size` devices (over the direct
     one, where both run): on more than 2 GPUs the direct AG ran 15 to 30% slower than the ring
-    on three presets (4 x H200, BENCHMARKS.md "AUTO on four GPUs"); on 2 the direct plan won."""
+    on three presets; on 2 the direct plan won."""
     return size > 2
 
 
@@ -114,12 +105,10 @@ COLUMNS_192 = 192
 def direct_ag_config(rows: int, *, spread: bool = False, n: int | None = None) -> DirectAGConfig:
     """The direct AG kernel's tiling for x [rows, K] on each device (n: w's columns there, if
     known): tiles walked along M, the last wave narrowed where it fills at most half the CTAs
-    (on 2xH200 3.9% and 8% faster on llama70b and llama13b AG: BENCHMARKS.md); with `spread`
-    (sending the own rows takes longer than their GEMM), the own tiles spread among the peers'
-    (50%) in 2-CTA clusters where the rows allow. Where the sends take less than the own GEMM,
-    spreading was 1 to 2% slower on 2xH200 (docs/performance.md). Where n is whole 192s but
-    not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`; their core ran at 1.01 to 1.02x XLA's
-    dot on one H200 at N = 3456 and 1.10x at 1728, in two runs: BENCHMARKS.md), not narrowed."""
+    (4 to 8% faster where it applies); with `spread` (sending the own rows takes longer than
+    their GEMM), the own tiles spread among the peers' (50%) in 2-CTA clusters where the rows
+    allow (where the sends take less than the own GEMM, spreading was 1 to 2% slower). Where n
+    is whole 192s but not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`), not narrowed."""
     base = DirectAGConfig()
     if n is not None and n % base.cta_n and n % COLUMNS_192 == 0:
         base = DirectAGConfig(wg_along_m=True, tile_m=64, tile_n=COLUMNS_192)
@@ -141,10 +130,8 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
         DirectAGConfig(grid_tile_width=16),
         DirectAGConfig(cluster="m"),
         DirectAGConfig(cluster="m", spread=50),
-        PingPongAGConfig(),  # (not the plan: 2 to 3% behind it on two presets, 2 x H200)
-        # bands 1 row wide (tiles walked row by row): the fastest of our AG cores on llama13b's
-        # local shape at P = 8 on one H200, and in 128 x 128 tiles on llama8b's (1.016 to 1.030
-        # of XLA's dot, the default 1.052 to 1.056); up to 13% slower at P = 2 (BENCHMARKS.md)
+        PingPongAGConfig(),  # not the plan: 2 to 3% behind it on two presets
+        # bands 1 row wide: the fastest AG cores on some local shapes, up to 13% slower on others
         PingPongAGConfig(grid_tile_width=1),
         PingPongAGConfig(tile_n=128, grid_tile_width=1),
     ),
@@ -164,10 +151,9 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
             split_tail=0,
             zero_ahead=2,
         ),
-        PingPongRSConfig(),  # (in 128 x 128 tiles its core ran 13 to 20% slower: not here)
-        # bands 1 row wide (tiles walked row by row): the fastest of our RS cores on
-        # comm_heavy's local shape at P = 4 and 8 on one H200 (1.010 to 1.021 of XLA's dot, the
-        # default 1.033 to 1.037); 3 to 11% slower on most llama shapes (BENCHMARKS.md)
+        PingPongRSConfig(),  # in 128 x 128 tiles its core ran 13 to 20% slower: not a candidate
+        # bands 1 row wide: the fastest RS cores on comm_heavy's local shapes, 3 to 11% slower on
+        # most llama shapes
         PingPongRSConfig(grid_tile_width=1),
     ),
 }

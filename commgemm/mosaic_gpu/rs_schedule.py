@@ -17,8 +17,8 @@ from commgemm.mosaic_gpu.configs import DirectRSConfig
 #: automatic split_tail's model.
 TAIL_OVERHEAD_STEPS = 2
 #: The same for each of the two pieces of a streamed share (its pipeline's grid is dynamic):
-#: fitted to nine RS cores on one H200, where streaming gained 1.1% at 64 K-steps a tile,
-#: 0.2 to 0.3% at 32, and lost up to 0.5% at 16 (BENCHMARKS.md "The RS core's tail streamed").
+#: fitted to nine RS cores on one GPU, where streaming gained 1.1% at 64 K-steps a tile,
+#: 0.2 to 0.3% at 32, and lost up to 0.5% at 16.
 STREAM_OVERHEAD_STEPS = 5
 #: tail_plan's splits for a streamed tail (DirectRSConfig.stream_tail): `stream_pieces`.
 STREAMED = 0

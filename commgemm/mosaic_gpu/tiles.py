@@ -186,7 +186,7 @@ def await_last_step(last) -> None:
     """On a tile's last K-step (`last`, traced bool), await every wgmma. With delay_release=1
     the next tile's pipeline reloads the last step's smem slot once the step before it is
     released (right after this body): a wgmma still in flight would read the next tile's block
-    (wrong tiles on H200 with 3 stages, where that slot is the first one reloaded)."""
+    (wrong tiles on a Hopper GPU with 3 stages, where that slot is the first one reloaded)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
