@@ -571,3 +571,29 @@ def test_step_script_runs(tmp_path):
     for row in rows:
         assert row["loss_ok"] == {"auto": True, "none": True, "xla": True}
         assert row["ms"] == {} and row["ratios"] == {}
+
+
+def test_step_ratios_leave_host_bound_steps_out():
+    """benchmarks/step.py's figures: step / t_bound with t_bound = max(t_local, t_comm), the
+    speedup over XLA only where XLA's step is device-bound too, no ratio for a host-bound
+    step; exposed collective time is the collectives' time no other kernel ran beside."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "step.py"
+    spec = importlib.util.spec_from_file_location("step_benchmark", path)
+    step = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = step  # its dataclasses look themselves up there
+    spec.loader.exec_module(step)
+    row = {
+        "ms": {"auto": 11.0, "none": 12.0, "xla": 13.0, "comm": 4.0, "local": 10.0},
+        "busy": {"auto": 0.95, "none": 0.5, "xla": 0.97, "comm": 0.99, "local": 0.99},
+    }
+    found = step.ratios(row)
+    assert found["t_bound_ms"] == 10.0 and found["none"] == "host-bound"
+    assert found["auto"] == {"vs_bound": 1.1, "speedup_vs_xla": round(13 / 11, 3)}
+    row["busy"]["xla"] = 0.8
+    assert step.ratios(row)["auto"]["speedup_vs_xla"] is None
+    events = [(0, 100, "gemm"), (50, 250, "ncclDevKernel_AllGather"), (300, 400, "gemm")]
+    assert step.exposed_ms(events, calls=2) == 150 / 2 / 1e6  # 100..250 uncovered

@@ -262,3 +262,49 @@ def test_report_carries_each_variants_round_spread(monkeypatch, rng, capsys):
     widest = max(spreads, key=spreads.__getitem__)
     assert code == 0 and "rounds spread up to" in out and widest in out
     assert "rows closer than that are not told apart" in out
+
+
+def test_batch_spans_time_steps_with_idle_inside(monkeypatch):
+    """`batch_spans_interleaved` on a synthetic trace of two variants on two GPUs: a batch is
+    the run between the longest gaps, its span (idle time inside included) / calls the time per
+    call, the busy fraction the union of its kernels over the span; medians over rounds of the
+    median over GPUs."""
+    import random
+
+    from commgemm.bench import spans
+
+    rounds, calls = 3, 4
+    # per call: (busy ns, idle ns after it) on GPU 0; GPU 1 takes 10% longer
+    shapes = {"a": (700, 300), "b": (2000, 0)}
+    order = []
+    rng = random.Random(0)
+    for _ in range(rounds):
+        names = list(shapes)
+        rng.shuffle(names)
+        order += names
+    devices = {}
+    for dev, stretch in ((0, 1.0), (1, 1.1)):
+        events, t = [], 0
+        for name in order:
+            busy, idle = (int(v * stretch) for v in shapes[name])
+            for _ in range(calls):
+                events.append((t, busy // 2, f"{name}-gemm"))  # two kernels a call, one after
+                events.append((t + busy // 2, busy - busy // 2, "nccl_all_gather"))
+                t += busy + idle
+            t += 1_000_000
+        devices[dev] = {"Stream #1": events}
+    monkeypatch.setattr(spans, "_trace", lambda work: _trace(devices))
+    f = jax.jit(lambda a: a + 1)
+    found = cg.bench.batch_spans_interleaved(
+        {"a": (f, (jnp.ones(2),)), "b": (f, (jnp.ones(2),))}, rounds=rounds, calls=calls
+    )
+    for name, (busy, idle) in shapes.items():
+        # the batch's span: calls - 1 whole periods and the last call's busy time
+        per_call = [((calls - 1) * s * (busy + idle) + s * busy) / calls / 1e6 for s in (1, 1.1)]
+        np.testing.assert_allclose(found[name]["median"], np.median(per_call), rtol=1e-3)
+        assert len(found[name]["rounds"]) == rounds
+        span = (calls - 1) * (busy + idle) + busy
+        np.testing.assert_allclose(found[name]["busy"], calls * busy / span, rtol=2e-2)
+        assert {n for _, _, n in found[name]["events"]} == {f"{name}-gemm", "nccl_all_gather"}
+    with pytest.raises(ValueError, match="rounds=0"):
+        cg.bench.batch_spans_interleaved({"a": (f, (jnp.ones(2),))}, rounds=0)
