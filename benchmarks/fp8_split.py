@@ -30,7 +30,6 @@ from commgemm import quantized_gemm
 from commgemm.bench.problems import PRESETS
 from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
-from commgemm.config import Method, OverlapConfig
 from commgemm.mosaic_gpu import fused, gemm_core, push_gather_gemm
 from commgemm.mosaic_gpu import tiles as mt
 
@@ -91,10 +90,9 @@ def kernel_variant(columns: int, contract: int, split: bool, tile_k: int | None,
     tiles = fused.float8_tiling(gemm_core.tiling(columns, float8=True), contract, split=split)
     if tile_k is not None:
         tiles = dataclasses.replace(tiles, tile_k=tile_k, stages=3)
-    config = OverlapConfig(method=Method.PIPELINE, atomic_gemm=True, kernel=tiles)
 
     def run(dy8, w8, scale):
-        return push_gather_gemm.all_gather_matmul(dy8, w8, None, config, w_nk=True,
+        return push_gather_gemm.all_gather_matmul(dy8, w8, None, tiles, w_nk=True,
                                                   out_dtype=jnp.bfloat16, scale=scale,
                                                   split_accumulator=split)  # fmt: skip
 

@@ -49,7 +49,7 @@ def rs_kernel(problem, spec: str, compiler_params: dict | None = None):
     body = functools.partial(
         scatter_add_gemm.matmul_reduce_scatter,
         axis_name="tp",
-        config=cfg,
+        tiles=cfg.kernel,
         compiler_params=compiler_params,
     )
     return jax.jit(

@@ -232,11 +232,15 @@ def test_local_gemm_takes_the_pingpong_kernel_where_it_fits(
     assert isinstance(called[0][1], PingPongRSConfig) == (kernel == "rs")
 
 
-def _cache_with(path, kind, spec, shape, size=2):
-    key = cache.plan_key(kind, size, "ag", shape, "bfloat16")
+def _cache_with(path, kind, spec, shape, size=2, scalings=(None,)):
+    """A tune cache whose winner for AG `shape` is `spec`, under the plain key and those of
+    `scalings` (quantized calls read their mode's key)."""
     entry = cache.PlanEntry(parse_method(spec, "ag"), 1.0, 1.0, "device periods", "")
-    path.write_text(json.dumps({"version": cache.VERSION, "plans": {key: entry.as_json()},
-                                "machines": {}}))  # fmt: skip
+    plans = {
+        cache.plan_key(kind, size, "ag", shape, "bfloat16", scaling): entry.as_json()
+        for scaling in scalings
+    }
+    path.write_text(json.dumps({"version": cache.VERSION, "plans": plans, "machines": {}}))
 
 
 @pytest.mark.parametrize("spec", ["none-mosaic", "ring:2-mosaic", "ring:2", "none-xla"])
@@ -284,7 +288,8 @@ def test_auto_keeps_a_promoting_forward_off_the_fused_kernels(hopper, tmp_path, 
     monkeypatch.setenv("COMMGEMM_TUNE_CACHE", str(path))
     cache._read_cached.cache_clear()
     shape, size = (1024, 128, 2048), 8  # the fused kernels span every device
-    _cache_with(path, jax.devices()[0].device_kind, "fused-direct", shape, size)
+    _cache_with(path, jax.devices()[0].device_kind, "fused-direct", shape, size,
+                scalings=(None, "current_tensor_scaling"))  # fmt: skip
     promoted = cg.ScalingRecipe(split_accumulator=(True, True, True))
     for spec, scaling, kernels in [
         ("auto", None, 1),

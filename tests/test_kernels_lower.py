@@ -80,7 +80,7 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) 
 def test_push_gather_gemm_lowers(size, spec):
     cfg = parse_method(spec, "ag")
     text = lower(
-        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg),
+        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg.kernel),
         P("x", None),
         P(None, "x"),
         P(None, "x"),
@@ -108,7 +108,7 @@ def test_push_gather_gemm_lowers(size, spec):
 def test_scatter_add_gemm_lowers(size, spec):
     cfg = parse_method(spec, "rs")
     text = lower(
-        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
+        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel),
         P(None, "x"),
         P("x", None),
         P("x", None),
@@ -134,7 +134,7 @@ def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
     the kernel lowers with the tail's tiles zeroed first and added into."""
     planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
     cfg = parse_method(spec, "rs")
-    f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg))
+    f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg.kernel))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8192, 1024), (1024, 14336))]
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and planned == [expected]
@@ -165,7 +165,7 @@ def test_chain_tiles_needs_two_tiles_per_cta():
     )
     with pytest.raises(ValueError, match="chain_tiles needs two tiles per CTA, got 16 tiles"):
         lower(
-            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg),
+            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel),
             P(None, "x"),
             P("x", None),
             P("x", None),
@@ -289,7 +289,7 @@ def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
         spec = "fused-direct-cm" if kernel == "rs" else "fused"
         cfg = parse_method(spec, "rs")
         if kernel == "rs":
-            fn = lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg)  # noqa: E731
+            fn = lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel)  # noqa: E731
         else:
             fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
         specs, shapes = (P(None, "x"), P("x", None), P("x", None)), ((2048, 1024), (1024, 4096))
@@ -459,7 +459,7 @@ def test_direct_kernels_refuse_partial_tiles(op, shape, match):
     )
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     with pytest.raises(ValueError, match=match):
-        jax.jit(lambda x, w: kernel(x, w, None, cfg)).trace(*args)
+        jax.jit(lambda x, w: kernel(x, w, None, cfg.kernel)).trace(*args)
 
 
 @pytest.mark.parametrize("spec", ["fused", "fused-direct"])
@@ -525,7 +525,7 @@ def test_split_accumulation_needs_small_warpgroup_tiles():
         (scatter_add_gemm.matmul_reduce_scatter, parse_method("fused-direct", "rs")),
         (ring_scatter_gemm.matmul_reduce_scatter, parse_method("fused", "rs")),
     ):
-        call = lambda x, w: kernel(x, w, None, cfg, w_nk=True, split_accumulator=True)  # noqa: B023, E731
+        call = lambda x, w: kernel(x, w, None, cfg.kernel, w_nk=True, split_accumulator=True)  # noqa: B023, E731
         with pytest.raises(ValueError, match="at most 8192 elements"):
             jax.jit(call).trace(*args)
 
@@ -593,7 +593,9 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
 
     def body(x, w):
         if not fp8:
-            return push_gather_gemm.all_gather_matmul(x, w, None if size is None else "x", cfg)
+            return push_gather_gemm.all_gather_matmul(
+                x, w, None if size is None else "x", cfg.kernel
+            )
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
         rhs = quantized_gemm.QuantizedRhs(qw, qx.scale_inv, k, "bfloat16", False)
         return fused.all_gather_matmul(qx.data, rhs, None if size is None else "x", cfg,

@@ -252,7 +252,7 @@ def test_core_lowers(op, fields, n, w_nk):
         config, fn = _config(PingPongAGConfig, **fields), pingpong_gather_gemm.all_gather_matmul
     w_shape = (n, 1024) if w_nk else (1024, n)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2048, 1024), w_shape)]
-    text = _lowered(lambda x, w: fn(x, w, None, config, w_nk=w_nk), args)
+    text = _lowered(lambda x, w: fn(x, w, None, config.kernel, w_nk=w_nk), args)
     assert "mosaic_gpu" in text and "custom_call" in text
 
 
@@ -278,7 +278,7 @@ def test_tuning_candidates_lower(op, tiles, check_vma, monkeypatch):
     if check_vma is None:
         kernel = (pingpong_gather_gemm.all_gather_matmul if ag
                   else pingpong_scatter_gemm.matmul_reduce_scatter)  # fmt: skip
-        f = lambda x, w: kernel(x, w, None, config)  # noqa: E731
+        f = lambda x, w: kernel(x, w, None, config.kernel)  # noqa: E731
         shapes = ((2048, 1024), (1024, n))
     else:  # the op's plan takes the fused kernel as on 2 Hopper GPUs
         monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
@@ -310,11 +310,11 @@ def test_rs_core_takes_partial_rows(fields, rows):
     assert rows % config.kernel.cluster_m
     n, k = 1024, 256
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((rows, k), (k, n))]
-    core = lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config)  # noqa: E731
+    core = lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config.kernel)  # noqa: E731
     assert "mosaic_gpu" in _lowered(core, args)
 
     def body(x, w):
-        return pingpong_scatter_gemm.matmul_reduce_scatter(x, w, "x", config)
+        return pingpong_scatter_gemm.matmul_reduce_scatter(x, w, "x", config.kernel)
 
     f = jax.shard_map(body, mesh=mesh1d(2), in_specs=(P(None, "x"), P("x")), out_specs=P("x"),
                       check_vma=False)  # fmt: skip
@@ -322,7 +322,8 @@ def test_rs_core_takes_partial_rows(fields, rows):
     with pytest.raises(ValueError, match="rows per device"):
         _lowered(f, mesh_args)
     with pytest.raises(ValueError, match="rows per device"):
-        pingpong_gather_gemm.all_gather_matmul(*args, None, _config(PingPongAGConfig, **fields))
+        tiles = _config(PingPongAGConfig, **fields).kernel
+        pingpong_gather_gemm.all_gather_matmul(*args, None, tiles)
 
 
 @pytest.mark.parametrize("zero_ahead", [0, 1, 2])
@@ -343,7 +344,7 @@ def test_lowers_on_a_mesh(size, float8, zero_ahead):
     def body(x, w):
         scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
         return pingpong_scatter_gemm.matmul_reduce_scatter(
-            x, w, "x", config, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale
+            x, w, "x", config.kernel, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale
         )
 
     w_spec, w_shape = (P(None, "x"), (n, 512 * size)) if float8 else (P("x"), (512 * size, n))
@@ -359,22 +360,20 @@ def test_kernel_refuses_bad_calls():
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match="K=1000"):
         _lowered(
-            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config),
+            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config.kernel),
             [jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16),
              jax.ShapeDtypeStruct((1000, 4096), jnp.bfloat16)],
         )  # fmt: skip
     with pytest.raises(ValueError, match="split accumulation"):
         _lowered(
             lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(
-                x, w, None, config, split_accumulator=True
+                x, w, None, config.kernel, split_accumulator=True
             ),
             [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
         )
     with pytest.raises(ValueError, match="not a PingPongRSConfig"):
         _lowered(
-            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(
-                x, w, None, cg.OverlapConfig(method="pipeline", atomic_gemm=True)
-            ),
+            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, None),
             [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
         )
 
@@ -400,7 +399,7 @@ def test_ag_lowers_on_a_mesh(size, float8, fields, n):
     def body(x, w):
         scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
         return pingpong_gather_gemm.all_gather_matmul(
-            x, w, "x", config, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale,
+            x, w, "x", config.kernel, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale,
             return_gathered=True,
         )  # fmt: skip
 
@@ -416,14 +415,14 @@ def test_ag_kernel_refuses_bad_calls():
     config = _config(PingPongAGConfig)
     w = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     with pytest.raises(ValueError, match="rows per device=1000"):
-        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, config),
+        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, config.kernel),
                  [jax.ShapeDtypeStruct((1000, 1024), jnp.bfloat16), w])  # fmt: skip
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match="split accumulation"):
         _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(
-            x, w, None, config, split_accumulator=True), [x, w])  # fmt: skip
+            x, w, None, config.kernel, split_accumulator=True), [x, w])  # fmt: skip
     with pytest.raises(ValueError, match="not a PingPongAGConfig"):
-        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, _config()),
+        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, _config().kernel),
                  [x, w])  # fmt: skip
 
 
@@ -460,9 +459,9 @@ def _kernel_text(op: str, size: int, n: int, narrow: bool) -> str:
     w_n = n * size if op == "ag" else n
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((rows, k), (k, w_n))]
     if size == 1:
-        return _lowered(lambda x, w: kernel(x, w, None, config), args)
+        return _lowered(lambda x, w: kernel(x, w, None, config.kernel), args)
     specs = (P(None, "x"), P("x")) if op == "rs" else (P("x"), P(None, "x"))
-    f = jax.shard_map(lambda x, w: kernel(x, w, "x", config), mesh=mesh1d(size),
+    f = jax.shard_map(lambda x, w: kernel(x, w, "x", config.kernel), mesh=mesh1d(size),
                       in_specs=specs, out_specs=P("x") if op == "rs" else P(None, "x"),
                       check_vma=False)  # fmt: skip
     return _lowered(f, args)

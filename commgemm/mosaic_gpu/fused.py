@@ -294,17 +294,17 @@ def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: 
 
 
 def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **options):
-    """config's kernel for `collective` on x and w (options: the kernels' w_nk, out_dtype,
-    scale, split_accumulator, and the AG kernel's return_gathered)."""
-    ring = config.method is Method.RING_EXCHANGE
+    """config's kernel for `collective` on x and w, given its family config (options: the
+    kernels' w_nk, out_dtype, scale, split_accumulator, and the AG kernel's return_gathered)."""
+    ring, tiles = config.method is Method.RING_EXCHANGE, config.kernel
     if collective is Collective.REDUCE_SCATTER:
         kernel = ring_scatter_gemm if ring else scatter_add_gemm
-        if isinstance(config.kernel, PingPongRSConfig):
+        if isinstance(tiles, PingPongRSConfig):
             kernel = pingpong_scatter_gemm
-        return kernel.matmul_reduce_scatter(x, w, axis_name, config, **options)
-    if isinstance(config.kernel, PingPongAGConfig):
-        return pingpong_gather_gemm.all_gather_matmul(x, w, axis_name, config, **options)
-    return push_gather_gemm.all_gather_matmul(x, w, axis_name, config, ring=ring, **options)
+        return kernel.matmul_reduce_scatter(x, w, axis_name, tiles, **options)
+    if isinstance(tiles, PingPongAGConfig):
+        return pingpong_gather_gemm.all_gather_matmul(x, w, axis_name, tiles, **options)
+    return push_gather_gemm.all_gather_matmul(x, w, axis_name, tiles, ring=ring, **options)
 
 
 def backward_config(

@@ -66,13 +66,13 @@ def no_split(family: type) -> str:
             "do not fit in a warpgroup's registers)")  # fmt: skip
 
 
-def checked_tiles(config, family: type, split_accumulator: bool):
-    """config.kernel, a `family` tiling, for a call without split accumulation; else raises."""
-    if not isinstance(config.kernel, family):
-        raise ValueError(f"kernel={config.kernel!r} is not a {family.__name__}")
+def checked_tiles(tiles, family: type, split_accumulator: bool):
+    """`tiles`, a `family` tiling, for a call without split accumulation; else raises."""
+    if not isinstance(tiles, family):
+        raise ValueError(f"kernel={tiles!r} is not a {family.__name__}")
     if split_accumulator:
         raise ValueError(no_split(family))
-    return config.kernel
+    return tiles
 
 
 def tile_origin(tiles, tile, m_pairs: int, n_iters: int):

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, PingPongAGConfig
@@ -47,7 +46,7 @@ def all_gather_matmul(
     x: jax.Array,
     w: jax.Array,
     axis_name: str | None,
-    config: OverlapConfig,
+    tiles: PingPongAGConfig,
     *,
     w_nk: bool = False,
     out_dtype=None,
@@ -67,7 +66,7 @@ def all_gather_matmul(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = pingpong.checked_tiles(config, PingPongAGConfig, split_accumulator)
+    tiles = pingpong.checked_tiles(tiles, PingPongAGConfig, split_accumulator)
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     m, k, n = x.shape[0], x.shape[1], w.shape[0 if w_nk else 1]

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, ZERO_ROWS, PingPongRSConfig
@@ -41,7 +40,7 @@ def matmul_reduce_scatter(
     x: jax.Array,
     w: jax.Array,
     axis_name: str | None,
-    config: OverlapConfig,
+    tiles: PingPongRSConfig,
     *,
     w_nk: bool = False,
     out_dtype=None,
@@ -58,7 +57,7 @@ def matmul_reduce_scatter(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = pingpong.checked_tiles(config, PingPongRSConfig, split_accumulator)
+    tiles = pingpong.checked_tiles(tiles, PingPongRSConfig, split_accumulator)
     if x.shape[0] % size:
         raise ValueError(f"rows={x.shape[0]} must be divisible by the {size} devices")
     dtype = x.dtype

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import DirectAGConfig, RingAGConfig
 
@@ -105,7 +104,7 @@ def all_gather_matmul(
     x: jax.Array,
     w: jax.Array,
     axis_name: str,
-    config: OverlapConfig,
+    tiles: DirectAGConfig | RingAGConfig | None = None,
     *,
     w_nk: bool = False,
     out_dtype=None,
@@ -127,7 +126,7 @@ def all_gather_matmul(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = config.kernel or DirectAGConfig()
+    tiles = tiles or DirectAGConfig()
     if isinstance(tiles, RingAGConfig):  # the ring's tiling: no clusters, spread or narrowing
         tiles = DirectAGConfig(**dataclasses.asdict(tiles))
     dtype = x.dtype

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import RingRSConfig
 
@@ -32,7 +31,7 @@ def matmul_reduce_scatter(
     x: jax.Array,
     w: jax.Array,
     axis_name: str | None,
-    config: OverlapConfig,
+    tiles: RingRSConfig | None = None,
     *,
     w_nk: bool = False,
     out_dtype=None,
@@ -49,7 +48,7 @@ def matmul_reduce_scatter(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = config.kernel or RingRSConfig()
+    tiles = tiles or RingRSConfig()
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     rows, k, n = mt.checked_shape(tiles, x, w, w_nk=w_nk, split=split_accumulator, owners=size)

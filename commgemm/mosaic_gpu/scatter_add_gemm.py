@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.config import OverlapConfig
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import ZERO_ROWS, DirectRSConfig
 from commgemm.mosaic_gpu.rs_schedule import (
@@ -55,7 +54,7 @@ def matmul_reduce_scatter(
     x: jax.Array,
     w: jax.Array,
     axis_name: str,
-    config: OverlapConfig,
+    tiles: DirectRSConfig | None = None,
     *,
     w_nk: bool = False,
     out_dtype=None,
@@ -72,7 +71,7 @@ def matmul_reduce_scatter(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     size = mt.axis_position(axis_name)[0]
-    tiles = config.kernel or DirectRSConfig()
+    tiles = tiles or DirectRSConfig()
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     rows, k, n = mt.checked_shape(tiles, x, w, w_nk=w_nk, split=split_accumulator, owners=size)

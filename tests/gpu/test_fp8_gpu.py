@@ -78,7 +78,9 @@ def _gemm_core(op, tiles, float8):
         return jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, cfg, w_transposed=True))
     # bf16 w laid out [n, K]: the transposed right operand
     if op == "ag":
-        return jax.jit(lambda a, b: push_gather_gemm.all_gather_matmul(a, b, None, cfg, w_nk=True))
+        return jax.jit(
+            lambda a, b: push_gather_gemm.all_gather_matmul(a, b, None, cfg.kernel, w_nk=True)
+        )
     kernel = ring_scatter_gemm if ring else scatter_add_gemm
     return jax.jit(lambda a, b: kernel.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
 
