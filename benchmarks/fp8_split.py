@@ -1,6 +1,6 @@
 """Promoted (split) against fast accumulation for a float8 op's dgrad, on one GPU: the GEMM of
 dX (e5m2 dY [M, n] times e4m3 W [K, n], K-major) of each preset's AG and RS op at P = 2, by
-XLA's FP8 GEMM (promoted, fast) and by the fused kernels' GEMM core (`push_gather_gemm` with no
+XLA's FP8 GEMM (promoted, fast) and by the fused kernels' GEMM core (`direct_ag` with no
 peers): fast, the split form as the library runs it (each K-step's product awaited, then added
 into a float32 total, 64 x 128 warpgroup tiles), and three benchmark-side variants of the split
 form: 256-element K-steps (a promotion every 256 products instead of 128), and each K-step's
@@ -30,7 +30,7 @@ from commgemm import quantized_gemm
 from commgemm.bench.problems import PRESETS
 from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
-from commgemm.mosaic_gpu import fused, gemm_core, push_gather_gemm
+from commgemm.mosaic_gpu import direct_ag, fused, gemm_core
 from commgemm.mosaic_gpu import tiles as mt
 
 
@@ -92,7 +92,7 @@ def kernel_variant(columns: int, contract: int, split: bool, tile_k: int | None,
         tiles = dataclasses.replace(tiles, tile_k=tile_k, stages=3)
 
     def run(dy8, w8, scale):
-        return push_gather_gemm.all_gather_matmul(dy8, w8, None, tiles, w_nk=True,
+        return direct_ag.all_gather_matmul(dy8, w8, None, tiles, w_nk=True,
                                                   out_dtype=jnp.bfloat16, scale=scale,
                                                   split_accumulator=split)  # fmt: skip
 

@@ -1,10 +1,10 @@
 """The fused kernels' GEMM core on one GPU, bf16 and FP8, against the best GEMM of each shape.
 
-The core of a direct kernel (`push_gather_gemm` for AG, `scatter_add_gemm` for RS) is the kernel
+The core of a direct kernel (`direct_ag` for AG, `direct_rs` for RS) is the kernel
 run with no mesh axis: the same tiles, pipeline and epilogue, with no peer to send to (the RS
 kernel then stores its tiles, except a split or streamed tail's, which it adds into zeroed
 tiles as on P devices; "plan-whole" is the plan with its last wave left whole, "plan-stream"
-with it streamed; "ring" is the RS ring kernel, `ring_scatter_gemm`, whose core is one step: a
+with it streamed; "ring" is the RS ring kernel, `ring_rs`, whose core is one step: a
 plain GEMM in the ring's tiling; the AG ring is the direct AG kernel), on the whole local GEMM
 of the P-device op ([M, K] @ [K, N/P] for AG, [M, K/P] @ [K/P, N] for RS).
 Beside it, timed interleaved by device periods in one trace per shape (medians of 6 rounds):

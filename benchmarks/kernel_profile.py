@@ -1,7 +1,7 @@
 """Where the direct RS kernel's time goes inside one call, per compute warpgroup, from Mosaic
 GPU's on-device profiler.
 
-The kernel (`scatter_add_gemm`) names its compute warpgroups' phases: "zero" (the output's
+The kernel (`direct_rs`) names its compute warpgroups' phases: "zero" (the output's
 zeroing, until it has landed), "epilogue" (a tile's sums converted, staged in smem and handed to
 TMA reduce-adds; it waits on earlier stores' smem reads, and at a CTA's first tile on every
 device's zeroing) and "landed" (the end: this warpgroup's adds landed, the peers' awaited).
@@ -43,11 +43,11 @@ def rs_kernel(problem, spec: str, compiler_params: dict | None = None):
     """The direct RS kernel of `spec` alone (jitted shard_map), with extra compiler params."""
     from jax.sharding import PartitionSpec as P
 
-    from commgemm.mosaic_gpu import scatter_add_gemm
+    from commgemm.mosaic_gpu import direct_rs
 
     cfg = _config(spec)
     body = functools.partial(
-        scatter_add_gemm.matmul_reduce_scatter,
+        direct_rs.matmul_reduce_scatter,
         axis_name="tp",
         tiles=cfg.kernel,
         compiler_params=compiler_params,

@@ -15,7 +15,7 @@ import commgemm as cg
 from commgemm.autodiff import fused_backward_config
 from commgemm.cli.specs import parse_method
 from commgemm.config import Collective, Method
-from commgemm.mosaic_gpu import push_gather_gemm
+from commgemm.mosaic_gpu import direct_ag
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import DirectAGConfig, DirectRSConfig
 
@@ -44,7 +44,7 @@ def test_gathered_rows_are_in_device_order(size):
         everyone = jax.lax.all_gather(x, "x")  # [P, m, K]
         d = jax.lax.axis_index("x")
         inbox = jnp.stack([everyone[(d - j - 1) % size] for j in range(size - 1)])
-        return push_gather_gemm.gathered_rows(x, inbox, "x") - everyone.reshape(size * m, k)
+        return direct_ag.gathered_rows(x, inbox, "x") - everyone.reshape(size * m, k)
 
     f = jax.shard_map(body, mesh=mesh1d(size), in_specs=P("x", None), out_specs=P("x"))
     diff = jax.jit(f)(x)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import commgemm as cg
 from commgemm import mosaic_gpu
 from commgemm.cli.specs import parse_method
-from commgemm.mosaic_gpu import push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
+from commgemm.mosaic_gpu import direct_ag, direct_rs, ring_rs
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -80,7 +80,7 @@ def lower(fn, x_spec, w_spec, out_spec, size: int, x_shape, w_shape, mesh=None) 
 def test_push_gather_gemm_lowers(size, spec):
     cfg = parse_method(spec, "ag")
     text = lower(
-        lambda x, w: push_gather_gemm.all_gather_matmul(x, w, "x", cfg.kernel),
+        lambda x, w: direct_ag.all_gather_matmul(x, w, "x", cfg.kernel),
         P("x", None),
         P(None, "x"),
         P(None, "x"),
@@ -108,7 +108,7 @@ def test_push_gather_gemm_lowers(size, spec):
 def test_scatter_add_gemm_lowers(size, spec):
     cfg = parse_method(spec, "rs")
     text = lower(
-        lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel),
+        lambda x, w: direct_rs.matmul_reduce_scatter(x, w, "x", cfg.kernel),
         P(None, "x"),
         P("x", None),
         P("x", None),
@@ -132,9 +132,9 @@ def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
     """On one device (the GEMM core, axis None) the RS kernel splits (or streams) its last
     wave's tiles along K as on P devices (M 8192, K 1024, N 14336): the plan is the same, and
     the kernel lowers with the tail's tiles zeroed first and added into."""
-    planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
+    planned = _recorded(monkeypatch, direct_rs, "tail_plan")
     cfg = parse_method(spec, "rs")
-    f = jax.jit(lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, None, cfg.kernel))
+    f = jax.jit(lambda x, w: direct_rs.matmul_reduce_scatter(x, w, None, cfg.kernel))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8192, 1024), (1024, 14336))]
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and planned == [expected]
@@ -149,7 +149,7 @@ def test_streamed_tail_through_the_public_op(check_vma, monkeypatch):
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     monkeypatch.setattr(jax, "device_count", lambda *_: 2)
-    planned = _recorded(monkeypatch, scatter_add_gemm, "tail_plan")
+    planned = _recorded(monkeypatch, direct_rs, "tail_plan")
     config = parse_method("fused-direct-wgm-cm-ct-m64-n256-sk-a2", "rs")
     op = lambda x, w: cg.matmul_reduce_scatter(x, w, "x", config=config)  # noqa: E731
     f = jax.shard_map(op, mesh=mesh1d(2), in_specs=(P(None, "x"), P("x", None)),
@@ -165,7 +165,7 @@ def test_chain_tiles_needs_two_tiles_per_cta():
     )
     with pytest.raises(ValueError, match="chain_tiles needs two tiles per CTA, got 16 tiles"):
         lower(
-            lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel),
+            lambda x, w: direct_rs.matmul_reduce_scatter(x, w, "x", cfg.kernel),
             P(None, "x"),
             P("x", None),
             P("x", None),
@@ -197,16 +197,16 @@ def test_senders_are_each_bands_first_visits(m_iters, n_iters, width, minor_m, c
     visits: dict[int, list[int]] = {}
     for cta in (0, 1) if cluster == "m" else (None,):
         bands = ms if cta is None else 2 * ms + cta
-        ranks = np.asarray(push_gather_gemm._visit_rank(tiles, bands, ns, n_iters))
+        ranks = np.asarray(direct_ag._visit_rank(tiles, bands, ns, n_iters))
         for band, rank in zip(bands.tolist(), ranks.tolist(), strict=True):
             visits.setdefault(band, []).append(rank)
-    count = push_gather_gemm.senders(tiles, n_iters, k_iters=64)
+    count = direct_ag.senders(tiles, n_iters, k_iters=64)
     assert 1 <= count <= min(8, n_iters)
     for ranks in visits.values():
         assert sorted(ranks) == list(range(n_iters))
         assert ranks[:count] == list(range(count))
     # send_lead bounds how far after any of a band's tiles its last sender comes
-    lead = push_gather_gemm.send_lead(tiles, m_iters, n_iters, count)
+    lead = direct_ag.send_lead(tiles, m_iters, n_iters, count)
     for band in range(m_iters):
         where = np.flatnonzero(ms == band)  # in tile order: the band's visits
         assert where[count - 1] - where[0] <= lead
@@ -225,10 +225,10 @@ def test_spread_schedule(size, own, ctas, lead, spread):
     in tile order, and a peer's tile t comes after the own tiles up to t + lead (the sends of
     its band: the same schedule runs on every device), so no tile waits on one still to come."""
     tiles = mosaic_gpu.DirectAGConfig(spread=spread)
-    head, region = push_gather_gemm.spread_plan(tiles, own, ctas, lead)
+    head, region = direct_ag.spread_plan(tiles, own, ctas, lead)
     assert head <= own <= region <= 2 * own - head
     lin = jnp.arange(size * own, dtype=jnp.int32)
-    step, tile = (np.asarray(v) for v in push_gather_gemm.schedule_unit(lin, own, head, region))
+    step, tile = (np.asarray(v) for v in direct_ag.schedule_unit(lin, own, head, region))
     pairs = list(zip(step.tolist(), tile.tolist(), strict=True))
     assert sorted(pairs) == [(s, t) for s in range(size) for t in range(own)]
     assert (np.diff(tile[step == 0]) == 1).all()
@@ -289,7 +289,7 @@ def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
         spec = "fused-direct-cm" if kernel == "rs" else "fused"
         cfg = parse_method(spec, "rs")
         if kernel == "rs":
-            fn = lambda x, w: scatter_add_gemm.matmul_reduce_scatter(x, w, "x", cfg.kernel)  # noqa: E731
+            fn = lambda x, w: direct_rs.matmul_reduce_scatter(x, w, "x", cfg.kernel)  # noqa: E731
         else:
             fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
         specs, shapes = (P(None, "x"), P("x", None), P("x", None)), ((2048, 1024), (1024, 4096))
@@ -454,9 +454,7 @@ def test_direct_kernels_refuse_partial_tiles(op, shape, match):
     tiles instead of leaving the remainder unwritten."""
     m, k, n = shape
     cfg = parse_method("fused-direct", op)
-    kernel = (
-        push_gather_gemm.all_gather_matmul if op == "ag" else scatter_add_gemm.matmul_reduce_scatter
-    )
+    kernel = direct_ag.all_gather_matmul if op == "ag" else direct_rs.matmul_reduce_scatter
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda x, w: kernel(x, w, None, cfg.kernel)).trace(*args)
@@ -521,9 +519,9 @@ def test_split_accumulation_needs_small_warpgroup_tiles():
         jax.ShapeDtypeStruct((512, 512), jnp.float8_e4m3fn),
     )
     for kernel, cfg in (
-        (push_gather_gemm.all_gather_matmul, parse_method("fused-direct", "ag")),
-        (scatter_add_gemm.matmul_reduce_scatter, parse_method("fused-direct", "rs")),
-        (ring_scatter_gemm.matmul_reduce_scatter, parse_method("fused", "rs")),
+        (direct_ag.all_gather_matmul, parse_method("fused-direct", "ag")),
+        (direct_rs.matmul_reduce_scatter, parse_method("fused-direct", "rs")),
+        (ring_rs.matmul_reduce_scatter, parse_method("fused", "rs")),
     ):
         call = lambda x, w: kernel(x, w, None, cfg.kernel, w_nk=True, split_accumulator=True)  # noqa: B023, E731
         with pytest.raises(ValueError, match="at most 8192 elements"):
@@ -547,11 +545,11 @@ def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow, rin
     tiles would."""
     tiles = mosaic_gpu.DirectAGConfig(spread=spread, narrow_tail=narrow)
     units = size * own
-    head, region = push_gather_gemm.spread_plan(tiles, own, ctas, 0)
+    head, region = direct_ag.spread_plan(tiles, own, ctas, 0)
     if size == 1 or ring:
         head = region = own
     senders_end = (size - 1) * own if ring else region if size > 1 else 0
-    tail = push_gather_gemm.narrow_tail(tiles, units, ctas, senders_end)
+    tail = direct_ag.narrow_tail(tiles, units, ctas, senders_end)
     main = units - tail
     covered = np.zeros((units, 2), np.int32)
     covered[:main] += 1
@@ -562,7 +560,7 @@ def test_narrow_tail_covers_every_tile_once(size, own, ctas, spread, narrow, rin
         assert tail == 0
     if tail:
         assert main % ctas == 0 and 2 * tail <= ctas
-        steps, _ = push_gather_gemm.schedule_unit(np.arange(main, units), own, head, region)
+        steps, _ = direct_ag.schedule_unit(np.arange(main, units), own, head, region)
         assert size == 1 or (np.asarray(steps) > (size - 2 if ring else 0)).all()
         assert main // ctas + 0.5 <= -(-units // ctas) - 0.5
     elif narrow and units % ctas and 2 * (units % ctas) <= ctas and size == 1:
@@ -587,15 +585,13 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
     from commgemm import quantized_gemm
     from commgemm.mosaic_gpu import fused
 
-    planned = _recorded(monkeypatch, push_gather_gemm, "narrow_tail")
+    planned = _recorded(monkeypatch, direct_ag, "narrow_tail")
     cfg = parse_method(spec, "ag")
     k, n = 256, 1728 if "n192" in spec else 1792
 
     def body(x, w):
         if not fp8:
-            return push_gather_gemm.all_gather_matmul(
-                x, w, None if size is None else "x", cfg.kernel
-            )
+            return direct_ag.all_gather_matmul(x, w, None if size is None else "x", cfg.kernel)
         qx, qw = cg.quantize(x, "current_tensor_scaling"), cg.quantize(w, "current_tensor_scaling")
         rhs = quantized_gemm.QuantizedRhs(qw, qx.scale_inv, k, "bfloat16", False)
         return fused.all_gather_matmul(qx.data, rhs, None if size is None else "x", cfg,

@@ -1,5 +1,5 @@
-"""The ping-pong kernels (`pingpong`): RS (`PingPongRSConfig`, `pingpong_scatter_gemm`) and AG
-(`PingPongAGConfig`, `pingpong_gather_gemm`): their configs' checks, what they refuse, their
+"""The ping-pong kernels (`pingpong`): RS (`PingPongRSConfig`, `pingpong_rs`) and AG
+(`PingPongAGConfig`, `pingpong_ag`): their configs' checks, what they refuse, their
 specs, the AG kernel's order of a band's visits, and that they lower for a CUDA target on the
 CPU on one device (the GEMM core) and on meshes of 2 and 4, bf16 and float8, with partial last
 tile columns. Their outputs are checked on Hopper GPUs (tests/gpu)."""
@@ -23,8 +23,8 @@ from commgemm.mosaic_gpu import (
     fused,
     heuristics,
     pingpong,
-    pingpong_gather_gemm,
-    pingpong_scatter_gemm,
+    pingpong_ag,
+    pingpong_rs,
 )
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import HOPPER_SMEM
@@ -116,7 +116,7 @@ def test_visit_rank_counts_a_bands_visits_in_order(m_pairs, n_iters, width, mino
     lin = jnp.arange(count, dtype=jnp.int32)
     rows, cols = pingpong.tile_origin(tiles, lin, m_pairs, n_iters)
     m_pair, n_idx = rows // tiles.cluster_m, cols // tiles.tile_n
-    ranks = np.asarray(pingpong_gather_gemm.visit_rank(tiles, m_pair, n_idx, n_iters))
+    ranks = np.asarray(pingpong_ag.visit_rank(tiles, m_pair, n_idx, n_iters))
     m_pair = np.asarray(m_pair)
     assert sorted(zip(m_pair.tolist(), np.asarray(n_idx).tolist(), strict=True)) == [
         (a, b) for a in range(m_pairs) for b in range(n_iters)
@@ -168,7 +168,7 @@ def test_deal_runs_every_tile_once_and_balances_the_last_wave(units, ctas, narro
 )
 def test_shape_reason(shape, dtype, w_nk, tiles, match):
     rows, k, n = shape
-    reason = pingpong_scatter_gemm.shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk)
+    reason = pingpong_rs.shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk)
     assert reason is not None and match in reason
 
 
@@ -183,7 +183,7 @@ def test_smem_bytes_is_what_the_kernel_allocates(tile_n, stages, zero_ahead):
     zero = 16 * (32 if tile_n == 160 else 64) if zero_ahead else 0
     expected = stages * (128 * 64 + tile_n * 64) * 2 + (64 * tile_n + zero) * 2
     assert tiles.smem_bytes(2, 2) == expected
-    fits = pingpong_scatter_gemm.shape_reason(tiles, 1024, 1024, 4096, jnp.bfloat16, w_nk=True)
+    fits = pingpong_rs.shape_reason(tiles, 1024, 1024, 4096, jnp.bfloat16, w_nk=True)
     assert (fits is None) == (expected <= HOPPER_SMEM)
 
 
@@ -247,9 +247,9 @@ def _lowered(fn, args) -> str:
 def test_core_lowers(op, fields, n, w_nk):
     """One device (axis None): the kernel's GEMM core."""
     if op == "rs":
-        config, fn = _config(**fields), pingpong_scatter_gemm.matmul_reduce_scatter
+        config, fn = _config(**fields), pingpong_rs.matmul_reduce_scatter
     else:
-        config, fn = _config(PingPongAGConfig, **fields), pingpong_gather_gemm.all_gather_matmul
+        config, fn = _config(PingPongAGConfig, **fields), pingpong_ag.all_gather_matmul
     w_shape = (n, 1024) if w_nk else (1024, n)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2048, 1024), w_shape)]
     text = _lowered(lambda x, w: fn(x, w, None, config.kernel, w_nk=w_nk), args)
@@ -276,8 +276,8 @@ def test_tuning_candidates_lower(op, tiles, check_vma, monkeypatch):
     ag = op == "ag"
     n = 4160
     if check_vma is None:
-        kernel = (pingpong_gather_gemm.all_gather_matmul if ag
-                  else pingpong_scatter_gemm.matmul_reduce_scatter)  # fmt: skip
+        kernel = (pingpong_ag.all_gather_matmul if ag
+                  else pingpong_rs.matmul_reduce_scatter)  # fmt: skip
         f = lambda x, w: kernel(x, w, None, config.kernel)  # noqa: E731
         shapes = ((2048, 1024), (1024, n))
     else:  # the op's plan takes the fused kernel as on 2 Hopper GPUs
@@ -310,11 +310,11 @@ def test_rs_core_takes_partial_rows(fields, rows):
     assert rows % config.kernel.cluster_m
     n, k = 1024, 256
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((rows, k), (k, n))]
-    core = lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config.kernel)  # noqa: E731
+    core = lambda x, w: pingpong_rs.matmul_reduce_scatter(x, w, None, config.kernel)  # noqa: E731
     assert "mosaic_gpu" in _lowered(core, args)
 
     def body(x, w):
-        return pingpong_scatter_gemm.matmul_reduce_scatter(x, w, "x", config.kernel)
+        return pingpong_rs.matmul_reduce_scatter(x, w, "x", config.kernel)
 
     f = jax.shard_map(body, mesh=mesh1d(2), in_specs=(P(None, "x"), P("x")), out_specs=P("x"),
                       check_vma=False)  # fmt: skip
@@ -323,7 +323,7 @@ def test_rs_core_takes_partial_rows(fields, rows):
         _lowered(f, mesh_args)
     with pytest.raises(ValueError, match="rows per device"):
         tiles = _config(PingPongAGConfig, **fields).kernel
-        pingpong_gather_gemm.all_gather_matmul(*args, None, tiles)
+        pingpong_ag.all_gather_matmul(*args, None, tiles)
 
 
 @pytest.mark.parametrize("zero_ahead", [0, 1, 2])
@@ -343,7 +343,7 @@ def test_lowers_on_a_mesh(size, float8, zero_ahead):
 
     def body(x, w):
         scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
-        return pingpong_scatter_gemm.matmul_reduce_scatter(
+        return pingpong_rs.matmul_reduce_scatter(
             x, w, "x", config.kernel, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale
         )
 
@@ -360,20 +360,20 @@ def test_kernel_refuses_bad_calls():
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match="K=1000"):
         _lowered(
-            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, config.kernel),
+            lambda x, w: pingpong_rs.matmul_reduce_scatter(x, w, None, config.kernel),
             [jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16),
              jax.ShapeDtypeStruct((1000, 4096), jnp.bfloat16)],
         )  # fmt: skip
     with pytest.raises(ValueError, match="split accumulation"):
         _lowered(
-            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(
+            lambda x, w: pingpong_rs.matmul_reduce_scatter(
                 x, w, None, config.kernel, split_accumulator=True
             ),
             [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
         )
     with pytest.raises(ValueError, match="not a PingPongRSConfig"):
         _lowered(
-            lambda x, w: pingpong_scatter_gemm.matmul_reduce_scatter(x, w, None, None),
+            lambda x, w: pingpong_rs.matmul_reduce_scatter(x, w, None, None),
             [x, jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)],
         )
 
@@ -398,7 +398,7 @@ def test_ag_lowers_on_a_mesh(size, float8, fields, n):
 
     def body(x, w):
         scale = jnp.full((1,), 0.5, jnp.float32) if float8 else None
-        return pingpong_gather_gemm.all_gather_matmul(
+        return pingpong_ag.all_gather_matmul(
             x, w, "x", config.kernel, w_nk=float8, out_dtype=jnp.bfloat16, scale=scale,
             return_gathered=True,
         )  # fmt: skip
@@ -415,14 +415,14 @@ def test_ag_kernel_refuses_bad_calls():
     config = _config(PingPongAGConfig)
     w = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     with pytest.raises(ValueError, match="rows per device=1000"):
-        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, config.kernel),
+        _lowered(lambda x, w: pingpong_ag.all_gather_matmul(x, w, None, config.kernel),
                  [jax.ShapeDtypeStruct((1000, 1024), jnp.bfloat16), w])  # fmt: skip
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match="split accumulation"):
-        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(
+        _lowered(lambda x, w: pingpong_ag.all_gather_matmul(
             x, w, None, config.kernel, split_accumulator=True), [x, w])  # fmt: skip
     with pytest.raises(ValueError, match="not a PingPongAGConfig"):
-        _lowered(lambda x, w: pingpong_gather_gemm.all_gather_matmul(x, w, None, _config().kernel),
+        _lowered(lambda x, w: pingpong_ag.all_gather_matmul(x, w, None, _config().kernel),
                  [x, w])  # fmt: skip
 
 
@@ -452,8 +452,8 @@ def _kernel_text(op: str, size: int, n: int, narrow: bool) -> str:
     512] (AG: [1024, 512] a device) and w [512, n] a device, ping-pong tiles with narrow_tail."""
     family = PingPongRSConfig if op == "rs" else PingPongAGConfig
     config = _config(family, narrow_tail=narrow)
-    kernel = (pingpong_scatter_gemm.matmul_reduce_scatter if op == "rs"
-              else pingpong_gather_gemm.all_gather_matmul)  # fmt: skip
+    kernel = (pingpong_rs.matmul_reduce_scatter if op == "rs"
+              else pingpong_ag.all_gather_matmul)  # fmt: skip
     k = 512 * size if op == "rs" else 512  # the RS op's K is sharded, the AG op's rows
     rows = 1024 * size if op == "ag" and size > 1 else 2048
     w_n = n * size if op == "ag" else n

@@ -3,7 +3,7 @@
 Mosaic GPU's on-device profiler (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`)
 writes a Chrome trace per call: for every warpgroup ("tid") the begin ("B") and end ("E") of
 each named scope the kernel entered, stamped with the SM's cycle counter (the trace's "ts" is
-cycles / 1000 within a warpgroup). The direct RS kernel (`scatter_add_gemm`) names its compute
+cycles / 1000 within a warpgroup). The direct RS kernel (`direct_rs`) names its compute
 warpgroups' phases "zero", "epilogue" and "landed"; what lies between two epilogues is a
 tile's K loop. With DirectRSConfig.zero_ahead its load warpgroups name theirs too ("ahead_signal",
 "ahead_zero", "ahead_wait", once a tile). `phase_summary` turns one trace into medians over the

@@ -1,10 +1,19 @@
 """Fused Hopper kernels (Mosaic GPU through Pallas): the GEMM and its transfers in one kernel.
 
-`fused` dispatches an atomic_gemm config to its kernel and says where one cannot run;
-`push_gather_gemm` (ATOMIC_GEMM_AG and its ring), `scatter_add_gemm` (ATOMIC_GEMM_RS),
-`pingpong_gather_gemm` and `pingpong_scatter_gemm` (ATOMIC_GEMM_AG and _RS on the ping-pong
-schedule, `pingpong`) and `ring_scatter_gemm` (ATOMIC_GEMM_RS_P2P) are the kernels; `tiles`
-holds what they share, `configs` their tilings.
+`fused` dispatches an atomic_gemm config to its kernel and says where one cannot run; `tiles`
+holds what the kernels share, `configs` their tilings, `heuristics` the defaults. One name per
+kernel, across its config, module, algorithm and method spec:
+
+  config            module        algorithm (method)                  spec
+  DirectAGConfig    direct_ag     ATOMIC_GEMM_AG (PIPELINE)           fused-direct
+  RingAGConfig      direct_ag     ATOMIC_GEMM_AG_P2P (RING_EXCHANGE)  fused
+  DirectRSConfig    direct_rs     ATOMIC_GEMM_RS (PIPELINE)           fused-direct
+  RingRSConfig      ring_rs       ATOMIC_GEMM_RS_P2P (RING_EXCHANGE)  fused
+  PingPongAGConfig  pingpong_ag   ATOMIC_GEMM_AG (PIPELINE)           fused-direct-pp
+  PingPongRSConfig  pingpong_rs   ATOMIC_GEMM_RS (PIPELINE)           fused-direct-pp
+
+(the ring AG is the direct AG kernel forwarding each block to the next device; the ping-pong
+kernels run the direct families on the shared ping-pong schedule, `pingpong`).
 """
 
 from commgemm.mosaic_gpu.configs import (

@@ -121,7 +121,7 @@ class _Tiling:
 
 @dataclasses.dataclass(frozen=True)
 class RingAGConfig(_Tiling):
-    """ATOMIC_GEMM_AG_P2P (`push_gather_gemm` with ring=True): each band of rows is forwarded to
+    """ATOMIC_GEMM_AG_P2P (`direct_ag` with ring=True): each band of rows is forwarded to
     the next device while it is multiplied; step s multiplies the block that arrived in step
     s-1. No clusters."""
 
@@ -137,13 +137,13 @@ class RingRSConfig(_Tiling):
 
 @dataclasses.dataclass(frozen=True)
 class DirectAGConfig(_Tiling):
-    """ATOMIC_GEMM_AG (`push_gather_gemm`): rows pushed to every peer, flagged per band.
+    """ATOMIC_GEMM_AG (`direct_ag`): rows pushed to every peer, flagged per band.
 
     spread: percent (0 to 100) of the schedule after the first wave over which this device's own
     tiles (the ones that send x's rows) are interleaved with the peers'; 0 runs them first.
     cluster: "m" only (the pair shares w's blocks).
     narrow_tail: the tiles of the last, partly filled wave of CTAs run as two tiles of half
-      their columns each, where those fit in one wave (`push_gather_gemm.narrow_tail`); needs
+      their columns each, where those fit in one wave (`direct_ag.narrow_tail`); needs
       cta_m and cta_n multiples of 128.
     """
 
@@ -162,7 +162,7 @@ class DirectAGConfig(_Tiling):
 
 @dataclasses.dataclass(frozen=True)
 class DirectRSConfig(_Tiling):
-    """ATOMIC_GEMM_RS (`scatter_add_gemm`): every tile reduce-added straight into its owner.
+    """ATOMIC_GEMM_RS (`direct_rs`): every tile reduce-added straight into its owner.
 
     chain_tiles: a CTA's tiles run as one pipeline (the next tile's loads start before this one's
       epilogue); needs K/tile_k divisible by stages and two tiles per CTA.
@@ -305,7 +305,7 @@ class _PingPong:
 
 @dataclasses.dataclass(frozen=True)
 class PingPongRSConfig(_PingPong):
-    """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_scatter_gemm`; the tiling: `_PingPong`).
+    """ATOMIC_GEMM_RS on the ping-pong schedule (`pingpong_rs`; the tiling: `_PingPong`).
     zero_ahead: D > 0 zeroes the output D waves of CTAs ahead of the adds (the load warpgroup,
     between two tiles' loads); 0 zeroes it all first. The defaults ran within 0 to 1.4% of the
     best GEMM on the RS presets' local shapes but comm_heavy's (4 to 5%) on one GPU."""
@@ -334,7 +334,7 @@ class PingPongRSConfig(_PingPong):
 
 @dataclasses.dataclass(frozen=True)
 class PingPongAGConfig(_PingPong):
-    """ATOMIC_GEMM_AG on the ping-pong schedule (`pingpong_gather_gemm`; the tiling:
+    """ATOMIC_GEMM_AG on the ping-pong schedule (`pingpong_ag`; the tiling:
     `_PingPong`): the own rows pushed to every peer from the ring's slots, flagged per band."""
 
 

@@ -7,20 +7,20 @@ way the reference's atomic GEMMs do with userbuffers. Every kernel is ours, on t
 `tiles` (jax's Hopper matmul kernel's tiling and pipeline):
 
   Method RING_EXCHANGE:
-  ATOMIC_GEMM_AG_P2P: `push_gather_gemm` with ring=True: while a CTA multiplies a band of
+  ATOMIC_GEMM_AG_P2P: `direct_ag` with ring=True: while a CTA multiplies a band of
       rows it also writes them, already in shared memory, into the next device's inbox over
       NVLink; step s multiplies the rows of device d - s, each band once its own rows landed.
-  ATOMIC_GEMM_RS_P2P: `ring_scatter_gemm`: at step s device d computes its partial product of
+  ATOMIC_GEMM_RS_P2P: `ring_rs`: at step s device d computes its partial product of
       row block (d - s - 1) mod P, adds the partial sum of that block received from device d-1
       and writes each tile straight into device d+1's inbox; at the last step the block is d's
       own and the sum goes to the output. Partial sums travel in the output dtype.
   Method PIPELINE, no ring:
-  ATOMIC_GEMM_AG: `push_gather_gemm`: every device pushes its rows straight to every peer while
+  ATOMIC_GEMM_AG: `direct_ag`: every device pushes its rows straight to every peer while
       multiplying them; a peer's tiles wait only for their own band of rows; with a
-      `PingPongAGConfig`, `pingpong_gather_gemm`: the same on the ping-pong schedule.
-  ATOMIC_GEMM_RS: `scatter_add_gemm`: every tile is reduce-added straight into its owner's
+      `PingPongAGConfig`, `pingpong_ag`: the same on the ping-pong schedule.
+  ATOMIC_GEMM_RS: `direct_rs`: every tile is reduce-added straight into its owner's
       output, tiles of all blocks interleaved; with a `PingPongRSConfig`,
-      `pingpong_scatter_gemm`: the same on the ping-pong schedule (each compute warpgroup a
+      `pingpong_rs`: the same on the ping-pong schedule (each compute warpgroup a
       whole tile, its epilogue under the other's K loop).
 
 Quantized operands (an op's `scaling=` with a tensor mode): every kernel takes float8 x and w
@@ -44,7 +44,7 @@ Backward: dX runs the other collective's kernel of the same method family (`back
 an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the cost model's tiling
 for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can run, else the
 RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
-(`push_gather_gemm.gathered_rows`). A tensor-scaled op with fast dgrad multiplies its
+(`direct_ag.gathered_rows`). A tensor-scaled op with fast dgrad multiplies its
 float8_e5m2 dY by the float8_e4m3fn W (read as stored, [K, n]: K-major for dX's GEMM) in the
 same kernels; with promoted dgrad its dX runs RING_EXCHANGE (commgemm.scaled).
 """
@@ -58,14 +58,14 @@ import jax.numpy as jnp
 
 from commgemm.config import Collective, Method, OverlapConfig, fused_fields_reason
 from commgemm.mosaic_gpu import (
+    direct_ag,
+    direct_rs,
     heuristics,
     pingpong,
-    pingpong_gather_gemm,
-    pingpong_scatter_gemm,
-    push_gather_gemm,
-    ring_scatter_gemm,
+    pingpong_ag,
+    pingpong_rs,
+    ring_rs,
     rs_schedule,
-    scatter_add_gemm,
 )
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import (
@@ -298,13 +298,13 @@ def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **optio
     kernels' w_nk, out_dtype, scale, split_accumulator, and the AG kernel's return_gathered)."""
     ring, tiles = config.method is Method.RING_EXCHANGE, config.kernel
     if collective is Collective.REDUCE_SCATTER:
-        kernel = ring_scatter_gemm if ring else scatter_add_gemm
+        kernel = ring_rs if ring else direct_rs
         if isinstance(tiles, PingPongRSConfig):
-            kernel = pingpong_scatter_gemm
+            kernel = pingpong_rs
         return kernel.matmul_reduce_scatter(x, w, axis_name, tiles, **options)
     if isinstance(tiles, PingPongAGConfig):
-        return pingpong_gather_gemm.all_gather_matmul(x, w, axis_name, tiles, **options)
-    return push_gather_gemm.all_gather_matmul(x, w, axis_name, tiles, ring=ring, **options)
+        return pingpong_ag.all_gather_matmul(x, w, axis_name, tiles, **options)
+    return direct_ag.all_gather_matmul(x, w, axis_name, tiles, ring=ring, **options)
 
 
 def backward_config(
@@ -387,7 +387,7 @@ def matmul_reduce_scatter(
     w_transposed: bool,
 ) -> jax.Array:
     """x [M, k], w [k, n] (K sharded) -> this device's rows [M/P, n] of the sum, in one kernel:
-    the ring (RING_EXCHANGE) or the direct reduce-adds of `scatter_add_gemm` (PIPELINE)."""
+    the ring (RING_EXCHANGE) or the direct reduce-adds of `direct_rs` (PIPELINE)."""
     if _is_quantized(w):
         out = _float8_call(Collective.REDUCE_SCATTER, x, w, axis_name, config, w_transposed)
     else:

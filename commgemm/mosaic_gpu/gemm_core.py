@@ -1,7 +1,7 @@
 """`OverlapConfig.local_gemm="mosaic"`: a fused kernel run with no peers as the local GEMM of
 the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
 
-Where the ping-pong RS kernel (`pingpong_scatter_gemm`) takes the shape and its 192-wide
+Where the ping-pong RS kernel (`pingpong_rs`) takes the shape and its 192-wide
 tiles pad at most 1% of N (`heuristics.pingpong_tiles`), it is that kernel with nothing to
 add: each compute warpgroup a whole 128 x 192 tile, its epilogue under the other's K loop, 2-CTA
 clusters; on one GPU it ran the RS presets' llama local GEMMs at 0.99 to 1.014x XLA's dot,

@@ -10,7 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from commgemm.mosaic_gpu import pingpong_scatter_gemm
+from commgemm.mosaic_gpu import pingpong_rs
 from commgemm.mosaic_gpu.configs import (
     FLOAT8_TILE_K,
     DirectAGConfig,
@@ -46,7 +46,7 @@ def pingpong_tiles(
     if k % FLOAT8_TILE_K:  # as the fused ops' check: float8's K-steps must fit
         return None
     steps = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K) if _float8(dtype) else tiles
-    reason = pingpong_scatter_gemm.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
+    reason = pingpong_rs.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
                                                 out_dtype=out_dtype, partial_rows=True)  # fmt: skip
     return tiles if reason is None else None
 

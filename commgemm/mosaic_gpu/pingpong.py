@@ -1,5 +1,5 @@
-"""The ping-pong schedule the dense fused kernels share (`pingpong_scatter_gemm`,
-`pingpong_gather_gemm`): CUTLASS's ping-pong (and cuBLASLt's kernel for these shapes).
+"""The ping-pong schedule the dense fused kernels share (`pingpong_rs`,
+`pingpong_ag`): CUTLASS's ping-pong (and cuBLASLt's kernel for these shapes).
 
 A persistent CTA's two compute warpgroups take its units of work in turn, each a whole
 tile_m x tile_n output tile; one load warpgroup fills ONE ring of `stages` smem slots in unit

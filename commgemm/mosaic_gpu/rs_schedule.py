@@ -1,8 +1,8 @@
-"""The direct RS kernel's schedule (`scatter_add_gemm`), as plain functions of the tile counts:
+"""The direct RS kernel's schedule (`direct_rs`), as plain functions of the tile counts:
 which tile and owner each unit of the main loop runs, the last, partly filled wave's tiles (the
 tail: split along K or streamed), and which tiles each wave of CTAs adds into first (the
 zeroing ahead). Python ints in give ints out; traced values in give traced values out (the
-kernel's). The ping-pong RS kernel zeroes by the same waves (`pingpong_scatter_gemm`)."""
+kernel's). The ping-pong RS kernel zeroes by the same waves (`pingpong_rs`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Pieces shared by the fused Mosaic GPU kernels that walk output tiles themselves
-(`scatter_add_gemm`, `push_gather_gemm`): launch parameters, the K-loop pipeline of one tile and
+(`direct_rs`, `direct_ag`): launch parameters, the K-loop pipeline of one tile and
 where a tile lies. They follow jax's Hopper matmul kernel (`hopper_matmul_mgpu.kernel`): one
 persistent CTA per SM (2-CTA clusters optional), two compute warpgroups that own a tile_m x
 tile_n block each of the CTA's tile, one warpgroup that issues the TMA loads."""

@@ -67,7 +67,7 @@ def test_ops_on_one_gpu(op):
 def _gemm_core(op, tiles, float8):
     """The kernel of `op` and `tiles` (a direct or ring family) with no mesh axis: its GEMM
     core on this GPU, nothing to send."""
-    from commgemm.mosaic_gpu import fused, push_gather_gemm, ring_scatter_gemm, scatter_add_gemm
+    from commgemm.mosaic_gpu import direct_ag, direct_rs, fused, ring_rs
 
     ring = type(tiles).__name__.startswith("Ring")
     method = "ring_exchange" if ring else "pipeline"
@@ -78,10 +78,8 @@ def _gemm_core(op, tiles, float8):
         return jax.jit(lambda a, r: fused.matmul_reduce_scatter(a, r, None, cfg, w_transposed=True))
     # bf16 w laid out [n, K]: the transposed right operand
     if op == "ag":
-        return jax.jit(
-            lambda a, b: push_gather_gemm.all_gather_matmul(a, b, None, cfg.kernel, w_nk=True)
-        )
-    kernel = ring_scatter_gemm if ring else scatter_add_gemm
+        return jax.jit(lambda a, b: direct_ag.all_gather_matmul(a, b, None, cfg.kernel, w_nk=True))
+    kernel = ring_rs if ring else direct_rs
     return jax.jit(lambda a, b: kernel.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
 
 

@@ -2,7 +2,7 @@
 warpgroup a whole output tile, its epilogue under the other's K loop (`pingpong`).
 
 x [m, K] (this device's rows), w [K, n] -> all_gather(x) @ w [P*m, n], rows in device order, as
-`push_gather_gemm`'s direct kernel: the units walk this device's own row block first, then the
+`direct_ag`'s direct kernel: the units walk this device's own row block first, then the
 peers' (step s: the rows of device (d - s) mod P, from inbox slot s - 1). The first `senders`
 tiles of each band of rows (tile_m rows of the own block) each push every senders-th of the
 band's K-steps to every peer's inbox straight from the ring's slot, over NVLink; the slot goes
@@ -26,8 +26,8 @@ from jax import lax
 from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, PingPongAGConfig
+from commgemm.mosaic_gpu.direct_ag import SENDERS, gathered_rows
 from commgemm.mosaic_gpu.pingpong import shape_reason
-from commgemm.mosaic_gpu.push_gather_gemm import SENDERS, gathered_rows
 
 __all__ = ["all_gather_matmul", "shape_reason", "visit_rank"]
 

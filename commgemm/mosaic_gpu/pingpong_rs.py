@@ -2,7 +2,7 @@
 warpgroup a whole output tile, its epilogue under the other's K loop (`pingpong`).
 
 x [M, k] (K sharded), w [k, n] -> [M/P, n]: device d owns row block d of the sum over devices,
-as in `scatter_add_gemm` (the P copies of one output tile in consecutive units, each stored by
+as in `direct_rs` (the P copies of one output tile in consecutive units, each stored by
 a TMA reduce-add straight into its owner's output, over NVLink for the peers'). The shared
 epilogue buffer leaves shared memory for 5 stages of 128 x 192 tiles. The last column of tiles
 may be partial: TMA zero-fills the loads past n and clips the stores; on one device so may the
@@ -10,7 +10,7 @@ last row of tiles (M need not be whole tiles: the loads past M read zeros, the s
 Invariant (P > 1): a tile is added into only after every device zeroed it. The compute
 warpgroups zero the tiles of the first `zero_ahead` waves of CTAs (all when 0) before their
 first tile; the load warpgroups zero wave j + D's tiles between wave j's loads, one semaphore
-a wave, as `scatter_add_gemm` does (`rs_schedule.wave_tiles`). Every signal follows
+a wave, as `direct_rs` does (`rs_schedule.wave_tiles`). Every signal follows
 awaited TMA stores, so it is a relaxed atomic (`tiles.relaxed_signal`); at the end each
 compute warpgroup awaits the peers' "landed" signals. On one device
 (axis_name None: the kernel's GEMM core) the tiles are stored, not added, and nothing is zeroed.
@@ -29,9 +29,9 @@ from jax import lax
 from commgemm.mosaic_gpu import pingpong
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, ZERO_ROWS, PingPongRSConfig
+from commgemm.mosaic_gpu.direct_rs import signal_devices
 from commgemm.mosaic_gpu.pingpong import shape_reason
 from commgemm.mosaic_gpu.rs_schedule import wave_tiles, zero_plan
-from commgemm.mosaic_gpu.scatter_add_gemm import signal_devices
 
 __all__ = ["matmul_reduce_scatter", "shape_reason"]
 
