@@ -8,10 +8,14 @@ read, else host medians); reading w once, the memory bound of many experts; then
 gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
 GEMM of the same FLOPs; and the float8 forward (`cg.grouped_matmul` with current tensor
 scaling, quantizing in each call; on weights quantized before, quantizing x; emulated; and
-commgemm's two kernels alone on float8 operands). Writes
-OUT/grouped_gemm.json.
+commgemm's two kernels alone on float8 operands). Each against the roofline of the same run:
+t_roof = max(FLOPs / R, bytes / B), R the rate of the dense GEMM of the same total shape, B
+the HBM bandwidth of a device-to-device copy, bytes what the kernel must move at least (x, the
+experts that receive tokens, the output; for dW: x, dY and dW). Group sizes: uneven (every
+group non-empty) or Zipf-skewed (some empty). Writes OUT/grouped_gemm.json.
 
-    PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,64]
+    PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,16,64,128]
+        [--skews uneven,zipf]
 """
 
 from __future__ import annotations
@@ -53,6 +57,36 @@ def uneven_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
+def zipf_sizes(groups: int, tokens: int, seed: int, a: float = 1.2) -> np.ndarray:
+    """Group sizes summing to `tokens`, tokens routed to experts with Zipf(a) popularity (a
+    random expert order): a few experts take most rows, some may get none."""
+    rng = np.random.default_rng(seed)
+    popularity = rng.permutation(1.0 / np.arange(1, groups + 1) ** a)
+    return rng.multinomial(tokens, popularity / popularity.sum()).astype(np.int32)
+
+
+SIZES = {"uneven": uneven_sizes, "zipf": zipf_sizes}
+
+
+def least_bytes(sizes, m: int, k: int, n: int, itemsize: int, *, dw: bool = False) -> int:
+    """What a grouped GEMM must move at least: x [m, k], the experts that receive rows (w [k, n]
+    each) and the output [m, n]; for dW (x^T dY per group): x, dY [m, n] and those experts'
+    dW."""
+    active = int(np.count_nonzero(np.asarray(sizes)))
+    return itemsize * (m * k + active * k * n + m * n)
+
+
+def roofline_ms(flops: float, nbytes: int, flops_per_s: float, bytes_per_s: float) -> float:
+    """t_roof = max(FLOPs / R, bytes / B), in ms."""
+    return max(flops / flops_per_s, nbytes / bytes_per_s) * 1e3
+
+
+def copy_variant(mib: int = 256):
+    """A device-to-device copy of `mib` MiB (read and written once): B = 2 x its bytes / t."""
+    buf = jnp.ones((mib * 2**20 // 2,), jnp.bfloat16)
+    return (jax.jit(lambda b: b + 1), (buf,)), 2 * buf.nbytes
+
+
 def emulated_operands(x, w):
     """x and w quantized and dequantized as the emulated float8 path runs them."""
     from commgemm.grouped.scaling import quantized_operands
@@ -60,12 +94,12 @@ def emulated_operands(x, w):
     return quantized_operands(x, w, "current_tensor_scaling")[:2]
 
 
-def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
+def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven"):
     keys = jax.random.split(jax.random.key(groups), 3)
     x = jax.random.normal(keys[0], (m, k), dtype)
     w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) / k**0.5).astype(dtype)
     dense_w = w[0]
-    sizes = jnp.asarray(uneven_sizes(groups, m, groups))
+    sizes = jnp.asarray(SIZES[skew](groups, m, groups))
     dy = x[:, :n]  # dX's form: [M, N] @ w[g]^T -> [M, K], w read as [G, K (out), N]
     variants = {
         "commgemm.grouped_matmul": (jax.jit(cg.grouped_matmul), (x, w, sizes)),
@@ -159,13 +193,15 @@ DW_TILINGS = [
 ]
 
 
-def weight_grad_problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
+def weight_grad_problem(
+    groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven"
+):
     """dW's variants: ours (each tiling), XLA's, a dense x^T dy of the same FLOPs; and our
     default's largest error against the float32 ragged dot, relative to its largest value."""
     keys = jax.random.split(jax.random.key(groups + 1), 2)
     x = jax.random.normal(keys[0], (m, k), dtype)
     dy = jax.random.normal(keys[1], (m, n), dtype)
-    sizes = jnp.asarray(uneven_sizes(groups, m, groups))
+    sizes = jnp.asarray(SIZES[skew](groups, m, groups))
 
     def xla(a, d, s):
         zeros = jnp.zeros((groups, k, n), a.dtype)
@@ -205,22 +241,41 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8192)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=14336 // 8)
-    parser.add_argument("--groups", default="8,64", help="comma-separated group counts")
+    parser.add_argument("--groups", default="8,16,64,128", help="comma-separated group counts")
+    parser.add_argument("--skews", default="uneven,zipf", help="group sizes: uneven, zipf")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for groups in (int(g) for g in args.groups.split(",")):
-        variants, rel_errs, sizes = problem(groups, args.m, args.k, args.n)
+    m, k, n = args.m, args.k, args.n
+    cases = [(int(g), skew) for skew in args.skews.split(",") for g in args.groups.split(",")]
+    for groups, skew in cases:
+        variants, rel_errs, sizes = problem(groups, m, k, n, skew=skew)
+        variants["hbm copy"], copy_bytes = copy_variant()
         times, timing = timed(variants)
-        dw_variants, dw_err = weight_grad_problem(groups, args.m, args.k, args.n)
+        dw_variants, dw_err = weight_grad_problem(groups, m, k, n, skew=skew)
+        dw_variants["hbm copy"], _ = copy_variant()
         dw_times, dw_timing = timed(dw_variants)
         dense_dw = dw_times["dense x^T dy, same FLOPs"]
-        flops = 2.0 * args.m * args.k * args.n
+        flops = 2.0 * m * k * n
+        roof = {  # (least bytes, R, B) of the forward and of dW, each from its own run
+            "fwd": (least_bytes(sizes, m, k, n, 2), min(times["dense GEMM, same FLOPs"],
+                    times.get("dense GEMM core (commgemm)", float("inf"))), times["hbm copy"]),
+            "dw": (least_bytes(sizes, m, k, n, 2, dw=True), dense_dw, dw_times["hbm copy"]),
+        }  # fmt: skip
+        t_roof = {
+            key: roofline_ms(flops, nbytes, flops / (t_gemm * 1e-3), copy_bytes / (t_copy * 1e-3))
+            for key, (nbytes, t_gemm, t_copy) in roof.items()
+        }
         row = {
             "groups": groups,
+            "skew": skew,
             "sizes": sizes.tolist(),
             "timing": timing,
             "ms": times,
+            "t_roof_ms": t_roof["fwd"],
+            "hbm_gb_per_s": copy_bytes / (times["hbm copy"] * 1e-3) / 1e9,
+            "vs_roof": {name: t / t_roof["fwd"] for name, t in times.items()},
+            "gb_per_s": {name: roof["fwd"][0] / (t * 1e-3) / 1e9 for name, t in times.items()},
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in times.items()},
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
             "vs_ragged_dot": times["commgemm.grouped_matmul"] / times["lax.ragged_dot"],
@@ -230,6 +285,8 @@ def main() -> None:
                 "ms": dw_times,
                 "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in dw_times.items()},
                 "vs_dense": {name: t / dense_dw for name, t in dw_times.items()},
+                "t_roof_ms": t_roof["dw"],
+                "vs_roof": {name: t / t_roof["dw"] for name, t in dw_times.items()},
                 "max_rel_error_vs_float32": dw_err,
             },
         }

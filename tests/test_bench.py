@@ -597,3 +597,28 @@ def test_step_ratios_leave_host_bound_steps_out():
     assert step.ratios(row)["auto"]["speedup_vs_xla"] is None
     events = [(0, 100, "gemm"), (50, 250, "ncclDevKernel_AllGather"), (300, 400, "gemm")]
     assert step.exposed_ms(events, calls=2) == 150 / 2 / 1e6  # 100..250 uncovered
+
+
+def test_grouped_roofline_helpers():
+    """benchmarks/grouped_gemm.py's roofline: Zipf group sizes sum to the tokens (some groups
+    may be empty), the least bytes count only experts that receive rows, and t_roof is the
+    larger of the compute and the memory time."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("grouped_gemm_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    for groups in (8, 64, 128):
+        sizes = bench.zipf_sizes(groups, 8192, seed=groups)
+        assert sizes.sum() == 8192 and len(sizes) == groups and (sizes >= 0).all()
+        assert sizes.max() > 8192 / groups  # skewed
+        uneven = bench.uneven_sizes(groups, 8192, seed=groups)
+        assert uneven.sum() == 8192 and (uneven > 0).all()
+    sizes = np.array([5, 0, 3, 0])
+    assert bench.least_bytes(sizes, 8, 4, 6, 2) == 2 * (8 * 4 + 2 * 4 * 6 + 8 * 6)
+    assert bench.roofline_ms(2e12, 1e9, 1e15, 2e12) == 2.0  # compute: 2 ms, memory: 0.5 ms
+    assert bench.roofline_ms(2e12, 8e9, 1e15, 2e12) == 4.0  # memory-bound
