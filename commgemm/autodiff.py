@@ -94,8 +94,18 @@ class Quantizer:
         dims = ((1,), (1 if w_transposed else 0,))
         return dot(rows, rhs, dims, accumulate_dtype=accumulate_dtype, result_dtype=out_dtype)
 
-    def weight_grad(self, a, a_scale, d, d_scale, k_a: int, k_d: int, w_transposed: bool,
-                    accumulate_dtype: str, w_dtype) -> jax.Array:  # fmt: skip
+    def weight_grad(
+        self,
+        a,
+        a_scale,
+        d,
+        d_scale,
+        k_a: int,
+        k_d: int,
+        w_transposed: bool,
+        accumulate_dtype: str,
+        w_dtype,
+    ) -> jax.Array:
         """dW for out = a @ W from the rows of a and dY: a^T @ d as [K, n], or d^T @ a as
         [n, K] when W is stored transposed."""
         if self.active and self.mode not in TENSOR_MODES:  # dequantized per block
@@ -103,8 +113,9 @@ class Quantizer:
             d = block_values(unpack_rows(d, self.mode, k_d), w_dtype)
         lhs, rhs = (d, a) if w_transposed else (a, d)
         if not self.active:
-            return dot(lhs, rhs, ((0,), (0,)), accumulate_dtype=accumulate_dtype,
-                       result_dtype=w_dtype)  # fmt: skip
+            return dot(
+                lhs, rhs, ((0,), (0,)), accumulate_dtype=accumulate_dtype, result_dtype=w_dtype
+            )
         dims, scale = ((0,), (0,)), a_scale * d_scale
         return scaled_dot(lhs, rhs, dims, scale, accumulate_dtype, w_dtype, self.split[2])
 
@@ -130,9 +141,14 @@ def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
 
 
 def fused_backward_config(
-    collective: Collective, cfg: OverlapConfig, x: jax.Array, dy: jax.Array, w: jax.Array,
-    axis_name: str, w_transposed: bool,
-) -> OverlapConfig:  # fmt: skip
+    collective: Collective,
+    cfg: OverlapConfig,
+    x: jax.Array,
+    dy: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    w_transposed: bool,
+) -> OverlapConfig:
     """The backward config of a forward of `cfg`: for a fused Hopper forward of `collective`
     (AG or RS), the other collective's fused kernel of the same method family where it runs
     dY's shape (`mosaic_gpu.fused.backward_config`), else `backward_config`'s. w_transposed:
@@ -143,8 +159,10 @@ def fused_backward_config(
         return back
     from commgemm.mosaic_gpu import fused
 
-    other = {Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
-             Collective.REDUCE_SCATTER: Collective.ALL_GATHER}[collective]  # fmt: skip
+    other = {
+        Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
+        Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
+    }[collective]
     size = lax.axis_size(axis_name)
     kernel = fused.backward_config(other, cfg, dy, w, size, w_transposed=not w_transposed)
     return back if kernel is None else kernel
@@ -185,21 +203,25 @@ def collective_matmul(
     k_dim = 1 if w_transposed else 0
     w, qw, kept = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
     quantizer = Quantizer.of(recipe)
-    return _vjp(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw,
-                recipe.dy_state, kept)  # fmt: skip
+    return _vjp(
+        collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, recipe.dy_state, kept
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _vjp(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None,
-         kept=None):  # fmt: skip
+def _vjp(
+    collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None, kept=None
+):
     """x and w are what gradients flow to; qx, qw their quantized forms (None: plain; `kept`:
     qw's values transposed, or None); dy_state's cotangent is its advanced state."""
-    return forward(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state,
-                   kept)[0]  # fmt: skip
+    return forward(
+        collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state, kept
+    )[0]
 
 
-def forward(collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None,
-            kept=None):  # fmt: skip
+def forward(
+    collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, dy_state=None, kept=None
+):
     """The forward and its residuals: the rows dW reads (the gathered ones for AG, where kept),
     x's scale, w, qw, x (plain) or a zero-row slice of it (its dtype, K and varying axes)."""
     lhs, x_scale = quantizer.lhs(x, qx)

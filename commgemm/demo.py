@@ -50,11 +50,15 @@ def tpu_configs(interpret: bool) -> list[tuple[str, cg.OverlapConfig]]:
     """The Pallas TPU kernels' rows (interpreted off a TPU)."""
     suffix = " (TPU kernel, interpreted)" if interpret else " (TPU kernel)"
     return [
-        (f"RING_EXCHANGE{suffix}", cg.OverlapConfig(method="ring_exchange", atomic_gemm=True,
-                                                     interpret=interpret)),
-        (f"PIPELINE direct{suffix}", cg.OverlapConfig(method="pipeline", atomic_gemm=True,
-                                                      interpret=interpret)),
-    ]  # fmt: skip
+        (
+            f"RING_EXCHANGE{suffix}",
+            cg.OverlapConfig(method="ring_exchange", atomic_gemm=True, interpret=interpret),
+        ),
+        (
+            f"PIPELINE direct{suffix}",
+            cg.OverlapConfig(method="pipeline", atomic_gemm=True, interpret=interpret),
+        ),
+    ]
 
 
 def _plan(devices: list) -> list[tuple[str, list, list]]:

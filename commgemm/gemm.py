@@ -129,14 +129,16 @@ def gemm(
                     "for delayed scaling pass x_spec= and w_spec="
                 )
             out_dtype = cfg.out_dtype or x.dtype.name
-            z = partitioned_gemm(x, w, mesh=mesh, out_spec=out, config=config,
-                                 scaling=recipe, out_dtype=out_dtype)  # fmt: skip
+            z = partitioned_gemm(
+                x, w, mesh=mesh, out_spec=out, config=config, scaling=recipe, out_dtype=out_dtype
+            )
             return apply_epilogue(z, bias, activation, return_pre_activation)
         implied_x, implied_w = implied_specs(cfg.collective, out, x.ndim)
         xs = xs if xs is not None else PartitionSpec(*implied_x)
         ws = ws if ws is not None else PartitionSpec(*implied_w)
-    layout = classify_on(mesh, spec_entries(xs, x.ndim, "x", names),
-                         spec_entries(ws, 2, "w", names), out)  # fmt: skip
+    layout = classify_on(
+        mesh, spec_entries(xs, x.ndim, "x", names), spec_entries(ws, 2, "w", names), out
+    )
     if layout.collective is None:
         if cfg.collective not in (None, Collective.NONE):
             raise ValueError(
@@ -217,8 +219,13 @@ def _xla_gemm(
         if recipe is not None:
             return quantized_matmul(x, w, recipe).astype(cfg.out_dtype or x.dtype)
         wide = with_dtypes(cfg, x.dtype)
-        return dot(x, w, ((x.ndim - 1,), (0,)), accumulate_dtype=wide.accumulate_dtype,
-                   result_dtype=wide.out_dtype)  # fmt: skip
+        return dot(
+            x,
+            w,
+            ((x.ndim - 1,), (0,)),
+            accumulate_dtype=wide.accumulate_dtype,
+            result_dtype=wide.out_dtype,
+        )
 
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.auto_axes(product, out_sharding=NamedSharding(mesh, out_spec))(x, w)

@@ -97,9 +97,15 @@ def dense(
         raise ValueError(f"dense with {forward.name} needs the mesh axis_name of its collective")
     op = all_gather_matmul if forward is Collective.ALL_GATHER else matmul_reduce_scatter
     return op(
-        x, kernel, axis_name, config=config, axis=sequence_axis, bias=bias, activation=activation,
+        x,
+        kernel,
+        axis_name,
+        config=config,
+        axis=sequence_axis,
+        bias=bias,
+        activation=activation,
         scaling=scaling,
-    )  # fmt: skip
+    )
 
 
 def layernorm(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -138,9 +144,24 @@ def layernorm_mlp(
       [B, S/P, H], the block's output for this shard's rows (no residual added).
     """
     h = layernorm(x, gamma, beta)
-    h = dense(h, kernels[0], biases[0], collective_op_set=collective_op_sets[0],
-              axis_name=axis_name, sequence_axis=sequence_axis, config=config,
-              activation=activation, scaling=scaling)  # fmt: skip
-    return dense(h, kernels[1], biases[1], collective_op_set=collective_op_sets[1],
-                 axis_name=axis_name, sequence_axis=sequence_axis, config=config,
-                 scaling=scaling)  # fmt: skip
+    h = dense(
+        h,
+        kernels[0],
+        biases[0],
+        collective_op_set=collective_op_sets[0],
+        axis_name=axis_name,
+        sequence_axis=sequence_axis,
+        config=config,
+        activation=activation,
+        scaling=scaling,
+    )
+    return dense(
+        h,
+        kernels[1],
+        biases[1],
+        collective_op_set=collective_op_sets[1],
+        axis_name=axis_name,
+        sequence_axis=sequence_axis,
+        config=config,
+        scaling=scaling,
+    )

@@ -118,11 +118,14 @@ def weight_operand(
     if q.mode is not recipe.mode:
         raise ValueError(f"w was quantized as {q.mode.name}, but scaling= asks {recipe.mode.name}")
     if tuple(q.data.shape) != tuple(w.value.shape):
-        raise ValueError(f"w's quantized values have shape {tuple(q.data.shape)}, its value "
-                         f"{tuple(w.value.shape)}")  # fmt: skip
+        raise ValueError(
+            f"w's quantized values have shape {tuple(q.data.shape)}, its value "
+            f"{tuple(w.value.shape)}"
+        )
     if q.mode in TENSOR_MODES and q.data.dtype.name != recipe.dtype:
-        raise ValueError(f"w was quantized to {q.data.dtype.name}, but scaling= asks "
-                         f"{recipe.dtype}")  # fmt: skip
+        raise ValueError(
+            f"w was quantized to {q.data.dtype.name}, but scaling= asks {recipe.dtype}"
+        )
     if q.mode not in TENSOR_MODES and q.axis % ndim != k_dim % ndim:
         raise ValueError(
             f"w's blocks run along its dimension {q.axis % ndim}, but the op contracts its "

@@ -107,8 +107,17 @@ def _run_prequantized(collective, fn_name, x, w, axis_name, config, axis, w_tran
     stand_in = jax.ShapeDtypeStruct(data2d.shape, out_dtype)  # what the plan checks shapes by
     w_stand_in = jax.ShapeDtypeStruct(w.data.shape, out_dtype)
     recipe = ScalingRecipe(x.mode)  # the defaults, which scaled.prequantized_matmul runs
-    plan = make_plan(stand_in, w_stand_in, axis_name, config, collective, rows=data2d.shape[0],
-                     w_transposed=w_transposed, op=fn_name, recipe=recipe)  # fmt: skip
+    plan = make_plan(
+        stand_in,
+        w_stand_in,
+        axis_name,
+        config,
+        collective,
+        rows=data2d.shape[0],
+        w_transposed=w_transposed,
+        op=fn_name,
+        recipe=recipe,
+    )
     out = prequantized_matmul(collective, x2d, w, axis_name, plan.config, w_transposed)
     if collective is Collective.ALL_GATHER and scales_may_differ(x, axis_name):
         out = rescaled_by_source(out, tensor_scale(x), axis_name)
@@ -350,19 +359,26 @@ def matmul_2d(
         block = jax.ShapeDtypeStruct((x.shape[1], width), x.dtype)  # a chunk's K block of W
         # the TPU kernels reduce over k_axis by their GEMM + RS, then gather: planned as RS
         reduce = Collective.REDUCE_SCATTER if cfg.atomic_gemm else Collective.ALL_REDUCE
-        plan = make_plan(x, block, k_axis, chunk, reduce, rows=x.shape[0], w_transposed=False,
-                         op="matmul_2d", recipe=recipe)  # fmt: skip
+        plan = make_plan(
+            x,
+            block,
+            k_axis,
+            chunk,
+            reduce,
+            rows=x.shape[0],
+            w_transposed=False,
+            op="matmul_2d",
+            recipe=recipe,
+        )
         z = scaled_2d.matmul_2d(x, w, row_axis, k_axis, plan.config, splits, recipe)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     if cfg.method is Method.RING_EXCHANGE:
         z = matmul_all_reduce(x, local_k_block(w), k_axis, config=cfg)
         return apply_epilogue(z, bias, activation, return_pre_activation)
     outs = [
-        matmul_all_reduce(
-            x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base
-        )
+        matmul_all_reduce(x, local_k_block(w[:, c * width : (c + 1) * width]), k_axis, config=base)
         for c in range(splits)
-    ]  # fmt: skip
+    ]
     z = jnp.concatenate(outs, axis=1)
     return apply_epilogue(z, bias, activation, return_pre_activation)
 

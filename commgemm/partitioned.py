@@ -287,13 +287,13 @@ def partitioned_gemm(
             "(the shard_map path, which vmap batches)"
         )
     if 0 in (*x.shape, w.shape[1]):  # nothing to partition: the empty product, or zeros
-        out = _plain(x, w, _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype,
-                                 x.dtype.name))  # fmt: skip
+        out = _plain(x, w, _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype, x.dtype.name))
         return lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(*out_spec)))
     call = _Call(x.ndim, tuple(out_spec), config, scaling, out_dtype, x.dtype.name)
     out = _gemm(x, w, call)
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                if t == AxisType.Explicit}  # fmt: skip
+    explicit = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    }
     if explicit:  # a mixed mesh: the types carry the Explicit axes, the constraint the Auto ones
         auto_spec = [None if e in explicit else e for e in out_spec]
         typed = PartitionSpec(*[e if e in explicit else None for e in out_spec])

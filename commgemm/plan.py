@@ -79,8 +79,9 @@ def _check_fused(
 def _check_fused_scaling(op: str, cfg: OverlapConfig, recipe: ScalingRecipe) -> None:
     """A fused config asked for explicitly must take the quantized operands."""
     if cfg.atomic_gemm and (why := fused_backend(cfg).scaling_reason(cfg, recipe)):
-        raise ValueError(f"{op} with {recipe.mode.name} and atomic_gemm=True: {why}; use "
-                         "atomic_gemm=False")  # fmt: skip
+        raise ValueError(
+            f"{op} with {recipe.mode.name} and atomic_gemm=True: {why}; use atomic_gemm=False"
+        )
 
 
 def _quantized_config(

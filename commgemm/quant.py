@@ -57,8 +57,9 @@ class ScaledTensor:
     data: jax.Array
     scale_inv: jax.Array
     global_scale_inv: jax.Array | None = None
-    mode: ScalingMode = dataclasses.field(default=ScalingMode.CURRENT_TENSOR_SCALING,
-                                          metadata=dict(static=True))  # fmt: skip
+    mode: ScalingMode = dataclasses.field(
+        default=ScalingMode.CURRENT_TENSOR_SCALING, metadata=dict(static=True)
+    )
     axis: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
 
@@ -215,8 +216,9 @@ def quantize(
     # inside a fused loop, and values one bit apart round apart at a format's midpoints
     ok = (tensor_amax > 0) & jnp.isfinite(tensor_amax)
     top = _max(FP4) * _max(jnp.float8_e4m3fn)
-    global_scale_inv = jnp.where(ok, jnp.maximum(tensor_amax * (1.0 / top), 1.0 / MAX_SCALE),
-                                 1.0 / _max(jnp.float8_e4m3fn))  # fmt: skip
+    global_scale_inv = jnp.where(
+        ok, jnp.maximum(tensor_amax * (1.0 / top), 1.0 / MAX_SCALE), 1.0 / _max(jnp.float8_e4m3fn)
+    )
     to_block_scale = 1.0 / (_max(FP4) * global_scale_inv)
     block_scale = (block_amax * to_block_scale).astype(jnp.float8_e4m3fn)
     # float4_e2m1fn holds no NaN or inf: a block with a non-finite element gets a NaN block

@@ -87,8 +87,9 @@ def _k_block(t: ScaledTensor, row_axis: str, k_axis: str, k_block: int) -> Scale
     scales = t.scale_inv
     if t.mode not in TENSOR_MODES:  # [n, K/X/block] -> [n, K/block] -> [n, k_block/block]
         block = BLOCK[t.mode]
-        raw = lax.all_gather(lax.bitcast_convert_type(scales, jnp.uint8), row_axis, axis=1,
-                             tiled=True)  # fmt: skip
+        raw = lax.all_gather(
+            lax.bitcast_convert_type(scales, jnp.uint8), row_axis, axis=1, tiled=True
+        )
         raw = lax.dynamic_slice_in_dim(raw, index // block, k_block // block, axis=1)
         scales = lax.bitcast_convert_type(raw, scales.dtype)
     return dataclasses.replace(t, data=values, scale_inv=scales)
@@ -146,8 +147,13 @@ def _backward_2d(row_axis, k_axis, cfg, splits, quantizer, residuals, dy):
     whole = varying_like(jnp.zeros((like_w.shape[0] * lax.axis_size(row_axis), n), dw.dtype), dw)
     whole = lax.dynamic_update_slice_in_dim(whole, dw, lax.axis_index(k_axis) * k_block, axis=0)
     dw = lax.psum_scatter(whole, row_axis, scatter_dimension=0, tiled=True)
-    return (like_primal(dx.astype(like_x.dtype), like_x), like_primal(dw, like_w), None, None,
-            new_state)  # fmt: skip
+    return (
+        like_primal(dx.astype(like_x.dtype), like_x),
+        like_primal(dw, like_w),
+        None,
+        None,
+        new_state,
+    )
 
 
 _scaled_2d.defvjp(_forward_2d, _backward_2d)

@@ -233,8 +233,10 @@ def overlap_report(
     if scaling is not None:
         scaling = ScalingMode(scaling)
         if scaling in (ScalingMode.NO_SCALING, ScalingMode.DELAYED_TENSOR_SCALING):
-            raise ValueError(f"scaling={scaling.name}: the report takes a stateless mode "
-                             "(current tensor scaling, MXFP8, NVFP4)")  # fmt: skip
+            raise ValueError(
+                f"scaling={scaling.name}: the report takes a stateless mode "
+                "(current tensor scaling, MXFP8, NVFP4)"
+            )
     x, w = problem.operands()
     reference = problem.overlapped(OverlapConfig(), scaling=scaling)(x, w)
     timed: dict[str, tuple[Callable, tuple]] = {

@@ -140,8 +140,9 @@ class Problem:
             return None
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-        tiles = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                                grid_tile_width=8)  # fmt: skip
+        tiles = hm.TuningConfig(
+            tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8
+        )
         spec = P(tuple(self.mesh.axis_names))
         fn = self._local(lambda a, b: hm.matmul(a[0], b[0], None, tiles)[None], (spec, spec), spec)
         p = self.size

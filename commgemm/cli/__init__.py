@@ -37,8 +37,9 @@ def _demo(args: argparse.Namespace) -> int:
     )
     lead = env["process_index"] == 0
     with steps(console, "demo", lead=lead) as step:
-        rows = run_demo(m=args.size, k=args.size, n=args.size, iters=args.iters,
-                        dtype=args.dtype, progress=step)  # fmt: skip
+        rows = run_demo(
+            m=args.size, k=args.size, n=args.size, iters=args.iters, dtype=args.dtype, progress=step
+        )
     table = Table("op", "method", "max |error|", "tolerance", "median ms", "check")
     for r in rows:
         table.add_row(
@@ -116,9 +117,17 @@ def _tune(args: argparse.Namespace) -> int:
     lead = jax.process_index() == 0  # every process measures; process 0 reports
     console = Console(quiet=not lead)
     with steps(console, f"tune {args.op}", lead=lead) as step:
-        result = tune(args.op, shape, dtype=args.dtype, methods=methods, iters=args.iters,
-                      periods=args.periods, label=spec_of, progress=step,
-                      scaling=args.scaling)  # fmt: skip
+        result = tune(
+            args.op,
+            shape,
+            dtype=args.dtype,
+            methods=methods,
+            iters=args.iters,
+            periods=args.periods,
+            label=spec_of,
+            progress=step,
+            scaling=args.scaling,
+        )
     table = Table("method", f"median ms ({result.timing})", "vs_bound", title=result.key)
     for cfg, t in sorted(result.times_ms.items(), key=lambda kv: kv[1]):
         table.add_row(spec_of(cfg), f"{t:.3f}", f"{result.vs_bound[cfg]:.2f}")

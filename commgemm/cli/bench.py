@@ -123,8 +123,14 @@ def run(args: argparse.Namespace) -> int:
         f"{env['device_kind']}: best gemm {report.t_gemm_ms:.3f} ms "
         f"(XLA's {report.t_gemm_xla_ms:.3f}), comm {report.t_comm_ms:.3f} ms"
     )
-    columns = ["method", "median ms", "vs_bound", "vs_bound (XLA gemm)", "hidden",
-               "max |err| vs serial"]  # fmt: skip
+    columns = [
+        "method",
+        "median ms",
+        "vs_bound",
+        "vs_bound (XLA gemm)",
+        "hidden",
+        "max |err| vs serial",
+    ]
     if report.span_gemm_ms is not None:
         columns += ["span ms", "vs_bound (spans)"]
     if report.period_bound_ms is not None:
@@ -133,8 +139,14 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col)
     for r in report.rows:
         err = "" if r.max_error is None else f"{r.max_error:.2e}"
-        cells = [r.name, f"{r.t_ms:.3f}", f"{r.vs_bound:.2f}", f"{r.vs_bound_xla:.2f}",
-                 f"{r.hidden:.2f}", err]  # fmt: skip
+        cells = [
+            r.name,
+            f"{r.t_ms:.3f}",
+            f"{r.vs_bound:.2f}",
+            f"{r.vs_bound_xla:.2f}",
+            f"{r.hidden:.2f}",
+            err,
+        ]
         if r.span_ms is not None:
             cells += [f"{r.span_ms:.3f}", f"{r.vs_bound_span:.2f}"]
         if r.period_ms is not None:
@@ -169,8 +181,10 @@ def noise_line(noise: tuple[str, float], what: str) -> str:
     """The note on device periods' noise (`OverlapReport.period_noise`): `what` (rows,
     candidates) closer than the widest spread of rounds are not told apart by the run."""
     name, spread = noise
-    return (f"device periods: rounds spread up to {spread:.1%} ({name}); {what} closer than "
-            "that are not told apart by this run")  # fmt: skip
+    return (
+        f"device periods: rounds spread up to {spread:.1%} ({name}); {what} closer than "
+        "that are not told apart by this run"
+    )
 
 
 def plot_vs_bound(report, path: pathlib.Path) -> None:

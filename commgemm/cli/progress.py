@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def steps(console, command: str, *, total: int | None = None,
-          lead: bool = True) -> Iterator[Callable[[str], None]]:  # fmt: skip
+def steps(
+    console, command: str, *, total: int | None = None, lead: bool = True
+) -> Iterator[Callable[[str], None]]:
     """A `step(name)` callback for `command`'s steps: advances a transient bar when stderr
     is a terminal, else prints `command: name` to stderr; only on the lead process."""
     from rich.progress import Progress

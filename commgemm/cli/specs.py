@@ -132,8 +132,9 @@ def parse_method(spec: str, op: str | None = None) -> OverlapConfig:
     if name not in table:
         raise ValueError(f"unknown method {spec!r}; use one of {sorted(table)} with an optional :N")
     try:
-        return OverlapConfig(num_splits=num_splits, chain_gemms=chain,
-                             local_gemm=local_gemm, **table[name])  # fmt: skip
+        return OverlapConfig(
+            num_splits=num_splits, chain_gemms=chain, local_gemm=local_gemm, **table[name]
+        )
     except ValueError as err:
         raise ValueError(f"method {full!r}: {err}") from None
 

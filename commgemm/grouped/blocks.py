@@ -66,8 +66,11 @@ def merged_matmul(
     (payload [P, r, K]), regrouped the same way for `block_matmul`."""
     count, r = blocks.shape[0], blocks.shape[1]
     dest, sizes = merged_rows(block_sizes, r)
-    source = jnp.zeros_like(dest).at[dest].set(jnp.arange(count * r, dtype=jnp.int32),
-                                                unique_indices=True)  # fmt: skip
+    source = (
+        jnp.zeros_like(dest)
+        .at[dest]
+        .set(jnp.arange(count * r, dtype=jnp.int32), unique_indices=True)
+    )
     flat = permuted(blocks.reshape(count * r, -1), source, dest)
     if rows is not None:  # no gradient: a gather is enough
         payload = rows.payload.reshape(count * r, -1)[source]
@@ -122,8 +125,9 @@ def block_matmul(
     if float8_block_reason(rows, experts, out_dtype) is not None:
         return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
     how = Float8Block(jnp.dtype(out_dtype).name, experts.split, experts.grad_dtype)
-    out, tag = _float8_block(values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn,
-                             experts.scale_inv, how)  # fmt: skip
+    out, tag = _float8_block(
+        values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn, experts.scale_inv, how
+    )
     experts.tags.append(tag)
     return out
 
@@ -138,8 +142,9 @@ def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dt
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
     (m, k), n = rows.payload.shape, experts.nk.shape[1]
-    return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True,
-                                       split=experts.split[0])  # fmt: skip
+    return grouped_kernel.shape_reason(
+        GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True, split=experts.split[0]
+    )
 
 
 class Float8Block(NamedTuple):
@@ -157,8 +162,9 @@ def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how)
     values and w only carry the gradient."""
     from commgemm.mosaic_gpu import grouped as hopper
 
-    out = hopper.float8_matmul(payload_rows, x_scale, nk, w_scale, sizes, how.out_dtype,
-                               split=how.split[0])  # fmt: skip
+    out = hopper.float8_matmul(
+        payload_rows, x_scale, nk, w_scale, sizes, how.out_dtype, split=how.split[0]
+    )
     out = varying_like(out, values, w)
     return out, varying_like(jnp.zeros((), jnp.float32), out)
 

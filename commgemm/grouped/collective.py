@@ -192,8 +192,13 @@ def _grouped_reduce_scatter(
 
     def partial(lo: int | jax.Array, count: int) -> jax.Array:
         block = lax.dynamic_slice_in_dim(x, lo, count, axis=0)
-        quantized = None if rows is None else dataclasses.replace(
-            rows, payload=lax.dynamic_slice_in_dim(rows.payload, lo, count, axis=0))  # fmt: skip
+        quantized = (
+            None
+            if rows is None
+            else dataclasses.replace(
+                rows, payload=lax.dynamic_slice_in_dim(rows.payload, lo, count, axis=0)
+            )
+        )
         sizes = sizes_in_rows(group_sizes, lo, lo + count)
         return block_matmul(block, w, sizes, quantized, experts, travel)
 

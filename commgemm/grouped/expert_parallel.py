@@ -134,8 +134,11 @@ def _dispatch_grouped(
         parts = zip(blocks, arrived, counts, strict=True)
         by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
     else:  # every block has arrived: one GEMM over them, regrouped
-        stacked = None if rows is None else dataclasses.replace(
-            rows, payload=jnp.stack([q.payload for q in arrived]))  # fmt: skip
+        stacked = (
+            None
+            if rows is None
+            else dataclasses.replace(rows, payload=jnp.stack([q.payload for q in arrived]))
+        )
         by_step_y = merged_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
     # order by source shard: source s arrived at step (me - s) mod P
     step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))

@@ -19,8 +19,10 @@ def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
     if w.ndim != 3:
         raise ValueError(f"w must be [groups, K, N], got shape {w.shape}")
     if x.shape[1] != w.shape[1]:
-        raise ValueError(f"contracting dimensions differ: x {x.shape} has K={x.shape[1]}, "
-                         f"w {w.shape} has K={w.shape[1]}")  # fmt: skip
+        raise ValueError(
+            f"contracting dimensions differ: x {x.shape} has K={x.shape[1]}, "
+            f"w {w.shape} has K={w.shape[1]}"
+        )
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(
             f"group_sizes must have shape ({w.shape[0]},) (one count per group of w), got "
@@ -33,8 +35,9 @@ def check_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
         if (counts < 0).any():
             raise ValueError(f"group_sizes must be >= 0, got {counts.tolist()}")
         if counts.sum() > x.shape[0]:
-            raise ValueError(f"group_sizes sum to {int(counts.sum())}, more than x's "
-                             f"{x.shape[0]} rows")  # fmt: skip
+            raise ValueError(
+                f"group_sizes sum to {int(counts.sum())}, more than x's {x.shape[0]} rows"
+            )
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} has dtype {a.dtype}; grouped GEMMs need floating operands")
@@ -56,11 +59,15 @@ def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arr
     if not (isinstance(x, ScaledTensor) and isinstance(w, ScaledTensor)):
         raise TypeError("grouped_matmul: quantize both x and w (cg.quantize), or pass scaling=")
     if x.data.ndim != 2 or x.axis % 2 != 1:
-        raise ValueError(f"x must be [rows, K] quantized along K (axis -1), got "
-                         f"{x.data.shape} along axis {x.axis}")  # fmt: skip
+        raise ValueError(
+            f"x must be [rows, K] quantized along K (axis -1), got "
+            f"{x.data.shape} along axis {x.axis}"
+        )
     if w.data.ndim != 3 or w.axis % 3 not in (1, 2):
-        raise ValueError(f"w must be [G, K, N] quantized along axis 1 or [G, N, K] along axis 2, "
-                         f"got {w.data.shape} along axis {w.axis}")  # fmt: skip
+        raise ValueError(
+            f"w must be [G, K, N] quantized along axis 1 or [G, N, K] along axis 2, "
+            f"got {w.data.shape} along axis {w.axis}"
+        )
     w_nk = w.axis % 3 == 2
     g, *kn = w.data.shape
     as_kn = jax.ShapeDtypeStruct((g, *(kn[::-1] if w_nk else kn)), jnp.float32)
@@ -141,8 +148,10 @@ def grouped_matmul(
 
     if isinstance(x, ScaledTensor) or isinstance(w, ScaledTensor):
         if bias is not None or scaling is not None or hopper_tiles is not None:
-            raise ValueError("grouped_matmul on ScaledTensor operands takes no bias, scaling or "
-                             "hopper_tiles (apply a bias to the result)")  # fmt: skip
+            raise ValueError(
+                "grouped_matmul on ScaledTensor operands takes no bias, scaling or "
+                "hopper_tiles (apply a bias to the result)"
+            )
         return prequantized_matmul(x, w, group_sizes, out_dtype)
     check_grouped(x, w, group_sizes)
     check_weight_scaling("grouped_matmul", w, scaling)
@@ -158,8 +167,9 @@ def grouped_matmul(
         from commgemm.grouped.scaling import quantized_operands, with_quantized_cotangent
 
         x, w, recipe, _, _ = quantized_operands(x, w, scaling)
-        out = grouped_matmul(x, w, group_sizes, bias=bias, out_dtype=out_dtype,
-                             hopper_tiles=hopper_tiles)  # fmt: skip
+        out = grouped_matmul(
+            x, w, group_sizes, bias=bias, out_dtype=out_dtype, hopper_tiles=hopper_tiles
+        )
         return with_quantized_cotangent(out, recipe)
     out_dtype = floating_dtype_name(out_dtype or x.dtype.name, "out_dtype")
     acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 for float64 operands

@@ -207,5 +207,4 @@ def with_quantized_cotangent(
     if recipe is None:
         return y
     link = None if experts is None else experts.link()
-    return _quantized_cotangent(y, link, recipe.dy_state, recipe.mode, recipe.grad_dtype,
-                                axis_name)  # fmt: skip
+    return _quantized_cotangent(y, link, recipe.dy_state, recipe.mode, recipe.grad_dtype, axis_name)

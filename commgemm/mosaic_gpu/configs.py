@@ -48,11 +48,13 @@ def _check_pingpong_tile(family: str, tiles) -> None:
     if tiles.stages < 2:
         raise ValueError(f"{family}.stages={tiles.stages} must be >= 2")
     if tiles.tile_m % WGMMA_M:
-        raise ValueError(f"{family}.tile_m={tiles.tile_m} must be whole {WGMMA_M}s (a "
-                         "warpgroup's wgmma rows)")  # fmt: skip
+        raise ValueError(
+            f"{family}.tile_m={tiles.tile_m} must be whole {WGMMA_M}s (a warpgroup's wgmma rows)"
+        )
     if tiles.tile_n % 8 or tiles.tile_n > WGMMA_N:
-        raise ValueError(f"{family}.tile_n={tiles.tile_n} must be whole 8s up to {WGMMA_N} "
-                         "(wgmma's columns)")  # fmt: skip
+        raise ValueError(
+            f"{family}.tile_n={tiles.tile_n} must be whole 8s up to {WGMMA_N} (wgmma's columns)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +218,10 @@ class GroupedConfig(_Tiling):
 
     def __post_init__(self) -> None:
         if self.wg_along_m is not True:
-            raise ValueError("GroupedConfig.wg_along_m must be True: each compute warpgroup "
-                             "masks the rows of x it multiplies")  # fmt: skip
+            raise ValueError(
+                "GroupedConfig.wg_along_m must be True: each compute warpgroup "
+                "masks the rows of x it multiplies"
+            )
         super().__post_init__()
 
 

@@ -157,8 +157,10 @@ def all_gather_matmul(
         wg = lax.axis_index("wg")
         # the peers this device sends to, in the order of their inbox slots for its own rows
         # (a ring: the next device only)
-        peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
-                 for j in range(min(size - 1, 1) if ring else size - 1)]  # fmt: skip
+        peers = [
+            mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
+            for j in range(min(size - 1, 1) if ring else size - 1)
+        ]
 
         def destinations(step):
             """(peer, inbox slot) pairs that the rows multiplied at `step` are sent to."""
@@ -221,8 +223,9 @@ def all_gather_matmul(
 
             def mma_body(idxs, a_smem, b_smem, acc):
                 rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                acc = mt.accumulate(tiling, acc, a_smem.at[at.wg_m], rhs,
-                                    split=split_accumulator, in_flight=None)  # fmt: skip
+                acc = mt.accumulate(
+                    tiling, acc, a_smem.at[at.wg_m], rhs, split=split_accumulator, in_flight=None
+                )
                 if sender is not None:
                     send_block(idxs, a_smem)
                 if not split_accumulator:
@@ -284,8 +287,11 @@ def all_gather_matmul(
         if main_units:
             walk(tiles, main_units, lambda i: (i, None))
         if tail:  # a new scope: every warpgroup has left the main loop's shared memory
-            walk(mt.narrowed(tiles), 2 * tail,
-                 lambda i: (main_units + i // 2, lax.rem(i, jnp.int32(2))))  # fmt: skip
+            walk(
+                mt.narrowed(tiles),
+                2 * tail,
+                lambda i: (main_units + i // 2, lax.rem(i, jnp.int32(2))),
+            )
 
     with jax.named_scope("fused_ag_gemm_push"):
         out, inbox = plgpu.kernel(

@@ -91,8 +91,15 @@ def matmul_reduce_scatter(
             f"{ctas} CTAs"
         )
     waves, ahead, late_zero, first_tiles, late_iters = zero_plan(
-        tiles.zero_ahead, ctas, main_units, size, per_block, tail_tiles,
-        zero_bands_per_tile(tiles, ZERO_ROWS), sms)  # fmt: skip
+        tiles.zero_ahead,
+        ctas,
+        main_units,
+        size,
+        per_block,
+        tail_tiles,
+        zero_bands_per_tile(tiles, ZERO_ROWS),
+        sms,
+    )
     num_slots = mt.epilogue_slots(tiles)
     adds_per_device = 2 * sms  # each compute warpgroup of each CTA signals once
     # one device adds nothing: its tiles are stored, not reduce-added into zeroed outputs
@@ -102,8 +109,17 @@ def matmul_reduce_scatter(
     release = 0 if tiles.chain_tiles else 1
 
     def get_pipeline(steps, body, compute_context, state=None, k_first=0):
-        return mt.tile_pipeline(tiles, dtype, steps, body, compute_context, release=release,
-                                state=state, w_nk=w_nk, k_first=k_first)  # fmt: skip
+        return mt.tile_pipeline(
+            tiles,
+            dtype,
+            steps,
+            body,
+            compute_context,
+            release=release,
+            state=state,
+            w_nk=w_nk,
+            k_first=k_first,
+        )
 
     def body(x_ref, w_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
@@ -115,8 +131,9 @@ def matmul_reduce_scatter(
         in_cluster = lax.axis_index("cluster")
         cta = lax.axis_index("cluster_grid") * cluster + in_cluster
         # peers[0] is here
-        peers = [mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size)))
-                 for offset in range(size)]  # fmt: skip
+        peers = [
+            mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size))) for offset in range(size)
+        ]
 
         signal_every_device = functools.partial(signal_devices, peers=peers)
 
@@ -241,9 +258,15 @@ def matmul_reduce_scatter(
 
                 def mma_body(idxs, a_smem, b_smem, acc):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    return mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
-                                         split=split_accumulator, in_flight=release,
-                                         last=idxs[0] == k_steps - 1)  # fmt: skip
+                    return mt.accumulate(
+                        tiles,
+                        acc,
+                        a_smem.at[at.wg_m],
+                        rhs,
+                        split=split_accumulator,
+                        in_flight=release,
+                        last=idxs[0] == k_steps - 1,
+                    )
 
                 get_pipeline(k_steps, mma_body, compute_context, state, k_first)(
                     x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m)],
@@ -275,8 +298,9 @@ def matmul_reduce_scatter(
 
             if tail_tiles and splits == STREAMED:
                 share = stream_share(tail_tiles, k_iters, ctas)
-                pieces = stream_pieces(lax.axis_index("cluster_grid"), share, per_block,
-                                       tail_tiles, k_iters)  # fmt: skip
+                pieces = stream_pieces(
+                    lax.axis_index("cluster_grid"), share, per_block, tail_tiles, k_iters
+                )
                 for i, (tile, k_first, k_steps) in enumerate(pieces):
                     # on one device the first piece awaits the tail's zeroing
                     first = None if reduce or i else True

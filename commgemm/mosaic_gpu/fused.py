@@ -180,8 +180,11 @@ def _call_reason(collective, x, w, size, config, *, w_transposed: bool) -> str |
             family = type(tiles).__name__
             return f"K={k} must be whole {FLOAT8_TILE_K}s for {family} (its float8 steps)"
     else:
-        for what, value, by in (("rows per device", m, tiles.cluster_m), ("N", n, tiles.cluster_n),
-                                ("K", k, tiles.tile_k)):  # fmt: skip
+        for what, value, by in (
+            ("rows per device", m, tiles.cluster_m),
+            ("N", n, tiles.cluster_n),
+            ("K", k, tiles.tile_k),
+        ):
             if value % by:
                 return f"{what}={value} must be divisible by the tile {by}"
     if chain_tiles and (k // tiles.tile_k) % tiles.stages:
@@ -288,9 +291,18 @@ def _float8_call(collective: Collective, x, w, axis_name, config, w_transposed: 
     tiles = kernel_config(collective, config)
     k = x.shape[1]
     tiles = split_tiling(tiles, k) if split else float8_tiling(tiles, k)
-    return _run(collective, config.replace(kernel=tiles), x, data, axis_name, w_nk=True,
-                out_dtype=w.dtype, scale=scale, split_accumulator=split,
-                **(options or {}))  # fmt: skip
+    return _run(
+        collective,
+        config.replace(kernel=tiles),
+        x,
+        data,
+        axis_name,
+        w_nk=True,
+        out_dtype=w.dtype,
+        scale=scale,
+        split_accumulator=split,
+        **(options or {}),
+    )
 
 
 def _run(collective: Collective, config: OverlapConfig, x, w, axis_name, **options):

@@ -47,8 +47,9 @@ def tiling(n: int, *, float8: bool) -> DirectAGConfig:
     n is whole 192s but not 256s)."""
     tiles = FLOAT8_TILES if float8 else TILES
     if n % tiles.cta_n and n % COLUMNS_192 == 0:
-        tiles = dataclasses.replace(tiles, wg_along_m=True, tile_m=64, tile_n=COLUMNS_192,
-                                    narrow_tail=False)  # fmt: skip
+        tiles = dataclasses.replace(
+            tiles, wg_along_m=True, tile_m=64, tile_n=COLUMNS_192, narrow_tail=False
+        )
     return tiles
 
 

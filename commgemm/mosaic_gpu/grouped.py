@@ -56,8 +56,13 @@ class GroupedTiles:
 
     def kernel_kwargs(self) -> dict:
         """The tiling as jax's ragged-dot kernels take it."""
-        return dict(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
-                    max_concurrent_steps=self.stages, grid_block_n=self.grid_block_n)  # fmt: skip
+        return dict(
+            block_m=self.block_m,
+            block_n=self.block_n,
+            block_k=self.block_k,
+            max_concurrent_steps=self.stages,
+            grid_block_n=self.grid_block_n,
+        )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -216,8 +221,9 @@ class Float8Plan:
 
     @staticmethod
     def of(recipe, tiles: GroupedConfig | None = None) -> Float8Plan:
-        return Float8Plan(recipe.dtype, recipe.grad_dtype, tuple(recipe.split_accumulator[:2]),
-                          tiles)  # fmt: skip
+        return Float8Plan(
+            recipe.dtype, recipe.grad_dtype, tuple(recipe.split_accumulator[:2]), tiles
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -252,8 +258,16 @@ def _float8_forward(x, w, sizes, qw, nk, states, plan: Float8Plan):
     else:
         qx = quantize(x, ScalingMode.DELAYED_TENSOR_SCALING, dtype=plan.dtype, state=x_state)[0]
     w_nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
-    out = float8_matmul(qx.data, qx.scale_inv, w_nk, qw.scale_inv, sizes, x.dtype,
-                        split=plan.split[0], tiles=plan.tiles)  # fmt: skip
+    out = float8_matmul(
+        qx.data,
+        qx.scale_inv,
+        w_nk,
+        qw.scale_inv,
+        sizes,
+        x.dtype,
+        split=plan.split[0],
+        tiles=plan.tiles,
+    )
     return varying_like(out, x, w), (qx, qw, sizes, dy_state)
 
 
@@ -278,8 +292,17 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
 float8_ragged_dot.defvjp(_float8_forward, _float8_bwd)
 
 
-def float8_matmul(a, a_scale_inv, b_nk, b_scale_inv, sizes, out_dtype, *, split: bool = False,
-                  tiles: GroupedConfig | None = None) -> jax.Array:  # fmt: skip
+def float8_matmul(
+    a,
+    a_scale_inv,
+    b_nk,
+    b_scale_inv,
+    sizes,
+    out_dtype,
+    *,
+    split: bool = False,
+    tiles: GroupedConfig | None = None,
+) -> jax.Array:
     """Rows of a [M, K] (float8, sorted by group) times their group's b_nk[g]^T ([G, N, K],
     float8, K-major) on one of commgemm's grouped kernels, the two tensor scales (`*_scale_inv`,
     the factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit): the
@@ -305,8 +328,12 @@ def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
     as quantized along K, K-major for this contraction over N) -> [M, K] in `out_dtype`
     (16-bit); None where the kernel does not take the shape (the caller emulates)."""
     (m, n), k = qdy.data.shape, w_kn.shape[1]
-    if grouped_kernel.shape_reason(GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True,
-                                   split=split) is not None:  # fmt: skip
+    if (
+        grouped_kernel.shape_reason(
+            GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True, split=split
+        )
+        is not None
+    ):
         return None
     return float8_matmul(qdy.data, qdy.scale_inv, w_kn, w_scale_inv, sizes, out_dtype, split=split)
 

@@ -246,15 +246,17 @@ def grouped_matmul(
     if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or not same:
         layout = "[G, N, K]" if w_nk else "[G, K, N]"
         kind = "a float8 dtype" if float8 else f"dtype {dtype}"
-        raise ValueError(f"grouped kernel: w {w.dtype}{list(w.shape)} must be {layout} with "
-                         f"x's K={k} and {kind}")  # fmt: skip
+        raise ValueError(
+            f"grouped kernel: w {w.dtype}{list(w.shape)} must be {layout} with x's K={k} and {kind}"
+        )
     if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
         raise ValueError(
             f"grouped kernel: sizes {sizes.shape} must hold one count per group of w "
             f"{list(w.shape)}, at least one"
         )
-    if (reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk,
-                               split=split_accumulator)) is not None:  # fmt: skip
+    if (
+        reason := shape_reason(tiles, m, k, n, dtype, w_nk=w_nk, split=split_accumulator)
+    ) is not None:
         raise ValueError(f"grouped kernel: {reason}")
     m_iters, n_iters, k_iters = m // tiles.cta_m, n // tiles.cta_n, k // tiles.tile_k
     transforms = mt.smem_transforms(dtype, tiles.tile_k)
@@ -390,8 +392,11 @@ def grouped_matmul(
         if units > tail:
             walk(tiles, units - tail, lambda i: (i, None))
         if tail:  # a new scope: every warpgroup has left the main loop's shared memory
-            walk(mt.narrowed(tiles), 2 * tail,
-                 lambda i: (units - tail + i // 2, lax.rem(i, jnp.int32(2))))  # fmt: skip
+            walk(
+                mt.narrowed(tiles),
+                2 * tail,
+                lambda i: (units - tail + i // 2, lax.rem(i, jnp.int32(2))),
+            )
 
     plan = schedule(sizes, tiles, m, n, sms)
     # traced in 32-bit mode: under jax_enable_x64 the pipeline's loop over a grid known only at

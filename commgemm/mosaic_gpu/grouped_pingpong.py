@@ -134,8 +134,10 @@ def shape_reason(
     if n % tiles.tile_n or k % tiles.tile_k:
         return f"N={n} and K={k} must be whole {tiles.tile_n} x {tiles.tile_k} tiles"
     if not w_nk and (tiles.tile_n * dtype.itemsize) % SWIZZLE:
-        return (f"w [G, K, N] is loaded in rows of tile_n={tiles.tile_n} elements, which must "
-                f"be whole {SWIZZLE}-byte swizzles")  # fmt: skip
+        return (
+            f"w [G, K, N] is loaded in rows of tile_n={tiles.tile_n} elements, which must "
+            f"be whole {SWIZZLE}-byte swizzles"
+        )
     return None
 
 
@@ -167,19 +169,25 @@ def grouped_matmul(
     same = w.dtype == x.dtype or (float8 and w.dtype in FLOAT8)
     if w.ndim != 3 or w.shape[2 if w_nk else 1] != k or not same:
         kind = "a float8 dtype" if float8 else f"dtype {x.dtype}"
-        raise ValueError(f"ping-pong grouped kernel: w {w.dtype}{list(w.shape)} must be "
-                         f"{layout} with x's K={k} and {kind}")  # fmt: skip
+        raise ValueError(
+            f"ping-pong grouped kernel: w {w.dtype}{list(w.shape)} must be "
+            f"{layout} with x's K={k} and {kind}"
+        )
     if sizes.shape != (w.shape[0],) or w.shape[0] < 1:
-        raise ValueError(f"ping-pong grouped kernel: sizes {sizes.shape} must hold one count "
-                         f"per group of w {list(w.shape)}, at least one")  # fmt: skip
+        raise ValueError(
+            f"ping-pong grouped kernel: sizes {sizes.shape} must hold one count "
+            f"per group of w {list(w.shape)}, at least one"
+        )
     if (reason := shape_reason(tiles, m, k, n, x.dtype, w_nk=w_nk)) is not None:
         raise ValueError(f"ping-pong grouped kernel: {reason}")
     out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if float8 else x.dtype))
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     stages = ring_stages(tiles, x.dtype, out_dtype)
     if stages < 2:
-        raise ValueError(f"ping-pong grouped kernel: {tiles} with a {out_dtype.name} result "
-                         f"leaves shared memory for {stages} stages, needs 2")  # fmt: skip
+        raise ValueError(
+            f"ping-pong grouped kernel: {tiles} with a {out_dtype.name} result "
+            f"leaves shared memory for {stages} stages, needs 2"
+        )
     n_iters, k_iters, sms = n // tn, k // tk, mt.num_sms()
     transforms = mt.smem_transforms(x.dtype, tk)  # w's dtype is as wide (float8: 1 byte)
     w_block = (tn, tk) if w_nk else (tk, tn)

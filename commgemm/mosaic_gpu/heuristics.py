@@ -46,8 +46,9 @@ def pingpong_tiles(
     if k % FLOAT8_TILE_K:  # as the fused ops' check: float8's K-steps must fit
         return None
     steps = dataclasses.replace(tiles, tile_k=FLOAT8_TILE_K) if _float8(dtype) else tiles
-    reason = pingpong_rs.shape_reason(steps, rows, k, n, dtype, w_nk=w_nk,
-                                                out_dtype=out_dtype, partial_rows=True)  # fmt: skip
+    reason = pingpong_rs.shape_reason(
+        steps, rows, k, n, dtype, w_nk=w_nk, out_dtype=out_dtype, partial_rows=True
+    )
     return tiles if reason is None else None
 
 

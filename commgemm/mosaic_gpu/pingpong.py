@@ -34,8 +34,17 @@ def swizzle_columns(dtype, tile_n: int) -> int:
     return mt.smem_transforms(dtype, tile_n)[0].tiling[1]
 
 
-def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool, out_dtype=None,
-                 partial_rows: bool = False) -> str | None:  # fmt: skip
+def shape_reason(
+    tiles,
+    rows: int,
+    k: int,
+    n: int,
+    dtype,
+    *,
+    w_nk: bool,
+    out_dtype=None,
+    partial_rows: bool = False,
+) -> str | None:
     """Why a ping-pong kernel in `tiles` cannot multiply `rows` rows per device (of one block),
     K `k` and `n` columns of `dtype` (w read [n, K] with `w_nk`), or None. With partial_rows
     (the RS kernel on one device) rows need not be whole cluster tiles."""
@@ -47,8 +56,10 @@ def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool, out_dty
     if tiles.tile_k * itemsize % 128:
         return f"tile_k={tiles.tile_k} must be whole 128-byte rows of {jnp.dtype(dtype).name}"
     if not w_nk and tiles.tile_n * itemsize % 128:
-        return (f"tile_n={tiles.tile_n} with w read [K, n] must be whole 128-byte rows of "
-                f"{jnp.dtype(dtype).name} (its smem swizzle)")  # fmt: skip
+        return (
+            f"tile_n={tiles.tile_n} with w read [K, n] must be whole 128-byte rows of "
+            f"{jnp.dtype(dtype).name} (its smem swizzle)"
+        )
     out_dtype = jnp.dtype(out_dtype or dtype)
     for what, of in (("the output", out_dtype), *(() if w_nk else (("w [K, n]", dtype),))):
         minor = swizzle_columns(of, tiles.tile_n)
@@ -62,8 +73,10 @@ def shape_reason(tiles, rows: int, k: int, n: int, dtype, *, w_nk: bool, out_dty
 
 def no_split(family: type) -> str:
     """Why a ping-pong kernel takes no split accumulation."""
-    return (f"{family.__name__} takes no split accumulation (two accumulators of a whole tile "
-            "do not fit in a warpgroup's registers)")  # fmt: skip
+    return (
+        f"{family.__name__} takes no split accumulation (two accumulators of a whole tile "
+        "do not fit in a warpgroup's registers)"
+    )
 
 
 def checked_tiles(tiles, family: type, split_accumulator: bool):
@@ -167,8 +180,20 @@ class Unit:
     compute_end: Callable | None = None
 
 
-def run(tiles, unit: Unit, *, tiles_dealt: Deal, k_iters: int, w_ref, dtype, w_dtype, out_dtype,
-        w_nk: bool, scale_ref=None, extra_smem: Sequence = ()) -> None:  # fmt: skip
+def run(
+    tiles,
+    unit: Unit,
+    *,
+    tiles_dealt: Deal,
+    k_iters: int,
+    w_ref,
+    dtype,
+    w_dtype,
+    out_dtype,
+    w_nk: bool,
+    scale_ref=None,
+    extra_smem: Sequence = (),
+) -> None:
     """The schedule of this CTA's units (`tiles_dealt`) of k_iters K-steps each, inside a
     `plgpu.kernel` of 3 warpgroups ("wg": 0 and 1 compute, 2 loads) and, with cluster "m",
     clusters of 2 along "cluster" (grid "cluster_grid"); w_ref [K, n] ([n, K] with w_nk) is read
@@ -217,7 +242,8 @@ def run(tiles, unit: Unit, *, tiles_dealt: Deal, k_iters: int, w_ref, dtype, w_d
             def _step(s):
                 if unit.before_unit:
                     pl.when(lax.rem(s, jnp.int32(k_iters)) == 0)(
-                        lambda: unit.before_unit(s // k_iters))  # fmt: skip
+                        lambda: unit.before_unit(s // k_iters)
+                    )
 
                 @pl.when(s >= stages)
                 def _():

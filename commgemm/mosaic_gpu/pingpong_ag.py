@@ -92,8 +92,9 @@ def all_gather_matmul(
         in_cluster = lax.axis_index("cluster")
         cid = lax.axis_index("cluster_grid")
         # the peers, in the order of their inbox slots for this device's rows
-        peers = [mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size)))
-                 for j in range(size - 1)]  # fmt: skip
+        peers = [
+            mt.peer_id(axis_name, lax.rem(here + j + 1, jnp.int32(size))) for j in range(size - 1)
+        ]
 
         def where(i):
             """(step, this CTA's first row in its block, first column, band, visit rank) of
@@ -110,8 +111,9 @@ def all_gather_matmul(
             at = (pl.ds(row, dest.shape[0]), pl.ds(kk * tile_k, tile_k))
             pl.when(step == 0)(lambda: plgpu.copy_gmem_to_smem(x_ref.at[at], dest, barrier))
             if size > 1:
-                pl.when(step > 0)(lambda: plgpu.copy_gmem_to_smem(
-                    inbox[0].at[step - 1].at[at], dest, barrier))  # fmt: skip
+                pl.when(step > 0)(
+                    lambda: plgpu.copy_gmem_to_smem(inbox[0].at[step - 1].at[at], dest, barrier)
+                )
 
         def before_unit(i):
             step, _, _, band, _ = where(i)
@@ -138,8 +140,11 @@ def all_gather_matmul(
             def _send():
                 at = (pl.ds(row, tile_m), pl.ds(kk * tile_k, tile_k))
                 for j, peer in enumerate(peers):
-                    plgpu.copy_smem_to_gmem(x_slot, plgpu.remote_ref(inbox[0], peer).at[j].at[at],
-                                            commit_group=j == len(peers) - 1)  # fmt: skip
+                    plgpu.copy_smem_to_gmem(
+                        x_slot,
+                        plgpu.remote_ref(inbox[0], peer).at[j].at[at],
+                        commit_group=j == len(peers) - 1,
+                    )
 
             @pl.when(before)
             def _previous_read():  # one commit group a send: the one before this step's
@@ -183,9 +188,18 @@ def all_gather_matmul(
             before_stores=before_stores if size > 1 else None,
             compute_end=compute_end,
         )
-        pingpong.run(tiles, unit, tiles_dealt=dealt, k_iters=k_iters, w_ref=w_ref, dtype=dtype,
-                     w_dtype=w.dtype, out_dtype=out_dtype, w_nk=w_nk,
-                     scale_ref=scale_ref)  # fmt: skip
+        pingpong.run(
+            tiles,
+            unit,
+            tiles_dealt=dealt,
+            k_iters=k_iters,
+            w_ref=w_ref,
+            dtype=dtype,
+            w_dtype=w.dtype,
+            out_dtype=out_dtype,
+            w_nk=w_nk,
+            scale_ref=scale_ref,
+        )
 
     out_type = [jax.ShapeDtypeStruct((size * m, n), out_dtype)]
     if size > 1:  # the peers' rows

@@ -63,8 +63,9 @@ def matmul_reduce_scatter(
     dtype = x.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     rows, k, n = x.shape[0] // size, x.shape[1], w.shape[0 if w_nk else 1]
-    if reason := shape_reason(tiles, rows, k, n, dtype, w_nk=w_nk, out_dtype=out_dtype,
-                              partial_rows=size == 1):  # fmt: skip
+    if reason := shape_reason(
+        tiles, rows, k, n, dtype, w_nk=w_nk, out_dtype=out_dtype, partial_rows=size == 1
+    ):
         raise ValueError(f"PingPongRSConfig: {reason}")
     tile_m, tile_n = tiles.tile_m, tiles.tile_n
     pair = tiles.cluster_size
@@ -77,7 +78,8 @@ def matmul_reduce_scatter(
     reduce = size > 1
     bands = tiles.cluster_m // ZERO_ROWS  # the load warpgroups zero a band at a time
     waves, ahead, late_zero, first_tiles, late_iters = zero_plan(
-        tiles.zero_ahead, ctas, units, size, per_block, 0, bands, sms)  # fmt: skip
+        tiles.zero_ahead, ctas, units, size, per_block, 0, bands, sms
+    )
     zero_columns = tiles.zero_columns
     signals = 2 * sms  # each compute warpgroup of each CTA signals each device once
 
@@ -94,10 +96,12 @@ def matmul_reduce_scatter(
         cta = cid * pair + in_cluster
         mine = dealt.count(cid)  # this CTA's units: cid, cid + ctas, ... (`pingpong.Deal`)
         # peers[0] is here
-        peers = [mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size)))
-                 for offset in range(size)]  # fmt: skip
-        tile_origin = functools.partial(pingpong.tile_origin, tiles, m_pairs=m_pairs,
-                                        n_iters=n_iters)  # fmt: skip
+        peers = [
+            mt.peer_id(axis_name, lax.rem(here + offset, jnp.int32(size))) for offset in range(size)
+        ]
+        tile_origin = functools.partial(
+            pingpong.tile_origin, tiles, m_pairs=m_pairs, n_iters=n_iters
+        )
         zero_smem = []  # the load warpgroup's zero block (late_zero)
 
         def where(i):
@@ -143,8 +147,7 @@ def matmul_reduce_scatter(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 signal_every_device(zeroed_waves.at[pending])
 
-            pl.when(i + ahead < waves)(jax.named_scope("ahead_zero")(
-                lambda: zero_wave(i + ahead)))  # fmt: skip
+            pl.when(i + ahead < waves)(jax.named_scope("ahead_zero")(lambda: zero_wave(i + ahead)))
 
         def last_wave_zeroed():
             @pl.when(mine - 1 + ahead < waves)
@@ -154,8 +157,9 @@ def matmul_reduce_scatter(
 
         def load_x(i, kk, dest, barrier):
             x_rows = pl.ds(where(i)[0], dest.shape[0])
-            plgpu.copy_gmem_to_smem(x_ref.at[x_rows, pl.ds(kk * tiles.tile_k, tiles.tile_k)],
-                                    dest, barrier)  # fmt: skip
+            plgpu.copy_gmem_to_smem(
+                x_ref.at[x_rows, pl.ds(kk * tiles.tile_k, tiles.tile_k)], dest, barrier
+            )
 
         @jax.named_scope("zero")
         def zero_output(c, out_smem):
@@ -193,9 +197,13 @@ def matmul_reduce_scatter(
             at = (pl.ds(row + r * EPI, EPI), pl.ds(col, tile_n))
             for p, peer in enumerate(peers):
                 dest = out_ref if p == 0 else plgpu.remote_ref(out_ref, peer)
-                plgpu.copy_smem_to_gmem(out_smem, dest.at[at], predicate=offset == p,
-                                        commit_group=p == size - 1,
-                                        reduction_op="add" if reduce else None)  # fmt: skip
+                plgpu.copy_smem_to_gmem(
+                    out_smem,
+                    dest.at[at],
+                    predicate=offset == p,
+                    commit_group=p == size - 1,
+                    reduction_op="add" if reduce else None,
+                )
 
         def compute_end(c):
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -218,10 +226,18 @@ def matmul_reduce_scatter(
             compute_end=compute_end,
         )
         pingpong.run(
-            tiles, unit, tiles_dealt=dealt, k_iters=k_iters, w_ref=w_ref, dtype=dtype,
-            w_dtype=w.dtype, out_dtype=out_dtype, w_nk=w_nk, scale_ref=scale_ref,
+            tiles,
+            unit,
+            tiles_dealt=dealt,
+            k_iters=k_iters,
+            w_ref=w_ref,
+            dtype=dtype,
+            w_dtype=w.dtype,
+            out_dtype=out_dtype,
+            w_nk=w_nk,
+            scale_ref=scale_ref,
             extra_smem=[plgpu.SMEM((ZERO_ROWS, zero_columns), out_dtype)] if late_zero else (),
-        )  # fmt: skip
+        )
 
     with jax.named_scope("fused_gemm_scatter_add_pingpong"):
         return plgpu.kernel(

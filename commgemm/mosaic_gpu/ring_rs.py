@@ -99,13 +99,19 @@ def matmul_reduce_scatter(
 
                 def mma_body(idxs, a_smem, b_smem, acc):
                     rhs = mt.rhs_operand(b_smem, at.wg_n, w_nk=w_nk)
-                    return mt.accumulate(tiles, acc, a_smem.at[at.wg_m], rhs,
-                                         split=split_accumulator, in_flight=1,
-                                         last=idxs[0] == k_iters - 1)  # fmt: skip
+                    return mt.accumulate(
+                        tiles,
+                        acc,
+                        a_smem.at[at.wg_m],
+                        rhs,
+                        split=split_accumulator,
+                        in_flight=1,
+                        last=idxs[0] == k_iters - 1,
+                    )
 
                 mt.tile_pipeline(
                     tiles, dtype, k_iters, mma_body, compute_context, release=1, w_nk=w_nk
-                )(  # fmt: skip
+                )(
                     x_ref.at[pl.ds(block * rows + at.m_idx * tiles.cta_m, tiles.cta_m)],
                     mt.w_columns(w_ref, at.cta_n, w_nk=w_nk),
                     allocations=pipeline_allocs,

@@ -71,8 +71,9 @@ def tail_reason(num_tiles: int, per_block: int, ctas: int, tiles: DirectRSConfig
     if tail <= per_block or not (tiles.split_tail > 1 or tiles.stream_tail):
         return None
     what = "stream_tail" if tiles.stream_tail else "split_tail"
-    return (f"DirectRSConfig.{what} needs the tail ({tail} tiles) within one block "
-            f"({per_block} tiles)")  # fmt: skip
+    return (
+        f"DirectRSConfig.{what} needs the tail ({tail} tiles) within one block ({per_block} tiles)"
+    )
 
 
 def stream_share(tail_tiles: int, k_iters: int, ctas: int) -> int:
@@ -154,15 +155,24 @@ class ZeroPlan(NamedTuple):
     late_iters: int
 
 
-def zero_plan(zero_ahead: int, ctas: int, main_units: int, size: int, per_block: int,
-              tail_tiles: int, bands: int, sms: int) -> ZeroPlan:  # fmt: skip
+def zero_plan(
+    zero_ahead: int,
+    ctas: int,
+    main_units: int,
+    size: int,
+    per_block: int,
+    tail_tiles: int,
+    bands: int,
+    sms: int,
+) -> ZeroPlan:
     """The ZeroPlan of `main_units` units on `ctas` CTAs (`sms` SMs), `size` blocks of
     `per_block` tiles (`tail_tiles` each past the main loop), `bands` bands a tile."""
     waves = -(-main_units // ctas)
     ahead = min(zero_ahead, waves) if zero_ahead else waves
     first_tiles = wave_tiles(ahead - 1, ctas, main_units, size, per_block, tail_tiles)[1]
-    spans = [wave_tiles(w, ctas, main_units, size, per_block, tail_tiles)
-             for w in range(ahead, waves)]  # fmt: skip
+    spans = [
+        wave_tiles(w, ctas, main_units, size, per_block, tail_tiles) for w in range(ahead, waves)
+    ]
     late_iters = max([-(-(hi - lo) * bands // sms) for lo, hi in spans], default=0)
     return ZeroPlan(waves, ahead, size > 1 and ahead < waves, first_tiles, late_iters)
 

@@ -158,8 +158,9 @@ def _bind(tiles: Tiles, k: int, blocks: Blocks | None, inputs, scratch) -> _Gemm
     """A kernel's `_Gemm` from its input refs (x, w, scale[, w_scales]) and VMEM scratch."""
     xv, wv, ov, addv, *wsv = scratch
     ws_ref = inputs[3] if blocks is not None else None
-    return _Gemm(tiles, k, inputs[1], inputs[2], xv, wv, ov, addv, blocks, ws_ref,
-                 wsv[0] if wsv else None)  # fmt: skip
+    return _Gemm(
+        tiles, k, inputs[1], inputs[2], xv, wv, ov, addv, blocks, ws_ref, wsv[0] if wsv else None
+    )
 
 
 def _scale_and_dtype(x: jax.Array, scale: jax.Array | None, out_dtype) -> tuple[jax.Array, object]:
@@ -220,20 +221,34 @@ def all_gather_matmul(
         sends = []
         if direct:  # this device's block to every peer, into its place there
             for j, shift in enumerate(shifts):
-                move = dma(g_ref.at[rows(me)], g_ref.at[rows(me)], send_sems.at[j],
-                           recv_sems.at[shift - 1],
-                           ring.device(ring.neighbour(shift)))  # fmt: skip
+                move = dma(
+                    g_ref.at[rows(me)],
+                    g_ref.at[rows(me)],
+                    send_sems.at[j],
+                    recv_sems.at[shift - 1],
+                    ring.device(ring.neighbour(shift)),
+                )
                 move.start()
                 sends.append(move)
         for t in range(size):
             src = ring.neighbour(-t)
             if t:  # the block of device me - t has landed
                 slot = t - 1  # ring: sent at step t - 1; direct: sent with shift t
-                dma(g_ref.at[rows(src)], g_ref.at[rows(src)], send_sems.at[0],
-                    recv_sems.at[slot], ring.device(me)).wait_recv()  # fmt: skip
+                dma(
+                    g_ref.at[rows(src)],
+                    g_ref.at[rows(src)],
+                    send_sems.at[0],
+                    recv_sems.at[slot],
+                    ring.device(me),
+                ).wait_recv()
             if not direct and t < size - 1:  # pass it on while multiplying it
-                move = dma(g_ref.at[rows(src)], g_ref.at[rows(src)], send_sems.at[t],
-                           recv_sems.at[t], ring.device(ring.neighbour(1)))  # fmt: skip
+                move = dma(
+                    g_ref.at[rows(src)],
+                    g_ref.at[rows(src)],
+                    send_sems.at[t],
+                    recv_sems.at[t],
+                    ring.device(ring.neighbour(1)),
+                )
                 move.start()
                 sends.append(move)
             gemm.block(g_ref.at[rows(src)], o_ref.at[rows(src)])
@@ -314,28 +329,44 @@ def matmul_reduce_scatter(
             for j, shift in enumerate(shifts):  # the owner me + shift; its inbox slot for me
                 owner = ring.neighbour(shift)
                 gemm.block(block(owner), staged.at[j])
-                move = dma(staged.at[j], inbox.at[size - shift - 1], send_sems.at[j],
-                           recv_sems.at[size - shift - 1], ring.device(owner))  # fmt: skip
+                move = dma(
+                    staged.at[j],
+                    inbox.at[size - shift - 1],
+                    send_sems.at[j],
+                    recv_sems.at[size - shift - 1],
+                    ring.device(owner),
+                )
                 move.start()
                 sends.append(move)
             gemm.block(block(me), o_ref)
             for j in range(size - 1):  # fixed order: the same result on every call
-                dma(staged.at[0], inbox.at[j], send_sems.at[0], recv_sems.at[j],
-                    ring.device(me)).wait_recv()  # fmt: skip
+                dma(
+                    staged.at[0], inbox.at[j], send_sems.at[0], recv_sems.at[j], ring.device(me)
+                ).wait_recv()
                 _add_into(o_ref, inbox.at[j], tiles, gemm.ov, gemm.addv)
         else:
             for t in range(size):
                 b = ring.neighbour(-t - 1)
                 received = None
                 if t:
-                    dma(staged.at[0], inbox.at[t - 1], send_sems.at[0], recv_sems.at[t - 1],
-                        ring.device(me)).wait_recv()  # fmt: skip
+                    dma(
+                        staged.at[0],
+                        inbox.at[t - 1],
+                        send_sems.at[0],
+                        recv_sems.at[t - 1],
+                        ring.device(me),
+                    ).wait_recv()
                     received = inbox.at[t - 1]
                 dest = o_ref if t == size - 1 else staged.at[t]
                 gemm.block(block(b), dest, received)
                 if t < size - 1:
-                    move = dma(staged.at[t], inbox.at[t], send_sems.at[t], recv_sems.at[t],
-                               ring.device(ring.neighbour(1)))  # fmt: skip
+                    move = dma(
+                        staged.at[t],
+                        inbox.at[t],
+                        send_sems.at[t],
+                        recv_sems.at[t],
+                        ring.device(ring.neighbour(1)),
+                    )
                     move.start()
                     sends.append(move)
         for move in sends:

@@ -60,9 +60,14 @@ def all_gather(
                     src = ring.neighbour(-shift * t)
                     block = o_ref.at[pl.ds(src * m, m)]
                     moves.append(
-                        dma(block, block, send_sems.at[way], recv_sems.at[way, t],
-                            ring.device(ring.neighbour(shift)))
-                    )  # fmt: skip
+                        dma(
+                            block,
+                            block,
+                            send_sems.at[way],
+                            recv_sems.at[way, t],
+                            ring.device(ring.neighbour(shift)),
+                        )
+                    )
             for move in moves:
                 move.start()
             for move in moves:
