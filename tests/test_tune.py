@@ -569,3 +569,21 @@ def test_cli_tune(tmp_path, monkeypatch, capsys, scaling):
     assert "best:" in capsys.readouterr().out
     (key,) = json.loads((tmp_path / "t.json").read_text())["plans"]
     assert key.endswith("/float32" if scaling is None else f"/float32/{scaling}")
+
+
+@pytest.mark.parametrize("collective", [AG, RS, Collective.ALL_REDUCE])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_auto_on_four_gpus_runs_no_split_ring_without_the_fused_kernels(collective, itemsize):
+    """On 4 GPUs without a fused kernel (float32 operands, or the kernels excluded) the cost
+    model's split rings, measured slower than serial there (the float32 ring of the example's
+    step ran a 15 ms exchange), are never AUTO's pick for the presets and the layer step's
+    shapes: serial runs."""
+    from commgemm.bench.problems import PRESETS
+
+    fig, size = costmodel.default_figures("gpu"), 4
+    shapes = [*PRESETS.values(), (16384, 4096, 12288), (16384, 8192, 28672), (8192, 5120, 13824)]
+    for shape in shapes:
+        rows = shape[0] // size if collective is AG else shape[0]
+        cfg, _ = costmodel.choose(collective, shape, rows, size, itemsize, fig, fused=True,
+                                  runs=lambda c: False, backend="gpu")  # fmt: skip
+        assert cfg.method is cg.Method.NONE, (shape, cfg)
