@@ -17,7 +17,7 @@ METHODS = {
     "none": cg.OverlapConfig(),
     "pipeline2": cg.OverlapConfig(method="pipeline", num_splits=2),
     "ring": cg.OverlapConfig(method="ring_exchange"),
-    "auto": cg.OverlapConfig(method="auto"),  # AUTO_RING_SIZES' choice per op and size
+    "auto": cg.OverlapConfig(method="auto"),  # GROUPED_AUTO_RING_SIZES' choice per op and size
 }
 
 
@@ -146,7 +146,10 @@ def test_auto_resolves_per_op():
     one), one-way and unsplit whatever else the config says; an explicit method stays as it
     is. As measured on 2 and 4 GPUs: the all-gather's ring on two, NONE elsewhere and with
     float8 blocks."""
-    from commgemm.grouped.collective import resolve_grouped
+    from commgemm.plan import make_grouped_plan
+
+    def resolve_grouped(config, op, size, float8=False):
+        return make_grouped_plan(config, op, size, float8=float8).config
 
     auto = cg.OverlapConfig(method="auto", num_splits=4, bidirectional=True)
     ops = ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter",
@@ -159,6 +162,10 @@ def test_auto_resolves_per_op():
             assert (cfg.method, cfg.num_splits, cfg.bidirectional) == (method, 1, False)
             # blocks on the float8 kernel: NONE at every size (measured on 2 GPUs)
             assert resolve_grouped(auto, op, size, float8=True).method is cg.Method.NONE
+        if "all_to_all" in op:  # the expert-parallel ops take NONE and the ring only
+            with pytest.raises(ValueError, match="NONE and RING_EXCHANGE"):
+                resolve_grouped(METHODS["pipeline2"], op, 4)
+            continue
         assert resolve_grouped(METHODS["pipeline2"], op, 4) == METHODS["pipeline2"]
         assert resolve_grouped(METHODS["pipeline2"], op, 4, float8=True) == METHODS["pipeline2"]
 
@@ -292,3 +299,27 @@ def test_merged_blocks(blocks, groups, rows, seed):
     want_g = loss(each)
     for g, e in zip(got_g, want_g, strict=True):
         _close(g, e)
+
+
+@pytest.mark.parametrize(
+    ("op", "config", "rows", "match"),
+    [
+        ("all_gather_grouped_matmul", cg.OverlapConfig(method="pipeline", atomic_gemm=True), 8,
+         "no fused kernel"),
+        ("grouped_matmul_reduce_scatter", cg.OverlapConfig(method="bulk"), 8, "got BULK"),
+        ("all_gather_grouped_matmul", cg.OverlapConfig(method="ring_exchange",
+                                                       bidirectional=True), 8, "one way"),
+        ("grouped_matmul_reduce_scatter", cg.OverlapConfig(method="pipeline", num_splits=4), 12,
+         "divisible"),
+        ("grouped_matmul_all_to_all", cg.OverlapConfig(method="pipeline"), None,
+         "NONE and RING_EXCHANGE"),
+    ],
+)  # fmt: skip
+def test_grouped_plan_refuses_what_the_grouped_ops_cannot_run(op, config, rows, match):
+    """The grouped ops' plan (`plan.make_grouped_plan`) refuses at trace time, naming the op:
+    fused kernels, BULK, a two-way ring, rows that do not split into the reduce-scatter's
+    size x num_splits pieces, column chunks for the expert-parallel ops."""
+    from commgemm.plan import make_grouped_plan
+
+    with pytest.raises(ValueError, match=match):
+        make_grouped_plan(config, op, 2, rows=rows, per_device=op.endswith("reduce_scatter"))

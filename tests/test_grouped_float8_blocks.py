@@ -329,7 +329,8 @@ def test_kept_transposed_experts(rng, kernel_calls, op, method, check_vma):
 
 def test_auto_runs_none_on_the_float8_kernel(rng, kernel_calls):
     """AUTO's all-gather on two devices runs the ring on 16-bit blocks but NONE, one regrouped
-    GEMM, where the blocks multiply on the float8 kernel (faster there: `AUTO_RING_SIZES`)."""
+    GEMM, where the blocks multiply on the float8 kernel (faster there:
+    `plan.GROUPED_AUTO_RING_SIZES`)."""
     size, m, groups = 2, 256, 3
     x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
     sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))

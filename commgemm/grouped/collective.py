@@ -2,7 +2,7 @@
 tensor-parallel experts: all-gather + grouped GEMM (experts' columns sharded) and grouped GEMM
 + reduce-scatter (experts' rows, K, sharded). Methods NONE, PIPELINE (num_splits chunks of rows)
 and RING_EXCHANGE (unidirectional ppermute ring), as the plain ops', and AUTO
-(`AUTO_RING_SIZES`).
+(`plan.GROUPED_AUTO_RING_SIZES`).
 The ring multiplies each block of rows as it arrives; the others multiply all the blocks of a
 chunk in one grouped GEMM, their rows regrouped by group (`grouped.blocks`). Differentiable
 through JAX's own transposes of the collectives and of the grouped GEMMs."""
@@ -26,53 +26,12 @@ from commgemm.grouped.scaling import (
     quantized_operands,
     with_quantized_cotangent,
 )
-from commgemm.operands import axis_size, check_divisible
+from commgemm.operands import axis_size
+from commgemm.plan import make_grouped_plan
 from commgemm.quant import Scaling, check_weight_scaling
-from commgemm.registry import resolve
 from commgemm.xla.common import after, send_one
 
 ConfigLike = OverlapConfig | int | None
-
-
-#: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE) on 16-bit blocks; at
-#: the others, and wherever the blocks multiply on the float8 kernel, it runs NONE, every block
-#: in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096, N 14336 sharded: on 2
-#: GPUs the AG's ring took 1.254 ms against
-#: 1.302 for none, while the RS's none (1.116 against 1.212) and the dispatch's (1.457 against
-#: 1.820) won; on 4 GPUs none won everywhere, the AG's 0.800 against 1.050 for its ring (the
-#: ring's P blocks each bring their G group boundaries). In float8 on 2 GPUs the AG's none
-#: won too: forward 0.814 against 1.042 ms (experts quantized before), 1.236 against 1.496
-#: (quantized in the call), forward and backward 3.465 against 4.456. The return, whose
-#: blocks are the dispatch's, follows it (not timed alone). Column chunks (pipeline:4) were
-#: never the fastest.
-AUTO_RING_SIZES = {"all_gather_grouped_matmul": frozenset({2})}
-
-
-def resolve_grouped(
-    config: ConfigLike, op: str, size: int, *, float8: bool = False
-) -> OverlapConfig:
-    """config as a grouped op runs it on an axis of `size` devices: AUTO becomes the ring where
-    `AUTO_RING_SIZES` says so and the blocks are not multiplied on the float8 kernel
-    (`float8`: the op has `Float8Experts`), else NONE; one-way and unsplit."""
-    cfg, _ = resolve(config)
-    if cfg.method is not Method.AUTO:
-        return cfg
-    ring = not float8 and size in AUTO_RING_SIZES.get(op, ())
-    method = Method.RING_EXCHANGE if ring else Method.NONE
-    return cfg.replace(method=method, num_splits=1, bidirectional=False, aggregate=False)
-
-
-def _config(config: ConfigLike, rows: int, need: int, op: str) -> OverlapConfig:
-    cfg, _ = resolve(config)
-    if cfg.method not in (Method.NONE, Method.PIPELINE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
-        raise ValueError(
-            f"{op} supports methods NONE, PIPELINE and RING_EXCHANGE (no fused kernel), got "
-            f"{cfg.method.name}{' with atomic_gemm' if cfg.atomic_gemm else ''}"
-        )
-    if cfg.bidirectional or cfg.aggregate:
-        raise ValueError(f"{op}: the grouped ring runs one way (bidirectional=False)")
-    check_divisible(rows, need, f"{op}: x's rows", "the split requirement")
-    return cfg
 
 
 def all_gather_grouped_matmul(
@@ -117,9 +76,10 @@ def _all_gather_grouped(
     """`all_gather_grouped_matmul` on x's (quantized) values, its rows moving as `rows` where
     they are quantized (multiplied on float8 tensor cores with `experts`)."""
     size, m = axis_size(axis_name), x.shape[0]
-    cfg = resolve_grouped(config, "all_gather_grouped_matmul", size, float8=experts is not None)
-    splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
-    cfg = _config(cfg, m, splits, "all_gather_grouped_matmul")
+    plan = make_grouped_plan(
+        config, "all_gather_grouped_matmul", size, rows=m, float8=experts is not None
+    )
+    cfg, splits = plan.config, plan.splits
     dtype = cfg.out_dtype or x.dtype.name
     if cfg.method is Method.RING_EXCHANGE:
         me = lax.axis_index(axis_name)
@@ -182,9 +142,10 @@ def _grouped_reduce_scatter(
     """`grouped_matmul_reduce_scatter` on x's (quantized) values (`rows`, `experts`: as in
     `_all_gather_grouped`)."""
     size, rows_total = axis_size(axis_name), x.shape[0]
-    cfg = resolve_grouped(config, "grouped_matmul_reduce_scatter", size)
-    splits = cfg.num_splits if cfg.method is Method.PIPELINE else 1
-    cfg = _config(cfg, rows_total, size * splits, "grouped_matmul_reduce_scatter")
+    plan = make_grouped_plan(
+        config, "grouped_matmul_reduce_scatter", size, rows=rows_total, per_device=True
+    )
+    cfg, splits = plan.config, plan.splits
     dtype = cfg.out_dtype or x.dtype.name
     travel = cfg.reduce_dtype or dtype
     r = rows_total // size

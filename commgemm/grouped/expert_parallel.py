@@ -8,7 +8,7 @@ RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at 
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
 block first (one all-to-all), then multiplies all of them in one grouped GEMM, their rows
 regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO runs
-NONE (`collective.AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
+NONE (`plan.GROUPED_AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from jax import lax
 
 from commgemm.config import Method
 from commgemm.grouped.blocks import block_matmul, merged_matmul, row_block
-from commgemm.grouped.collective import resolve_grouped
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
@@ -32,6 +31,7 @@ from commgemm.grouped.scaling import (
     with_quantized_cotangent,
 )
 from commgemm.operands import axis_size, check_divisible
+from commgemm.plan import make_grouped_plan
 from commgemm.quant import Scaling, check_weight_scaling
 from commgemm.xla.common import after
 
@@ -54,10 +54,7 @@ def _exchange(values, axis_name: str, size: int, shift: int):
 
 
 def _method(config, op: str, size: int) -> Method:
-    cfg = resolve_grouped(config, op, size)
-    if cfg.method not in (Method.NONE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
-        raise ValueError(f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}")
-    return cfg.method
+    return make_grouped_plan(config, op, size).config.method
 
 
 def all_to_all_grouped_matmul(
