@@ -308,3 +308,38 @@ def test_batch_spans_time_steps_with_idle_inside(monkeypatch):
         assert {n for _, _, n in found[name]["events"]} == {f"{name}-gemm", "nccl_all_gather"}
     with pytest.raises(ValueError, match="rounds=0"):
         cg.bench.batch_spans_interleaved({"a": (f, (jnp.ones(2),))}, rounds=0)
+
+
+def test_report_times_by_spans_where_periods_fail(monkeypatch):
+    """Where device periods cannot tell a variant's calls apart (host-paced calls on 4 GPUs),
+    `overlap_report` times those variants by device spans instead and says so; where spans fail
+    too and a bound's term is missing, no figure is given."""
+    from commgemm.bench import overlap
+
+    names = [*overlap.GEMM_ALONE.values(), "collective alone", "ring"]
+    timed = {name: (None, ()) for name in names}
+    failing = {"ring", "collective alone"}
+
+    def periods(variants, rounds):
+        return {n: {"error": "host-bound"} if n in failing else {"median": 1.0, "rounds": [1.0]}
+                for n in variants}  # fmt: skip
+
+    spanned = []
+
+    def spans(variants, rounds, calls):
+        spanned.extend(variants)
+        return {n: {"median": 2.0, "rounds": [2.0, 2.2]} for n in variants}
+
+    monkeypatch.setattr(overlap, "device_periods_interleaved", periods)
+    monkeypatch.setattr(overlap, "batch_spans_interleaved", spans)
+    out, spread, error = overlap._periods(timed, 2, lambda _: None)
+    assert set(spanned) == failing and set(out) == set(names)
+    assert out["ring"] == 2.0 and out[overlap.GEMM_ALONE[False]] == 1.0
+    assert "device spans instead" in error and spread["ring"] == pytest.approx(0.2 / 2.1)
+
+    def no_spans(variants, rounds, calls):
+        raise RuntimeError("the trace has no GPU activity")
+
+    monkeypatch.setattr(overlap, "batch_spans_interleaved", no_spans)
+    out, spread, error = overlap._periods(timed, 2, lambda _: None)
+    assert out == {} and "device spans: the trace has no GPU activity" in error

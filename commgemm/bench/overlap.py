@@ -10,7 +10,11 @@ import jax
 import numpy as np
 
 from commgemm.bench.problems import Problem, make_problem
-from commgemm.bench.spans import device_periods_interleaved, device_spans
+from commgemm.bench.spans import (
+    batch_spans_interleaved,
+    device_periods_interleaved,
+    device_spans,
+)
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 from commgemm.config import OverlapConfig
 from commgemm.quant import ScalingMode
@@ -169,11 +173,13 @@ def _spans(timed, calls: int, step) -> tuple[dict[str, float], str | None]:
 
 
 def _periods(timed, rounds: int, step) -> tuple[dict[str, float], dict[str, float], str | None]:
-    """({name: median device period in ms}, {name: `round_spread`}) of each timed variant
-    that has one (and the bound's terms), or ({}, {}, why not); a variant whose calls could not
-    be told apart is left out, its reason in the third item. torch's GEMM is left out: its
-    kernels are not in jax's profiler trace, so its batches were the ones missing from every
-    round on 2 GPUs and no variant got a period; it keeps its host-timed figure."""
+    """({name: median device time per call in ms}, {name: `round_spread`}) of each timed
+    variant that has one (and the bound's terms), or ({}, {}, why not). Device periods first;
+    a variant whose calls they cannot tell apart (a host-paced variant, on 4 GPUs) is timed by
+    device spans instead (`batch_spans_interleaved`: a batch's span / its calls, idle time
+    inside included), the third item saying which. torch's GEMM is left out: its kernels are
+    not in jax's profiler trace, so its batches were the ones missing from every round on 2
+    GPUs and no variant got a period; it keeps its host-timed figure."""
     timed = {name: v for name, v in timed.items() if name != OTHER_GEMMS[1]}
     step(f"{len(timed)} variants, device periods, {rounds} rounds")
     try:
@@ -182,6 +188,13 @@ def _periods(timed, rounds: int, step) -> tuple[dict[str, float], dict[str, floa
         return {}, {}, str(err)
     errors = [f"{name}: {f['error']}" for name, f in found.items() if "error" in f]
     found = {name: f for name, f in found.items() if "error" not in f}
+    if missing := [name for name in timed if name not in found]:
+        step(f"{len(missing)} variants, device spans, {rounds} rounds")
+        try:
+            found |= batch_spans_interleaved({n: timed[n] for n in missing}, rounds=rounds, calls=8)
+            errors = [f"{e} (timed by device spans instead)" for e in errors]
+        except RuntimeError as err:
+            errors.append(f"device spans: {err}")
     if any(name not in found for name in (*GEMM_ALONE.values(), "collective alone")):
         return {}, {}, "; ".join(errors)
     medians = {name: f["median"] for name, f in found.items()}
