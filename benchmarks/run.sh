@@ -70,7 +70,7 @@ case $target in
     status=0
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 JAX_PLATFORMS=cuda python3 -m pytest -q -n 2 tests/gpu \
       -k grouped -p no:warnings --junitxml="$out/grouped_tests.xml" || status=$?
-    python3 benchmarks/grouped_gemm.py --out "$out" --groups "${3:-8,64}"
+    python3 benchmarks/grouped_gemm.py --out "$out" --groups "${3:-8,16,64,128}"
     exit $status ;;
   capabilities) python3 benchmarks/capabilities.py --out "$out" ;;
   layers-profile) python3 benchmarks/layers_profile.py --out "$out" ;;
