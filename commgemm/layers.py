@@ -143,25 +143,14 @@ def layernorm_mlp(
     Returns:
       [B, S/P, H], the block's output for this shard's rows (no residual added).
     """
+    shared = dict(axis_name=axis_name, sequence_axis=sequence_axis, config=config, scaling=scaling)
     h = layernorm(x, gamma, beta)
     h = dense(
         h,
         kernels[0],
         biases[0],
         collective_op_set=collective_op_sets[0],
-        axis_name=axis_name,
-        sequence_axis=sequence_axis,
-        config=config,
         activation=activation,
-        scaling=scaling,
+        **shared,
     )
-    return dense(
-        h,
-        kernels[1],
-        biases[1],
-        collective_op_set=collective_op_sets[1],
-        axis_name=axis_name,
-        sequence_axis=sequence_axis,
-        config=config,
-        scaling=scaling,
-    )
+    return dense(h, kernels[1], biases[1], collective_op_set=collective_op_sets[1], **shared)

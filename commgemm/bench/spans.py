@@ -236,6 +236,29 @@ def device_periods(fn: Callable, *args, calls: int = 16) -> dict:
     return periods_from_trace(data, calls)
 
 
+def _interleaved_trace(variants, rounds: int, calls: int, gap_s: float, seed: int):
+    """Every variant compiled and run twice, then traced: `rounds` rounds, each running every
+    variant's `calls` calls back to back in a shuffled order, batches gap_s apart. Returns
+    (the variants' names in the order their batches ran, the trace's ProfileData)."""
+    for fn, args in variants.values():
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    rng = random.Random(seed)
+    order = []
+    for _ in range(rounds):
+        names = list(variants)
+        rng.shuffle(names)
+        order += names
+
+    def work():
+        for name in order:
+            fn, args = variants[name]
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+            time.sleep(gap_s)
+
+    return order, _trace(work)
+
+
 def device_periods_interleaved(
     variants: Mapping[str, tuple[Callable, tuple]],
     *,
@@ -254,23 +277,8 @@ def device_periods_interleaved(
         raise ValueError(f"rounds={rounds} must be >= 1 and calls={calls} >= 3")
     if gap_s <= 0:
         raise ValueError(f"gap_s={gap_s} must be > 0")
-    for fn, args in variants.values():
-        jax.block_until_ready(fn(*args))
-        jax.block_until_ready(fn(*args))
-    rng = random.Random(seed)
-    order = []
-    for _ in range(rounds):
-        names = list(variants)
-        rng.shuffle(names)
-        order += names
-
-    def work():
-        for name in order:
-            fn, args = variants[name]
-            jax.block_until_ready([fn(*args) for _ in range(calls)])
-            time.sleep(gap_s)
-
-    found = batches_from_trace(_trace(work), len(order), calls, min_gap_ns=gap_s * 1e9 / 2)
+    order, data = _interleaved_trace(variants, rounds, calls, gap_s, seed)
+    found = batches_from_trace(data, len(order), calls, min_gap_ns=gap_s * 1e9 / 2)
     out = {}
     for name in variants:
         mine = [f for n, f in zip(order, found, strict=True) if n == name]
@@ -307,24 +315,9 @@ def batch_spans_interleaved(
     "events": GPU 0's (start, end, name) of one middle batch, in ns}}."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds={rounds} and calls={calls} must be >= 1")
-    for fn, args in variants.values():
-        jax.block_until_ready(fn(*args))
-        jax.block_until_ready(fn(*args))
-    rng = random.Random(seed)
-    order = []
-    for _ in range(rounds):
-        names = list(variants)
-        rng.shuffle(names)
-        order += names
-
-    def work():
-        for name in order:
-            fn, args = variants[name]
-            jax.block_until_ready([fn(*args) for _ in range(calls)])
-            time.sleep(gap_s)
-
+    order, data = _interleaved_trace(variants, rounds, calls, gap_s, seed)
     per_device = []  # [device][batch] -> (ms per call, busy fraction, events)
-    for d, events in enumerate(_gpu_events(_trace(work))):
+    for d, events in enumerate(_gpu_events(data)):
         gaps, last_end = [], events[0][1]
         for i in range(1, len(events)):
             gaps.append((events[i][0] - last_end, i))
