@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs by name, from the repository root on a GPU machine (PYTHONPATH=. and its jax):
-#   bash benchmarks/run.sh check   OUT [i/n]   fused kernels' outputs and gradients vs float32
-#                                              (i/n: every n-th GPU test from the i-th)
+#   bash benchmarks/run.sh check   OUT [i/n] [W] fused kernels' outputs and gradients vs float32
+#                                              (i/n: every n-th GPU test from the i-th; W: that
+#                                              many pytest-xdist workers share the GPUs, since
+#                                              compiling dominates)
 #   bash benchmarks/run.sh tune    OUT         tune every preset x op (cache in OUT/tune.json)
 #   bash benchmarks/run.sh suite   OUT [CACHE] the suite: every preset x op, AUTO (reading CACHE),
 #                                              serial, XLA's dot and windowed einsum, PyTorch
@@ -34,8 +36,8 @@ if command -v nvidia-smi > /dev/null; then
 fi
 export COMMGEMM_TUNE_CACHE=$out/tune.json
 case $target in
-  check) COMMGEMM_GPU_SHARD=${3:-} JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu \
-    --junitxml="$out/gpu_tests.xml" ;;
+  check) COMMGEMM_GPU_SHARD=${3:-} JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    python3 -m pytest -q tests/gpu ${4:+-n $4} --junitxml="$out/gpu_tests.xml" ;;
   tune)
     for preset in llama70b_mlp llama8b_mlp comm_heavy; do
       for op in ag rs; do python3 -m commgemm tune --op $op --preset $preset --iters 12; done

@@ -80,7 +80,7 @@ def _gemm_core(op, tiles, float8):
     if op == "ag":
         return jax.jit(lambda a, b: direct_ag.all_gather_matmul(a, b, None, cfg.kernel, w_nk=True))
     kernel = ring_rs if ring else direct_rs
-    return jax.jit(lambda a, b: kernel.matmul_reduce_scatter(a, b, None, cfg, w_nk=True))
+    return jax.jit(lambda a, b: kernel.matmul_reduce_scatter(a, b, None, cfg.kernel, w_nk=True))
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="the fused kernels need jax >= 0.11")
