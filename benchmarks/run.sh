@@ -24,6 +24,9 @@
 #   bash benchmarks/run.sh step    OUT         all GPUs: a transformer layer's training step (3 sizes,
 #                                              bf16 and FP8) by method against its bound, XLA's
 #                                              partitioning and XLA's windowed einsum
+#   bash benchmarks/run.sh moe     OUT         all GPUs: the expert-parallel MoE block's training step
+#                                              (2 sizes, bf16 and FP8): AUTO, serial and XLA's
+#                                              ragged all-to-all + ragged dots
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
@@ -62,6 +65,7 @@ case $target in
     exit $status ;;
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
   step) python3 benchmarks/step.py --out "$out" ;;
+  moe) python3 benchmarks/moe_step.py --out "$out" ;;
   core)  # the benchmark runs even when a test fails; the exit status is the tests'
     status=0
     JAX_PLATFORMS=cuda python3 -m pytest -q tests/gpu/test_gemm_core_gpu.py tests/gpu/test_fp8_gpu.py \
@@ -84,5 +88,5 @@ case $target in
     COMMGEMM_LIFT_PROCESS_CHECK=1 python3 -m commgemm launch -n 2 --gpus-per-process 1 \
       --timeout 140 -- $one > "$out/two_processes_lifted.log" 2>&1 || true
     grep -h "OK\|FAILED" "$out"/*.log | cut -c1-400 ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess or capabilities" >&2; exit 2 ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess, step, moe, grouped or capabilities" >&2; exit 2 ;;
 esac
