@@ -17,6 +17,10 @@ A step under 90% busy is host-bound: no ratio is given from it.
 
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR [--sizes mixtral,fine] [--dtypes bf16,fp8]
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR --quick     # tiny shapes, any backend
+    PYTHONPATH=. python -m commgemm launch -n 4 python benchmarks/moe_step.py --out DIR
+
+Under `commgemm launch` (one process per GPU) each process times its own GPUs and process 0
+writes the results.
 
 Writes DIR/moe_step.json and prints a line per row.
 """
@@ -30,8 +34,10 @@ import json
 import pathlib
 
 from commgemm.devices import setup_devices
+from commgemm.distributed import initialize
 
 setup_devices()
+initialize()  # under `commgemm launch`: join the other processes (a no-op otherwise)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -148,14 +154,19 @@ def init(size: Moe, dtype, seed: int = 0) -> dict:
 SPECS = {"router": P(), "w1": P("tp"), "w2": P("tp")}
 
 
+def shard(a, mesh: Mesh, spec) -> jax.Array:
+    """The same host value `a` on every process laid out by `spec` on `mesh`."""
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
 def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
     """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block."""
     opt = optax.adamw(1e-4)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((size.tokens, size.hidden)), dtype)
-    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
-    params = {k: shard(v, SPECS[k]) for k, v in init(size, dtype).items()}
-    x = shard(x, P("tp", None))
+    params = {k: shard(v, mesh, SPECS[k]) for k, v in init(size, dtype).items()}
+    x = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
         if name == "xla" and scaling is not None:
@@ -246,9 +257,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    writer = jax.process_index() == 0
+    if writer:
+        args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "devices": jax.device_count(),
+        "processes": jax.process_count(),
         "backend": jax.default_backend(),
         "kind": jax.devices()[0].device_kind,
         "jax": jax.__version__,
@@ -261,6 +275,8 @@ def main() -> None:
             row = run(size_name, size, dtype_name, args.variants.split(","), args.calls, reference)
             row["ratios"] = ratios(row)
             result["rows"].append(row)
+            if not writer:
+                continue
             path.write_text(json.dumps(result, indent=1))  # a run cut short keeps its rows
             print(
                 json.dumps({k: row[k] for k in ("size", "dtype", "loss", "ms", "busy", "ratios")}),

@@ -19,8 +19,13 @@ the devices' busy fraction and the exposed collective time (collective kernels w
 kernel beside them, GPU 0). A step under 90% busy is host-bound: no ratio is given from it.
 Before timing, every variant's loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8).
 
+Both launch modes: one process for all devices, or one process per GPU under
+`commgemm launch -n P` (each process times its own GPUs, process 0 writes the results; `local`
+runs on each process's first device; `xla-flags` only in one process).
+
     PYTHONPATH=. python benchmarks/step.py --out DIR [--sizes 8b,70b,13b] [--dtypes bf16,fp8]
     PYTHONPATH=. python benchmarks/step.py --out DIR --quick     # tiny shapes, any backend
+    PYTHONPATH=. python -m commgemm launch -n 4 python benchmarks/step.py --out DIR
 
 Writes DIR/step.json and prints a table.
 """
@@ -37,8 +42,10 @@ import subprocess
 import sys
 
 from commgemm.devices import setup_devices
+from commgemm.distributed import initialize
 
 setup_devices()
+initialize()  # under `commgemm launch`: join the other processes (a no-op otherwise)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -137,15 +144,21 @@ def epilogue(y, activation):
     return jax.nn.gelu(y) if activation == "gelu" else y
 
 
+def shard(a, mesh: Mesh, spec) -> jax.Array:
+    """The same host value `a` on every process laid out by `spec` on `mesh` (one process for
+    all devices or one per device)."""
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
 def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     """{name: (step fn, args)} of the variants in `names` (all but xla-flags)."""
     n = mesh.devices.size
     opt = optax.adamw(1e-4)
     params = init(size, size.heads, size.ffn, dtype)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((size.tokens, size.hidden)), dtype)
-    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
-    placed = {k: shard(v, SPECS[k]) for k, v in params.items()}
-    x_placed = shard(x, P("tp", None))
+    placed = {k: shard(v, mesh, SPECS[k]) for k, v in params.items()}
+    x_placed = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
         if name in ("auto", "none"):
@@ -180,7 +193,7 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
             out[name] = (train_step(forward, opt), (placed, opt.init(placed), x_placed))
         elif name == "local":
             local = init(size, size.heads // n, size.ffn // n, dtype)
-            dev = mesh.devices.flat[0]
+            dev = jax.local_devices()[0]  # each process's own, under one process per GPU
             local = jax.device_put(local, dev)
 
             def local_mm(a, w, act=None):
@@ -278,11 +291,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     names = args.variants.split(",")
-    result = {"devices": jax.device_count(), "backend": jax.default_backend(),
-              "kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}  # fmt: skip
+    processes, writer = jax.process_count(), jax.process_index() == 0
+    if processes > 1 and "xla-flags" in names:  # its child would start outside the run
+        names.remove("xla-flags")
+    if writer:
+        args.out.mkdir(parents=True, exist_ok=True)
+    result = {"devices": jax.device_count(), "processes": processes,
+              "backend": jax.default_backend(), "kind": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "rows": []}  # fmt: skip
     path = args.out / "step.json"
     for size_name in args.sizes.split(","):
         size = QUICK if args.quick else SIZES[size_name]
@@ -293,9 +311,10 @@ def main() -> None:
                 row["xla-flags"] = flags_variant(args, size_name, dtype_name)
             row["ratios"] = ratios(row)
             result["rows"].append(row)
-            path.write_text(json.dumps(result, indent=1))  # a run cut short keeps its rows
-            print(json.dumps({k: row[k] for k in ("size", "dtype", "ms", "busy", "ratios")}),
-                  flush=True)  # fmt: skip
+            if writer:  # process 0's GPUs' figures
+                path.write_text(json.dumps(result, indent=1))  # a run cut short keeps its rows
+                print(json.dumps({k: row[k] for k in ("size", "dtype", "ms", "busy", "ratios")}),
+                      flush=True)  # fmt: skip
 
 
 def flags_variant(args, size_name: str, dtype_name: str) -> dict:

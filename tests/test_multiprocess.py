@@ -1,6 +1,7 @@
 """Real processes under jax.distributed on the CPU (gloo), started by `commgemm launch`."""
 
 import io
+import json
 import pathlib
 import signal
 import subprocess
@@ -163,6 +164,34 @@ def test_two_hosts_of_four_devices_as_eight_processes():
     out = io.StringIO()
     code = launch(8, [sys.executable, WORKER, "hosts"], cpu_devices=1, out=out, timeout_s=300)
     assert code == 0 and out.getvalue().count("hosts ok") == 8, out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "script,extra,variants",
+    [("step.py", ["--sizes", "8b", "--variants", "auto,none,xla,local,xla-flags"],
+      {"auto", "none", "xla"}),
+     ("moe_step.py", ["--sizes", "fine"], {"auto", "none", "xla"})],
+)  # fmt: skip
+def test_step_benchmarks_with_one_process_per_device_group(tmp_path, script, extra, variants):
+    """benchmarks/step.py and moe_step.py under `commgemm launch -n 2` (4 CPU devices each):
+    every variant's first loss agrees with XLA's (bf16, and FP8 where the script has it); only
+    process 0 writes; the windowed-einsum child, which would run outside the run, is left out."""
+    root = pathlib.Path(__file__).parent.parent
+    out = io.StringIO()
+    code = launch(
+        2,
+        [sys.executable, str(root / "benchmarks" / script), "--out", str(tmp_path), "--quick",
+         *extra],
+        cpu_devices=4, timeout_s=300, out=out,
+    )  # fmt: skip
+    assert code == 0, out.getvalue()[-3000:]
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert result["processes"] == 2 and result["devices"] == 8
+    assert [r["dtype"] for r in result["rows"]] == ["bf16", "fp8"]
+    bf16 = result["rows"][0]
+    assert bf16["loss_ok"] == dict.fromkeys(variants, True)
+    assert "xla-flags" not in bf16
+    assert all(result["rows"][1]["loss_ok"].values())
 
 
 def test_launch_rejects_bad_arguments():
