@@ -17,7 +17,8 @@ A step under 90% busy is host-bound: no ratio is given from it.
 
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR [--sizes mixtral,fine] [--dtypes bf16,fp8]
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR --quick     # tiny shapes, any backend
-    PYTHONPATH=. python -m commgemm launch -n 4 python benchmarks/moe_step.py --out DIR
+    PYTHONPATH=. python -m commgemm launch -n 4 --gpus-per-process 1 -- \
+        python benchmarks/moe_step.py --out DIR
 
 Under `commgemm launch` (one process per GPU) each process times its own GPUs and process 0
 writes the results.

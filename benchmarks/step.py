@@ -25,7 +25,8 @@ runs on each process's first device; `xla-flags` only in one process).
 
     PYTHONPATH=. python benchmarks/step.py --out DIR [--sizes 8b,70b,13b] [--dtypes bf16,fp8]
     PYTHONPATH=. python benchmarks/step.py --out DIR --quick     # tiny shapes, any backend
-    PYTHONPATH=. python -m commgemm launch -n 4 python benchmarks/step.py --out DIR
+    PYTHONPATH=. python -m commgemm launch -n 4 --gpus-per-process 1 -- \
+        python benchmarks/step.py --out DIR
 
 Writes DIR/step.json and prints a table.
 """
