@@ -11,6 +11,7 @@ scaling; delayed scaling's dY states come back as gradients, `train_step`). Need
 `pip install commgemm[flax]`.
 
     python examples/train_transformer.py                       # 8 virtual CPU devices, or all GPUs
+                                                               # (--size gpu there: 8B-like blocks)
     python examples/train_transformer.py --method pipeline --steps 40
     python examples/train_transformer.py --scaling delayed
 """
@@ -50,6 +51,20 @@ class Shape:
     batch: int = 8
     seq: int = 64
     dtype: str | None = None  # compute dtype (e.g. "bfloat16"); None: the float32 parameters'
+
+
+#: --size: "cpu" is small enough for 8 virtual CPU devices; "gpu" has Llama-3-8B-like blocks
+#: (16384 tokens a step), large enough that a GPU's step is its kernels, not Python's dispatch.
+SIZES = {
+    "cpu": Shape(),
+    "gpu": Shape(vocab=32768, hidden=4096, heads=32, ffn=14336, batch=8, seq=2048,
+                 dtype="bfloat16"),
+}  # fmt: skip
+
+
+def size_for(backend: str) -> str:
+    """The default --size on `backend`: "gpu" on GPUs, "cpu" elsewhere."""
+    return "gpu" if backend == "gpu" else "cpu"
 
 
 class Block(nnx.Module):
@@ -177,6 +192,9 @@ def main(argv=None) -> dict:
                              "commgemm: XLA's own partitioning of plain dots)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--size", choices=SIZES, default=None,
+                        help="model and batch: cpu (small) or gpu (8B-like blocks); default: "
+                             "gpu on GPUs, cpu elsewhere")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="skip the checkpoint's save and restore")  # fmt: skip
@@ -185,7 +203,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
-    shape = Shape(layers=args.layers)
+    size = args.size or size_for(jax.default_backend())
+    shape = dataclasses.replace(SIZES[size], layers=args.layers)
     config = None if args.method == "xla" else cg.OverlapConfig(method=args.method)
     mesh = make_mesh(jax.devices())
     scaling = SCALINGS[args.scaling]
@@ -218,7 +237,7 @@ def main(argv=None) -> dict:
         check_checkpoint(model, shape, mesh, config)
     gap = max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True))
     summary = {
-        "mesh": dict(mesh.shape), "method": args.method, "scaling": args.scaling,
+        "mesh": dict(mesh.shape), "size": size, "method": args.method, "scaling": args.scaling,
         "first_loss": losses[0],
         "last_loss": losses[-1], "max_gap_to_twin": gap,
         "median_step_ms": float(np.median(times[1:] or times) * 1e3),

@@ -154,9 +154,30 @@ def test_training_example_matches_its_twin(example, method):
     to float32 precision, and (ring) the sharded checkpoint round-trips (checked inside)."""
     argv = ["--steps", "20", "--layers", "1", "--method", method, "--quiet"]
     summary = example.main(argv + ([] if method == "ring_exchange" else ["--no-checkpoint"]))
-    assert summary["mesh"] == {"data": 2, "tp": 4}
+    assert summary["mesh"] == {"data": 2, "tp": 4} and summary["size"] == "cpu"
     assert summary["last_loss"] < summary["first_loss"] - 0.5
     assert summary["max_gap_to_twin"] < 1e-3
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_example_gpu_size_builds_on_every_mesh(example, devices):
+    """The example's default on GPUs is its "gpu" size (elsewhere "cpu"); that model's
+    parameters are laid out on the (data, tp) mesh of 1, 2, 4 and 8 devices (shapes only), each
+    dimension the tensor axis splits whole, and the batch whole on the data axis."""
+    assert [example.size_for(b) for b in ("gpu", "cpu", "tpu")] == ["gpu", "cpu", "cpu"]
+    shape = example.SIZES["gpu"]
+    mesh = example.make_mesh(jax.devices()[:devices])
+    abstract = nnx.eval_shape(lambda: example.Decoder(shape, mesh=mesh, config=cg.OverlapConfig(),
+                                                      rngs=nnx.Rngs(0)))  # fmt: skip
+    params = nnx.state(abstract, nnx.Param)
+    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    assert 0.6e9 < count < 0.7e9  # 2 blocks of 8B-like size, embedding and head of 32768
+    tp, data = mesh.shape["tp"], mesh.shape["data"]
+    assert shape.batch % data == 0 and shape.seq % tp == 0
+    for leaf, spec in zip(jax.tree.leaves(params),
+                          jax.tree.leaves(nnx.get_partition_spec(params)), strict=True):  # fmt: skip
+        for dim, axis in zip(leaf.shape, spec, strict=False):
+            assert axis is None or dim % mesh.shape[axis] == 0, (leaf.shape, spec)
 
 
 def test_training_example_with_delayed_scaling(example):
