@@ -28,31 +28,23 @@ Writes DIR/moe_step.json and prints a line per row.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
-import pathlib
 
-from commgemm.devices import setup_devices
-from commgemm.distributed import initialize
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from step import BUSY, arguments, shard  # as it is imported: the devices set up, the run joined
 
-setup_devices()
-initialize()  # under `commgemm launch`: join the other processes (a no-op otherwise)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import commgemm as cg  # noqa: E402
-from commgemm.bench import spans  # noqa: E402
-from commgemm.nnx import moe_per_shard, top_k_routing  # noqa: E402
+import commgemm as cg
+from commgemm.bench import spans
+from commgemm.nnx import moe_per_shard, top_k_routing
 
 FP8 = "current_tensor_scaling"
-BUSY = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +147,6 @@ def init(size: Moe, dtype, seed: int = 0) -> dict:
 SPECS = {"router": P(), "w1": P("tp"), "w2": P("tp")}
 
 
-def shard(a, mesh: Mesh, spec) -> jax.Array:
-    """The same host value `a` on every process laid out by `spec` on `mesh`."""
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
-
-
 def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
     """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block."""
     opt = optax.adamw(1e-4)
@@ -250,14 +236,7 @@ def ratios(row: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--sizes", default="mixtral,fine")
-    parser.add_argument("--dtypes", default="bf16,fp8")
-    parser.add_argument("--variants", default="auto,none,xla")
-    parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
-    args = parser.parse_args()
+    args = arguments(__doc__, "mixtral,fine", "auto,none,xla")
     writer = jax.process_index() == 0
     if writer:
         args.out.mkdir(parents=True, exist_ok=True)

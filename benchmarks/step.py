@@ -283,15 +283,20 @@ def ratios(row: dict) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, sizes: str, variants: str) -> argparse.Namespace:
+    """The step benchmarks' command line (this script's and moe_step.py's)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--sizes", default="8b,70b,13b")
+    parser.add_argument("--sizes", default=sizes)
     parser.add_argument("--dtypes", default="bf16,fp8")
-    parser.add_argument("--variants", default="auto,none,xla,comm,local,xla-flags")
+    parser.add_argument("--variants", default=variants)
     parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__, "8b,70b,13b", "auto,none,xla,comm,local,xla-flags")
     names = args.variants.split(",")
     processes, writer = jax.process_count(), jax.process_index() == 0
     if processes > 1 and "xla-flags" in names:  # its child would start outside the run

@@ -25,6 +25,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 @functools.cache
 def _bench():
     path = ROOT / "benchmarks" / "moe_step.py"
+    if str(path.parent) not in sys.path:  # it imports step.py, beside it
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("moe_step_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there

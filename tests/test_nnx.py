@@ -167,15 +167,17 @@ def test_example_gpu_size_builds_on_every_mesh(example, devices):
     assert [example.size_for(b) for b in ("gpu", "cpu", "tpu")] == ["gpu", "cpu", "cpu"]
     shape = example.SIZES["gpu"]
     mesh = example.make_mesh(jax.devices()[:devices])
-    abstract = nnx.eval_shape(lambda: example.Decoder(shape, mesh=mesh, config=cg.OverlapConfig(),
-                                                      rngs=nnx.Rngs(0)))  # fmt: skip
+    config = cg.OverlapConfig()
+    abstract = nnx.eval_shape(
+        lambda: example.Decoder(shape, mesh=mesh, config=config, rngs=nnx.Rngs(0))
+    )
     params = nnx.state(abstract, nnx.Param)
     count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     assert 0.6e9 < count < 0.7e9  # 2 blocks of 8B-like size, embedding and head of 32768
     tp, data = mesh.shape["tp"], mesh.shape["data"]
     assert shape.batch % data == 0 and shape.seq % tp == 0
-    for leaf, spec in zip(jax.tree.leaves(params),
-                          jax.tree.leaves(nnx.get_partition_spec(params)), strict=True):  # fmt: skip
+    specs = jax.tree.leaves(nnx.get_partition_spec(params))
+    for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True):
         for dim, axis in zip(leaf.shape, spec, strict=False):
             assert axis is None or dim % mesh.shape[axis] == 0, (leaf.shape, spec)
 
