@@ -1,0 +1,33 @@
+"""One process per GPU on the GPUs (`commgemm launch -n P --gpus-per-process 1`, the launch mode
+of Transformer Engine and multi-host jobs): the demo's every op by every method that runs in
+that mode, against a float64 reference."""
+
+import io
+import re
+import sys
+
+import jax
+import pytest
+
+from commgemm.launch import launch
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_demo_with_one_process_per_gpu(processes):
+    """Every launched process joins the run on its own GPU and every op the demo runs is
+    correct; the run ends with exit code 0."""
+    if jax.device_count() < processes:
+        pytest.skip(f"needs {processes} GPUs, this machine has {jax.device_count()}")
+    out = io.StringIO()
+    code = launch(
+        processes,
+        [sys.executable, "-m", "commgemm", "demo", "--size", "256", "--iters", "1"],
+        gpus_per_process=1,
+        timeout_s=500,
+        out=out,
+    )
+    text = out.getvalue()
+    assert code == 0, text[-4000:]
+    assert f"in {processes} process(es)" in text, text[-4000:]
+    found = re.search(r"(\d+) of (\d+) correct", text)
+    assert found and found.group(1) == found.group(2) and int(found.group(2)) > 0, text[-4000:]
