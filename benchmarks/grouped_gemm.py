@@ -11,8 +11,10 @@ scaling, quantizing in each call; on weights quantized before, quantizing x; emu
 commgemm's two kernels alone on float8 operands). Each against the roofline of the same run:
 t_roof = max(FLOPs / R, bytes / B), R the rate of the dense GEMM of the same total shape, B
 the HBM bandwidth of a device-to-device copy, bytes what the kernel must move at least (x, the
-experts that receive tokens, the output; for dW: x, dY and dW). Group sizes: uneven (every
-group non-empty) or Zipf-skewed (some empty). Writes OUT/grouped_gemm.json.
+experts that receive tokens, the output; for dW: x, dY and dW); the float8 variants also
+against their own (R of cuBLASLt's tensor-scaled FP8 GEMM, 1-byte operands, a bf16 output).
+Group sizes: uneven (every group non-empty) or Zipf-skewed (some empty). Writes
+OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,16,64,128]
         [--skews uneven,zipf]
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import commgemm as cg
+from commgemm import quantized_gemm
 from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
@@ -68,12 +71,15 @@ def zipf_sizes(groups: int, tokens: int, seed: int, a: float = 1.2) -> np.ndarra
 SIZES = {"uneven": uneven_sizes, "zipf": zipf_sizes}
 
 
-def least_bytes(sizes, m: int, k: int, n: int, itemsize: int, *, dw: bool = False) -> int:
+def least_bytes(
+    sizes, m: int, k: int, n: int, itemsize: int, *, dw: bool = False, out_itemsize: int = 0
+) -> int:
     """What a grouped GEMM must move at least: x [m, k], the experts that receive rows (w [k, n]
     each) and the output [m, n]; for dW (x^T dY per group): x, dY [m, n] and those experts'
-    dW."""
+    dW. Operands of `itemsize` bytes, the output of `out_itemsize` (default the same: float8
+    operands give a bf16 output, 2)."""
     active = int(np.count_nonzero(np.asarray(sizes)))
-    return itemsize * (m * k + active * k * n + m * n)
+    return itemsize * (m * k + active * k * n) + (out_itemsize or itemsize) * m * n
 
 
 def roofline_ms(flops: float, nbytes: int, flops_per_s: float, bytes_per_s: float) -> float:
@@ -164,6 +170,19 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
             (x, w, sizes),
         ),
         "dense GEMM, same FLOPs": (jax.jit(lambda a, b: a @ b), (x, dense_w)),
+        # the FP8 rows' rate: cuBLASLt's tensor-scaled FP8 GEMM (the library's local one)
+        "fp8 dense GEMM, same FLOPs": (
+            jax.jit(
+                lambda a, b, c: quantized_gemm.scaled_dot(
+                    a, b, ((1,), (1,)), c, "float32", dtype, split=False
+                )
+            ),
+            (
+                x.astype(jnp.float8_e4m3fn),
+                dense_w.T.astype(jnp.float8_e4m3fn),
+                jnp.ones((), jnp.float32),
+            ),
+        ),
     }
     ref = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
         a.astype(jnp.float32), b.astype(jnp.float32), s))(x, w, sizes)  # fmt: skip
@@ -261,6 +280,8 @@ def main() -> None:
             "fwd": (least_bytes(sizes, m, k, n, 2), min(times["dense GEMM, same FLOPs"],
                     times.get("dense GEMM core (commgemm)", float("inf"))), times["hbm copy"]),
             "dw": (least_bytes(sizes, m, k, n, 2, dw=True), dense_dw, dw_times["hbm copy"]),
+            "fp8": (least_bytes(sizes, m, k, n, 1, out_itemsize=2),
+                    times["fp8 dense GEMM, same FLOPs"], times["hbm copy"]),
         }  # fmt: skip
         t_roof = {
             key: roofline_ms(flops, nbytes, flops / (t_gemm * 1e-3), copy_bytes / (t_copy * 1e-3))
@@ -275,6 +296,9 @@ def main() -> None:
             "t_roof_ms": t_roof["fwd"],
             "hbm_gb_per_s": copy_bytes / (times["hbm copy"] * 1e-3) / 1e9,
             "vs_roof": {name: t / t_roof["fwd"] for name, t in times.items()},
+            # the FP8 variants against the FP8 roofline: 1-byte operands, the FP8 GEMM's rate
+            "fp8_t_roof_ms": t_roof["fp8"],
+            "fp8_vs_roof": {n: t / t_roof["fp8"] for n, t in times.items() if n.startswith("fp8")},
             "gb_per_s": {name: roof["fwd"][0] / (t * 1e-3) / 1e9 for name, t in times.items()},
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in times.items()},
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
