@@ -6,6 +6,9 @@ on the four GEMMs).
 
 Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved`):
   auto, none: the layer with commgemm's ops inside shard_map (AUTO, and NONE: serial)
+  auto-fast-dgrad: FP8 rows only: AUTO with split_accumulator=(False, False, True), so that a
+              fused forward's dX runs the fused kernels too (the default recipe's promoted dX
+              runs the split ring)
   xla:        the same layer in jnp on global arrays with NamedShardings (XLA's partitioning;
               FP8: `commgemm.scaled.matmul` on the global arrays)
   comm:       the step's collectives alone, back to back (4 all-gathers and 4 reduce-scatters
@@ -80,6 +83,10 @@ SIZES = {
 }
 QUICK = Size(64, 128, 8, 2, 32)
 FP8 = "current_tensor_scaling"
+#: AUTO on FP8 with fast accumulation in dX too: the recipe's default promotes dX's partial sums,
+#: which the fused kernels' dX does not take (a fused forward's dX then runs the split ring)
+FAST_DGRAD = "auto-fast-dgrad"
+FAST_DGRAD_RECIPE = cg.ScalingRecipe(FP8, split_accumulator=(False, False, True))
 WINDOWED = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 )
@@ -162,15 +169,18 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     x_placed = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
-        if name in ("auto", "none"):
-            cfg = cg.OverlapConfig(method=name)
+        if name in ("auto", "none", FAST_DGRAD):
+            if name == FAST_DGRAD and scaling is None:
+                continue  # an FP8 recipe's variant
+            cfg = cg.OverlapConfig(method="auto" if name == FAST_DGRAD else name)
+            recipe = FAST_DGRAD_RECIPE if name == FAST_DGRAD else scaling
 
-            def ag(h, w, act, cfg=cfg):
+            def ag(h, w, act, cfg=cfg, recipe=recipe):
                 return cg.all_gather_matmul(h, w, "tp", config=cfg, activation=act,
-                                            scaling=scaling)  # fmt: skip
+                                            scaling=recipe)  # fmt: skip
 
-            def rs(a, w, cfg=cfg):
-                return cg.matmul_reduce_scatter(a, w, "tp", config=cfg, scaling=scaling)
+            def rs(a, w, cfg=cfg, recipe=recipe):
+                return cg.matmul_reduce_scatter(a, w, "tp", config=cfg, scaling=recipe)
 
             body = jax.shard_map(
                 lambda p, x, ag=ag, rs=rs: layer(p, x, ag, rs, size, size.heads // n),
@@ -296,7 +306,7 @@ def arguments(doc: str, sizes: str, variants: str) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = arguments(__doc__, "8b,70b,13b", "auto,none,xla,comm,local,xla-flags")
+    args = arguments(__doc__, "8b,70b,13b", "auto,none,auto-fast-dgrad,xla,comm,local,xla-flags")
     names = args.variants.split(",")
     processes, writer = jax.process_count(), jax.process_index() == 0
     if processes > 1 and "xla-flags" in names:  # its child would start outside the run

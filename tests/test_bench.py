@@ -562,14 +562,15 @@ def test_step_script_runs(tmp_path):
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "step.py"), "--out", str(tmp_path), "--quick",
-         "--sizes", "8b", "--variants", "auto,none,xla,comm"],
+         "--sizes", "8b", "--variants", "auto,none,auto-fast-dgrad,xla,comm"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
-    for row in rows:
-        assert row["loss_ok"] == {"auto": True, "none": True, "xla": True}
+    for row in rows:  # the fast-dgrad recipe's AUTO in the FP8 row only
+        fp8 = {"auto-fast-dgrad": True} if row["dtype"] == "fp8" else {}
+        assert row["loss_ok"] == {"auto": True, "none": True, "xla": True, **fp8}
         assert row["ms"] == {} and row["ratios"] == {}
 
 
