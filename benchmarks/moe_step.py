@@ -11,6 +11,9 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
               shard routed here), bf16 only. On a CPU, where XLA has no ragged all-to-all, an
               all-to-all of padded chunks with the same offsets stands in for it (checked, not
               timed).
+  ragged-a2a: xla's block with commgemm's grouped GEMM (`cg.grouped_matmul`) in place of the
+              ragged dots: the ragged exchange against commgemm's padded blocks, the GEMMs
+              alike (bf16 only)
 Before timing, every variant's first loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8);
 a variant that fails to compile or run is reported with its error and left out of the timing.
 A step under 90% busy is host-bound: no ratio is given from it.
@@ -45,6 +48,8 @@ from commgemm.bench import spans
 from commgemm.nnx import moe_per_shard, top_k_routing
 
 FP8 = "current_tensor_scaling"
+#: XLA's ragged all-to-all with commgemm's grouped GEMMs: what the exchange alone costs
+RAGGED = "ragged-a2a"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +87,10 @@ def emulated_ragged_all_to_all(
     return output.at[where.reshape(-1)].set(got.reshape(-1, operand.shape[1]), mode="drop")
 
 
-def xla_moe_per_shard(x, router, w1, w2, *, k: int, axis_name: str):
+def xla_moe_per_shard(x, router, w1, w2, *, k: int, axis_name: str, dot=jax.lax.ragged_dot):
     """The block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H],
-    in XLA's ops: ragged all-to-all there and back, ragged dots on the received rows grouped
-    by expert."""
+    in XLA's ops: ragged all-to-all there and back, `dot` (x [M, K], w [e, K, N], sizes [e]:
+    XLA's ragged dot, or commgemm's grouped GEMM) on the received rows grouped by expert."""
     ragged = jax.lax.ragged_all_to_all
     if jax.default_backend() == "cpu":
         ragged = emulated_ragged_all_to_all
@@ -115,8 +120,8 @@ def xla_moe_per_shard(x, router, w1, w2, *, k: int, axis_name: str):
     key = jnp.where(segment < size * e, (segment % e) * size + segment // e, size * e)
     perm = jnp.argsort(key, stable=True)
     sizes = mine.sum(0)
-    y = jax.nn.gelu(jax.lax.ragged_dot(got[perm], w1, sizes), approximate=False)
-    y = jax.lax.ragged_dot(y, w2, sizes)
+    y = jax.nn.gelu(dot(got[perm], w1, sizes), approximate=False)
+    y = dot(y, w2, sizes)
     back = jnp.zeros_like(y).at[perm].set(y)
     out = ragged(
         back,
@@ -156,10 +161,11 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
     x = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
-        if name == "xla" and scaling is not None:
-            continue  # XLA's ragged dot in float8 is not this benchmark's baseline
-        if name == "xla":
-            block = functools.partial(xla_moe_per_shard, k=size.top_k, axis_name="tp")
+        if name in ("xla", RAGGED) and scaling is not None:
+            continue  # the ragged all-to-all forms run in bf16
+        if name in ("xla", RAGGED):
+            dot = cg.grouped_matmul if name == RAGGED else jax.lax.ragged_dot
+            block = functools.partial(xla_moe_per_shard, k=size.top_k, axis_name="tp", dot=dot)
         else:
             block = functools.partial(
                 moe_per_shard,
@@ -224,19 +230,19 @@ def run(
 
 
 def ratios(row: dict) -> dict:
-    """AUTO's speedup over serial and over xla, where both steps are device-bound."""
+    """AUTO's speedup over serial, xla and ragged-a2a, where both steps are device-bound."""
     ms, busy = row["ms"], row["busy"]
     if "auto" not in ms or busy["auto"] < BUSY:
         return {}
     return {
         f"auto_vs_{n}": round(ms[n] / ms["auto"], 3) if busy[n] >= BUSY else "host-bound"
-        for n in ("none", "xla")
+        for n in ("none", "xla", RAGGED)
         if n in ms
     }
 
 
 def main() -> None:
-    args = arguments(__doc__, "mixtral,fine", "auto,none,xla")
+    args = arguments(__doc__, "mixtral,fine", "auto,none,xla,ragged-a2a")
     writer = jax.process_index() == 0
     if writer:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -65,9 +65,11 @@ def test_emulated_ragged_all_to_all(devices):
 
 @pytest.mark.parametrize("devices,experts,top_k", [(2, 4, 2), (4, 8, 2), (8, 8, 3)])
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma):
-    """The baseline's loss and gradients (router, both experts' weights) equal commgemm's
-    serial block's in float32 (rtol 1e-5) on fresh random tokens and weights."""
+@pytest.mark.parametrize("dot", ["ragged_dot", "grouped_matmul"])
+def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma, dot):
+    """The ragged all-to-all block's loss and gradients (router, both experts' weights), with
+    XLA's ragged dots (the xla variant) or commgemm's grouped GEMMs (ragged-a2a), equal
+    commgemm's serial block's in float32 (rtol 1e-5) on fresh random tokens and weights."""
     rng = np.random.default_rng(devices * 10 + top_k)
     m, h, f = 16 * devices, 16, 24
     x = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
@@ -79,7 +81,12 @@ def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("tp",))
     specs = {"router": P(), "w1": P("tp"), "w2": P("tp")}
     blocks = {
-        "xla": functools.partial(_bench().xla_moe_per_shard, k=top_k, axis_name="tp"),
+        "xla": functools.partial(
+            _bench().xla_moe_per_shard,
+            k=top_k,
+            axis_name="tp",
+            dot={"ragged_dot": jax.lax.ragged_dot, "grouped_matmul": cg.grouped_matmul}[dot],
+        ),
         "commgemm": functools.partial(
             moe_per_shard,
             k=top_k,
@@ -108,8 +115,8 @@ def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma)
 
 def test_moe_step_script_runs(tmp_path):
     """The script on 8 virtual CPU devices with tiny shapes: commgemm's AUTO and serial blocks'
-    first losses equal the XLA-ops block's (bf16), and FP8's are within 10%; no device timing
-    on a CPU, so no ratio is claimed."""
+    and the ragged all-to-all block's first losses equal the XLA-ops block's (bf16), and FP8's
+    are within 10%; no device timing on a CPU, so no ratio is claimed."""
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [
@@ -129,6 +136,6 @@ def test_moe_step_script_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "moe_step.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
-    assert rows[0]["loss_ok"] == {"auto": True, "none": True, "xla": True}
+    assert rows[0]["loss_ok"] == {"auto": True, "none": True, "xla": True, "ragged-a2a": True}
     assert rows[1]["loss_ok"] == {"auto": True, "none": True}
     assert all(r["ms"] == {} and r["ratios"] == {} for r in rows)

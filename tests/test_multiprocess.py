@@ -170,7 +170,7 @@ def test_two_hosts_of_four_devices_as_eight_processes():
     "script,extra,variants",
     [("step.py", ["--sizes", "8b", "--variants", "auto,none,xla,local,xla-flags"],
       {"auto", "none", "xla"}),
-     ("moe_step.py", ["--sizes", "fine"], {"auto", "none", "xla"})],
+     ("moe_step.py", ["--sizes", "fine"], {"auto", "none", "xla", "ragged-a2a"})],
 )  # fmt: skip
 def test_step_benchmarks_with_one_process_per_device_group(tmp_path, script, extra, variants):
     """benchmarks/step.py and moe_step.py under `commgemm launch -n 2` (4 CPU devices each):
