@@ -101,6 +101,21 @@ def test_bfloat16(rng, size, cfg):
         assert_close(out, ref, bf16, k)
 
 
+@pytest.mark.parametrize("op", [cg.all_gather_matmul, cg.matmul_reduce_scatter])
+def test_auto_bfloat16_where_the_fused_kernels_tiles_divide(rng, op):
+    """AUTO plans bf16 calls the Hopper kernels' tiles divide, on a mesh of every device, by
+    asking whether the fused kernels would run: off a GPU that check must answer, not fail
+    (it read the GPU's SM count from a CPU device), and the call runs a plan that is right."""
+    bf16, size, shape = ml_dtypes.bfloat16, jax.device_count(), (256, 256, 256)
+    auto = cg.OverlapConfig(method="auto")
+    if op is cg.all_gather_matmul:
+        out, ref, k = run_all_gather_matmul(rng, size, shape, auto, bf16)
+    else:
+        out, ref, k = run_k_sharded(op, rng, size, shape, auto, bf16)
+    assert out.dtype == bf16
+    assert_close(out, ref, bf16, k)
+
+
 def test_out_dtype_and_float32_reduction(rng):
     """bf16 inputs, float32 out and float32 partial sums: float32-level error on bf16 inputs."""
     bf16 = ml_dtypes.bfloat16

@@ -21,8 +21,9 @@ HOPPER_SMS = 132
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of this process's first device (the kernels' grid)."""
-    return jax.devices()[0].core_count
+    """Streaming multiprocessors of this process's first device (the kernels' grid); an H100's
+    where the device is no GPU (a plan checked on a CPU or a TPU host)."""
+    return getattr(jax.devices()[0], "core_count", None) or HOPPER_SMS
 
 
 def hopper_reason() -> str | None:
