@@ -1,5 +1,6 @@
-"""Multi-process runs: `initialize()` (from the variables `cg.launch` sets) and the check that
-every process plans the same collective GEMM.
+"""Multi-process runs: `initialize()` (from the variables `cg.launch` sets), the check that
+every process plans the same collective GEMM, and `agreed`, one answer for decisions each
+process makes for itself.
 
 One process per host (or per GPU) is how production JAX runs; every op works unchanged there, as
 long as the global arrays are made with `jax.make_array_from_callback` /
@@ -12,8 +13,10 @@ import collections
 import os
 import pathlib
 import threading
+from collections.abc import Collection, Sequence
 
 import jax
+import numpy as np
 
 #: Variables `commgemm launch` sets for each process it starts.
 COORDINATOR = "COMMGEMM_COORDINATOR"
@@ -121,3 +124,19 @@ def check_same_plan(call: str, plan: str) -> None:
                 f"process {rank} planned {theirs}; pass the same config and shapes on every "
                 "process"
             )
+
+
+def agreed(names: Sequence[str], mine: Collection[str], *, every: bool) -> set[str]:
+    """Of `names`, those in `mine` on every process (every=True) or on any process (False):
+    one answer on all processes where each process decided for itself (which variants ran,
+    which traces it could read), so that every process goes on to run the same collectives in
+    the same order. One process: `mine` (of `names`). Every process must call it, with the
+    same `names` in the same order."""
+    if jax.process_count() == 1:
+        return {n for n in names if n in mine}
+    from jax.experimental import multihost_utils
+
+    local = np.array([n in mine for n in names], np.int32)
+    found = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(names))
+    keep = found.all(axis=0) if every else found.any(axis=0)
+    return {n for n, k in zip(names, keep, strict=True) if k}

@@ -7,6 +7,7 @@ mp_worker.py listen         prints the address the coordinator listens on (from 
 mp_worker.py extra          rank 0 lowers an extra call first; every rank then runs the op
 mp_worker.py tune           each rank's timings favour another candidate: all take rank 0's
 mp_worker.py hosts          2 "hosts" x 4 devices: tensor parallel within, data parallel across
+mp_worker.py agreed         each rank holds other names: every rank gets the same union, common
 """
 
 import dataclasses
@@ -31,6 +32,13 @@ if mode == "ids":
         "buffer id",
         cg.create_overlap_buffer(cg.OverlapConfig(method="ring_exchange", num_splits=2)),
     )
+    sys.exit(0)
+if mode == "agreed":
+    names, me = ["a", "b", "c", "d", "e"], jax.process_index()
+    mine = {"e", names[me]}  # rank 0: {a, e}, rank 1: {b, e}; "d" nowhere
+    union = distributed.agreed(names, mine, every=False)
+    common = distributed.agreed(names, mine, every=True)
+    print("agreed", "".join(sorted(union)), "".join(sorted(common)))
     sys.exit(0)
 if mode == "listen":
     port = int(os.environ[distributed.COORDINATOR].rsplit(":", 1)[1])

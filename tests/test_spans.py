@@ -343,3 +343,64 @@ def test_report_times_by_spans_where_periods_fail(monkeypatch):
     monkeypatch.setattr(overlap, "batch_spans_interleaved", no_spans)
     out, spread, error = overlap._periods(timed, 2, lambda _: None)
     assert out == {} and "device spans: the trace has no GPU activity" in error
+
+
+def test_report_times_by_spans_what_any_process_could_not_read(monkeypatch):
+    """With several processes each reads its own trace, but they must go on alike (a process
+    that timed a variant by spans alone would wait forever on the others' collectives): a
+    variant another process could not read is timed by spans here too, and where another
+    process could not read its trace at all, no process gives periods."""
+    from commgemm.bench import overlap
+
+    names = [*overlap.GEMM_ALONE.values(), "collective alone", "ring", "none"]
+    timed = {name: (None, ()) for name in names}
+    monkeypatch.setattr(
+        overlap,
+        "device_periods_interleaved",
+        lambda variants, rounds: {n: {"median": 1.0, "rounds": [1.0]} for n in variants},
+    )
+    spanned = []
+
+    def spans(variants, rounds, calls):
+        spanned.extend(variants)
+        return {n: {"median": 2.0, "rounds": [2.0]} for n in variants}
+
+    monkeypatch.setattr(overlap, "batch_spans_interleaved", spans)
+    asked = []
+
+    def another_missed(other):  # what `agreed` answers when another process missed `other`
+        def agreed(all_names, mine, *, every):
+            asked.append((list(all_names), set(mine), every))
+            return set(mine) | other
+
+        return agreed
+
+    monkeypatch.setattr(overlap, "agreed", another_missed({"ring"}))
+    out, _, error = overlap._periods(timed, 2, lambda _: None)
+    ((all_names, mine, every),) = asked
+    assert mine == set() and not every and set(names) < set(all_names)
+    assert spanned == ["ring"] and out["ring"] == 2.0 and out["none"] == 1.0 and error is None
+
+    (unread,) = set(all_names) - set(names)
+    monkeypatch.setattr(overlap, "agreed", another_missed({unread}))
+    out, spread, error = overlap._periods(timed, 2, lambda _: None)
+    assert out == spread == {} and error == "another process could not read its trace"
+
+
+def test_report_leaves_out_a_best_gemm_another_process_could_not_run(monkeypatch):
+    """The best-GEMM candidates (Mosaic GPU, torch) run where they can; with several processes,
+    one that another process could not run is left out everywhere (the interleaved timing
+    runs the same variants in the same order on every process) and the report says why."""
+    from commgemm.bench import overlap, problems
+
+    mosaic = overlap.OTHER_GEMMS[0]
+    monkeypatch.setattr(
+        problems.Problem, "gemm_alone_mosaic", lambda self: self.gemm_alone(), raising=True
+    )
+    report = overlap.overlap_report("ag", (64, 32, 32), methods={}, iters=2)
+    assert mosaic in report.gemm_ms  # one process: it ran, so it is timed
+
+    monkeypatch.setattr(overlap, "agreed", lambda names, mine, *, every: set())
+    report = overlap.overlap_report("ag", (64, 32, 32), methods={}, iters=2)
+    assert mosaic not in report.gemm_ms
+    assert (mosaic, "it could not run on another process") in report.failures

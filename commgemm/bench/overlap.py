@@ -17,6 +17,7 @@ from commgemm.bench.spans import (
 )
 from commgemm.bench.timing import BenchmarkResult, benchmark_interleaved
 from commgemm.config import OverlapConfig
+from commgemm.distributed import agreed
 from commgemm.quant import ScalingMode
 
 #: The two forms of XLA's GEMM alone (`Problem.gemm_alone`).
@@ -182,13 +183,21 @@ def _periods(timed, rounds: int, step) -> tuple[dict[str, float], dict[str, floa
     GPUs and no variant got a period; it keeps its host-timed figure."""
     timed = {name: v for name, v in timed.items() if name != OTHER_GEMMS[1]}
     step(f"{len(timed)} variants, device periods, {rounds} rounds")
+    unread = "(the trace)"  # a process that could not read its trace at all
     try:
         found = device_periods_interleaved(timed, rounds=rounds)
+        error = None
     except RuntimeError as err:
-        return {}, {}, str(err)
+        found, error = {}, str(err)
     errors = [f"{name}: {f['error']}" for name, f in found.items() if "error" in f]
     found = {name: f for name, f in found.items() if "error" not in f}
-    if missing := [name for name in timed if name not in found]:
+    # every process times the same variants by spans, or none does (each reads its own trace)
+    mine = {*timed} - set(found) | ({unread} if error else set())
+    missing = agreed([*timed, unread], mine, every=False)
+    if unread in missing:
+        return {}, {}, error or "another process could not read its trace"
+    found = {name: f for name, f in found.items() if name not in missing}
+    if missing := [name for name in timed if name in missing]:
         step(f"{len(missing)} variants, device spans, {rounds} rounds")
         try:
             found |= batch_spans_interleaved({n: timed[n] for n in missing}, rounds=rounds, calls=8)
@@ -268,6 +277,10 @@ def overlap_report(
                     timed[name] = found
             except Exception as err:  # noqa: BLE001 - a GEMM that cannot run here is left out
                 failures.append((name, f"{type(err).__name__}: {err}"[:300]))
+        # timed by every process or by none: the interleaved runs go in one order everywhere
+        for name in set(OTHER_GEMMS) - agreed(OTHER_GEMMS, timed, every=True):
+            if timed.pop(name, None) is not None:
+                failures.append((name, "it could not run on another process"))
     if scaling is not None:
         timed[QUANTIZED_GEMM] = problem.gemm_alone_quantized(scaling)
     if include_xla:

@@ -149,7 +149,8 @@ class Problem:
         return fn, (self._random((p, lm, lk), spec, 1), self._random((p, lk, ln), spec, 2))
 
     def gemm_alone_torch(self) -> tuple[Callable, tuple] | None:
-        """cuBLAS through torch (torch.matmul) of the local shape on the first device. Each
+        """cuBLAS through torch (torch.matmul) of the local shape on this process's first
+        device (its CUDA ordinal, so that each process of a multi-process run uses its own). Each
         call's result carries a CUDA event recorded after its GEMM, and its is_ready and
         block_until_ready ask that event, as a jax array's ask for its own buffer, so the
         harness times it the same way. None without torch, CUDA or a 16-bit dtype."""
@@ -161,8 +162,10 @@ class Problem:
             return None
         lm, lk, ln = self._local_shape()
         dtype = getattr(torch, self.dtype)
-        a = torch.randn(lm, lk, device="cuda", dtype=dtype)
-        b = torch.randn(lk, ln, device="cuda", dtype=dtype)
+        device = torch.device("cuda", jax.local_devices()[0].local_hardware_id)
+        torch.cuda.set_device(device)  # the events and the matmul's stream on that GPU too
+        a = torch.randn(lm, lk, device=device, dtype=dtype)
+        b = torch.randn(lk, ln, device=device, dtype=dtype)
 
         class Done:
             def __init__(self, out):
