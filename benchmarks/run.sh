@@ -21,6 +21,8 @@
 #                                              against XLA's partitioning, kernel time by kind
 #   bash benchmarks/run.sh multiprocess OUT    2 GPUs: the fused kernels and jax's own collective
 #                                              matmul with one process per GPU (and one for all)
+#   bash benchmarks/run.sh launch-modes OUT [P] P GPUs (default all): every preset x op (AUTO, serial,
+#                                              XLA) in one process, then one process per GPU
 #   bash benchmarks/run.sh step    OUT         all GPUs: a transformer layer's training step (3 sizes,
 #                                              bf16 and FP8) by method against its bound, XLA's
 #                                              partitioning and XLA's windowed einsum
@@ -65,6 +67,13 @@ case $target in
     exit $status ;;
   layers) python3 benchmarks/layers_step.py --out "$out" ;;
   step) python3 benchmarks/step.py --out "$out" ;;
+  launch-modes)
+    p=${3:-$(python3 -c 'from commgemm.launch import gpu_count; print(gpu_count())')}
+    export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((p - 1)))
+    python3 benchmarks/launch_modes.py --out "$out" 2>&1 | tee "$out/one_process.log" || true
+    python3 -m commgemm launch -n "$p" --gpus-per-process 1 -- \
+      python3 benchmarks/launch_modes.py --out "$out" 2>&1 | tee "$out/processes.log" || true
+    python3 benchmarks/launch_modes.py --table "$out" ;;
   moe) python3 benchmarks/moe_step.py --out "$out" ;;
   core)  # the benchmark runs even when a test fails; the exit status is the tests'
     status=0
@@ -88,5 +97,5 @@ case $target in
     COMMGEMM_LIFT_PROCESS_CHECK=1 python3 -m commgemm launch -n 2 --gpus-per-process 1 \
       --timeout 140 -- $one > "$out/two_processes_lifted.log" 2>&1 || true
     grep -h "OK\|FAILED" "$out"/*.log | cut -c1-400 ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess, step, moe, grouped or capabilities" >&2; exit 2 ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess, launch-modes, step, moe, grouped or capabilities" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -158,6 +159,17 @@ def test_tuner_ranks_agree_on_process_0s_winner(tmp_path, monkeypatch):
     assert winners == ["NONE", "NONE"], out.getvalue()
 
 
+def test_agreed_gives_every_rank_one_answer():
+    """Each rank decides for itself (rank i holds name i and a common one); `agreed` gives
+    every rank the same union (any) and intersection (every)."""
+    out = io.StringIO()
+    assert launch(2, [sys.executable, WORKER, "agreed"], cpu_devices=1, out=out,
+                  timeout_s=180) == 0, out.getvalue()  # fmt: skip
+    lines = out.getvalue().splitlines()
+    answers = [line.split("agreed ")[1] for line in lines if "agreed " in line]
+    assert answers == ["abe e", "abe e"], out.getvalue()
+
+
 def test_two_hosts_of_four_devices_as_eight_processes():
     """The 2-host x 4-GPU layout (tensor parallel within a host, data parallel across) as 8
     CPU processes of one device each: AG, RS and AR by every XLA method, against numpy."""
@@ -192,6 +204,37 @@ def test_step_benchmarks_with_one_process_per_device_group(tmp_path, script, ext
     assert bf16["loss_ok"] == dict.fromkeys(variants, True)
     assert "xla-flags" not in bf16
     assert all(result["rows"][1]["loss_ok"].values())
+
+
+def test_launch_modes_benchmark_in_both_modes(tmp_path):
+    """benchmarks/launch_modes.py in one process and under `commgemm launch -n 2`: each run
+    records every problem's serial and AUTO rows with AUTO's plan and errors against serial
+    within bf16's rounding of the result, and the table pairs the two runs row by row."""
+    root = pathlib.Path(__file__).parent.parent
+    script = [str(root / "benchmarks" / "launch_modes.py"), "--out", str(tmp_path),
+              "--presets", "notebook", "--ops", "rs", "--iters", "2", "--periods", "0"]  # fmt: skip
+    out = io.StringIO()
+    assert launch(2, [sys.executable, *script], cpu_devices=4, timeout_s=300, out=out) == 0, (
+        out.getvalue()[-3000:]
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    subprocess.run([sys.executable, *script], check=True, env=env, capture_output=True)
+    for processes in (1, 2):
+        data = json.loads((tmp_path / f"modes-8dev-{processes}proc.json").read_text())
+        assert data["processes"] == processes and data["devices"] == 8
+        (record,) = data["records"]
+        assert (record["preset"], record["op"]) == ("notebook", "rs")
+        assert record["auto_plan"] and not record["failures"]
+        assert set(record["host_ms"]) == {"xla", "none", "auto"}
+        # K = 2048, standard normal: |y| up to about 250, where bf16's step is 1; a ring's
+        # partial sums, rounded to bf16 at each of its 7 hops, differ by a few such steps
+        assert record["max_error"]["none"] == 0.0 and record["max_error"]["auto"] <= 8.0
+    table = subprocess.run(
+        [sys.executable, script[0], "--table", str(tmp_path)], check=True, capture_output=True,
+        text=True,
+    ).stdout  # fmt: skip
+    (row,) = [line for line in table.splitlines() if "notebook" in line]
+    assert row.startswith("| 8 | notebook | rs |")
 
 
 def test_launch_rejects_bad_arguments():
