@@ -45,7 +45,7 @@ import jax
 from jax import lax
 
 from commgemm.backend import FN_NAMES, backend_for
-from commgemm.config import Collective, Method, OverlapConfig, uses_tpu_kernels
+from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
@@ -121,22 +121,56 @@ class Quantizer:
 
 
 NO_QUANTIZER = Quantizer()
+#: The collective of dX's GEMM for a forward of each.
+OTHER_COLLECTIVE = {
+    Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
+    Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
+}
 
 
 def backward_config(cfg: OverlapConfig, x: jax.Array) -> OverlapConfig:
-    """The forward's method for the backward collectives (a fused Hopper forward's backward
-    runs the ring, RING_EXCHANGE; the TPU kernels' backward runs the same kernels, AG <-> RS);
-    gradients come out in x's dtype."""
+    """The forward's method for the backward collectives (the TPU kernels' backward runs the
+    same kernels, AG <-> RS; a fused Hopper forward's backward is `unfused_backward`'s where
+    no fused kernel takes it); gradients come out in x's dtype."""
     if uses_tpu_kernels(cfg):
         return cfg.replace(collective=None, out_dtype=x.dtype.name, reduce_dtype=None)
     return cfg.replace(
-        method=Method.RING_EXCHANGE if cfg.atomic_gemm else cfg.method,
         atomic_gemm=False,
         kernel=None,
         aggregate=False,
         bidirectional=cfg.bidirectional or cfg.aggregate,
         collective=None,
         out_dtype=x.dtype.name,
+    )
+
+
+def unfused_backward(
+    collective: Collective,
+    cfg: OverlapConfig,
+    x: jax.Array,
+    dy: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    w_transposed: bool,
+    *,
+    quantized: bool = False,
+) -> OverlapConfig:
+    """`backward_config`, and for a fused Hopper forward of `collective` (AG or RS) dX's
+    collective (RS for an AG forward, AG for RS) by the XLA method the cost model picks for
+    dX's own shape (`autotune.auto.unfused_plan`): on GPUs serial unless a split plan beats
+    it by `AUTO_MARGINS` (the split rings ran slower than serial on 2 and 4 GPUs).
+    w_transposed: the forward's."""
+    back = backward_config(cfg, x)
+    fused_forward = cfg.atomic_gemm and not uses_tpu_kernels(cfg)
+    if not fused_forward or collective not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return back
+    from commgemm.autotune.auto import unfused_plan
+
+    other = OTHER_COLLECTIVE[collective]
+    size = lax.axis_size(axis_name)
+    plan = unfused_plan(other, dy, w, size, w_transposed=not w_transposed, quantized=quantized)
+    return back.replace(
+        method=plan.method, num_splits=plan.num_splits, bidirectional=plan.bidirectional
     )
 
 
@@ -151,18 +185,15 @@ def fused_backward_config(
 ) -> OverlapConfig:
     """The backward config of a forward of `cfg`: for a fused Hopper forward of `collective`
     (AG or RS), the other collective's fused kernel of the same method family where it runs
-    dY's shape (`mosaic_gpu.fused.backward_config`), else `backward_config`'s. w_transposed:
+    dY's shape (`mosaic_gpu.fused.backward_config`), else `unfused_backward`'s. w_transposed:
     the forward's."""
-    back = backward_config(cfg, x)
+    back = unfused_backward(collective, cfg, x, dy, w, axis_name, w_transposed)
     fused_forward = cfg.atomic_gemm and not uses_tpu_kernels(cfg)
     if not fused_forward or collective is Collective.ALL_REDUCE or dy.dtype != x.dtype:
         return back
     from commgemm.mosaic_gpu import fused
 
-    other = {
-        Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
-        Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
-    }[collective]
+    other = OTHER_COLLECTIVE[collective]
     size = lax.axis_size(axis_name)
     kernel = fused.backward_config(other, cfg, dy, w, size, w_transposed=not w_transposed)
     return back if kernel is None else kernel
@@ -170,8 +201,9 @@ def fused_backward_config(
 
 def _dgrad_config(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transposed):
     """dX's config: `fused_backward_config` where dY enters the fused kernels (plain, or a
-    tensor mode with fast dgrad), else `backward_config` (a fused forward's dX on RING_EXCHANGE,
-    whose promoted XLA GEMMs the kernels' split form did not beat)."""
+    tensor mode with fast dgrad), else `unfused_backward` (a fused forward's dX on the XLA
+    method the cost model picks, with promoted XLA GEMMs the kernels' split form did not
+    beat)."""
     fused_dgrad = not quantizer.active or (
         quantizer.mode in TENSOR_MODES
         and collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
@@ -179,7 +211,9 @@ def _dgrad_config(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transp
     )
     if fused_dgrad:
         return fused_backward_config(collective, cfg, like_x, dy, w, axis_name, w_transposed)
-    return backward_config(cfg, like_x)
+    return unfused_backward(
+        collective, cfg, like_x, dy, w, axis_name, w_transposed, quantized=quantizer.active
+    )
 
 
 def collective_matmul(

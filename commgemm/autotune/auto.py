@@ -96,6 +96,37 @@ def resolve_auto(
     return cfg.replace(**chosen_fields, interpret=cfg.interpret and chosen.atomic_gemm)
 
 
+def unfused_plan(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    *,
+    w_transposed: bool,
+    quantized: bool = False,
+) -> OverlapConfig:
+    """The cost model's pick among the XLA methods alone (no fused kernel) for one per-shard
+    call (x the 2-D view): where a fused forward's backward cannot run a fused kernel. With
+    the machine's `AUTO_MARGINS` (`quantized`: the FP8 families'), so on GPUs that is serial
+    unless a split plan is predicted faster beyond the model's measured error."""
+    shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
+    kind = jax.devices()[0].device_kind
+    fig = cache.load().machines.get(cache.machine_key(kind, size)) or default_figures(
+        jax.default_backend(), kind
+    )
+    chosen, _ = choose(
+        collective,
+        shape,
+        x.shape[0],
+        size,
+        x.dtype.itemsize,
+        fig,
+        backend=jax.default_backend(),
+        quantized=quantized,
+    )
+    return chosen
+
+
 def _unfit(chosen: OverlapConfig, collective: Collective, rows: int, size: int) -> str | None:
     """Why a cached winner cannot run this call (the plan's own checks, which would otherwise
     fail on a config the user never wrote), or None."""

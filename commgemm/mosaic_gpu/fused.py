@@ -43,10 +43,11 @@ wants the mesh's devices in id order (it raises otherwise).
 Backward: dX runs the other collective's kernel of the same method family (`backward_config`:
 an AG forward's dX on the RS kernel, an RS forward's on the AG kernel, the cost model's tiling
 for dY's shape; an AG on more than 2 GPUs on the ring kernel), where it can run, else the
-RING_EXCHANGE method; dW reads the gathered rows that the AG kernel received
+XLA method the cost model picks for dX (`autodiff.unfused_backward`: serial on GPUs unless a
+split plan beats it by `AUTO_MARGINS`); dW reads the gathered rows that the AG kernel received
 (`direct_ag.gathered_rows`). A tensor-scaled op with fast dgrad multiplies its
 float8_e5m2 dY by the float8_e4m3fn W (read as stored, [K, n]: K-major for dX's GEMM) in the
-same kernels; with promoted dgrad its dX runs RING_EXCHANGE (commgemm.scaled).
+same kernels; with promoted dgrad its dX runs that XLA method (commgemm.scaled).
 """
 
 from __future__ import annotations
