@@ -41,7 +41,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from step import BUSY, arguments, shard  # as it is imported: the devices set up, the run joined
+
+# step's import sets the devices up and joins the run
+from step import BUSY, arguments, first_losses, shard
 
 import commgemm as cg
 from commgemm.bench import spans
@@ -209,12 +211,7 @@ def run(
         "busy": {},
         "rounds": {},
     }
-    for name, (fn, args) in list(found.items()):
-        try:
-            row["loss"][name] = float(fn(*args)[2])
-        except Exception as err:  # a variant that cannot run here is reported, not timed
-            row.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"[:600]
-            del found[name]
+    first_losses(found, row)
     if "xla" in row["loss"]:
         reference[size_name] = row["loss"]["xla"]
     if size_name in reference:

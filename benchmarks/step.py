@@ -46,7 +46,7 @@ import subprocess
 import sys
 
 from commgemm.devices import setup_devices
-from commgemm.distributed import initialize
+from commgemm.distributed import agreed, initialize
 
 setup_devices()
 initialize()  # under `commgemm launch`: join the other processes (a no-op otherwise)
@@ -243,6 +243,45 @@ def exposed_ms(events, calls: int) -> float:
     return total / calls / 1e6
 
 
+def cannot_run(fn, args) -> str | None:
+    """Why a jitted step cannot run on these devices (it does not compile, or its compiled
+    buffers exceed what the first local device has free), or None (also where the backend
+    gives no memory figures). A step that ran out of memory on one GPU left the others
+    waiting in NCCL for good."""
+    try:
+        compiled = fn.lower(*args).compile()
+    except Exception as err:  # noqa: BLE001 - a variant that cannot compile here is reported
+        return f"{type(err).__name__}: {err}"[:600]
+    stats = jax.local_devices()[0].memory_stats()
+    memory = compiled.memory_analysis()
+    if not stats or "bytes_limit" not in stats or memory is None:
+        return None
+    need = sum(
+        getattr(memory, f, 0) or 0
+        for f in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+    )
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if need <= free:
+        return None
+    return f"needs {need / 2**30:.1f} GiB a device, {free / 2**30:.1f} GiB free"
+
+
+def first_losses(found: dict, row: dict, skip: tuple[str, ...] = ()) -> None:
+    """Each variant's first step (its loss into row["loss"]; not for `skip`), where it compiles
+    and fits in memory; a variant that does not is reported in row["errors"] and dropped from
+    `found`. With several processes the processes agree first on which variants every one of
+    them can run, so that all run the same steps."""
+    errors = {name: why for name, (fn, args) in found.items() if (why := cannot_run(fn, args))}
+    runnable = agreed(list(found), set(found) - set(errors), every=True)
+    for name in list(found):
+        if name not in runnable:
+            why = errors.get(name, "it cannot run on another process")
+            row.setdefault("errors", {})[name] = why
+            del found[name]
+        elif name not in skip:
+            row["loss"][name] = float(found[name][0](*found[name][1])[2])
+
+
 def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: int) -> dict:
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     dtype = jnp.bfloat16
@@ -251,9 +290,7 @@ def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: in
     row = {"size": size_name, "dtype": dtype_name, "devices": mesh.devices.size,
            "shape": dataclasses.asdict(size), "loss": {}, "ms": {}, "busy": {},
            "exposed_ms": {}, "rounds": {}}  # fmt: skip
-    for name, (fn, args) in found.items():
-        if name != "comm":
-            row["loss"][name] = float(fn(*args)[2])
+    first_losses(found, row, skip=("comm",))
     if "xla" in row["loss"]:
         tol = 1e-1 if scaling else 5e-2
         ref = row["loss"]["xla"]

@@ -574,10 +574,8 @@ def test_step_script_runs(tmp_path):
         assert row["ms"] == {} and row["ratios"] == {}
 
 
-def test_step_ratios_leave_host_bound_steps_out():
-    """benchmarks/step.py's figures: step / t_bound with t_bound = max(t_local, t_comm), the
-    speedup over XLA only where XLA's step is device-bound too, no ratio for a host-bound
-    step; exposed collective time is the collectives' time no other kernel ran beside."""
+def _step_module():
+    """benchmarks/step.py as a module."""
     import importlib.util
     import pathlib
     import sys
@@ -587,6 +585,45 @@ def test_step_ratios_leave_host_bound_steps_out():
     step = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = step  # its dataclasses look themselves up there
     spec.loader.exec_module(step)
+    return step
+
+
+def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
+    """The step benchmarks' first steps: a variant that does not compile, or whose compiled
+    buffers exceed the device's free memory (one GPU out of memory left the other waiting in
+    NCCL), is reported and left out before anything runs; the others give their loss."""
+    step = _step_module()
+
+    def loss_step(scale):
+        return jax.jit(lambda a: (a, a, jnp.sum(a * a) * scale)), (jnp.ones((64, 64)),)
+
+    found = {
+        "small": loss_step(1.0),
+        "broken": (jax.jit(lambda a: (a, a, a @ jnp.ones((3, 3)))), (jnp.ones((64, 64)),)),
+        "comm": loss_step(3.0),
+    }
+    row = {"loss": {}}
+    device = jax.local_devices()[0]
+    monkeypatch.setattr(type(device), "memory_stats", lambda self: None, raising=False)
+    step.first_losses(found, row, skip=("comm",))
+    assert row["loss"] == {"small": 64 * 64} and set(found) == {"small", "comm"}
+    assert "TypeError" in row["errors"]["broken"]  # incompatible shapes for dot
+
+    # 1 MiB free: the step on 64 x 64 (about 100 KiB of buffers) fits, on 1024 x 1024 not
+    stats = {"bytes_limit": 2**21, "bytes_in_use": 2**20}
+    monkeypatch.setattr(type(device), "memory_stats", lambda self: stats, raising=False)
+    found = {"small": loss_step(1.0), "big": (found["small"][0], (jnp.ones((1024, 1024)),))}
+    row = {"loss": {}}
+    step.first_losses(found, row)
+    assert set(row["loss"]) == {"small"} and set(found) == {"small"}
+    assert re.fullmatch(r"needs [\d.]+ GiB a device, [\d.]+ GiB free", row["errors"]["big"])
+
+
+def test_step_ratios_leave_host_bound_steps_out():
+    """benchmarks/step.py's figures: step / t_bound with t_bound = max(t_local, t_comm), the
+    speedup over XLA only where XLA's step is device-bound too, no ratio for a host-bound
+    step; exposed collective time is the collectives' time no other kernel ran beside."""
+    step = _step_module()
     row = {
         "ms": {"auto": 11.0, "none": 12.0, "xla": 13.0, "comm": 4.0, "local": 10.0},
         "busy": {"auto": 0.95, "none": 0.5, "xla": 0.97, "comm": 0.99, "local": 0.99},
