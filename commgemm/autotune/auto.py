@@ -74,22 +74,18 @@ def resolve_auto(
     if chosen is not None and chosen.local_gemm == "mosaic" and hopper_reason() is not None:
         chosen = chosen.replace(local_gemm="auto")  # measured on a machine with the kernel
     if chosen is None:
-        fig = found.machines.get(cache.machine_key(kind, size)) or default_figures(
-            jax.default_backend(), kind
-        )
-        chosen, _ = choose(
+        chosen = _model_choice(
             collective,
-            shape,
-            x.shape[0],
+            x,
+            w,
             size,
-            x.dtype.itemsize,
-            fig,
+            found,
+            w_transposed=w_transposed,
             fused=collective is not Collective.ALL_REDUCE,
             runs=runs,
             deterministic=cfg.deterministic,
             tpu=uses_tpu_kernels(cfg.replace(atomic_gemm=True, interpret=cfg.interpret)),
             interpret=cfg.interpret,
-            backend=jax.default_backend(),
             quantized=recipe is not None,
         )
     chosen_fields = {f: getattr(chosen, f) for f in cache.CHOSEN_FIELDS}
@@ -109,11 +105,29 @@ def unfused_plan(
     call (x the 2-D view): where a fused forward's backward cannot run a fused kernel. With
     the machine's `AUTO_MARGINS` (`quantized`: the FP8 families'), so on GPUs that is serial
     unless a split plan is predicted faster beyond the model's measured error."""
-    shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
+    return _model_choice(
+        collective, x, w, size, cache.load(), w_transposed=w_transposed, quantized=quantized
+    )
+
+
+def _model_choice(
+    collective: Collective,
+    x: jax.Array,
+    w: jax.Array,
+    size: int,
+    found: cache.TuneCache,
+    *,
+    w_transposed: bool,
+    **options,
+) -> OverlapConfig:
+    """The cost model's choice (`costmodel.choose` with `options`) for one per-shard call,
+    with the figures the tuner measured on this machine (`found`, the tune cache) or the
+    defaults."""
     kind = jax.devices()[0].device_kind
-    fig = cache.load().machines.get(cache.machine_key(kind, size)) or default_figures(
+    fig = found.machines.get(cache.machine_key(kind, size)) or default_figures(
         jax.default_backend(), kind
     )
+    shape = global_shape(collective, x, w, size, w_transposed=w_transposed)
     chosen, _ = choose(
         collective,
         shape,
@@ -122,7 +136,7 @@ def unfused_plan(
         x.dtype.itemsize,
         fig,
         backend=jax.default_backend(),
-        quantized=quantized,
+        **options,
     )
     return chosen
 
