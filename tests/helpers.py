@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -87,3 +91,20 @@ def spreads_of(found: dict) -> dict[str, float]:
     result: the reference for `overlap.round_spread`."""
     return {n: (max(f["rounds"]) - min(f["rounds"])) / float(np.median(f["rounds"]))
             for n, f in found.items()}  # fmt: skip
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def load_script(relative: str, name: str):
+    """The repository's script at `relative` (benchmarks/..., examples/...) as module `name`,
+    registered in sys.modules (its dataclasses look their module up there), with its folder
+    on sys.path (benchmarks import each other)."""
+    path = ROOT / relative
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

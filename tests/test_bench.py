@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script
 
 import commgemm as cg
 from commgemm.bench import timing
@@ -514,19 +515,13 @@ def test_layers_profile_breakdown_and_smoke_run(tmp_path):
     """benchmarks/layers_profile.py: the kernel-kind breakdown of a synthetic trace (exposed
     collective time is what no other kernel covers), and a smoke run on 8 CPU devices where
     every variant's first loss is the same model's."""
-    import importlib.util
     import os
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).parent.parent
-    spec = importlib.util.spec_from_file_location(
-        "layers_profile", root / "benchmarks" / "layers_profile.py"
-    )
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/layers_profile.py", "layers_profile")
     ms = 1e6  # ns
     events = [  # one step: a GEMM 0-4 ms, an all-gather 3-6 ms (1 ms under the GEMM), other 6-7
         (0.0, 4 * ms, "nvjet_sm90_gemm"),
@@ -576,16 +571,7 @@ def test_step_script_runs(tmp_path):
 
 def _step_module():
     """benchmarks/step.py as a module."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "step.py"
-    spec = importlib.util.spec_from_file_location("step_benchmark", path)
-    step = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = step  # its dataclasses look themselves up there
-    spec.loader.exec_module(step)
-    return step
+    return load_script("benchmarks/step.py", "step_benchmark")
 
 
 def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
@@ -641,15 +627,7 @@ def test_grouped_roofline_helpers():
     """benchmarks/grouped_gemm.py's roofline: Zipf group sizes sum to the tokens (some groups
     may be empty), the least bytes count only experts that receive rows, and t_roof is the
     larger of the compute and the memory time."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "grouped_gemm.py"
-    spec = importlib.util.spec_from_file_location("grouped_gemm_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/grouped_gemm.py", "grouped_gemm_benchmark")
     for groups in (8, 64, 128):
         sizes = bench.zipf_sizes(groups, 8192, seed=groups)
         assert sizes.sum() == 8192 and len(sizes) == groups and (sizes >= 0).all()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, mesh1d, shard
+from helpers import P, load_script, mesh1d, shard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -257,13 +257,7 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
 
 
 def test_moe_example_matches_its_unsharded_twin():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parent.parent / "examples" / "moe_block.py"
-    spec = importlib.util.spec_from_file_location("moe_block", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("examples/moe_block.py", "moe_block")
     assert module.check(jax.devices()[:4], tokens=16, hidden=8, ffn=12) < 1e-4
 
 

@@ -2,7 +2,6 @@
 same block as commgemm's, values and gradients, and the script runs end to end."""
 
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -24,14 +24,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 @functools.cache
 def _bench():
-    path = ROOT / "benchmarks" / "moe_step.py"
-    if str(path.parent) not in sys.path:  # it imports step.py, beside it
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("moe_step_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/moe_step.py", "moe_step_benchmark")
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])

@@ -2,16 +2,13 @@
 values and gradients, sequence-parallel and not, several methods; parameters created in their
 shards; the training example's losses against its unsharded twin and its checkpoint; bad input."""
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, mesh2d
+from helpers import P, load_script, mesh2d
 from jax.sharding import Mesh, NamedSharding
 
 import commgemm as cg
@@ -140,12 +137,7 @@ def test_bad_input():
 
 @pytest.fixture(scope="module")
 def example():
-    path = pathlib.Path(__file__).parent.parent / "examples" / "train_transformer.py"
-    spec = importlib.util.spec_from_file_location("train_transformer", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/train_transformer.py", "train_transformer")
 
 
 @pytest.mark.parametrize("method", ["auto"])
