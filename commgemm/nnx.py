@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
+from commgemm.grouped.moe import moe_per_shard, top_k_routing  # noqa: F401 (also public here)
 from commgemm.quant import ScalingMode, ScalingRecipe, ScalingState, amax, as_recipe
 
 AUTO = OverlapConfig(method=Method.AUTO)
@@ -293,46 +294,6 @@ class ParallelAttentionProjections(nnx.Module):
         q, k, v = (jax.lax.with_sharding_constraint(qkv[:, :, :, i], by_head) for i in range(3))
         out = jax.lax.with_sharding_constraint(self.attention_fn(q, k, v), by_head)
         return self.out(out.reshape(b, s, h))
-
-
-def top_k_routing(logits: jax.Array, k: int):
-    """Top-k routing of tokens [m, E] logits: (expert [m*k], gate [m*k], token [m*k]) for each
-    token's k choices (token-major), gates the softmax over the chosen k."""
-    values, experts = jax.lax.top_k(logits, k)
-    gates = jax.nn.softmax(values.astype(jnp.float32), axis=-1)
-    tokens = jnp.repeat(jnp.arange(logits.shape[0]), k)
-    return experts.reshape(-1), gates.reshape(-1), tokens
-
-
-def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu",
-                  amax_over=None):  # fmt: skip
-    """The MoE block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H]
-    (experts sharded over `axis_name`): route, sort the k copies of each token by expert,
-    dispatch them to their experts' shards while the expert GEMMs run, back, combine.
-    `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down). With `amax_over`
-    (the mesh axes the tokens are sharded over) also returns each GEMM's operands' amax over
-    the whole tensors ({"up": {"x", "w"}, "down": {"x", "w"}}: delayed scaling's next states)."""
-    from commgemm.grouped.expert_parallel import (
-        all_to_all_grouped_matmul,
-        grouped_matmul_all_to_all,
-    )
-
-    up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
-    size, e = jax.lax.axis_size(axis_name), w1.shape[0]
-    expert, gate, token = top_k_routing(x @ router.astype(x.dtype), k)
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
-    y, received = all_to_all_grouped_matmul(x[token[order]], w1, counts, axis_name,
-                                            config=config, scaling=up)  # fmt: skip
-    y = jax.nn.gelu(y, approximate=activation == "gelu_tanh")
-    out = grouped_matmul_all_to_all(y, w2, received, counts, axis_name, config=config,
-                                    scaling=down)  # fmt: skip
-    weighted = out * gate[order][:, None].astype(out.dtype)
-    out = jnp.zeros_like(x).at[token[order]].add(weighted.astype(x.dtype))
-    if amax_over is None:
-        return out
-    seen = lambda a: amax(jax.lax.stop_gradient(a), amax_over)  # noqa: E731
-    return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
 
 
 class ParallelMoE(nnx.Module):

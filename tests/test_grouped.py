@@ -216,7 +216,7 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     return np.bincount(tokens, minlength=experts).astype(np.int32)
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
@@ -224,11 +224,14 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     per_shard=st.integers(1, 3),
     m=st.sampled_from([3, 8]),
     seed=st.integers(0, 2**31 - 1),
+    mlp=st.booleans(),
 )
-def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard, m, seed):
+def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard, m, seed, mlp):
     """Tokens to their experts' shards and back: each shard's result equals ragged_dot with every
     expert's weights on one device, activation between, values and gradients; shards with no
-    tokens and experts with none included."""
+    tokens and experts with none included; the two ops, or `expert_mlp`."""
+    from commgemm.grouped.expert_parallel import expert_mlp
+
     rng = np.random.default_rng(seed)
     experts = size * per_shard
     x = rng.standard_normal((size * m, 5))
@@ -237,6 +240,8 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
     cfg = cg.OverlapConfig(method=method)
 
     def body(a, b, c, g):
+        if mlp:  # the same as one function (NONE: regrouped once for both GEMMs)
+            return expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg)[0]
         y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg)
         return cg.grouped_matmul_all_to_all(jnp.tanh(y), c, received, g[0], "x", config=cfg)
 
@@ -254,6 +259,26 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
     )
     want = plain(x, w1, w2), jax.grad(lambda *a: jnp.sum(jnp.sin(plain(*a))), (0, 1, 2))(x, w1, w2)
     _close(got, want)
+
+
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_moe_block_moves_rows_by_gathers(method):
+    """The MoE block's training step sorts, dispatches, returns and combines the token rows by
+    gathers, forward and backward: no scatter of rows (the transpose of a gather, a scatter-add,
+    ran atomics far below the memory's bandwidth on GPUs); scatters of indices only."""
+    from commgemm.grouped.moe import moe_per_shard
+
+    size, m, h, f, experts = 4, 16, 8, 12, 8
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s) for s in ((size * m, h), (h, experts), (experts, h, f),
+                                              (experts, f, h))]  # fmt: skip
+    cfg = cg.OverlapConfig(method=method)
+    block = shard(lambda a, r, b, c: moe_per_shard(a, r, b, c, k=2, axis_name="x", config=cfg,
+                                                   scaling=None),
+                  mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"))  # fmt: skip
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2, 3)))
+    scatters = [ln for ln in grad.lower(*args).as_text().splitlines() if "stablehlo.scatter" in ln]
+    assert scatters and not [ln for ln in scatters if "update_window_dims = [" in ln], scatters
 
 
 def test_moe_example_matches_its_unsharded_twin():

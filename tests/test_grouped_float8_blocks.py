@@ -202,9 +202,13 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
         assert not kernel_calls
 
 
-@pytest.mark.parametrize("method", ["none", "ring_exchange"])
-def test_expert_parallel_blocks(rng, kernel_calls, method):
-    """Dispatch, experts, return: both ways' GEMMs on the kernel."""
+@pytest.mark.parametrize(("method", "mlp"), [("none", False), ("ring_exchange", False),
+                                            ("none", True), ("ring_exchange", True)])  # fmt: skip
+def test_expert_parallel_blocks(rng, kernel_calls, method, mlp):
+    """Dispatch, experts, return: both ways' GEMMs on the kernel, as two ops or as
+    `expert_mlp` (NONE: the tokens regrouped once, from the first GEMM to the second)."""
+    from commgemm.grouped.expert_parallel import expert_mlp
+
     size, m, per_shard = 2, 256, 2
     experts = size * per_shard
     x = _bf16(rng, (size * m, 128))
@@ -215,6 +219,9 @@ def test_expert_parallel_blocks(rng, kernel_calls, method):
 
     def op(mode):
         def body(a, b, c, g):
+            if mlp:
+                return expert_mlp(a, b, c, g[0], "x", activation=lambda v: v, config=cfg,
+                                  scaling=mode)[0]  # fmt: skip
             y, got = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg, scaling=mode)
             return cg.grouped_matmul_all_to_all(y, c, got, g[0], "x", config=cfg, scaling=mode)
 

@@ -65,18 +65,31 @@ def merged_matmul(
     its sum), as `block_matmul` of each block gives it. `rows`: the blocks' quantized rows
     (payload [P, r, K]), regrouped the same way for `block_matmul`."""
     count, r = blocks.shape[0], blocks.shape[1]
-    dest, sizes = merged_rows(block_sizes, r)
-    source = (
-        jnp.zeros_like(dest)
-        .at[dest]
-        .set(jnp.arange(count * r, dtype=jnp.int32), unique_indices=True)
-    )
-    flat = permuted(blocks.reshape(count * r, -1), source, dest)
-    if rows is not None:  # no gradient: a gather is enough
-        payload = rows.payload.reshape(count * r, -1)[source]
-        rows = dataclasses.replace(rows, payload=payload)
+    dest, source, sizes = merged_order(block_sizes, r)
+    flat, rows = regrouped(blocks, rows, source, dest)
     out = block_matmul(flat, w, sizes, rows, experts, out_dtype)
     return permuted(out, dest, source).reshape(count, r, -1)
+
+
+def merged_order(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`merged_rows`' (dest, group_sizes) with source [P * rows], dest's inverse: merged row j
+    is row source[j] of the blocks' rows."""
+    dest, sizes = merged_rows(block_sizes, rows)
+    every = jnp.arange(dest.shape[0], dtype=jnp.int32)
+    source = jnp.zeros_like(dest).at[dest].set(every, unique_indices=True)
+    return dest, source, sizes
+
+
+def regrouped(
+    blocks: jax.Array, rows: Rows | None, source: jax.Array, dest: jax.Array
+) -> tuple[jax.Array, Rows | None]:
+    """Blocks [P, r, K] (and their quantized rows) as one merged block [P * r, K] in
+    `merged_order`'s order."""
+    flat = permuted(blocks.reshape(-1, blocks.shape[-1]), source, dest)
+    if rows is not None:  # no gradient: a gather is enough
+        payload = rows.payload.reshape(flat.shape[0], -1)[source]
+        rows = dataclasses.replace(rows, payload=payload)
+    return flat, rows
 
 
 @jax.custom_vjp

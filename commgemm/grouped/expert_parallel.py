@@ -9,6 +9,8 @@ the expert GEMMs start on the first tokens while the rest are in flight; NONE ex
 block first (one all-to-all), then multiplies all of them in one grouped GEMM, their rows
 regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO runs
 NONE (`plan.GROUPED_AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
+`expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
+expert from the first GEMM to the second.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
-from commgemm.grouped.blocks import block_matmul, merged_matmul, row_block
+from commgemm.grouped.blocks import (
+    block_matmul,
+    merged_matmul,
+    merged_order,
+    permuted,
+    regrouped,
+    row_block,
+)
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
@@ -92,6 +101,33 @@ def _dispatch_grouped(
     """`all_to_all_grouped_matmul` on x's (quantized) values, the tokens travelling as `rows`
     (their quantized payload) where they are quantized (multiplied on float8 tensor cores with
     `experts`)."""
+    size = axis_size(axis_name)
+    method = _method(config, "all_to_all_grouped_matmul", size)
+    blocks, arrived, by_step_sizes = _exchanged(x, w, group_sizes, axis_name, rows, method)
+    if method is Method.RING_EXCHANGE:  # each block's GEMM as it arrives
+        parts = zip(blocks, arrived, by_step_sizes, strict=True)
+        by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
+    else:  # every block has arrived: one GEMM over them, regrouped
+        by_step_y = merged_matmul(jnp.stack(blocks), w, by_step_sizes, _stacked(arrived), experts)
+    # order by source shard: source s arrived at step (me - s) mod P, and step t came from
+    # source (me - t) mod P: the permutation is its own inverse (a gather both ways, no scatter)
+    me = lax.axis_index(axis_name)
+    step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
+    return permuted(by_step_y, step_of, step_of), by_step_sizes[step_of]
+
+
+def _stacked(arrived: tuple[Rows | None, ...]) -> Rows | None:
+    if arrived[0] is None:
+        return None
+    return dataclasses.replace(arrived[0], payload=jnp.stack([q.payload for q in arrived]))
+
+
+def _exchanged(x, w, group_sizes, axis_name, rows: Rows | None, method: Method):
+    """This shard's tokens x [m, K] (sorted by global expert, counts group_sizes [P*e]) sent to
+    their experts' shards: (blocks: P arrays [m, K], block t from shard me - t, its tokens for
+    this shard's experts first and zeros after; their quantized rows as they travelled (or
+    Nones); sizes [P, e]: each block's counts). The ring sends each block after the one
+    before, NONE all at once."""
     size, e = axis_size(axis_name), w.shape[0]
     check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
     if group_sizes.shape[0] != size * e:
@@ -102,44 +138,25 @@ def _dispatch_grouped(
     # traced counts may sum past the rows: cut them at row m, as grouped_matmul does, so that
     # no shard is sent (or returns results for) rows this shard does not have
     group_sizes = sizes_in_rows(group_sizes, 0, x.shape[0])
-    method = _method(config, "all_to_all_grouped_matmul", size)
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size)
     sizes = group_sizes.astype(jnp.int32).reshape(size, e)
 
-    def outgoing(t: int):
-        """(tokens, their payload, counts) for the shard t places on."""
+    def send(t: int, previous):
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
         start, count = starts[dest], counts[dest]
-        if rows is None:
-            return _window(x, start, count), None, sizes[dest]
-        sent = dataclasses.replace(rows, payload=_window(rows.payload, start, count))
-        return _window(x, start, count), sent, sizes[dest]
-
-    def send(t: int, previous):
-        block, sent, count = outgoing(t)
+        sent = None
+        if rows is not None:
+            sent = dataclasses.replace(rows, payload=_window(rows.payload, start, count))
         shift = functools.partial(_exchange, axis_name=axis_name, size=size, shift=t)
-        return *carry(shift, block, sent, previous), shift(count)
+        return *carry(shift, _window(x, start, count), sent, previous), shift(sizes[dest])
 
     received, last = [], None
-    for t in range(size):  # NONE: every exchange at once; the ring: each after the one before
+    for t in range(size):
         received.append(send(t, last if method is Method.RING_EXCHANGE else None))
         last = received[-1][0]
-    blocks, arrived, counts = zip(*received, strict=True)  # step t: from shard me - t
-    by_step_sizes = jnp.stack(counts)
-    if method is Method.RING_EXCHANGE:  # each block's GEMM as it arrives
-        parts = zip(blocks, arrived, counts, strict=True)
-        by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
-    else:  # every block has arrived: one GEMM over them, regrouped
-        stacked = (
-            None
-            if rows is None
-            else dataclasses.replace(rows, payload=jnp.stack([q.payload for q in arrived]))
-        )
-        by_step_y = merged_matmul(jnp.stack(blocks), w, by_step_sizes, stacked, experts)
-    # order by source shard: source s arrived at step (me - s) mod P
-    step_of = lax.rem(me - jnp.arange(size, dtype=jnp.int32) + jnp.int32(size), jnp.int32(size))
-    return by_step_y[step_of], by_step_sizes[step_of]
+    blocks, arrived, counts = zip(*received, strict=True)
+    return blocks, arrived, jnp.stack(counts)
 
 
 def grouped_matmul_all_to_all(
@@ -176,27 +193,86 @@ def grouped_matmul_all_to_all(
 def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts):
     """`grouped_matmul_all_to_all` on y's (quantized) values (`rows`, `experts`: as in
     `_dispatch_grouped`)."""
-    size, m = axis_size(axis_name), y.shape[1]
+    size = axis_size(axis_name)
     method = _method(config, "grouped_matmul_all_to_all", size)
     check_grouped(y[0], w, recv_sizes[0])
     me = lax.axis_index(axis_name)
-    starts, counts = _starts(group_sizes, size)
-    out = jnp.zeros((m, w.shape[2]), y.dtype)
-    last, every = None, None
+    every = None
     if method is Method.NONE:  # one GEMM over every source's tokens, regrouped
         every = merged_matmul(y, w, recv_sizes, rows, experts)
-    for t in range(size):  # results for shard me - t's tokens go back by shift -t
+
+    def result(t: int):  # for shard me - t's tokens
         src = lax.rem(me - jnp.int32(t) + jnp.int32(size), jnp.int32(size))
         if every is not None:
-            z = every[src]
-        else:
-            z = block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
-        back = _exchange(z if method is Method.NONE else after(z, last), axis_name, size, -t)
+            return every[src]
+        return block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
+
+    return _sent_back(result, group_sizes, axis_name, chain=method is not Method.NONE)
+
+
+def _sent_back(result, group_sizes, axis_name, *, chain: bool) -> jax.Array:
+    """result(t) [m, N], the results for shard me - t's tokens, sent back by shift -t (the ring:
+    each after the one before, with `chain`) and placed where this shard's tokens for shard
+    me + t's experts are: [m, N] (zeros past the tokens' count)."""
+    size = axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    starts, counts = _starts(group_sizes, size)
+    out, last = None, None
+    for t in range(size):
+        z = result(t)
+        back = _exchange(after(z, last) if chain else z, axis_name, size, -t)
         last = back
-        # what came back is from shard me + t: rows for that shard's experts, to their place
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
-        index = jnp.arange(m, dtype=jnp.int32)[:, None]
+        index = jnp.arange(z.shape[0], dtype=jnp.int32)[:, None]
         placed = jnp.roll(_window(back, 0, counts[dest]), starts[dest], axis=0)
         inside = (index >= starts[dest]) & (index < starts[dest] + counts[dest])
-        out = jnp.where(inside, placed, out)
+        out = jnp.where(inside, placed, jnp.zeros_like(placed) if out is None else out)
     return out
+
+
+def expert_mlp(
+    x: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    group_sizes: jax.Array,
+    axis_name: str,
+    *,
+    activation=jax.nn.gelu,
+    config=None,
+    scaling=None,
+) -> tuple[jax.Array, jax.Array]:
+    """The experts' MLP on this shard's tokens, dispatched and returned: x [m, K] sorted by
+    global expert (counts group_sizes [P*e]), w1 [e, K, F] and w2 [e, F, N] this shard's
+    experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
+    the GEMMs, in an order of their own: for their amax). The same as
+    `all_to_all_grouped_matmul`, `activation`, `grouped_matmul_all_to_all`; `scaling`: one
+    recipe for both GEMMs or a pair (up, down).
+
+    Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
+    from the first GEMM to the second: one permutation of the [P*m, K] rows and one of the
+    [P*m, N] results, where the two ops would also put the [P*m, F] activations back in the
+    order of their source shards and regroup them again."""
+    up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
+    size = axis_size(axis_name)
+    ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
+    if any(_method(config, op, size) is not Method.NONE for op in ops):
+        y, received = all_to_all_grouped_matmul(x, w1, group_sizes, axis_name, config=config,
+                                                scaling=up)  # fmt: skip
+        h = activation(y)
+        out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
+                                        config=config, scaling=down)  # fmt: skip
+        return out, h
+    check_weight_scaling("all_to_all_grouped_matmul", w1, up)
+    check_weight_scaling("grouped_matmul_all_to_all", w2, down)
+    x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name)
+    blocks, arrived, by_step_sizes = _exchanged(x, w1, group_sizes, axis_name, rows, Method.NONE)
+    dest, source, sizes = merged_order(by_step_sizes, x.shape[0])
+    flat, flat_rows = regrouped(jnp.stack(blocks), _stacked(arrived), source, dest)
+    y = block_matmul(flat, w1, sizes, flat_rows, experts)
+    h = activation(with_quantized_cotangent(y, recipe, axis_name, experts))
+    check_grouped(h, w2, sizes)
+    h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
+    z = block_matmul(h2, w2, sizes, rows, experts)
+    z = with_quantized_cotangent(z, recipe, axis_name, experts)
+    by_step = permuted(z, dest, source).reshape(size, x.shape[0], -1)
+    return _sent_back(lambda t: by_step[t], group_sizes, axis_name, chain=False), h

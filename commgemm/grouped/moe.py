@@ -1,0 +1,59 @@
+"""The mixture-of-experts block on one shard (inside `jax.shard_map`): top-k routing, the k
+copies of each token sorted by expert, dispatched to their experts' shards with the experts'
+grouped GEMMs (`grouped.expert_parallel`), back, and the gated combine.
+
+Sorting and unsorting the token copies are row permutations (`grouped.blocks.permuted`), forward
+and backward: a token's k copies are its row repeated k times, so the dispatch's gradient is a
+gather and a sum over the k copies, and so is the combine, with no scatter-add (a scatter-add of
+bf16 rows, the gather's transpose, ran atomics at a fraction of the memory's bandwidth).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from commgemm.grouped.blocks import permuted
+from commgemm.quant import amax
+
+
+def top_k_routing(logits: jax.Array, k: int):
+    """Top-k routing of tokens [m, E] logits: (expert [m*k], gate [m*k], token [m*k]) for each
+    token's k choices (token-major), gates the softmax over the chosen k."""
+    values, experts = jax.lax.top_k(logits, k)
+    gates = jax.nn.softmax(values.astype(jnp.float32), axis=-1)
+    tokens = jnp.repeat(jnp.arange(logits.shape[0]), k)
+    return experts.reshape(-1), gates.reshape(-1), tokens
+
+
+def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu",
+                  amax_over=None):  # fmt: skip
+    """The MoE block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H]
+    (experts sharded over `axis_name`, P*e in all; router [H, P*e] replicated): route, sort the
+    k copies of each token by expert, dispatch them to their experts' shards with the expert
+    GEMMs (`config`'s method; `grouped.expert_parallel.expert_mlp`), back, combine: [m, H] in
+    x's dtype. `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down). With
+    `amax_over` (the mesh axes the tokens are sharded over) also returns each GEMM's operands'
+    amax over the whole tensors ({"up": {"x", "w"}, "down": {"x", "w"}}: delayed scaling's
+    next states)."""
+    from commgemm.grouped.expert_parallel import expert_mlp
+
+    (m, h), size, e = x.shape, jax.lax.axis_size(axis_name), w1.shape[0]
+    expert, gate, _ = top_k_routing(x @ router.astype(x.dtype), k)
+    order = jnp.argsort(expert, stable=True)  # copy i of the sorted rows is copy order[i]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype),
+                                                  unique_indices=True)  # fmt: skip
+    counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
+    copies = jnp.repeat(x, k, axis=0)  # [m*k, H], token-major as the routing's rows
+    act = functools.partial(jax.nn.gelu, approximate=activation == "gelu_tanh")
+    out, y = expert_mlp(permuted(copies, order, inverse), w1, w2, counts, axis_name,
+                        activation=act, config=config, scaling=scaling)  # fmt: skip
+    per_token = permuted(out, inverse, order).reshape(m, k, h)  # back in token-major order
+    weighted = per_token.astype(jnp.float32) * gate.reshape(m, k, 1)
+    out = jnp.sum(weighted, axis=1).astype(x.dtype)
+    if amax_over is None:
+        return out
+    seen = lambda a: amax(jax.lax.stop_gradient(a), amax_over)  # noqa: E731
+    return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
