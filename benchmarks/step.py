@@ -6,6 +6,9 @@ on the four GEMMs).
 
 Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved`):
   auto, none: the layer with commgemm's ops inside shard_map (AUTO, and NONE: serial)
+  SPEC or AG_SPEC/RS_SPEC: the layer with the methods `commgemm bench --methods` names (both
+              ops, or the all-gathers' and the reduce-scatters'), e.g. fused/fused-direct: not
+              in the default list
   auto-fast-dgrad: FP8 rows only: AUTO with split_accumulator=(False, False, True), so that a
               fused forward's dX runs the fused kernels too (the default recipe's promoted dX
               runs the split ring)
@@ -61,6 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
 from commgemm.bench import spans  # noqa: E402
+from commgemm.cli.specs import parse_method  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,17 +173,18 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     x_placed = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
-        if name in ("auto", "none", FAST_DGRAD):
+        if name not in ("xla", "local", "comm"):
             if name == FAST_DGRAD and scaling is None:
                 continue  # an FP8 recipe's variant
-            cfg = cg.OverlapConfig(method="auto" if name == FAST_DGRAD else name)
+            specs = ("auto", "auto") if name == FAST_DGRAD else (name.split("/") * 2)[:2]
+            ag_cfg, rs_cfg = (parse_method(s, op) for s, op in zip(specs, ("ag", "rs")))
             recipe = FAST_DGRAD_RECIPE if name == FAST_DGRAD else scaling
 
-            def ag(h, w, act, cfg=cfg, recipe=recipe):
+            def ag(h, w, act, cfg=ag_cfg, recipe=recipe):
                 return cg.all_gather_matmul(h, w, "tp", config=cfg, activation=act,
                                             scaling=recipe)  # fmt: skip
 
-            def rs(a, w, cfg=cfg, recipe=recipe):
+            def rs(a, w, cfg=rs_cfg, recipe=recipe):
                 return cg.matmul_reduce_scatter(a, w, "tp", config=cfg, scaling=recipe)
 
             body = jax.shard_map(

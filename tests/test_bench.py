@@ -547,7 +547,8 @@ def test_layers_profile_breakdown_and_smoke_run(tmp_path):
 def test_step_script_runs(tmp_path):
     """benchmarks/step.py (the layer step's benchmark) on 8 virtual CPU devices with tiny
     shapes: the commgemm layer's first loss equals XLA's partitioning of the same layer, in bf16
-    and FP8; no device timing on a CPU, so no ratio is claimed."""
+    and FP8, also with methods named per op (ring/none); no device timing on a CPU, so no ratio
+    is claimed."""
     import os
     import pathlib
     import subprocess
@@ -557,7 +558,7 @@ def test_step_script_runs(tmp_path):
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "step.py"), "--out", str(tmp_path), "--quick",
-         "--sizes", "8b", "--variants", "auto,none,auto-fast-dgrad,xla,comm"],
+         "--sizes", "8b", "--variants", "auto,none,ring/none,auto-fast-dgrad,xla,comm"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -565,7 +566,8 @@ def test_step_script_runs(tmp_path):
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
     for row in rows:  # the fast-dgrad recipe's AUTO in the FP8 row only
         fp8 = {"auto-fast-dgrad": True} if row["dtype"] == "fp8" else {}
-        assert row["loss_ok"] == {"auto": True, "none": True, "xla": True, **fp8}
+        assert row["loss_ok"] == {"auto": True, "none": True, "ring/none": True, "xla": True,
+                                  **fp8}  # fmt: skip
         assert row["ms"] == {} and row["ratios"] == {}
 
 
