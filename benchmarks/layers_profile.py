@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import commgemm as cg  # noqa: E402
-from commgemm.bench import spans  # noqa: E402
+from commgemm.bench import kernels, spans  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
 import train_transformer as example  # noqa: E402
@@ -39,38 +39,6 @@ import train_transformer as example  # noqa: E402
 STEPS = 4  # steps in the traced batch
 FULL = dict(hidden=2048, heads=16, ffn=8192, layers=4, batch=4, seq=2048, vocab=8192)
 QUICK = dict(hidden=64, heads=8, ffn=128, layers=1, batch=2, seq=64, vocab=128)
-KINDS = {  # substrings of kernel names, first match wins
-    "collective": ("nccl", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "permute"),
-    "gemm": ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot"),
-    "attention": ("softmax", "attention", "flash"),
-}
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    return next((k for k, subs in KINDS.items() if any(s in low for s in subs)), "other")
-
-
-def breakdown(events: list[tuple[float, float, str]], steps: int) -> dict:
-    """GPU 0's kernels of `steps` steps -> ms per step by kind, exposed collective time and the
-    ten longest kernels (ms per step)."""
-    by_kind, by_name = collections.Counter(), collections.Counter()
-    for start, end, name in events:
-        by_kind[kind(name)] += end - start
-        by_name[name[:90]] += end - start
-    compute = [(s, e) for s, e, n in events if kind(n) != "collective"]
-    exposed = 0.0
-    for s, e, n in events:
-        if kind(n) != "collective":
-            continue
-        covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in compute if ce > s and cs < e)
-        exposed += max(0.0, (e - s) - covered)
-    per = lambda ns: round(ns / steps / 1e6, 3)  # noqa: E731
-    return {
-        "ms_by_kind": {k: per(v) for k, v in by_kind.items()},
-        "collective_exposed_ms": per(exposed),
-        "top_kernels_ms": {n: per(v) for n, v in by_name.most_common(10)},
-    }
 
 
 def wall_periods(variants: dict, rounds: int = 4) -> dict[str, float]:
@@ -123,8 +91,7 @@ def main() -> None:
             row["wall_ms"] = wall_periods(variants)
             save()
             for name, (fn, fn_args) in variants.items():
-                run = lambda f=fn, a=fn_args: jax.block_until_ready([f(*a) for _ in range(STEPS)])  # noqa: E731
-                row["profile"][name] = breakdown(spans._gpu_events(spans._trace(run))[0], STEPS)
+                row["profile"][name] = kernels.profile(fn, fn_args, STEPS)
                 save()
         else:
             for name, (fn, fn_args) in variants.items():

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 import commgemm as cg
 from commgemm import nnx as cgnnx
+from commgemm.bench import kernels
 from commgemm.bench.spans import device_periods_interleaved
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, BATCH, SEQ = 8192, 2048, 16, 8192, 4, 4, 2048
@@ -89,21 +90,6 @@ def train_step(model, optimizer, tokens):
     return loss
 
 
-def kernels(fn, args, steps: int = 4) -> dict:
-    """The GPU's time per step by kernel kind and the longest kernels
-    (`layers_profile.breakdown`), from a trace of `steps` steps."""
-    from layers_profile import breakdown
-
-    from commgemm.bench.spans import _gpu_events, _trace
-
-    def work():
-        for _ in range(steps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-
-    return breakdown(_gpu_events(_trace(work))[0], steps)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -148,7 +134,7 @@ def main() -> None:
               "first_loss": first_loss,
               "errors": {n: f["error"] for n, f in found.items() if "error" in f}}  # fmt: skip
     if args.kernels:
-        result["kernels"] = {name: kernels(*v) for name, v in variants.items()}
+        result["kernels"] = {name: kernels.profile(*v) for name, v in variants.items()}
     print(json.dumps(result), flush=True)
     (args.out / "layers_step.json").write_text(json.dumps(result, indent=1))
 

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 # step's import sets the devices up and joins the run
-from step import BUSY, arguments, first_losses, shard
+from step import BUSY, arguments, first_losses, profiles, shard
 
 import commgemm as cg
 from commgemm.bench import spans
@@ -194,7 +194,13 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
 
 
 def run(
-    size_name: str, size: Moe, dtype_name: str, names: list[str], calls: int, reference: dict
+    size_name: str,
+    size: Moe,
+    dtype_name: str,
+    names: list[str],
+    calls: int,
+    reference: dict,
+    profile: bool = False,
 ) -> dict:
     """One row: first losses checked against xla's bf16 loss (`reference`, per size), then
     device time per step where the backend is a GPU."""
@@ -223,6 +229,8 @@ def run(
         row["ms"][name] = round(t["median"], 4)
         row["rounds"][name] = [round(r, 4) for r in t["rounds"]]
         row["busy"][name] = round(t["busy"], 3)
+    if profile:
+        row["profile"] = profiles(found, calls)
     return row
 
 
@@ -255,7 +263,8 @@ def main() -> None:
     for size_name in args.sizes.split(","):
         size = QUICK if args.quick else SIZES[size_name]
         for dtype_name in args.dtypes.split(","):
-            row = run(size_name, size, dtype_name, args.variants.split(","), args.calls, reference)
+            row = run(size_name, size, dtype_name, args.variants.split(","), args.calls,
+                      reference, args.profile)  # fmt: skip
             row["ratios"] = ratios(row)
             result["rows"].append(row)
             if not writer:

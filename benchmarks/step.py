@@ -29,7 +29,8 @@ Both launch modes: one process for all devices, or one process per GPU under
 `commgemm launch -n P` (each process times its own GPUs, process 0 writes the results; `local`
 runs on each process's first device; `xla-flags` only in one process).
 
-    PYTHONPATH=. python benchmarks/step.py --out DIR [--sizes 8b,70b,13b] [--dtypes bf16,fp8]
+    PYTHONPATH=. python benchmarks/step.py --out DIR [--sizes 8b,70b,13b] [--dtypes bf16,fp8] \
+        [--profile]   # GPUs: each variant's kernel time by kind too (`bench.kernels`)
     PYTHONPATH=. python benchmarks/step.py --out DIR --quick     # tiny shapes, any backend
     PYTHONPATH=. python -m commgemm launch -n 4 --gpus-per-process 1 -- \
         python benchmarks/step.py --out DIR
@@ -63,7 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import commgemm as cg  # noqa: E402
 from commgemm import scaled  # noqa: E402
-from commgemm.bench import spans  # noqa: E402
+from commgemm.bench import kernels, spans  # noqa: E402
 from commgemm.cli.specs import parse_method  # noqa: E402
 
 
@@ -94,8 +95,6 @@ FAST_DGRAD_RECIPE = cg.ScalingRecipe(FP8, split_accumulator=(False, False, True)
 WINDOWED = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 )
-COLLECTIVE_NAMES = ("nccl", "all_gather", "allgather", "reduce_scatter", "reducescatter",
-                    "all_reduce", "allreduce", "sendrecv", "permute")  # fmt: skip
 BUSY = 0.9
 
 
@@ -177,7 +176,8 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
             if name == FAST_DGRAD and scaling is None:
                 continue  # an FP8 recipe's variant
             specs = ("auto", "auto") if name == FAST_DGRAD else (name.split("/") * 2)[:2]
-            ag_cfg, rs_cfg = (parse_method(s, op) for s, op in zip(specs, ("ag", "rs")))
+            ag_cfg, rs_cfg = (parse_method(spec, op) for spec, op in zip(specs, ("ag", "rs"),
+                                                                         strict=True))  # fmt: skip
             recipe = FAST_DGRAD_RECIPE if name == FAST_DGRAD else scaling
 
             def ag(h, w, act, cfg=ag_cfg, recipe=recipe):
@@ -236,18 +236,6 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     return out
 
 
-def exposed_ms(events, calls: int) -> float:
-    """Collective kernels' time with no other kernel beside them, ms per call."""
-    is_comm = [any(s in n.lower() for s in COLLECTIVE_NAMES) for _, _, n in events]
-    compute = [(s, e) for (s, e, _), c in zip(events, is_comm, strict=True) if not c]
-    total = 0.0
-    for (s, e, _), c in zip(events, is_comm, strict=True):
-        if c:
-            covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in compute)
-            total += max(0.0, (e - s) - covered)
-    return total / calls / 1e6
-
-
 def cannot_run(fn, args) -> str | None:
     """Why a jitted step cannot run on these devices (it does not compile, or its compiled
     buffers exceed what the first local device has free), or None (also where the backend
@@ -287,7 +275,8 @@ def first_losses(found: dict, row: dict, skip: tuple[str, ...] = ()) -> None:
             row["loss"][name] = float(found[name][0](*found[name][1])[2])
 
 
-def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: int) -> dict:
+def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: int,
+        profile: bool = False) -> dict:  # fmt: skip
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     dtype = jnp.bfloat16
     scaling = FP8 if dtype_name == "fp8" else None
@@ -312,8 +301,16 @@ def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: in
         row["ms"][name] = round(t["median"], 4)
         row["rounds"][name] = [round(r, 4) for r in t["rounds"]]
         row["busy"][name] = round(t["busy"], 3)
-        row["exposed_ms"][name] = round(exposed_ms(t["events"], calls), 4)
+        row["exposed_ms"][name] = round(kernels.exposed_ms(t["events"], calls), 4)
+    if profile:
+        row["profile"] = profiles(found, calls)
     return row
+
+
+def profiles(found: dict, calls: int) -> dict:
+    """Each variant's kernel time by kind (`bench.kernels.profile`: `calls` steps traced on the
+    process's first GPU)."""
+    return {name: kernels.profile(fn, args, calls) for name, (fn, args) in found.items()}
 
 
 def ratios(row: dict) -> dict:
@@ -344,6 +341,8 @@ def arguments(doc: str, sizes: str, variants: str) -> argparse.Namespace:
     parser.add_argument("--variants", default=variants)
     parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPUs: each variant's kernel time by kind too")  # fmt: skip
     return parser.parse_args()
 
 
@@ -364,7 +363,7 @@ def main() -> None:
         size = QUICK if args.quick else SIZES[size_name]
         for dtype_name in args.dtypes.split(","):
             row = run(size_name, size, dtype_name, [n for n in names if n != "xla-flags"],
-                      args.calls)  # fmt: skip
+                      args.calls, args.profile)  # fmt: skip
             if "xla-flags" in names:
                 row["xla-flags"] = flags_variant(args, size_name, dtype_name)
             row["ratios"] = ratios(row)

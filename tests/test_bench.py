@@ -512,25 +512,32 @@ def test_capabilities_script_runs(tmp_path):
 
 
 def test_layers_profile_breakdown_and_smoke_run(tmp_path):
-    """benchmarks/layers_profile.py: the kernel-kind breakdown of a synthetic trace (exposed
-    collective time is what no other kernel covers), and a smoke run on 8 CPU devices where
-    every variant's first loss is the same model's."""
+    """The kernel-kind breakdown of a synthetic trace (`bench.kernels`, which
+    benchmarks/layers_profile.py and the step benchmarks' --profile use: exposed collective time
+    is what no other kernel covers), and a layers_profile smoke run on 8 CPU devices where every
+    variant's first loss is the same model's."""
     import os
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).parent.parent
-    module = load_script("benchmarks/layers_profile.py", "layers_profile")
+    from commgemm.bench import kernels
+
     ms = 1e6  # ns
-    events = [  # one step: a GEMM 0-4 ms, an all-gather 3-6 ms (1 ms under the GEMM), other 6-7
+    events = [  # two steps: a GEMM 0-4 ms, an all-gather 3-6 ms (1 ms under the GEMM), other 6-7,
+        # a permute 7-9 alone, a fused Mosaic kernel 9-10 (a GEMM), a scatter-add 10-12
         (0.0, 4 * ms, "nvjet_sm90_gemm"),
         (3 * ms, 6 * ms, "ncclDevKernel_AllGather_RING_LL"),
         (6 * ms, 7 * ms, "loop_fusion"),
+        (7 * ms, 9 * ms, "ncclDevKernel_SendRecv"),
+        (9 * ms, 10 * ms, "body_mosaic_gpu_kernel"),
+        (10 * ms, 12 * ms, "input_scatter_fusion"),
     ]
-    found = module.breakdown(events, steps=1)
-    assert found["ms_by_kind"] == {"gemm": 4.0, "collective": 3.0, "other": 1.0}
-    assert found["collective_exposed_ms"] == 2.0
+    found = kernels.breakdown(events, steps=2)
+    assert found["ms_by_kind"] == {"gemm": 2.5, "collective": 2.5, "other": 0.5, "scatter": 1.0}
+    assert found["collective_exposed_ms"] == 2.0  # (2 + 2) ms over 2 steps
+    assert list(found["top_kernels_ms"])[0] == "nvjet_sm90_gemm"
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "layers_profile.py"), "--out", str(tmp_path),
@@ -610,7 +617,10 @@ def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
 def test_step_ratios_leave_host_bound_steps_out():
     """benchmarks/step.py's figures: step / t_bound with t_bound = max(t_local, t_comm), the
     speedup over XLA only where XLA's step is device-bound too, no ratio for a host-bound
-    step; exposed collective time is the collectives' time no other kernel ran beside."""
+    step; exposed collective time (`bench.kernels.exposed_ms`, the steps' column) is the
+    collectives' time no other kernel ran beside."""
+    from commgemm.bench import kernels
+
     step = _step_module()
     row = {
         "ms": {"auto": 11.0, "none": 12.0, "xla": 13.0, "comm": 4.0, "local": 10.0},
@@ -622,7 +632,7 @@ def test_step_ratios_leave_host_bound_steps_out():
     row["busy"]["xla"] = 0.8
     assert step.ratios(row)["auto"]["speedup_vs_xla"] is None
     events = [(0, 100, "gemm"), (50, 250, "ncclDevKernel_AllGather"), (300, 400, "gemm")]
-    assert step.exposed_ms(events, calls=2) == 150 / 2 / 1e6  # 100..250 uncovered
+    assert kernels.exposed_ms(events, steps=2) == 150 / 2 / 1e6  # 100..250 uncovered
 
 
 def test_grouped_roofline_helpers():
