@@ -6,6 +6,9 @@ sequence-parallel, experts split over every device; forward, backward and an opt
 Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved`):
   auto, none: `commgemm.nnx.moe_per_shard` with AUTO, and NONE (serial: every exchange, then
               one grouped GEMM), bf16 and FP8 (current tensor scaling on both grouped GEMMs)
+  SPEC:       another method in `commgemm bench --methods`' spelling, e.g. pipeline:2 (the
+              tokens in 2 chunks, each serial: one chunk's exchange beside the other's
+              GEMMs; `grouped.expert_parallel.expert_mlp`); not in the default list
   xla:        the same block with `jax.lax.ragged_all_to_all` (only the routed rows travel) and
               `jax.lax.ragged_dot` on a receive buffer of the worst case (every token of every
               shard routed here), bf16 only. On a CPU, where XLA has no ragged all-to-all, an
@@ -47,6 +50,7 @@ from step import BUSY, arguments, first_losses, profiles, shard
 
 import commgemm as cg
 from commgemm.bench import spans
+from commgemm.cli.specs import parse_method
 from commgemm.nnx import moe_per_shard, top_k_routing
 
 FP8 = "current_tensor_scaling"
@@ -173,7 +177,7 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
                 moe_per_shard,
                 k=size.top_k,
                 axis_name="tp",
-                config=cg.OverlapConfig(method=name),
+                config=parse_method(name),
                 scaling=scaling,
             )
         forward = jax.shard_map(

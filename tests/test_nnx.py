@@ -20,6 +20,7 @@ METHODS = {
     "none": cg.OverlapConfig(),
     "ring": cg.OverlapConfig(method="ring_exchange", bidirectional=True),
     "auto": cg.OverlapConfig(method="auto"),
+    "pipeline": cg.OverlapConfig(method="pipeline", num_splits=2),  # the MoE layer's chunks
 }
 
 
@@ -218,7 +219,7 @@ def _moe_reference(x, router, w1, w2, k):
     return jnp.zeros_like(flat).at[token].add(out).reshape(x.shape)
 
 
-@pytest.mark.parametrize("method", ["none", "ring", "auto"])  # auto: the layer's default
+@pytest.mark.parametrize("method", ["none", "ring", "auto", "pipeline"])  # auto: the default
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_parallel_moe(rng, method, top_k):
     """The MoE block (8 experts over the 4-way tensor axis, a data axis of 2) against the same

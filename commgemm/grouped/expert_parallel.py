@@ -10,7 +10,8 @@ block first (one all-to-all), then multiplies all of them in one grouped GEMM, t
 regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO runs
 NONE (`plan.GROUPED_AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
-expert from the first GEMM to the second.
+expert from the first GEMM to the second; with PIPELINE the tokens go in chunks, each NONE
+(one chunk's exchanges may run beside another's GEMMs; not measured against NONE on GPUs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from commgemm.grouped.scaling import (
 from commgemm.operands import axis_size, check_divisible
 from commgemm.plan import make_grouped_plan
 from commgemm.quant import Scaling, check_weight_scaling
+from commgemm.registry import resolve
 from commgemm.xla.common import after
 
 
@@ -251,7 +253,25 @@ def expert_mlp(
     Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
     from the first GEMM to the second: one permutation of the [P*m, K] rows and one of the
     [P*m, N] results, where the two ops would also put the [P*m, F] activations back in the
-    order of their source shards and regroup them again."""
+    order of their source shards and regroup them again. PIPELINE (here only, not in the two
+    ops): x's rows in `num_splits` chunks (m divisible by it), each its own NONE, so that XLA
+    may run one chunk's exchanges beside another's GEMMs; under current scaling each chunk is
+    quantized by its own amax."""
+    cfg, _ = resolve(config)
+    if cfg.method is Method.PIPELINE and cfg.num_splits > 1:
+        splits = cfg.num_splits
+        check_divisible(x.shape[0], splits, "expert_mlp: x's rows", "num_splits")
+        rows, serial = x.shape[0] // splits, cfg.replace(method=Method.NONE, num_splits=1)
+        parts = [
+            expert_mlp(x[c * rows : (c + 1) * rows], w1, w2,
+                       sizes_in_rows(group_sizes, c * rows, (c + 1) * rows), axis_name,
+                       activation=activation, config=serial, scaling=scaling)
+            for c in range(splits)
+        ]  # fmt: skip
+        outs, hidden = zip(*parts, strict=True)
+        return jnp.concatenate(outs), jnp.concatenate(hidden)
+    if cfg.method is Method.PIPELINE:
+        config = cfg.replace(method=Method.NONE)
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size = axis_size(axis_name)
     ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
