@@ -238,25 +238,27 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
 
 def cannot_run(fn, args) -> str | None:
     """Why a jitted step cannot run on these devices (it does not compile, or its compiled
-    buffers exceed what the first local device has free), or None (also where the backend
-    gives no memory figures). A step that ran out of memory on one GPU left the others
-    waiting in NCCL for good."""
+    buffers exceed what a local device has free: the one with the least), or None (also where
+    the backend gives no memory figures). A step that ran out of memory on one GPU left the
+    others waiting in NCCL for good."""
     try:
         compiled = fn.lower(*args).compile()
     except Exception as err:  # noqa: BLE001 - a variant that cannot compile here is reported
         return f"{type(err).__name__}: {err}"[:600]
-    stats = jax.local_devices()[0].memory_stats()
     memory = compiled.memory_analysis()
-    if not stats or "bytes_limit" not in stats or memory is None:
+    stats = {d.id: d.memory_stats() for d in jax.local_devices()}
+    if memory is None or not all(s and "bytes_limit" in s for s in stats.values()):
         return None
     need = sum(
         getattr(memory, f, 0) or 0
         for f in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
     )
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    if need <= free:
+    free = {d: s["bytes_limit"] - s.get("bytes_in_use", 0) for d, s in stats.items()}
+    least = min(free, key=free.get)
+    if need <= free[least]:
         return None
-    return f"needs {need / 2**30:.1f} GiB a device, {free / 2**30:.1f} GiB free"
+    return (f"needs {need / 2**30:.1f} GiB a device, {free[least] / 2**30:.1f} GiB free on "
+            f"device {least}")  # fmt: skip
 
 
 def first_losses(found: dict, row: dict, skip: tuple[str, ...] = ()) -> None:

@@ -604,14 +604,20 @@ def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
     assert row["loss"] == {"small": 64 * 64} and set(found) == {"small", "comm"}
     assert "TypeError" in row["errors"]["broken"]  # incompatible shapes for dot
 
-    # 1 MiB free: the step on 64 x 64 (about 100 KiB of buffers) fits, on 1024 x 1024 not
-    stats = {"bytes_limit": 2**21, "bytes_in_use": 2**20}
-    monkeypatch.setattr(type(device), "memory_stats", lambda self: stats, raising=False)
+    # 1 MiB free on the last device, 1 GiB on the others: the step on 64 x 64 (about 100 KiB of
+    # buffers) fits, on 1024 x 1024 not (the device with the least free memory decides)
+    last = jax.local_devices()[-1].id
+
+    def stats(self):
+        return {"bytes_limit": 2**30 + (2**20 if self.id == last else 2**30), "bytes_in_use": 2**30}
+
+    monkeypatch.setattr(type(device), "memory_stats", stats, raising=False)
     found = {"small": loss_step(1.0), "big": (found["small"][0], (jnp.ones((1024, 1024)),))}
     row = {"loss": {}}
     step.first_losses(found, row)
     assert set(row["loss"]) == {"small"} and set(found) == {"small"}
-    assert re.fullmatch(r"needs [\d.]+ GiB a device, [\d.]+ GiB free", row["errors"]["big"])
+    want = rf"needs [\d.]+ GiB a device, 0\.0 GiB free on device {last}"
+    assert re.fullmatch(want, row["errors"]["big"])
 
 
 def test_step_ratios_leave_host_bound_steps_out():
