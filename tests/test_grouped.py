@@ -216,6 +216,24 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     return np.bincount(tokens, minlength=experts).astype(np.int32)
 
 
+def _check_expert_mlp(f, x, w1, w2, sizes) -> None:
+    """f(x, w1, w2, sizes), the experts' MLP (tanh between) on every shard's rows dispatched and
+    returned, and its gradients, against the float64 reference on one device."""
+    size = sizes.shape[0]
+    m = x.shape[0] // size
+
+    def plain(a, b, c):
+        return jnp.concatenate(
+            [reference(jnp.tanh(reference(a[s * m : (s + 1) * m], b, sizes[s])), c, sizes[s])
+             for s in range(size)]
+        )  # fmt: skip
+
+    loss = lambda g: lambda *a: jnp.sum(jnp.sin(g(*a)))  # noqa: E731
+    got = f(x, w1, w2, sizes), jax.grad(loss(lambda *a: f(*a, sizes)), (0, 1, 2))(x, w1, w2)
+    want = plain(x, w1, w2), jax.grad(loss(plain), (0, 1, 2))(x, w1, w2)
+    _close(got, want)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
@@ -247,18 +265,7 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
 
     f = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"), check_vma=check_vma)
 
-    def plain(a, b, c):
-        return jnp.concatenate(
-            [reference(jnp.tanh(reference(a[s * m : (s + 1) * m], b, sizes[s])), c, sizes[s])
-             for s in range(size)]
-        )  # fmt: skip
-
-    got = (
-        f(x, w1, w2, sizes),
-        jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a, sizes))), argnums=(0, 1, 2))(x, w1, w2),
-    )
-    want = plain(x, w1, w2), jax.grad(lambda *a: jnp.sum(jnp.sin(plain(*a))), (0, 1, 2))(x, w1, w2)
-    _close(got, want)
+    _check_expert_mlp(f, x, w1, w2, sizes)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -279,18 +286,7 @@ def test_expert_mlp_pipelined(check_vma, size, splits):
     body = lambda a, b, c, g: expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg)[0]  # noqa: E731
     f = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"), check_vma=check_vma)
 
-    def plain(a, b, c):
-        return jnp.concatenate(
-            [reference(jnp.tanh(reference(a[s * m : (s + 1) * m], b, sizes[s])), c, sizes[s])
-             for s in range(size)]
-        )  # fmt: skip
-
-    got = (
-        f(x, w1, w2, sizes),
-        jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a, sizes))), (0, 1, 2))(x, w1, w2),
-    )
-    want = plain(x, w1, w2), jax.grad(lambda *a: jnp.sum(jnp.sin(plain(*a))), (0, 1, 2))(x, w1, w2)
-    _close(got, want)
+    _check_expert_mlp(f, x, w1, w2, sizes)
     alone = lambda a, b, g: cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg)[0]  # noqa: E731
     with pytest.raises(ValueError, match="supports methods NONE and RING_EXCHANGE"):
         shard(alone, mesh1d(size), (P("x"), P("x"), P("x")), P("x"))(x, w1, sizes)
