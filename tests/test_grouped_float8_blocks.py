@@ -351,7 +351,8 @@ def test_auto_runs_none_on_the_float8_kernel(rng, kernel_calls):
     np.testing.assert_allclose(np.float32(out), want, rtol=TOL, atol=TOL * np.abs(want).max())
 
 
-def test_moe_block_with_experts_quantized_once(rng, kernel_calls):
+@pytest.mark.parametrize("method", ["ring_exchange", "none"])
+def test_moe_block_with_experts_quantized_once(rng, kernel_calls, method):
     """The MoE block's function (`commgemm.nnx.moe_per_shard`) on experts quantized before the
     call and kept transposed (`cg.quantize_weight(..., keep_transposed=True)`, as for serving):
     both grouped GEMMs on the kernel, the same result as the block quantizing them itself."""
@@ -362,7 +363,7 @@ def test_moe_block_with_experts_quantized_once(rng, kernel_calls):
     x = _bf16(rng, (size * m, hidden))
     router = _bf16(rng, (hidden, experts))
     w1, w2 = _bf16(rng, (experts, hidden, ffn)), _bf16(rng, (experts, ffn, hidden))
-    cfg = _config("ring_exchange")
+    cfg = _config(method)
 
     def run(before: bool):
         def body(a, r, b, c):
@@ -376,5 +377,6 @@ def test_moe_block_with_experts_quantized_once(rng, kernel_calls):
 
     kernel_calls.clear()
     once = run(True)
-    assert len(kernel_calls) == 2 * size, kernel_calls  # each way's blocks on the kernel
+    # each way's blocks on the kernel (ring), or one merged GEMM each way (none)
+    assert len(kernel_calls) == 2 * (size if method == "ring_exchange" else 1), kernel_calls
     np.testing.assert_array_equal(once, run(False))
