@@ -246,7 +246,8 @@ def test_parallel_moe(rng, method, top_k):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
-def test_parallel_moe_delayed_scaling(rng):
+@pytest.mark.parametrize("method", ["ring", "none"])
+def test_parallel_moe_delayed_scaling(rng, method):
     """Delayed scaling in the MoE block: each call quantizes its two grouped GEMMs' operands by
     their own states (the tokens and w1: "up"; the hidden activation and w2: "down"; the output
     against the float64 product of the operands so quantized), then advances each state by its
@@ -258,7 +259,7 @@ def test_parallel_moe_delayed_scaling(rng):
                               dy_state=start)  # fmt: skip
     moe = cgnnx.create_sharded(
         lambda: cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(2), top_k=k,
-                                  data_axis="data", config=METHODS["ring"], scaling=recipe),
+                                  data_axis="data", config=METHODS[method], scaling=recipe),
         mesh,
     )  # fmt: skip
     x = rng.standard_normal((4, 16, 16)).astype(np.float32) * 3
