@@ -187,16 +187,16 @@ def fused_backward_config(
     (AG or RS), the other collective's fused kernel of the same method family where it runs
     dY's shape (`mosaic_gpu.fused.backward_config`), else `unfused_backward`'s. w_transposed:
     the forward's."""
-    back = unfused_backward(collective, cfg, x, dy, w, axis_name, w_transposed)
     fused_forward = cfg.atomic_gemm and not uses_tpu_kernels(cfg)
-    if not fused_forward or collective is Collective.ALL_REDUCE or dy.dtype != x.dtype:
-        return back
-    from commgemm.mosaic_gpu import fused
+    if fused_forward and collective is not Collective.ALL_REDUCE and dy.dtype == x.dtype:
+        from commgemm.mosaic_gpu import fused
 
-    other = OTHER_COLLECTIVE[collective]
-    size = lax.axis_size(axis_name)
-    kernel = fused.backward_config(other, cfg, dy, w, size, w_transposed=not w_transposed)
-    return back if kernel is None else kernel
+        other = OTHER_COLLECTIVE[collective]
+        size = lax.axis_size(axis_name)
+        kernel = fused.backward_config(other, cfg, dy, w, size, w_transposed=not w_transposed)
+        if kernel is not None:
+            return kernel
+    return unfused_backward(collective, cfg, x, dy, w, axis_name, w_transposed)
 
 
 def _dgrad_config(collective, cfg, quantizer, like_x, dy, w, axis_name, w_transposed):

@@ -290,6 +290,10 @@ def test_expert_mlp_pipelined(check_vma, size, splits):
     alone = lambda a, b, g: cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg)[0]  # noqa: E731
     with pytest.raises(ValueError, match="supports methods NONE and RING_EXCHANGE"):
         shard(alone, mesh1d(size), (P("x"), P("x"), P("x")), P("x"))(x, w1, sizes)
+    odd = cg.OverlapConfig(method="pipeline", num_splits=3)  # 8 rows a shard
+    uneven = lambda a, b, c, g: expert_mlp(a, b, c, g[0], "x", config=odd)[0]  # noqa: E731
+    with pytest.raises(ValueError, match="rows"):
+        shard(uneven, mesh1d(size), (P("x"),) * 4, P("x"))(x, w1, w2, sizes)
 
 
 @pytest.mark.parametrize("method", ["none", "ring"])

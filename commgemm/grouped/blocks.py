@@ -75,9 +75,13 @@ def merged_order(block_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Arra
     """`merged_rows`' (dest, group_sizes) with source [P * rows], dest's inverse: merged row j
     is row source[j] of the blocks' rows."""
     dest, sizes = merged_rows(block_sizes, rows)
-    every = jnp.arange(dest.shape[0], dtype=jnp.int32)
-    source = jnp.zeros_like(dest).at[dest].set(every, unique_indices=True)
-    return dest, source, sizes
+    return dest, inverse_permutation(dest), sizes
+
+
+def inverse_permutation(index: jax.Array) -> jax.Array:
+    """The inverse of a permutation `index` of range(R): inverse[index[i]] = i."""
+    every = jnp.arange(index.shape[0], dtype=index.dtype)
+    return jnp.zeros_like(index).at[index].set(every, unique_indices=True)
 
 
 def regrouped(

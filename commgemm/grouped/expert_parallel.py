@@ -11,7 +11,7 @@ regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO 
 NONE (`plan.GROUPED_AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
 expert from the first GEMM to the second; with PIPELINE the tokens go in chunks, each NONE
-(one chunk's exchanges may run beside another's GEMMs; not measured against NONE on GPUs).
+(one chunk's exchanges may run beside another's GEMMs).
 """
 
 from __future__ import annotations

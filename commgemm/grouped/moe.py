@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from commgemm.grouped.blocks import permuted
+from commgemm.grouped.blocks import inverse_permutation, permuted
 from commgemm.quant import amax
 
 
@@ -43,8 +43,7 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     (m, h), size, e = x.shape, jax.lax.axis_size(axis_name), w1.shape[0]
     expert, gate, _ = top_k_routing(x @ router.astype(x.dtype), k)
     order = jnp.argsort(expert, stable=True)  # copy i of the sorted rows is copy order[i]
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m * k, dtype=order.dtype),
-                                                  unique_indices=True)  # fmt: skip
+    inverse = inverse_permutation(order)
     counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
     copies = jnp.repeat(x, k, axis=0)  # [m*k, H], token-major as the routing's rows
     act = functools.partial(jax.nn.gelu, approximate=activation == "gelu_tanh")
