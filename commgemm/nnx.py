@@ -48,7 +48,11 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
-from commgemm.grouped.moe import moe_per_shard, top_k_routing  # noqa: F401 (also public here)
+from commgemm.grouped.moe import (  # noqa: F401 (top_k_routing also public here)
+    expert_capacity,
+    moe_per_shard,
+    top_k_routing,
+)
 from commgemm.quant import ScalingMode, ScalingRecipe, ScalingState, amax, as_recipe
 
 AUTO = OverlapConfig(method=Method.AUTO)
@@ -304,12 +308,17 @@ class ParallelMoE(nnx.Module):
     the experts split over `axis_name` (num_experts divisible by its size); tokens stay where
     they are, sequence-parallel as the other layers keep them: [B/D, S/P, H] on each shard (B
     divisible by the data axis' size, S by the tensor axis'). `scaling`: both grouped GEMMs'
-    (FP8); under delayed scaling each keeps its own states ("up", "down"; module docstring)."""
+    (FP8); under delayed scaling each keeps its own states ("up", "down"; module docstring).
+    `capacity_factor` (default None: no token dropped): each expert takes at most
+    ceil(capacity_factor * T*k / E) token copies from each shard's T tokens, the rest dropped
+    (they add nothing to their tokens' outputs; `commgemm.grouped.moe`), for exchanges and
+    activations about P / capacity_factor times smaller."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, *, mesh, rngs: nnx.Rngs,
                  top_k: int = 2, axis_name: str = "tp", data_axis: str | None = None,
                  config: OverlapConfig | None = AUTO, scaling=None, dtype=None,
-                 param_dtype=jnp.float32, activation: Activation = "gelu"):  # fmt: skip
+                 param_dtype=jnp.float32, activation: Activation = "gelu",
+                 capacity_factor: float | None = None):  # fmt: skip
         size = mesh.shape[axis_name]
         if num_experts % size or not 1 <= top_k <= num_experts:
             raise ValueError(
@@ -323,6 +332,9 @@ class ParallelMoE(nnx.Module):
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.top_k, self.config, self.scaling = top_k, config, scaling
         self.dtype, self.activation = dtype, activation
+        if capacity_factor is not None:
+            expert_capacity(1, num_experts, capacity_factor)  # a bad factor fails here
+        self.capacity_factor = capacity_factor
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
         self.router = _param(rngs, LECUN, (hidden, num_experts), param_dtype, (None, None), mesh)
         self.w1 = _param(rngs, init, (num_experts, hidden, ffn), param_dtype,
@@ -349,7 +361,8 @@ class ParallelMoE(nnx.Module):
                 )
             out = moe_per_shard(a.reshape(-1, a.shape[-1]), router, w1, w2, k=self.top_k,
                                 axis_name=self.axis_name, config=self.config, scaling=scaling,
-                                activation=self.activation, amax_over=over)  # fmt: skip
+                                activation=self.activation, amax_over=over,
+                                capacity_factor=self.capacity_factor)  # fmt: skip
             out, seen = out if delayed else (out, None)
             return out.reshape(a.shape), seen
 

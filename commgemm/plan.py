@@ -81,8 +81,7 @@ def make_grouped_plan(
     if op in EXPERT_PARALLEL_OPS:
         if cfg.method not in (Method.NONE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
             raise ValueError(
-                f"{op} supports methods NONE and RING_EXCHANGE (the MoE block's expert_mlp also "
-                f"PIPELINE), got {cfg.method.name}"
+                f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}"
             )
         return GroupedPlan(cfg, size)
     if cfg.method not in (Method.NONE, Method.PIPELINE, Method.RING_EXCHANGE) or cfg.atomic_gemm:

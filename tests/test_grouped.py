@@ -216,14 +216,21 @@ def _expert_sizes(rng, experts: int, m: int) -> np.ndarray:
     return np.bincount(tokens, minlength=experts).astype(np.int32)
 
 
-def _check_expert_mlp(f, x, w1, w2, sizes) -> None:
+def _check_expert_mlp(f, x, w1, w2, sizes, capacity=None) -> None:
     """f(x, w1, w2, sizes), the experts' MLP (tanh between) on every shard's rows dispatched and
-    returned, and its gradients, against the float64 reference on one device."""
+    returned, and its gradients, against the float64 reference on one device; with `capacity`
+    each shard's tokens for a shard past their first `capacity` give zeros."""
     size = sizes.shape[0]
     m = x.shape[0] // size
+    kept = np.ones((size * m, 1))
+    if capacity is not None:  # each source's rows for each destination, past the capacity
+        for s, per_dest in enumerate(sizes.reshape(size, size, -1).sum(axis=2)):
+            start = s * m + np.cumsum(per_dest) - per_dest
+            for a, n in zip(start, per_dest, strict=True):
+                kept[a + min(n, capacity) : a + n] = 0
 
     def plain(a, b, c):
-        return jnp.concatenate(
+        return kept * jnp.concatenate(
             [reference(jnp.tanh(reference(a[s * m : (s + 1) * m], b, sizes[s])), c, sizes[s])
              for s in range(size)]
         )  # fmt: skip
@@ -268,32 +275,62 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
     _check_expert_mlp(f, x, w1, w2, sizes)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize(("size", "splits"), [(2, 2), (4, 2), (4, 4)])
-def test_expert_mlp_pipelined(check_vma, size, splits):
-    """`expert_mlp` with PIPELINE: the rows in chunks, each dispatched, multiplied and returned
-    on its own; values and gradients equal the float64 reference's, experts with no tokens and
-    rows past the counts' sum included; the two ops alone refuse PIPELINE."""
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    check_vma=st.booleans(),
+    size=st.sampled_from([2, 4]),
+    method=st.sampled_from(["none", "ring"]),
+    capacity=st.integers(1, 10),
+    seed=st.integers(0, 2**31 - 1),
+    mlp=st.booleans(),
+)
+def test_expert_parallel_capacity(check_vma, size, method, capacity, seed, mlp):
+    """With a capacity C each shard sends each shard only its first C tokens for it; the rest
+    come back as zeros, values and gradients equal to the float64 reference's with those rows
+    zeroed (C past the m = 8 rows: nothing dropped); the two ops, or `expert_mlp`."""
     from commgemm.grouped.expert_parallel import expert_mlp
 
-    rng = np.random.default_rng(size * 10 + splits)
+    rng = np.random.default_rng(seed)
     m, per_shard = 8, 2
     experts = size * per_shard
     x = rng.standard_normal((size * m, 5))
     w1, w2 = rng.standard_normal((experts, 5, 4)), rng.standard_normal((experts, 4, 3))
     sizes = np.stack([_expert_sizes(rng, experts, m) for _ in range(size)])
-    cfg = cg.OverlapConfig(method="pipeline", num_splits=splits)
-    body = lambda a, b, c, g: expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg)[0]  # noqa: E731
-    f = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"), check_vma=check_vma)
+    cfg = cg.OverlapConfig(method=method)
 
-    _check_expert_mlp(f, x, w1, w2, sizes)
-    alone = lambda a, b, g: cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg)[0]  # noqa: E731
+    def body(a, b, c, g):
+        if mlp:
+            return expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg,
+                              capacity=capacity)[0]  # fmt: skip
+        y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg,
+                                                   capacity=capacity)  # fmt: skip
+        assert y.shape[:2] == (size, min(capacity, m))
+        return cg.grouped_matmul_all_to_all(jnp.tanh(y), c, received, g[0], "x", config=cfg,
+                                            tokens=m)  # fmt: skip
+
+    f = shard(body, mesh1d(size), (P("x"),) * 4, P("x"), check_vma=check_vma)
+    _check_expert_mlp(f, x, w1, w2, sizes, capacity)
+
+
+def test_expert_parallel_refuses_bad_capacity_and_pipeline():
+    """A capacity that is no positive int, a `tokens` below the blocks' rows, and PIPELINE
+    (the expert-parallel ops and `expert_mlp` run NONE or the ring) are refused."""
+    from commgemm.grouped.expert_parallel import expert_mlp
+
+    size, m = 2, 8
+    x, w = np.ones((size * m, 5)), np.ones((size * 2, 5, 5))
+    sizes = np.full((size, size * 2), 2, np.int32)
+    run = lambda body: shard(body, mesh1d(size), (P("x"),) * 3, P("x"))(x, w, sizes)  # noqa: E731
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="capacity must be a positive number of rows"):
+            run(lambda a, b, g, c=bad: cg.all_to_all_grouped_matmul(a, b, g[0], "x", capacity=c)[0])
+    with pytest.raises(ValueError, match="tokens=4 must be an int of at least y's 8 rows"):
+        run(lambda a, b, g: cg.grouped_matmul_all_to_all(
+            cg.all_to_all_grouped_matmul(a, b, g[0], "x")[0], b, g[0].reshape(size, 2), g[0],
+            "x", tokens=4))  # fmt: skip
+    pipeline = cg.OverlapConfig(method="pipeline", num_splits=2)
     with pytest.raises(ValueError, match="supports methods NONE and RING_EXCHANGE"):
-        shard(alone, mesh1d(size), (P("x"), P("x"), P("x")), P("x"))(x, w1, sizes)
-    odd = cg.OverlapConfig(method="pipeline", num_splits=3)  # 8 rows a shard
-    uneven = lambda a, b, c, g: expert_mlp(a, b, c, g[0], "x", config=odd)[0]  # noqa: E731
-    with pytest.raises(ValueError, match="rows"):
-        shard(uneven, mesh1d(size), (P("x"),) * 4, P("x"))(x, w1, w2, sizes)
+        run(lambda a, b, g: expert_mlp(a, b, b, g[0], "x", config=pipeline)[0])
 
 
 @pytest.mark.parametrize("method", ["none", "ring"])
@@ -314,6 +351,36 @@ def test_moe_block_moves_rows_by_gathers(method):
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2, 3)))
     scatters = [ln for ln in grad.lower(*args).as_text().splitlines() if "stablehlo.scatter" in ln]
     assert scatters and not [ln for ln in scatters if "update_window_dims = [" in ln], scatters
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_moe_block_capacity_on_balanced_routing(check_vma, method):
+    """Routing that gives every expert the same copies from every shard (token i of a shard
+    prefers experts i and i + 1, of 8): with capacity factor 1 each shard sends each shard
+    4 rows, not 16, and nothing is dropped, so the capped block equals the uncapped one
+    (float64, values and gradients); at factor 0.5 it differs."""
+    from commgemm.grouped.moe import moe_per_shard
+
+    size, m, h, f, experts = 4, 8, 8, 6, 8
+    rng = np.random.default_rng(1)
+    x = np.tile(np.eye(m) * 4 + np.roll(np.eye(m), 1, axis=1) * 3, (size, 1))  # [size*m, 8]
+    x = x + 0.01 * rng.standard_normal(x.shape)
+    args = [x, np.eye(h), rng.standard_normal((experts, h, f)),
+            rng.standard_normal((experts, f, h))]  # fmt: skip
+    cfg = cg.OverlapConfig(method=method)
+
+    def block(**kw):
+        body = lambda a, r, b, c: moe_per_shard(a, r, b, c, k=2, axis_name="x", config=cfg,  # noqa: E731
+                                                scaling=None, **kw)  # fmt: skip
+        f = shard(body, mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"), check_vma=check_vma)
+        loss = lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+        return f(*args), jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    full = block()
+    _close(block(capacity_factor=1.0), full)
+    with pytest.raises(AssertionError):
+        _close(block(capacity_factor=0.5), full)
 
 
 def test_moe_example_matches_its_unsharded_twin():

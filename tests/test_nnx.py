@@ -2,6 +2,7 @@
 values and gradients, sequence-parallel and not, several methods; parameters created in their
 shards; the training example's losses against its unsharded twin and its checkpoint; bad input."""
 
+import functools
 import re
 
 import jax
@@ -20,7 +21,6 @@ METHODS = {
     "none": cg.OverlapConfig(),
     "ring": cg.OverlapConfig(method="ring_exchange", bidirectional=True),
     "auto": cg.OverlapConfig(method="auto"),
-    "pipeline": cg.OverlapConfig(method="pipeline", num_splits=2),  # the MoE layer's chunks
 }
 
 
@@ -210,16 +210,31 @@ def test_parallel_mlp_with_fp8(rng):
     assert np.abs(np.asarray(k8) - np.asarray(k)).max() <= 0.15 * np.abs(np.asarray(k)).max()
 
 
-def _moe_reference(x, router, w1, w2, k):
-    """Every token's top-k experts on one device, weighted by the softmax of their logits."""
+def _moe_reference(x, router, w1, w2, k, capacity_factor=None):
+    """Every token's top-k experts on one device, weighted by the softmax of their logits; with
+    `capacity_factor`, per shard of `_mesh()` (x [B, S, H] sharded [data, tp]): each expert's
+    copies from the shard past the first ceil(capacity_factor * copies / E) in token order
+    dropped."""
+    if capacity_factor is not None and capacity_factor > 0:  # each shard's tokens alone
+        rows = [jnp.split(b, 4, axis=1) for b in jnp.split(x, 2, axis=0)]
+        return jnp.concatenate([
+            jnp.concatenate([_moe_reference(t, router, w1, w2, k, -capacity_factor)
+                             for t in row], axis=1)
+            for row in rows
+        ], axis=0)  # fmt: skip
     flat = x.reshape(-1, x.shape[-1])
     expert, gate, token = cgnnx.top_k_routing(flat @ router, k)
     h = jax.nn.gelu(jnp.einsum("th,thf->tf", flat[token], w1[expert]), approximate=False)
     out = jnp.einsum("tf,tfh->th", h, w2[expert]) * gate[:, None]
+    if capacity_factor is not None:  # negative: this shard's, capped
+        experts = w1.shape[0]
+        before = jnp.cumsum(jax.nn.one_hot(expert, experts), axis=0) - 1  # earlier copies
+        rank = jnp.take_along_axis(before, expert[:, None], axis=1)
+        out = out * (rank < np.ceil(-capacity_factor * expert.shape[0] / experts))
     return jnp.zeros_like(flat).at[token].add(out).reshape(x.shape)
 
 
-@pytest.mark.parametrize("method", ["none", "ring", "auto", "pipeline"])  # auto: the default
+@pytest.mark.parametrize("method", ["none", "ring", "auto"])  # auto: the default
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_parallel_moe(rng, method, top_k):
     """The MoE block (8 experts over the 4-way tensor axis, a data axis of 2) against the same
@@ -244,6 +259,35 @@ def test_parallel_moe(rng, method, top_k):
     )
     for got, r in zip((grads.router, grads.w1, grads.w2), ref, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["none", "ring"])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25, 8.0])  # 8: nothing dropped
+def test_parallel_moe_capacity(rng, method, capacity_factor):
+    """ParallelMoE with a capacity factor against the same block on one device with each
+    shard's copies past each expert's capacity dropped (8 tokens a shard, top-2 of 8 experts:
+    1, 2, 3 and 16 copies an expert): values and gradients; a factor <= 0 is refused."""
+    mesh = _mesh()
+    moe = cgnnx.create_sharded(
+        lambda: cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(3), data_axis="data",
+                                  config=METHODS[method], capacity_factor=capacity_factor),
+        mesh,
+    )  # fmt: skip
+    x = rng.standard_normal((4, 16, 16)).astype(np.float32)
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", "tp", None)))
+    params = [jax.device_put(p[...], jax.devices()[0]) for p in (moe.router, moe.w1, moe.w2)]
+    ref = functools.partial(_moe_reference, k=2, capacity_factor=capacity_factor)
+    got = np.asarray(nnx.jit(lambda m, a: m(a))(moe, xd))
+    np.testing.assert_allclose(got, ref(x, *params), rtol=1e-4, atol=1e-5)
+    full = _moe_reference(x, *params, 2)
+    assert (capacity_factor < 8) != np.allclose(got, full, rtol=1e-4, atol=1e-5)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    grads = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a) * g)))(moe, xd)
+    want = jax.grad(lambda *p: jnp.sum(ref(x, *p) * g), (0, 1, 2))(*params)
+    for got, r in zip((grads.router, grads.w1, grads.w2), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
+        cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(3), capacity_factor=0)
 
 
 @pytest.mark.parametrize("method", ["ring", "none"])

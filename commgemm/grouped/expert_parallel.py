@@ -3,15 +3,18 @@ grouped GEMM, and the way back, per shard inside `jax.shard_map`.
 
 Shard d of P owns experts [d*e, (d+1)*e) of E = P*e. Each shard's tokens are sorted by global
 expert; group_sizes [E] are its counts. Shapes stay static: what shard s sends shard d is a
-block of m rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
+block of C rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
+C, the capacity, is m (all of s's m token rows could go to one shard) unless the caller caps
+it: then the tokens past the first C for a shard are dropped (results of zero), and the
+exchanges and the received [P*C, .] activations shrink by m / C (`moe_per_shard`'s
+capacity_factor caps each expert's tokens instead).
 RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at step t - 1, so
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
 block first (one all-to-all), then multiplies all of them in one grouped GEMM, their rows
 regrouped by expert and the padding last (`grouped.blocks.merged_matmul`). AUTO runs
 NONE (`plan.GROUPED_AUTO_RING_SIZES`: 1.25x faster than the ring on two GPUs, 1.27x on four).
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
-expert from the first GEMM to the second; with PIPELINE the tokens go in chunks, each NONE
-(one chunk's exchanges may run beside another's GEMMs).
+expert from the first GEMM to the second.
 """
 
 from __future__ import annotations
@@ -43,20 +46,37 @@ from commgemm.grouped.scaling import (
 from commgemm.operands import axis_size, check_divisible
 from commgemm.plan import make_grouped_plan
 from commgemm.quant import Scaling, check_weight_scaling
-from commgemm.registry import resolve
 from commgemm.xla.common import after
 
 
-def _starts(group_sizes: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """(first row, count) of each shard's tokens in a shard's expert-sorted rows."""
+def _starts(group_sizes: jax.Array, size: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(first row, count sent: at most `capacity`) of each shard's tokens in a shard's
+    expert-sorted rows."""
     per_shard = group_sizes.astype(jnp.int32).reshape(size, -1).sum(axis=1)
-    return jnp.cumsum(per_shard) - per_shard, per_shard
+    return jnp.cumsum(per_shard) - per_shard, jnp.minimum(per_shard, capacity)
 
 
-def _window(x: jax.Array, start, count) -> jax.Array:
-    """Rows [start, start + count) of x moved to the top, zeros below (x's shape)."""
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.where(rows < count, jnp.roll(x, -start, axis=0), jnp.zeros((), x.dtype))
+def _capped(sizes: jax.Array, capacity: int) -> jax.Array:
+    """Counts [P, e] of each shard's experts cut to the first `capacity` rows of each shard."""
+    before = jnp.cumsum(sizes, axis=1) - sizes
+    return jnp.clip(capacity - before, 0, sizes)
+
+
+def _capacity(capacity: int | None, rows: int) -> int:
+    """The rows of each block: `capacity` (at most `rows`, which it defaults to)."""
+    if capacity is None:
+        return rows
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
+    return min(capacity, rows)
+
+
+def _window(x: jax.Array, start, count, rows: int) -> jax.Array:
+    """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below."""
+    if rows > x.shape[0]:
+        x = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+    index = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    return jnp.where(index < count, jnp.roll(x, -start, axis=0)[:rows], jnp.zeros((), x.dtype))
 
 
 def _exchange(values, axis_name: str, size: int, shift: int):
@@ -76,6 +96,7 @@ def all_to_all_grouped_matmul(
     *,
     config=None,
     scaling: Scaling = None,
+    capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dispatch this shard's tokens to their experts' shards and run this shard's experts.
 
@@ -83,8 +104,10 @@ def all_to_all_grouped_matmul(
       x: [m, K] tokens sorted by global expert.
       w: [e, K, N] this shard's experts.
       group_sizes: [E = P*e] this shard's token counts per global expert.
+      capacity: C, the rows each shard sends each shard (default m): the tokens for a shard
+        past its first C are dropped (not sent; zeros where their results go back).
     Returns:
-      (y [P, m, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
+      (y [P, C, N]: y[s] = this shard's experts applied to shard s's tokens for them, in their
       order, zeros past their count; recv_sizes [P, e]: those counts), the input of
       `grouped_matmul_all_to_all`. `scaling`: quantized operands (commgemm.grouped.scaling);
       the tokens travel quantized. On a Hopper GPU with tensor scaling the forward multiplies
@@ -93,19 +116,23 @@ def all_to_all_grouped_matmul(
     """
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
     x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
-    y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows, experts)
+    capacity = _capacity(capacity, x.shape[0])
+    y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows, experts, capacity)
     return with_quantized_cotangent(y, recipe, axis_name, experts), recv
 
 
 def _dispatch_grouped(
-    x, w, group_sizes, axis_name, config, rows: Rows | None, experts: Float8Experts | None
-):
+    x, w, group_sizes, axis_name, config, rows: Rows | None, experts: Float8Experts | None,
+    capacity: int,
+):  # fmt: skip
     """`all_to_all_grouped_matmul` on x's (quantized) values, the tokens travelling as `rows`
     (their quantized payload) where they are quantized (multiplied on float8 tensor cores with
     `experts`)."""
     size = axis_size(axis_name)
     method = _method(config, "all_to_all_grouped_matmul", size)
-    blocks, arrived, by_step_sizes = _exchanged(x, w, group_sizes, axis_name, rows, method)
+    blocks, arrived, by_step_sizes = _exchanged(
+        x, w, group_sizes, axis_name, rows, method, capacity
+    )
     if method is Method.RING_EXCHANGE:  # each block's GEMM as it arrives
         parts = zip(blocks, arrived, by_step_sizes, strict=True)
         by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
@@ -124,12 +151,12 @@ def _stacked(arrived: tuple[Rows | None, ...]) -> Rows | None:
     return dataclasses.replace(arrived[0], payload=jnp.stack([q.payload for q in arrived]))
 
 
-def _exchanged(x, w, group_sizes, axis_name, rows: Rows | None, method: Method):
+def _exchanged(x, w, group_sizes, axis_name, rows: Rows | None, method: Method, capacity: int):
     """This shard's tokens x [m, K] (sorted by global expert, counts group_sizes [P*e]) sent to
-    their experts' shards: (blocks: P arrays [m, K], block t from shard me - t, its tokens for
-    this shard's experts first and zeros after; their quantized rows as they travelled (or
-    Nones); sizes [P, e]: each block's counts). The ring sends each block after the one
-    before, NONE all at once."""
+    their experts' shards: (blocks: P arrays [C, K] (C = capacity), block t from shard me - t,
+    its first C tokens for this shard's experts first and zeros after; their quantized rows as
+    they travelled (or Nones); sizes [P, e]: each block's counts). The ring sends each block
+    after the one before, NONE all at once."""
     size, e = axis_size(axis_name), w.shape[0]
     check_divisible(group_sizes.shape[0], size, "all_to_all_grouped_matmul: experts", "P")
     if group_sizes.shape[0] != size * e:
@@ -141,17 +168,19 @@ def _exchanged(x, w, group_sizes, axis_name, rows: Rows | None, method: Method):
     # no shard is sent (or returns results for) rows this shard does not have
     group_sizes = sizes_in_rows(group_sizes, 0, x.shape[0])
     me = lax.axis_index(axis_name)
-    starts, counts = _starts(group_sizes, size)
-    sizes = group_sizes.astype(jnp.int32).reshape(size, e)
+    starts, counts = _starts(group_sizes, size, capacity)
+    sizes = _capped(group_sizes.astype(jnp.int32).reshape(size, e), capacity)
 
     def send(t: int, previous):
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
         start, count = starts[dest], counts[dest]
         sent = None
         if rows is not None:
-            sent = dataclasses.replace(rows, payload=_window(rows.payload, start, count))
+            payload = _window(rows.payload, start, count, capacity)
+            sent = dataclasses.replace(rows, payload=payload)
         shift = functools.partial(_exchange, axis_name=axis_name, size=size, shift=t)
-        return *carry(shift, _window(x, start, count), sent, previous), shift(sizes[dest])
+        block = _window(x, start, count, capacity)
+        return *carry(shift, block, sent, previous), shift(sizes[dest])
 
     received, last = [], None
     for t in range(size):
@@ -170,11 +199,12 @@ def grouped_matmul_all_to_all(
     *,
     config=None,
     scaling: Scaling = None,
+    tokens: int | None = None,
 ) -> jax.Array:
     """This shard's experts applied to the tokens it received, sent back to their shards.
 
     Args:
-      y: [P, m, K2] per source shard, as `all_to_all_grouped_matmul` returns (after, say, an
+      y: [P, C, K2] per source shard, as `all_to_all_grouped_matmul` returns (after, say, an
         activation).
       w: [e, K2, N] this shard's experts.
       recv_sizes: [P, e] the counts that came with y.
@@ -183,16 +213,22 @@ def grouped_matmul_all_to_all(
       scaling: quantized operands (commgemm.grouped.scaling); on a Hopper GPU with tensor
         scaling the forward's GEMMs and their dX multiply float8 operands on the tensor cores
         (`grouped.blocks.block_matmul`), otherwise emulated.
+      tokens: m, this shard's token rows (default C: `all_to_all_grouped_matmul` without a
+        capacity).
     Returns:
-      [m, N] in this shard's token order (zeros past the tokens' count).
+      [m, N] in this shard's token order (zeros past the tokens' count and for the tokens
+      dropped past the capacity).
     """
     check_weight_scaling("grouped_matmul_all_to_all", w, scaling)
+    tokens = y.shape[1] if tokens is None else tokens
+    if not isinstance(tokens, int) or tokens < y.shape[1]:
+        raise ValueError(f"tokens={tokens!r} must be an int of at least y's {y.shape[1]} rows")
     y, w, recipe, rows, experts = quantized_operands(y, w, scaling, axis_name)
-    out = _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts)
+    out = _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts, tokens)
     return with_quantized_cotangent(out, recipe, axis_name, experts)
 
 
-def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts):
+def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, experts, tokens):
     """`grouped_matmul_all_to_all` on y's (quantized) values (`rows`, `experts`: as in
     `_dispatch_grouped`)."""
     size = axis_size(axis_name)
@@ -209,24 +245,26 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
             return every[src]
         return block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
 
-    return _sent_back(result, group_sizes, axis_name, chain=method is not Method.NONE)
+    return _sent_back(result, group_sizes, axis_name, tokens, chain=method is not Method.NONE)
 
 
-def _sent_back(result, group_sizes, axis_name, *, chain: bool) -> jax.Array:
-    """result(t) [m, N], the results for shard me - t's tokens, sent back by shift -t (the ring:
+def _sent_back(result, group_sizes, axis_name, tokens: int, *, chain: bool) -> jax.Array:
+    """result(t) [C, N], the results for shard me - t's tokens, sent back by shift -t (the ring:
     each after the one before, with `chain`) and placed where this shard's tokens for shard
-    me + t's experts are: [m, N] (zeros past the tokens' count)."""
+    me + t's experts are: [m, N] (m = tokens; zeros past the tokens' count and for those past
+    the first C for a shard)."""
     size = axis_size(axis_name)
     me = lax.axis_index(axis_name)
-    starts, counts = _starts(group_sizes, size)
     out, last = None, None
     for t in range(size):
         z = result(t)
+        if t == 0:
+            starts, counts = _starts(group_sizes, size, z.shape[0])
         back = _exchange(after(z, last) if chain else z, axis_name, size, -t)
         last = back
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
-        index = jnp.arange(z.shape[0], dtype=jnp.int32)[:, None]
-        placed = jnp.roll(_window(back, 0, counts[dest]), starts[dest], axis=0)
+        index = jnp.arange(tokens, dtype=jnp.int32)[:, None]
+        placed = jnp.roll(_window(back, 0, counts[dest], tokens), starts[dest], axis=0)
         inside = (index >= starts[dest]) & (index < starts[dest] + counts[dest])
         out = jnp.where(inside, placed, jnp.zeros_like(placed) if out is None else out)
     return out
@@ -242,51 +280,37 @@ def expert_mlp(
     activation=jax.nn.gelu,
     config=None,
     scaling=None,
+    capacity: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The experts' MLP on this shard's tokens, dispatched and returned: x [m, K] sorted by
     global expert (counts group_sizes [P*e]), w1 [e, K, F] and w2 [e, F, N] this shard's
     experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
-    the GEMMs, in an order of their own: for their amax). The same as
-    `all_to_all_grouped_matmul`, `activation`, `grouped_matmul_all_to_all`; `scaling`: one
-    recipe for both GEMMs or a pair (up, down).
+    the GEMMs [P*C, F], in an order of their own: for their amax). The same as
+    `all_to_all_grouped_matmul` (with `capacity`), `activation`, `grouped_matmul_all_to_all`;
+    `scaling`: one recipe for both GEMMs or a pair (up, down).
 
     Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
-    from the first GEMM to the second: one permutation of the [P*m, K] rows and one of the
-    [P*m, N] results, where the two ops would also put the [P*m, F] activations back in the
-    order of their source shards and regroup them again. PIPELINE (here only, not in the two
-    ops): x's rows in `num_splits` chunks (m divisible by it), each its own NONE, so that XLA
-    may run one chunk's exchanges beside another's GEMMs; under current scaling each chunk is
-    quantized by its own amax."""
-    cfg, _ = resolve(config)
-    if cfg.method is Method.PIPELINE and cfg.num_splits > 1:
-        splits = cfg.num_splits
-        check_divisible(x.shape[0], splits, "expert_mlp: x's rows", "num_splits")
-        rows, serial = x.shape[0] // splits, cfg.replace(method=Method.NONE, num_splits=1)
-        parts = [
-            expert_mlp(x[c * rows : (c + 1) * rows], w1, w2,
-                       sizes_in_rows(group_sizes, c * rows, (c + 1) * rows), axis_name,
-                       activation=activation, config=serial, scaling=scaling)
-            for c in range(splits)
-        ]  # fmt: skip
-        outs, hidden = zip(*parts, strict=True)
-        return jnp.concatenate(outs), jnp.concatenate(hidden)
-    if cfg.method is Method.PIPELINE:
-        config = cfg.replace(method=Method.NONE)
+    from the first GEMM to the second: one permutation of the [P*C, K] rows and one of the
+    [P*C, N] results, where the two ops would also put the [P*C, F] activations back in the
+    order of their source shards and regroup them again."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
-    size = axis_size(axis_name)
+    size, m = axis_size(axis_name), x.shape[0]
+    capacity = _capacity(capacity, m)
     ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
     if any(_method(config, op, size) is not Method.NONE for op in ops):
         y, received = all_to_all_grouped_matmul(x, w1, group_sizes, axis_name, config=config,
-                                                scaling=up)  # fmt: skip
+                                                scaling=up, capacity=capacity)  # fmt: skip
         h = activation(y)
         out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
-                                        config=config, scaling=down)  # fmt: skip
+                                        config=config, scaling=down, tokens=m)  # fmt: skip
         return out, h
     check_weight_scaling("all_to_all_grouped_matmul", w1, up)
     check_weight_scaling("grouped_matmul_all_to_all", w2, down)
     x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name)
-    blocks, arrived, by_step_sizes = _exchanged(x, w1, group_sizes, axis_name, rows, Method.NONE)
-    dest, source, sizes = merged_order(by_step_sizes, x.shape[0])
+    blocks, arrived, by_step_sizes = _exchanged(
+        x, w1, group_sizes, axis_name, rows, Method.NONE, capacity
+    )
+    dest, source, sizes = merged_order(by_step_sizes, capacity)
     flat, flat_rows = regrouped(jnp.stack(blocks), _stacked(arrived), source, dest)
     y = block_matmul(flat, w1, sizes, flat_rows, experts)
     h = activation(with_quantized_cotangent(y, recipe, axis_name, experts))
@@ -294,5 +318,5 @@ def expert_mlp(
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = block_matmul(h2, w2, sizes, rows, experts)
     z = with_quantized_cotangent(z, recipe, axis_name, experts)
-    by_step = permuted(z, dest, source).reshape(size, x.shape[0], -1)
-    return _sent_back(lambda t: by_step[t], group_sizes, axis_name, chain=False), h
+    by_step = permuted(z, dest, source).reshape(size, capacity, -1)
+    return _sent_back(lambda t: by_step[t], group_sizes, axis_name, m, chain=False), h

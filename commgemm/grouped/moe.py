@@ -6,11 +6,19 @@ Sorting and unsorting the token copies are row permutations (`grouped.blocks.per
 and backward: a token's k copies are its row repeated k times, so the dispatch's gradient is a
 gather and a sum over the k copies, and so is the combine, with no scatter-add (a scatter-add of
 bf16 rows, the gather's transpose, ran atomics at a fraction of the memory's bandwidth).
+
+Without a capacity nothing is dropped, so every shard must be able to take all m*k copies from
+every shard: the exchanges move, and the experts' activations hold, P*m*k rows a shard where
+m*k arrive on average. A capacity factor cf caps each expert at c = ceil(cf * m*k / E) copies
+from each shard (the first c in token order; the rest dropped, adding nothing to their
+tokens' outputs), as GShard and Switch Transformer do, and the rows a shard sends a shard at
+e*c: the exchanges and the activations shrink about P / cf times.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +37,7 @@ def top_k_routing(logits: jax.Array, k: int):
 
 
 def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activation="gelu",
-                  amax_over=None):  # fmt: skip
+                  amax_over=None, capacity_factor: float | None = None):  # fmt: skip
     """The MoE block on one shard's tokens x [m, H] with its experts w1 [e, H, F], w2 [e, F, H]
     (experts sharded over `axis_name`, P*e in all; router [H, P*e] replicated): route, sort the
     k copies of each token by expert, dispatch them to their experts' shards with the expert
@@ -37,18 +45,24 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     x's dtype. `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down). With
     `amax_over` (the mesh axes the tokens are sharded over) also returns each GEMM's operands'
     amax over the whole tensors ({"up": {"x", "w"}, "down": {"x", "w"}}: delayed scaling's
-    next states)."""
+    next states). `capacity_factor` (> 0; default none: no token dropped): each expert takes at
+    most ceil(capacity_factor * m*k / E) copies from this shard, the first in token order
+    (module docstring)."""
     from commgemm.grouped.expert_parallel import expert_mlp
 
     (m, h), size, e = x.shape, jax.lax.axis_size(axis_name), w1.shape[0]
     expert, gate, _ = top_k_routing(x @ router.astype(x.dtype), k)
     order = jnp.argsort(expert, stable=True)  # copy i of the sorted rows is copy order[i]
-    inverse = inverse_permutation(order)
     counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
+    capacity = None
+    if capacity_factor is not None:
+        order, counts, capacity = _capped_order(order, expert, counts, capacity_factor, e)
+    inverse = inverse_permutation(order)
     copies = jnp.repeat(x, k, axis=0)  # [m*k, H], token-major as the routing's rows
     act = functools.partial(jax.nn.gelu, approximate=activation == "gelu_tanh")
     out, y = expert_mlp(permuted(copies, order, inverse), w1, w2, counts, axis_name,
-                        activation=act, config=config, scaling=scaling)  # fmt: skip
+                        activation=act, config=config, scaling=scaling,
+                        capacity=capacity)  # fmt: skip
     per_token = permuted(out, inverse, order).reshape(m, k, h)  # back in token-major order
     weighted = per_token.astype(jnp.float32) * gate.reshape(m, k, 1)
     out = jnp.sum(weighted, axis=1).astype(x.dtype)
@@ -56,3 +70,22 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
         return out
     seen = lambda a: amax(jax.lax.stop_gradient(a), amax_over)  # noqa: E731
     return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
+
+
+def expert_capacity(copies: int, experts: int, capacity_factor: float) -> int:
+    """The copies each expert takes from a shard of `copies` token copies (m*k): at least 1."""
+    if not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be a number > 0, got {capacity_factor!r}")
+    return max(1, math.ceil(capacity_factor * copies / experts))
+
+
+def _capped_order(order, expert, counts, capacity_factor: float, per_shard: int):
+    """The expert-sorted order with each expert's copies past its capacity c moved to the end:
+    (order [m*k], counts [E] at most c, the rows a shard sends a shard: per_shard * c, in 8s)."""
+    n, experts = order.shape[0], counts.shape[0]
+    c = expert_capacity(n, experts, capacity_factor)
+    first = jnp.cumsum(counts) - counts
+    rank = jnp.arange(n, dtype=jnp.int32) - first[expert[order]]  # within its expert
+    kept_first = jnp.argsort(rank >= c, stable=True)
+    rows = min(n, -(-per_shard * c // 8) * 8)
+    return order[kept_first], jnp.minimum(counts, c), rows
