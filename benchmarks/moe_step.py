@@ -255,7 +255,7 @@ def ratios(row: dict) -> dict:
 
 
 def main() -> None:
-    args = arguments(__doc__, "mixtral,fine", "auto,none,xla,ragged-a2a")
+    args = arguments(__doc__, "mixtral,fine", "auto,none,auto@1.25,xla,ragged-a2a")
     writer = jax.process_index() == 0
     if writer:
         args.out.mkdir(parents=True, exist_ok=True)

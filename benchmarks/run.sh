@@ -27,8 +27,9 @@
 #                                              bf16 and FP8) by method against its bound, XLA's
 #                                              partitioning and XLA's windowed einsum
 #   bash benchmarks/run.sh moe     OUT         all GPUs: the expert-parallel MoE block's training step
-#                                              (2 sizes, bf16 and FP8): AUTO, serial and XLA's
-#                                              ragged all-to-all + ragged dots
+#                                              (2 sizes, bf16 and FP8): AUTO, serial, AUTO with
+#                                              capacity factor 1.25 and XLA's ragged
+#                                              all-to-all + ragged dots
 #   bash benchmarks/run.sh capabilities OUT    all GPUs (2, 4 or 8): FP8 ops, grouped GEMMs, the
 #                                              backward alone and the layers' training step,
 #                                              overlapped against serial and XLA's own sharding
