@@ -321,7 +321,7 @@ def test_expert_parallel_refuses_bad_capacity_and_pipeline():
     x, w = np.ones((size * m, 5)), np.ones((size * 2, 5, 5))
     sizes = np.full((size, size * 2), 2, np.int32)
     run = lambda body: shard(body, mesh1d(size), (P("x"),) * 3, P("x"))(x, w, sizes)  # noqa: E731
-    for bad in (0, 2.5):
+    for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="capacity must be a positive number of rows"):
             run(lambda a, b, g, c=bad: cg.all_to_all_grouped_matmul(a, b, g[0], "x", capacity=c)[0])
     with pytest.raises(ValueError, match="tokens=4 must be an int of at least y's 8 rows"):

@@ -286,8 +286,9 @@ def test_parallel_moe_capacity(rng, method, capacity_factor):
     want = jax.grad(lambda *p: jnp.sum(ref(x, *p) * g), (0, 1, 2))(*params)
     for got, r in zip((grads.router, grads.w1, grads.w2), want, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
-        cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(3), capacity_factor=0)
+    for bad in (0, -1.0, True, "1.25"):
+        with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
+            cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(3), capacity_factor=bad)
 
 
 @pytest.mark.parametrize("method", ["ring", "none"])

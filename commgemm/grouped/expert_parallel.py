@@ -66,7 +66,7 @@ def _capacity(capacity: int | None, rows: int) -> int:
     """The rows of each block: `capacity` (at most `rows`, which it defaults to)."""
     if capacity is None:
         return rows
-    if not isinstance(capacity, int) or capacity < 1:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
     return min(capacity, rows)
 

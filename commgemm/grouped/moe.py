@@ -74,7 +74,8 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
 
 def expert_capacity(copies: int, experts: int, capacity_factor: float) -> int:
     """The copies each expert takes from a shard of `copies` token copies (m*k): at least 1."""
-    if not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+    bad = isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+    if bad or not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be a number > 0, got {capacity_factor!r}")
     return max(1, math.ceil(capacity_factor * copies / experts))
 
