@@ -241,20 +241,25 @@ def _check_expert_mlp(f, x, w1, w2, sizes, capacity=None) -> None:
     _close(got, want)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     check_vma=st.booleans(),
     size=st.sampled_from([2, 4, 8]),
     method=st.sampled_from(["none", "ring", "auto"]),
     per_shard=st.integers(1, 3),
     m=st.sampled_from([3, 8]),
+    capacity=st.one_of(st.none(), st.integers(1, 10)),
     seed=st.integers(0, 2**31 - 1),
     mlp=st.booleans(),
 )
-def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard, m, seed, mlp):
+def test_expert_parallel_dispatch_and_return(
+    check_vma, size, method, per_shard, m, capacity, seed, mlp
+):
     """Tokens to their experts' shards and back: each shard's result equals ragged_dot with every
     expert's weights on one device, activation between, values and gradients; shards with no
-    tokens and experts with none included; the two ops, or `expert_mlp`."""
+    tokens and experts with none included; the two ops, or `expert_mlp`. With a capacity C each
+    shard sends each shard only its first C tokens for it: the rest come back as zeros (the
+    reference's rows zeroed; C past the m rows: nothing dropped)."""
     from commgemm.grouped.expert_parallel import expert_mlp
 
     rng = np.random.default_rng(seed)
@@ -266,50 +271,37 @@ def test_expert_parallel_dispatch_and_return(check_vma, size, method, per_shard,
 
     def body(a, b, c, g):
         if mlp:  # the same as one function (NONE: regrouped once for both GEMMs)
-            return expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg)[0]
-        y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg)
-        return cg.grouped_matmul_all_to_all(jnp.tanh(y), c, received, g[0], "x", config=cfg)
-
-    f = shard(body, mesh1d(size), (P("x"), P("x"), P("x"), P("x")), P("x"), check_vma=check_vma)
-
-    _check_expert_mlp(f, x, w1, w2, sizes)
-
-
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    check_vma=st.booleans(),
-    size=st.sampled_from([2, 4]),
-    method=st.sampled_from(["none", "ring"]),
-    capacity=st.integers(1, 10),
-    seed=st.integers(0, 2**31 - 1),
-    mlp=st.booleans(),
-)
-def test_expert_parallel_capacity(check_vma, size, method, capacity, seed, mlp):
-    """With a capacity C each shard sends each shard only its first C tokens for it; the rest
-    come back as zeros, values and gradients equal to the float64 reference's with those rows
-    zeroed (C past the m = 8 rows: nothing dropped); the two ops, or `expert_mlp`."""
-    from commgemm.grouped.expert_parallel import expert_mlp
-
-    rng = np.random.default_rng(seed)
-    m, per_shard = 8, 2
-    experts = size * per_shard
-    x = rng.standard_normal((size * m, 5))
-    w1, w2 = rng.standard_normal((experts, 5, 4)), rng.standard_normal((experts, 4, 3))
-    sizes = np.stack([_expert_sizes(rng, experts, m) for _ in range(size)])
-    cfg = cg.OverlapConfig(method=method)
-
-    def body(a, b, c, g):
-        if mlp:
             return expert_mlp(a, b, c, g[0], "x", activation=jnp.tanh, config=cfg,
                               capacity=capacity)[0]  # fmt: skip
         y, received = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg,
                                                    capacity=capacity)  # fmt: skip
-        assert y.shape[:2] == (size, min(capacity, m))
+        assert y.shape[:2] == (size, m if capacity is None else min(capacity, m))
         return cg.grouped_matmul_all_to_all(jnp.tanh(y), c, received, g[0], "x", config=cfg,
                                             tokens=m)  # fmt: skip
 
     f = shard(body, mesh1d(size), (P("x"),) * 4, P("x"), check_vma=check_vma)
     _check_expert_mlp(f, x, w1, w2, sizes, capacity)
+
+
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_capacity_caps_the_counts_that_travel(method):
+    """The counts a shard receives with a capacity C are the sender's first C tokens for it, by
+    expert (the kernels' row counts must match the rows sent): sender s's counts for shard d's
+    experts cut where their running sum passes C."""
+    size, e, m, capacity = 2, 2, 8, 3
+    sizes = np.array([[3, 2, 1, 2], [0, 4, 3, 1]], np.int32)  # [source, global expert]
+    x, w = np.ones((size * m, 4)), np.ones((size * e, 4, 2))
+    cfg = cg.OverlapConfig(method=method)
+    body = lambda a, b, g: cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg,  # noqa: E731
+                                                        capacity=capacity)[1]  # fmt: skip
+    got = np.asarray(shard(body, mesh1d(size), (P("x"),) * 3, P("x"))(x, w, sizes))
+    want = np.zeros((size, size, e), np.int32)  # [dest, source, its expert]
+    for s, row in enumerate(sizes):
+        for d in range(size):
+            left = capacity
+            for j, n in enumerate(row[d * e : (d + 1) * e]):
+                want[d, s, j], left = min(n, left), left - min(n, left)
+    np.testing.assert_array_equal(got, want.reshape(size * size, e))
 
 
 def test_expert_parallel_refuses_bad_capacity_and_pipeline():

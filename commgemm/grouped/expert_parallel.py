@@ -245,21 +245,21 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
             return every[src]
         return block_matmul(y[src], w, recv_sizes[src], row_block(rows, src), experts)
 
-    return _sent_back(result, group_sizes, axis_name, tokens, chain=method is not Method.NONE)
+    chain = method is not Method.NONE
+    return _sent_back(result, group_sizes, axis_name, y.shape[1], tokens, chain=chain)
 
 
-def _sent_back(result, group_sizes, axis_name, tokens: int, *, chain: bool) -> jax.Array:
-    """result(t) [C, N], the results for shard me - t's tokens, sent back by shift -t (the ring:
-    each after the one before, with `chain`) and placed where this shard's tokens for shard
-    me + t's experts are: [m, N] (m = tokens; zeros past the tokens' count and for those past
-    the first C for a shard)."""
+def _sent_back(result, group_sizes, axis_name, capacity: int, tokens: int, *, chain: bool):
+    """result(t) [C, N] (C = capacity), the results for shard me - t's tokens, sent back by
+    shift -t (the ring: each after the one before, with `chain`) and placed where this shard's
+    tokens for shard me + t's experts are: [m, N] (m = tokens; zeros past the tokens' count and
+    for those past the first C for a shard)."""
     size = axis_size(axis_name)
     me = lax.axis_index(axis_name)
+    starts, counts = _starts(group_sizes, size, capacity)
     out, last = None, None
     for t in range(size):
         z = result(t)
-        if t == 0:
-            starts, counts = _starts(group_sizes, size, z.shape[0])
         back = _exchange(after(z, last) if chain else z, axis_name, size, -t)
         last = back
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
@@ -319,4 +319,4 @@ def expert_mlp(
     z = block_matmul(h2, w2, sizes, rows, experts)
     z = with_quantized_cotangent(z, recipe, axis_name, experts)
     by_step = permuted(z, dest, source).reshape(size, capacity, -1)
-    return _sent_back(lambda t: by_step[t], group_sizes, axis_name, m, chain=False), h
+    return _sent_back(lambda t: by_step[t], group_sizes, axis_name, capacity, m, chain=False), h
