@@ -133,11 +133,12 @@ def test_prequantized_operands(rng, mode, w_nk):
 
 
 def _moved_types(text: str, width: int) -> list[str]:
-    """Element types of the rows the forward program moves (collective-permute and all-gather
-    operands whose last dimension is at least `width`, the rows' K)."""
+    """Element types of the rows the forward program moves (collective-permute, all-gather and
+    all-to-all operands whose last dimension is at least `width`, the rows' K)."""
     from test_scaled import _operand_types
 
-    types = _operand_types(text, "collective_permute") + _operand_types(text, "all_gather")
+    ops = ("collective_permute", "all_gather", "all_to_all")
+    types = [t for op in ops for t in _operand_types(text, op)]
     return [t.rsplit("x", 1)[-1] for t in types if "x" in t and int(t.split("x")[-2]) >= width]
 
 
