@@ -12,11 +12,8 @@ RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at 
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
 block first in one `lax.all_to_all` (and the results back in another), then multiplies all
 of them in one grouped GEMM, their rows regrouped by expert and the padding last
-(`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`). On 4 H100s
-the MoE block's training step ran 1.10x to 1.40x faster with NONE's one all-to-all than with
-P ppermutes, one per shift (NCCL moved the blocks in about 0.6x the time); on 2 GPUs the two
-forms were within 2%. The ring was slower than either (on 4 GPUs, capacity factor 1.25,
-1.05x to 1.19x the ppermutes' step).
+(`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`; the
+figures behind it: BENCHMARKS.md, "The expert-parallel MoE block's training step").
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
 expert from the first GEMM to the second.
 """
