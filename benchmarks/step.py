@@ -1,8 +1,8 @@
 """One transformer layer's training step on all devices of the host, against its bound and XLA's
 own partitioning: layernorms, the QKV and output projections, causal attention in plain jax
-(`jax.nn.dot_product_attention`), the MLP (GELU), sequence-parallel tensor parallelism over
-every device, forward, backward and an optax AdamW update, bf16 and FP8 (current tensor scaling
-on the four GEMMs).
+(`jax.nn.dot_product_attention`), the MLP (GELU in its tanh form, jax.nn.gelu's default, in
+every variant), sequence-parallel tensor parallelism over every device, forward, backward and
+an optax AdamW update, bf16 and FP8 (current tensor scaling on the four GEMMs).
 
 Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved`):
   auto, none: the layer with commgemm's ops inside shard_map (AUTO, and NONE: serial)
@@ -18,6 +18,8 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
               of [tokens, H]; FP8: the gathers in float8) -> t_comm
   local:      the per-device layer (heads/P, F/P, every token) on one device, no
               communication -> t_local; timed right after the others
+  NAME+lhs:   the variant NAME jitted with XLA's latency-hiding scheduler on
+              (compiler_options xla_gpu_enable_latency_hiding_scheduler)
   xla-flags:  `xla` in a child process with XLA's windowed-einsum collective matmul on
               (threshold 0, multi-streamed), reported as failing where it does not compile
 t_bound = max(t_local, t_comm). Each variant: ms per step, step / t_bound, speedup over xla,
@@ -96,6 +98,9 @@ WINDOWED = (
     "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 )
 BUSY = 0.9
+#: a variant's suffix -> the compiler options its step is jitted with ("auto+lhs": AUTO's step
+#: with XLA's latency-hiding scheduler on)
+OPTIONS = {"lhs": {"xla_gpu_enable_latency_hiding_scheduler": True}}
 
 
 def layernorm(x, scale):
@@ -116,7 +121,7 @@ def layer(p, x, ag, rs, size: Size, heads: int, place=lambda a: a):
     q, k, v = (place(qkv[..., i, :]) for i in range(3))
     a = place(jax.nn.dot_product_attention(q, k, v, is_causal=True))
     x = x + rs(a.reshape(t, heads * d), p["w_o"])
-    u = ag(layernorm(x, p["ln2"]), p["w1"], "gelu")
+    u = ag(layernorm(x, p["ln2"]), p["w1"], "gelu_tanh")
     return x + rs(u, p["w2"])
 
 
@@ -137,8 +142,9 @@ SPECS = {"ln1": P(), "ln2": P(), "w_qkv": P(None, "tp"), "w_o": P("tp", None),
          "w1": P(None, "tp"), "w2": P("tp", None)}  # fmt: skip
 
 
-def train_step(forward, optimizer):
-    """jit(loss, grad, AdamW update) of forward(params, x) -> the layer's output."""
+def train_step(forward, optimizer, options: dict | None = None):
+    """jit(loss, grad, AdamW update) of forward(params, x) -> the layer's output, compiled with
+    XLA's `options` (jax.jit's compiler_options)."""
 
     def step(params, opt_state, x):
         def loss_fn(p):
@@ -148,11 +154,12 @@ def train_step(forward, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step)
+    return jax.jit(step, compiler_options=options)
 
 
 def epilogue(y, activation):
-    return jax.nn.gelu(y) if activation == "gelu" else y
+    """The XLA and local variants' GELU: the ops' `activation` in jnp."""
+    return jax.nn.gelu(y, approximate=activation == "gelu_tanh") if activation else y
 
 
 def shard(a, mesh: Mesh, spec) -> jax.Array:
@@ -172,13 +179,15 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     x_placed = shard(x, mesh, P("tp", None))
     out = {}
     for name in names:
-        if name not in ("xla", "local", "comm"):
-            if name == FAST_DGRAD and scaling is None:
+        base, _, suffix = name.partition("+")
+        options = OPTIONS[suffix] if suffix else None
+        if base not in ("xla", "local", "comm"):
+            if base == FAST_DGRAD and scaling is None:
                 continue  # an FP8 recipe's variant
-            specs = ("auto", "auto") if name == FAST_DGRAD else (name.split("/") * 2)[:2]
+            specs = ("auto", "auto") if base == FAST_DGRAD else (base.split("/") * 2)[:2]
             ag_cfg, rs_cfg = (parse_method(spec, op) for spec, op in zip(specs, ("ag", "rs"),
                                                                          strict=True))  # fmt: skip
-            recipe = FAST_DGRAD_RECIPE if name == FAST_DGRAD else scaling
+            recipe = FAST_DGRAD_RECIPE if base == FAST_DGRAD else scaling
 
             def ag(h, w, act, cfg=ag_cfg, recipe=recipe):
                 return cg.all_gather_matmul(h, w, "tp", config=cfg, activation=act,
@@ -191,8 +200,8 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
                 lambda p, x, ag=ag, rs=rs: layer(p, x, ag, rs, size, size.heads // n),
                 mesh=mesh, in_specs=(SPECS, P("tp", None)), out_specs=P("tp", None),
             )  # fmt: skip
-            out[name] = (train_step(body, opt), (placed, opt.init(placed), x_placed))
-        elif name == "xla":
+            out[name] = (train_step(body, opt, options), (placed, opt.init(placed), x_placed))
+        elif base == "xla":
 
             def xla_mm(a, w, spec, act=None):
                 y = jnp.dot(a, w) if scaling is None else scaled.matmul(a, w, scaling)
@@ -206,8 +215,8 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
                 place = lambda a: jax.lax.with_sharding_constraint(a, by_head)  # noqa: E731
                 return layer(p, x, ag, rs, size, size.heads, place)
 
-            out[name] = (train_step(forward, opt), (placed, opt.init(placed), x_placed))
-        elif name == "local":
+            out[name] = (train_step(forward, opt, options), (placed, opt.init(placed), x_placed))
+        elif base == "local":
             local = init(size, size.heads // n, size.ffn // n, dtype)
             dev = jax.local_devices()[0]  # each process's own, under one process per GPU
             local = jax.device_put(local, dev)
@@ -220,8 +229,8 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
                 return layer(p, x, local_mm, local_mm, size, size.heads // n)
 
             args = (local, opt.init(local), jax.device_put(x, dev))
-            out[name] = (train_step(local_forward, opt), args)
-        elif name == "comm":
+            out[name] = (train_step(local_forward, opt, options), args)
+        elif base == "comm":
 
             def chain(x, gather_dtype=jnp.float8_e4m3fn if scaling else dtype):
                 for _ in range(4):
@@ -230,8 +239,9 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
                                              tiled=True)  # fmt: skip
                 return x
 
-            fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp", None),
-                                       out_specs=P("tp", None)))  # fmt: skip
+            mapped = jax.shard_map(chain, mesh=mesh, in_specs=P("tp", None),
+                                   out_specs=P("tp", None))  # fmt: skip
+            fn = jax.jit(mapped, compiler_options=options)
             out[name] = (fn, (x_placed,))
     return out
 

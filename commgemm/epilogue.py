@@ -31,17 +31,27 @@ def apply_epilogue(
     activation: Activation,
     return_pre_activation: bool,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """y = activation(z + bias). With return_pre_activation, (y, z + bias): the pre-GELU tensor
-    the backward pass needs (the reference's aux output). JAX differentiates this part; XLA fuses
-    the bias gradient and the GELU derivative into one pass over dY."""
+    """y = activation(z + bias), computed in float32 (float64 for float64 data) and cast once to
+    z's dtype. With return_pre_activation, (y, z + bias): the pre-GELU tensor the fused backward
+    needs (the reference's aux output). JAX differentiates this part; its backward keeps z and
+    bias alone (z's dtype) and recomputes the sum and GELU's derivative in the one pass over dY
+    that XLA fuses it into, rather than saving float32 intermediates of z's size."""
     if bias is None and activation is None:
         return (z, z) if return_pre_activation else z
-    wide = jnp.promote_types(z.dtype, jnp.float32)  # float32, or float64 for float64 data
-    acc = z.astype(wide)
-    if bias is not None:
-        acc = acc + bias.astype(wide)
-    pre = acc.astype(z.dtype)
+    y = jax.checkpoint(_epilogue, static_argnums=2)(z, bias, activation)
+    if not return_pre_activation:
+        return y
+    return y, _widened_sum(z, bias).astype(z.dtype)
+
+
+def _widened_sum(z: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """z + bias in float32 (or float64 for float64 data)."""
+    acc = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+    return acc if bias is None else acc + bias.astype(acc.dtype)
+
+
+def _epilogue(z: jax.Array, bias: jax.Array | None, activation: Activation) -> jax.Array:
+    acc = _widened_sum(z, bias)
     if activation is not None:
         acc = jax.nn.gelu(acc, approximate=activation == "gelu_tanh")
-    y = acc.astype(z.dtype)
-    return (y, pre) if return_pre_activation else y
+    return acc.astype(z.dtype)
