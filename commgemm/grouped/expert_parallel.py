@@ -72,8 +72,10 @@ def _capacity(capacity: int | None, rows: int) -> int:
     return min(capacity, rows)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3,))
 def _window(x: jax.Array, start, count, rows: int) -> jax.Array:
-    """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below."""
+    """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below. Under
+    jax.checkpoint: its backward keeps start and count, not the [rows, K] mask it selects by."""
     if rows > x.shape[0]:
         x = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
     index = jnp.arange(rows, dtype=jnp.int32)[:, None]
@@ -90,9 +92,10 @@ def _all_to_all(values, axis_name: str):
     return jax.tree.map(lambda v: lax.all_to_all(v, axis_name, 0, 0), values)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(4,))
 def _place(out, back: jax.Array, start, count, tokens: int) -> jax.Array:
     """out [tokens, N] with rows [start, start + count) replaced by back's [C, N] first count
-    rows (zeros elsewhere where out is None)."""
+    rows (zeros elsewhere where out is None); its backward keeps start and count alone."""
     index = jnp.arange(tokens, dtype=jnp.int32)[:, None]
     placed = jnp.roll(_window(back, 0, count, tokens), start, axis=0)
     inside = (index >= start) & (index < start + count)
@@ -312,7 +315,9 @@ def expert_mlp(
     experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
     the GEMMs [P*C, F], in an order of their own: for their amax). The same as
     `all_to_all_grouped_matmul` (with `capacity`), `activation`, `grouped_matmul_all_to_all`;
-    `scaling`: one recipe for both GEMMs or a pair (up, down).
+    `scaling`: one recipe for both GEMMs or a pair (up, down). The backward keeps y, the first
+    GEMM's output, and recomputes the activation's derivative from it in its pass over dh (no
+    intermediates of the activation of y's size are written and read back).
 
     Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
     from the first GEMM to the second: one permutation of the [P*C, K] rows and one of the
@@ -325,7 +330,7 @@ def expert_mlp(
     if any(_method(config, op, size) is not Method.NONE for op in ops):
         y, received = all_to_all_grouped_matmul(x, w1, group_sizes, axis_name, config=config,
                                                 scaling=up, capacity=capacity)  # fmt: skip
-        h = activation(y)
+        h = jax.checkpoint(activation)(y)
         out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
                                         config=config, scaling=down, tokens=m)  # fmt: skip
         return out, h
@@ -336,7 +341,7 @@ def expert_mlp(
     dest, source, sizes = merged_order(block_sizes, capacity)
     flat, flat_rows = regrouped(blocks, arrived, source, dest)
     y = block_matmul(flat, w1, sizes, flat_rows, experts)
-    h = activation(with_quantized_cotangent(y, recipe, axis_name, experts))
+    h = jax.checkpoint(activation)(with_quantized_cotangent(y, recipe, axis_name, experts))
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = block_matmul(h2, w2, sizes, rows, experts)
