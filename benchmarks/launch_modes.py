@@ -9,7 +9,9 @@ bound), timed by device periods; AUTO's plan is read from the same resolution th
     PYTHONPATH=. python benchmarks/launch_modes.py --table DIR    # both modes side by side
 
 Each run writes DIR/modes-<P>dev-<processes>proc.json (process 0); --table prints a markdown
-table of every pair of runs with the same GPU count.
+table of every pair of runs with the same GPU count. With --table, DIR's one_process/step.json
+and per_gpu/step.json (benchmarks/step.py in each mode: `run.sh step-modes`) print as the layer
+step's table too.
 """
 
 from __future__ import annotations
@@ -159,6 +161,39 @@ def table(directory: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+def step_table(directory: pathlib.Path) -> str:
+    """Markdown: the layer step (benchmarks/step.py's rows in DIR/one_process and DIR/per_gpu)
+    per size x dtype: each variant's step / t_bound and AUTO's speedup over XLA's partitioning
+    as step.py worked them out (each mode against its own run's t_bound; "host-bound" where the
+    step was), in both launch modes."""
+    found = [directory / mode / "step.json" for mode in ("one_process", "per_gpu")]
+    data = [json.loads(path.read_text()) if path.exists() else None for path in found]
+    devices = next(d["devices"] for d in data if d is not None)
+    runs = [{(r["size"], r["dtype"]): r["ratios"] for r in (d or {"rows": []})["rows"]}
+            for d in data]  # fmt: skip
+    lines = [
+        "| P | size | dtype | t_bound ms | 1 proc: AUTO | serial | XLA | AUTO vs XLA "
+        "| P procs: AUTO | XLA | AUTO vs XLA |",
+        "|---" * 11 + "|",
+    ]
+
+    def cell(ratios: dict, name: str, field: str = "vs_bound") -> str:
+        got = ratios.get(name)
+        if not isinstance(got, dict):
+            return got or "-"  # "host-bound", or not run
+        return "-" if got.get(field) is None else f"{got[field]:.3f}"
+
+    for key in dict.fromkeys([*runs[0], *runs[1]]):
+        one, many = runs[0].get(key, {}), runs[1].get(key, {})
+        bound = one.get("t_bound_ms", many.get("t_bound_ms"))
+        cells = [cell(one, n) for n in ("auto", "none", "xla")] + [
+            cell(one, "auto", "speedup_vs_xla"), cell(many, "auto"), cell(many, "xla"),
+            cell(many, "auto", "speedup_vs_xla")]  # fmt: skip
+        bound_ms = "-" if bound is None else f"{bound:.2f}"
+        lines.append(f"| {devices} | {key[0]} | {key[1]} | {bound_ms} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path)
@@ -173,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.table:
-        print(table(args.table))
+        if any(args.table.glob("modes-*dev-*proc.json")):
+            print(table(args.table))
+        if any((args.table / mode / "step.json").exists() for mode in ("one_process", "per_gpu")):
+            print(step_table(args.table))
         return 0
     if args.out is None:
         parser.error("--out or --table is required")

@@ -26,6 +26,9 @@
 #   bash benchmarks/run.sh step    OUT         all GPUs: a transformer layer's training step (3 sizes,
 #                                              bf16 and FP8) by method against its bound, XLA's
 #                                              partitioning and XLA's windowed einsum
+#   bash benchmarks/run.sh step-modes OUT [P] [SIZES] P GPUs (default all): the layer step (SIZES,
+#                                              default 8b,13b; bf16 and FP8) in one process, then
+#                                              one process per GPU; both modes' table
 #   bash benchmarks/run.sh moe     OUT         all GPUs: the expert-parallel MoE block's training step
 #                                              (2 sizes, bf16 and FP8): AUTO, serial, AUTO with
 #                                              capacity factor 1.25 and XLA's ragged
@@ -75,6 +78,15 @@ case $target in
     python3 -m commgemm launch -n "$p" --gpus-per-process 1 -- \
       python3 benchmarks/launch_modes.py --out "$out" 2>&1 | tee "$out/processes.log" || true
     python3 benchmarks/launch_modes.py --table "$out" ;;
+  step-modes)
+    p=${3:-$(python3 -c 'from commgemm.launch import gpu_count; print(gpu_count())')}
+    export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((p - 1)))
+    python3 benchmarks/step.py --out "$out/one_process" --sizes "${4:-8b,13b}" \
+      --variants auto,none,xla,comm,local 2>&1 | tee "$out/one_process.log" || true
+    python3 -m commgemm launch -n "$p" --gpus-per-process 1 -- python3 benchmarks/step.py \
+      --out "$out/per_gpu" --sizes "${4:-8b,13b}" --variants auto,xla,comm,local 2>&1 \
+      | tee "$out/per_gpu.log" || true
+    python3 benchmarks/launch_modes.py --table "$out" ;;
   moe) python3 benchmarks/moe_step.py --out "$out" ;;
   core)  # the benchmark runs even when a test fails; the exit status is the tests'
     status=0
@@ -98,5 +110,5 @@ case $target in
     COMMGEMM_LIFT_PROCESS_CHECK=1 python3 -m commgemm launch -n 2 --gpus-per-process 1 \
       --timeout 140 -- $one > "$out/two_processes_lifted.log" 2>&1 || true
     grep -h "OK\|FAILED" "$out"/*.log | cut -c1-400 ;;
-  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess, launch-modes, step, moe, grouped or capabilities" >&2; exit 2 ;;
+  *) echo "unknown target $target: check, tune, suite, profile, tpu, fp8, layers, core, layers-profile, multiprocess, launch-modes, step, step-modes, moe, grouped or capabilities" >&2; exit 2 ;;
 esac

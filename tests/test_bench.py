@@ -583,6 +583,48 @@ def _step_module():
     return load_script("benchmarks/step.py", "step_benchmark")
 
 
+def test_step_table_in_both_launch_modes(tmp_path, rng):
+    """`launch_modes.py --table DIR` prints the layer step's rows of both launch modes side by
+    side (DIR/one_process, DIR/per_gpu: `run.sh step-modes`): each cell the ratio step.py
+    worked out for its mode (step / that run's t_bound, XLA's time over AUTO's), "host-bound"
+    where a step was, "-" where a mode did not run the row."""
+    step = _step_module()
+    modes = load_script("benchmarks/launch_modes.py", "launch_modes_benchmark")
+    made = {}
+    for mode, names in (("one_process", ("auto", "none", "xla")), ("per_gpu", ("auto", "xla"))):
+        rows = []
+        for size, dtype in (("8b", "bf16"), ("8b", "fp8"), ("13b", "bf16")):
+            if mode == "per_gpu" and size == "13b":
+                continue  # a row one mode did not run
+            ms = {n: float(rng.uniform(10, 12)) for n in (*names, "local", "comm")}
+            ms["comm"] = float(rng.uniform(1, 3))
+            busy = {n: 0.99 for n in ms} | ({"none": 0.5} if dtype == "fp8" else {})
+            row = {"size": size, "dtype": dtype, "ms": ms, "busy": busy}
+            row["ratios"] = step.ratios(row)
+            rows.append(row)
+        made[mode] = {(r["size"], r["dtype"]): r for r in rows}
+        (tmp_path / mode).mkdir()
+        (tmp_path / mode / "step.json").write_text(json.dumps({"devices": 4, "rows": rows}))
+    lines = modes.step_table(tmp_path).splitlines()
+    assert len(lines) == 2 + 3
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        key = (cells[1], cells[2])
+        one, many = made["one_process"][key], made["per_gpu"].get(key)
+        assert cells[0] == "4" and cells[3] == f"{one['ratios']['t_bound_ms']:.2f}"
+        for i, name in zip((4, 5, 6), ("auto", "none", "xla"), strict=True):
+            want = one["ratios"][name]
+            assert cells[i] == (want if want == "host-bound" else f"{want['vs_bound']:.3f}")
+        assert cells[7] == f"{one['ratios']['auto']['speedup_vs_xla']:.3f}"
+        if many is None:
+            assert cells[8:] == ["-"] * 3
+        else:
+            assert cells[8] == f"{many['ratios']['auto']['vs_bound']:.3f}"
+            assert cells[9] == f"{many['ratios']['xla']['vs_bound']:.3f}"
+            assert cells[10] == f"{many['ratios']['auto']['speedup_vs_xla']:.3f}"
+            assert abs(float(cells[8]) - many["ms"]["auto"] / many["ratios"]["t_bound_ms"]) < 6e-4
+
+
 def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
     """The step benchmarks' first steps: a variant that does not compile, or whose compiled
     buffers exceed the device's free memory (one GPU out of memory left the other waiting in
