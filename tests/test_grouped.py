@@ -371,9 +371,10 @@ def test_moe_block_exchanges(method, size):
         assert len(_operand_types(text, "collective_permute")) >= 4 * (size - 1)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"])
 @pytest.mark.parametrize("method", ["none", "ring"])
-def test_moe_block_backward_keeps_rows_not_masks(method, scaling):
+def test_moe_block_backward_keeps_rows_not_masks(method, scaling, check_vma):
     """bf16 (and FP8): what the MoE block's backward keeps of its forward holds no mask of the
     row windows it moves ([rows, H] booleans, nor the windows) and no float32 copy of the
     token rows: the masks, the activation's derivative and the gates' product are recomputed in
@@ -388,7 +389,7 @@ def test_moe_block_backward_keeps_rows_not_masks(method, scaling):
     cfg = cg.OverlapConfig(method=method)
     block = shard(lambda a, r, b, c: moe_per_shard(a, r, b, c, k=2, axis_name="x", config=cfg,
                                                    scaling=scaling),
-                  mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"))  # fmt: skip
+                  mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"), check_vma)  # fmt: skip
     loss = lambda *a: jnp.sum(block(*a).astype(jnp.float32))  # noqa: E731  (keeps nothing)
     kept = [aval for aval, _ in saved_residuals(loss, *args)]
     tokens = size * m * h

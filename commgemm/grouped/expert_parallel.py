@@ -12,8 +12,7 @@ RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at 
 the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
 block first in one `lax.all_to_all` (and the results back in another), then multiplies all
 of them in one grouped GEMM, their rows regrouped by expert and the padding last
-(`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`; the
-figures behind it: BENCHMARKS.md, "The expert-parallel MoE block's training step").
+(`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`).
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
 expert from the first GEMM to the second.
 """
@@ -324,13 +323,14 @@ def expert_mlp(
     [P*C, N] results, where the two ops would also put the [P*C, F] activations back in the
     order of their source shards and regroup them again."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
+    activation = jax.checkpoint(activation)  # the backward keeps y, not the activation's insides
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
     ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
     if any(_method(config, op, size) is not Method.NONE for op in ops):
         y, received = all_to_all_grouped_matmul(x, w1, group_sizes, axis_name, config=config,
                                                 scaling=up, capacity=capacity)  # fmt: skip
-        h = jax.checkpoint(activation)(y)
+        h = activation(y)
         out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
                                         config=config, scaling=down, tokens=m)  # fmt: skip
         return out, h
@@ -341,7 +341,7 @@ def expert_mlp(
     dest, source, sizes = merged_order(block_sizes, capacity)
     flat, flat_rows = regrouped(blocks, arrived, source, dest)
     y = block_matmul(flat, w1, sizes, flat_rows, experts)
-    h = jax.checkpoint(activation)(with_quantized_cotangent(y, recipe, axis_name, experts))
+    h = activation(with_quantized_cotangent(y, recipe, axis_name, experts))
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = block_matmul(h2, w2, sizes, rows, experts)

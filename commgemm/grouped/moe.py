@@ -72,11 +72,10 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
 
 
 def _combined(per_token: jax.Array, gate: jax.Array) -> jax.Array:
-    """The k results of each token [m, k, H] weighted by their gates [m, k, 1] and summed in
-    float32: [m, H] in their dtype. Under jax.checkpoint: the backward keeps per_token in its
-    dtype, not a float32 copy."""
-    weighted = per_token.astype(jnp.float32) * gate
-    return jnp.sum(weighted, axis=1).astype(per_token.dtype)
+    """The k results of each token [m, k, H] weighted by their gates [m, k, 1] and summed:
+    [m, H] float32. Under jax.checkpoint: the backward keeps per_token in its dtype, not a
+    float32 copy."""
+    return jnp.sum(per_token.astype(jnp.float32) * gate, axis=1)
 
 
 def expert_capacity(copies: int, experts: int, capacity_factor: float) -> int:
