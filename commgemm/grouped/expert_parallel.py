@@ -71,10 +71,8 @@ def _capacity(capacity: int | None, rows: int) -> int:
     return min(capacity, rows)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
 def _window(x: jax.Array, start, count, rows: int) -> jax.Array:
-    """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below. Under
-    jax.checkpoint: its backward keeps start and count, not the [rows, K] mask it selects by."""
+    """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below."""
     if rows > x.shape[0]:
         x = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
     index = jnp.arange(rows, dtype=jnp.int32)[:, None]
@@ -91,10 +89,9 @@ def _all_to_all(values, axis_name: str):
     return jax.tree.map(lambda v: lax.all_to_all(v, axis_name, 0, 0), values)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,))
 def _place(out, back: jax.Array, start, count, tokens: int) -> jax.Array:
     """out [tokens, N] with rows [start, start + count) replaced by back's [C, N] first count
-    rows (zeros elsewhere where out is None); its backward keeps start and count alone."""
+    rows (zeros elsewhere where out is None)."""
     index = jnp.arange(tokens, dtype=jnp.int32)[:, None]
     placed = jnp.roll(_window(back, 0, count, tokens), start, axis=0)
     inside = (index >= start) & (index < start + count)
@@ -314,16 +311,13 @@ def expert_mlp(
     experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
     the GEMMs [P*C, F], in an order of their own: for their amax). The same as
     `all_to_all_grouped_matmul` (with `capacity`), `activation`, `grouped_matmul_all_to_all`;
-    `scaling`: one recipe for both GEMMs or a pair (up, down). The backward keeps y, the first
-    GEMM's output, and recomputes the activation's derivative from it in its pass over dh (no
-    intermediates of the activation of y's size are written and read back).
+    `scaling`: one recipe for both GEMMs or a pair (up, down).
 
     Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
     from the first GEMM to the second: one permutation of the [P*C, K] rows and one of the
     [P*C, N] results, where the two ops would also put the [P*C, F] activations back in the
     order of their source shards and regroup them again."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
-    activation = jax.checkpoint(activation)  # the backward keeps y, not the activation's insides
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
     ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
