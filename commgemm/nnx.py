@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
-from commgemm.grouped.moe import (  # noqa: F401 (top_k_routing also public here)
+from commgemm.grouped.moe import (  # noqa: F401 (top_k_routing, load_balancing_loss public here)
     expert_capacity,
+    load_balancing_loss,
     moe_per_shard,
     top_k_routing,
 )
@@ -312,13 +313,16 @@ class ParallelMoE(nnx.Module):
     `capacity_factor` (default None: no token dropped): each expert takes at most
     ceil(capacity_factor * T*k / E) token copies from each shard's T tokens, the rest dropped
     (they add nothing to their tokens' outputs; `commgemm.grouped.moe`), for exchanges and
-    activations about P / capacity_factor times smaller."""
+    activations about P / capacity_factor times smaller. With `load_balancing`, each call sows
+    the routing's auxiliary loss over all tokens (`load_balancing_loss`, a float32 scalar) as
+    `nnx.Intermediate` "load_balancing_loss": take it with `nnx.capture(nnx.Intermediate)` (or
+    `nnx.pop`) and add it, scaled, to the training loss."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, *, mesh, rngs: nnx.Rngs,
                  top_k: int = 2, axis_name: str = "tp", data_axis: str | None = None,
                  config: OverlapConfig | None = AUTO, scaling=None, dtype=None,
                  param_dtype=jnp.float32, activation: Activation = "gelu",
-                 capacity_factor: float | None = None):  # fmt: skip
+                 capacity_factor: float | None = None, load_balancing: bool = False):  # fmt: skip
         size = mesh.shape[axis_name]
         if num_experts % size or not 1 <= top_k <= num_experts:
             raise ValueError(
@@ -334,7 +338,7 @@ class ParallelMoE(nnx.Module):
         self.dtype, self.activation = dtype, activation
         if capacity_factor is not None:
             expert_capacity(1, num_experts, capacity_factor)  # a bad factor fails here
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.load_balancing = capacity_factor, load_balancing
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
         self.router = _param(rngs, LECUN, (hidden, num_experts), param_dtype, (None, None), mesh)
         self.w1 = _param(rngs, init, (num_experts, hidden, ffn), param_dtype,
@@ -364,13 +368,19 @@ class ParallelMoE(nnx.Module):
                                 activation=self.activation, amax_over=over,
                                 capacity_factor=self.capacity_factor)  # fmt: skip
             out, seen = out if delayed else (out, None)
-            return out.reshape(a.shape), seen
+            aux = None
+            if self.load_balancing:  # the router's logits as moe_per_shard computes them
+                flat = a.reshape(-1, a.shape[-1])
+                aux = load_balancing_loss(flat @ router.astype(flat.dtype), self.top_k, axes)
+            return out.reshape(a.shape), seen, aux
 
-        out, seen = jax.shard_map(
+        out, seen, aux = jax.shard_map(
             body, mesh=self.mesh, in_specs=(tokens, P(), experts, experts, P(), P()),
-            out_specs=(tokens, P()),
+            out_specs=(tokens, P(), P()),
         )(x.astype(dtype), self.router[...], self.w1[...].astype(dtype),
           self.w2[...].astype(dtype), states, dy)  # fmt: skip
+        if self.load_balancing:
+            self.sow(nnx.Intermediate, "load_balancing_loss", aux)
         if delayed:  # the states advanced by the operands' amax, as the linear layers do
             self.float8.set_value({part: {k: v.update(seen[part][k], self.scaling[0])
                                           for k, v in states[part].items()}

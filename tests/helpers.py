@@ -108,3 +108,14 @@ def load_script(relative: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def balance_reference(logits: np.ndarray, k: int) -> float:
+    """Switch Transformer's load-balancing loss in float64 numpy: E * sum_e f_e * p_e."""
+    logits = np.asarray(logits, np.float64).reshape(-1, logits.shape[-1])
+    tokens, experts = logits.shape
+    chosen = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    f = np.bincount(chosen.ravel(), minlength=experts) / (tokens * k)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    return experts * float(np.sum(f * p.mean(axis=0)))

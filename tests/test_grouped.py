@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, load_script, mesh1d, shard
+from helpers import P, balance_reference, load_script, mesh1d, shard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -460,3 +460,52 @@ def test_grouped_plan_refuses_what_the_grouped_ops_cannot_run(op, config, rows, 
 
     with pytest.raises(ValueError, match=match):
         make_grouped_plan(config, op, 2, rows=rows, per_device=op.endswith("reduce_scatter"))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 48), experts=st.integers(2, 12), data=st.data())
+def test_load_balancing_loss_against_numpy(tokens, experts, data):
+    """The loss of random logits (float64, float32, bf16) against float64 numpy, for every k."""
+    from commgemm.grouped.moe import load_balancing_loss
+
+    k = data.draw(st.integers(1, experts))
+    dtype = data.draw(st.sampled_from([np.float64, np.float32, jnp.bfloat16]))
+    logits = np.random.default_rng(tokens * 31 + experts).standard_normal((tokens, experts))
+    logits = np.asarray(logits.astype(dtype), np.float64)  # the values the loss sees
+    got = load_balancing_loss(jnp.asarray(logits, dtype), k)
+    assert got.dtype == (jnp.float64 if dtype == np.float64 else jnp.float32)
+    np.testing.assert_allclose(float(got), balance_reference(logits, k), rtol=1e-5)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("size", [2, 4])
+def test_load_balancing_loss_over_shards(rng, size, check_vma):
+    """Tokens split over `size` shards: every shard returns the loss of all tokens, and its
+    gradient with respect to the logits is the unsplit loss's (float64)."""
+    from commgemm.grouped.moe import load_balancing_loss
+
+    logits = rng.standard_normal((8 * size, 8))
+    split = shard(lambda a: load_balancing_loss(a, 2, "x"), mesh1d(size), P("x"), P(),
+                  check_vma)  # fmt: skip
+    np.testing.assert_allclose(float(split(logits)), balance_reference(logits, 2), rtol=1e-12)
+    whole = jax.grad(lambda a: load_balancing_loss(a, 2))(logits)
+    assert np.abs(whole).max() > 0
+    np.testing.assert_allclose(np.asarray(jax.grad(split)(logits)), whole, rtol=1e-10,
+                               atol=1e-14)  # fmt: skip
+
+
+def test_load_balancing_loss_bounds():
+    """1 for routing spread evenly over the experts, E for every token on one expert; a k
+    outside 1..E is refused."""
+    from commgemm.grouped.moe import load_balancing_loss
+
+    experts = 8
+    even = 50.0 * np.eye(experts)[np.arange(64) % experts]  # token t on expert t mod E
+    np.testing.assert_allclose(float(load_balancing_loss(jnp.asarray(even), 1)), 1.0, rtol=1e-9)
+    one = np.zeros((64, experts))
+    one[:, 3] = 50.0
+    np.testing.assert_allclose(float(load_balancing_loss(jnp.asarray(one), 1)), experts,
+                               rtol=1e-9)  # fmt: skip
+    for bad in (0, experts + 1):
+        with pytest.raises(ValueError, match="between 1 and the experts' count 8"):
+            load_balancing_loss(jnp.asarray(one), bad)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, load_script, mesh2d
+from helpers import P, balance_reference, load_script, mesh2d
 from jax.sharding import Mesh, NamedSharding
 
 import commgemm as cg
@@ -259,6 +259,45 @@ def test_parallel_moe(rng, method, top_k):
     )
     for got, r in zip((grads.router, grads.w1, grads.w2), ref, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["none", "auto"])
+def test_parallel_moe_load_balancing_loss(rng, method):
+    """ParallelMoE(load_balancing=True) sows the routing's auxiliary loss over every token of
+    the (data 2, tp 4) mesh (against float64 numpy) and leaves the output as it was; the loss's
+    gradient reaches the router (against the unsplit loss's) and not the experts; without the
+    flag nothing is sown."""
+    if not hasattr(nnx, "capture"):
+        pytest.skip("this flax has no nnx.capture")
+    mesh, k = _mesh(), 2
+    make = lambda lb: cgnnx.create_sharded(  # noqa: E731
+        lambda: cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(4), top_k=k,
+                                  data_axis="data", config=METHODS[method], load_balancing=lb),
+        mesh,
+    )  # fmt: skip
+    moe, plain = make(True), make(False)
+    x = rng.standard_normal((4, 16, 16))
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", "tp", None)))
+    run = nnx.jit(nnx.capture(nnx.Intermediate)(lambda m, a: m(a)))
+    out, found = run(moe, xd)
+    aux = found["load_balancing_loss"].get_value()
+    assert len(aux) == 1
+    router = _value(moe.router)
+    want = balance_reference(x.reshape(-1, 16) @ router, k)
+    np.testing.assert_allclose(float(aux[0]), want, rtol=1e-10)
+    out_plain, nothing = run(plain, xd)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_plain))
+    assert "load_balancing_loss" not in nothing
+
+    def loss(m, a):  # the auxiliary loss alone: its gradient reaches the router, not the experts
+        _, seen = nnx.capture(nnx.Intermediate)(lambda m, a: m(a))(m, a)
+        return seen["load_balancing_loss"].get_value()[0]
+
+    grads = nnx.jit(nnx.grad(loss))(moe, xd)
+    want = jax.grad(lambda r: cgnnx.load_balancing_loss(x.reshape(-1, 16) @ r, k))(router)
+    assert np.abs(want).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(grads.router[...]), want, rtol=1e-6, atol=1e-12)
+    assert not np.any(np.asarray(grads.w1[...])) and not np.any(np.asarray(grads.w2[...]))
 
 
 @pytest.mark.parametrize("method", ["none", "ring"])

@@ -72,6 +72,32 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
 
 
+def load_balancing_loss(
+    logits: jax.Array, k: int, axis_names: str | tuple[str, ...] = ()
+) -> jax.Array:
+    """Switch Transformer's auxiliary load-balancing loss of top-k routing: E * sum_e f_e * p_e,
+    f_e the fraction of the token copies (k a token) routed to expert e, p_e the router's mean
+    softmax probability of expert e. logits: the router's [..., E], any float dtype; the loss is
+    a float32 scalar (float64 for float64 logits). Inside `jax.shard_map`, `axis_names` are the
+    mesh axes the tokens are split over: the shards' counts and sums are added over them, and
+    every shard returns the loss of all tokens. 1 where the copies and the probabilities are
+    spread evenly, up to E where every token picks one expert with certainty. Differentiable in
+    p_e (f_e counts discrete choices): add it, scaled (about 0.01), to the training loss to keep
+    the experts' loads even."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k={k} must be between 1 and the experts' count {logits.shape[-1]}")
+    experts = logits.shape[-1]
+    logits = logits.reshape(-1, experts).astype(jnp.promote_types(logits.dtype, jnp.float32))
+    chosen = jax.lax.top_k(logits, k)[1]
+    copies = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=logits.dtype), axis=(0, 1))
+    probabilities = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)
+    sums = (copies, probabilities, jnp.asarray(logits.shape[0], logits.dtype))
+    if axis_names:
+        sums = jax.lax.psum(sums, axis_names)
+    copies, probabilities, tokens = sums
+    return experts * jnp.sum(copies / (tokens * k) * probabilities / tokens)
+
+
 def expert_capacity(copies: int, experts: int, capacity_factor: float) -> int:
     """The copies each expert takes from a shard of `copies` token copies (m*k): at least 1."""
     bad = isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
