@@ -52,6 +52,7 @@ from commgemm.grouped.moe import (  # noqa: F401 (top_k_routing, load_balancing_
     expert_capacity,
     load_balancing_loss,
     moe_per_shard,
+    router_logits,
     top_k_routing,
 )
 from commgemm.quant import ScalingMode, ScalingRecipe, ScalingState, amax, as_recipe
@@ -369,9 +370,9 @@ class ParallelMoE(nnx.Module):
                                 capacity_factor=self.capacity_factor)  # fmt: skip
             out, seen = out if delayed else (out, None)
             aux = None
-            if self.load_balancing:  # the router's logits as moe_per_shard computes them
-                flat = a.reshape(-1, a.shape[-1])
-                aux = load_balancing_loss(flat @ router.astype(flat.dtype), self.top_k, axes)
+            if self.load_balancing:  # the logits moe_per_shard routes by (XLA computes them once)
+                logits = router_logits(a.reshape(-1, a.shape[-1]), router)
+                aux = load_balancing_loss(logits, self.top_k, axes)
             return out.reshape(a.shape), seen, aux
 
         out, seen, aux = jax.shard_map(

@@ -27,6 +27,11 @@ from commgemm.grouped.blocks import inverse_permutation, permuted
 from commgemm.quant import amax
 
 
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """The router's logits of tokens x [m, H]: x @ router [H, E] in x's dtype, [m, E]."""
+    return x @ router.astype(x.dtype)
+
+
 def top_k_routing(logits: jax.Array, k: int):
     """Top-k routing of tokens [m, E] logits: (expert [m*k], gate [m*k], token [m*k]) for each
     token's k choices (token-major), gates the softmax over the chosen k."""
@@ -51,7 +56,7 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     from commgemm.grouped.expert_parallel import expert_mlp
 
     (m, h), size, e = x.shape, jax.lax.axis_size(axis_name), w1.shape[0]
-    expert, gate, _ = top_k_routing(x @ router.astype(x.dtype), k)
+    expert, gate, _ = top_k_routing(router_logits(x, router), k)
     order = jnp.argsort(expert, stable=True)  # copy i of the sorted rows is copy order[i]
     counts = jnp.bincount(expert, length=size * e).astype(jnp.int32)
     capacity = None
