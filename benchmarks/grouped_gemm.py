@@ -37,7 +37,6 @@ from commgemm.bench.timing import benchmark_interleaved
 from commgemm.mosaic_gpu import gemm_core, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu.configs import GroupedConfig
-from commgemm.mosaic_gpu.grouped import GroupedTiles
 
 #: The three Hopper kernels of the forward and dX, in their default tilings (commgemm's
 #: row-aligned one choosing whether to narrow its last wave: `grouped_kernel.narrowing_pays`),
@@ -204,19 +203,22 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
     return variants, errors, sizes
 
 
-#: Tilings of dW's kernel measured beside its default (`grouped.default_tiles`).
-DW_TILINGS = [
-    GroupedTiles(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=1),
-    GroupedTiles(block_m=64, block_n=128, block_k=64, stages=4),
-    GroupedTiles(block_m=128, block_n=128, block_k=128, stages=3),
-]
+#: dW's kernels beside the default (commgemm's ping-pong dW kernel in `PingPongTiles()`): its
+#: other tilings and jax's transposed ragged dot in its fastest measured tiling.
+DW_KERNELS = {
+    "dW commgemm, steps of 128": hopper.PingPongTiles(tile_k=128, stages=2),
+    "dW commgemm, band 1": hopper.PingPongTiles(band=1),
+    "dW commgemm, band 8": hopper.PingPongTiles(band=8),
+    "dW jax transposed ragged dot": hopper.default_tiles(2 * 128),
+}
 
 
 def weight_grad_problem(
     groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven"
 ):
-    """dW's variants: ours (each tiling), XLA's, a dense x^T dy of the same FLOPs; and our
-    default's largest error against the float32 ragged dot, relative to its largest value."""
+    """dW's variants: ours (default, then `DW_KERNELS`), XLA's, a dense x^T dy of the same FLOPs;
+    and each kernel's largest error against the float32 ragged dot, relative to its largest
+    value."""
     keys = jax.random.split(jax.random.key(groups + 1), 2)
     x = jax.random.normal(keys[0], (m, k), dtype)
     dy = jax.random.normal(keys[1], (m, n), dtype)
@@ -227,18 +229,19 @@ def weight_grad_problem(
         _, pullback = jax.vjp(lambda b: jax.lax.ragged_dot(a, b, s), zeros)
         return pullback(d)[0]
 
-    ours = jax.jit(hopper.weight_grad)
-    variants = {"dW commgemm (transposed ragged dot)": (ours, (x, dy, sizes))}
-    for t in DW_TILINGS:
-        name = f"dW {t.block_m}x{t.block_n}x{t.block_k} s{t.stages} w{t.grid_block_n}"
-        fn = jax.jit(lambda a, d, s, t=t: hopper.weight_grad(a, d, s, t))
-        variants[name] = (fn, (x, dy, sizes))
-    variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
-    variants["dense x^T dy, same FLOPs"] = (jax.jit(lambda a, d: a.T @ d), (x, dy))
+    kernels = {"dW commgemm (ping-pong)": None, **DW_KERNELS}
+    variants = {
+        name: (jax.jit(lambda a, d, s, t=t: hopper.weight_grad(a, d, s, t)), (x, dy, sizes))
+        for name, t in kernels.items()
+    }
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     ref = jax.jit(xla)(f32(x), f32(dy), sizes)
-    got = f32(ours(x, dy, sizes))
-    return variants, float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
+    scale = float(jnp.abs(ref).max())
+    errors = {name: float(jnp.abs(f32(fn(*args)) - ref).max()) / scale
+              for name, (fn, args) in variants.items()}  # fmt: skip
+    variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
+    variants["dense x^T dy, same FLOPs"] = (jax.jit(lambda a, d: a.T @ d), (x, dy))
+    return variants, errors
 
 
 def timed(variants) -> tuple[dict, str]:

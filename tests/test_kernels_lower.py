@@ -338,8 +338,8 @@ def test_compiler_params_reach_the_kernels():
 @pytest.mark.parametrize("groups", [8, 64])
 def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
     """The grouped GEMM's Hopper path (the forward on commgemm's row-aligned or ping-pong
-    kernel or jax's Mosaic GPU ragged dot, dX on the one `pick_tiles` picks, dW on jax's
-    transposed ragged dot) lowers for a CUDA target, its backward included."""
+    kernel or jax's Mosaic GPU ragged dot, dX on the one `pick_tiles` picks, dW on commgemm's
+    ping-pong dW kernel) lowers for a CUDA target, its backward included."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     from commgemm.mosaic_gpu import grouped

@@ -8,13 +8,13 @@ group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ra
 one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one GPU (M = 8192, K
 = 4096, N = 1792) the ping-pong kernel ran the forward 24 to 30% faster than the others with 16
 to 128 groups and dX 12 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
-with 8 groups (3 to 5% faster). dW runs jax's transposed ragged dot
-(`transposed_ragged_dot_mgpu`, the tokens contracted group by group). XLA's own ragged dot runs
-far below the tensor cores' rate on a Hopper GPU (docs/performance.md), which is why this path
-exists;
-it stays the fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the
-forward and dX on float8 operands in the same two kernels (`float8_matmul`: the ping-pong one
-where the groups average under 1024 rows and accumulation is fast)."""
+with 8 groups (3 to 5% faster). dW runs commgemm's ping-pong dW kernel (`grouped_dw`: the
+tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where asked for). XLA's
+own ragged dot runs far below the tensor cores' rate on a Hopper GPU (docs/performance.md),
+which is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor
+scaling (current or delayed) runs the forward and dX on float8 operands in the same two kernels
+(`float8_matmul`: the ping-pong one where the groups average under 1024 rows and accumulation
+is fast)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.mosaic_gpu import grouped_kernel, grouped_pingpong
+from commgemm.mosaic_gpu import grouped_dw, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
 from commgemm.vma import like_primal, varying_like
@@ -120,26 +120,30 @@ def pick_tiles(m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False) 
     return PingPongTiles() if fits(PingPongTiles()) is None else None
 
 
-def weight_grad(x, dy, sizes, tiles: GroupedTiles | None = None) -> jax.Array:
+def weight_grad(x, dy, sizes, tiles: PingPongTiles | GroupedTiles | None = None) -> jax.Array:
     """dW [G, K, N] = x_g^T @ dy_g per group (rows past the groups' sum contribute nothing), in
-    x's dtype, float32 accumulation: jax's transposed ragged-dot kernel (block_m x block_n tiles
-    of each group's gradient, K-steps of block_k tokens; `default_tiles`, which was also dW's
-    fastest of four tilings) where K and N are whole tiles, else XLA's ragged
-    dot."""
-    tiles = tiles or default_tiles(dy.shape[1])
-    (_, k), n = x.shape, dy.shape[1]
-    if k % tiles.block_m or n % (tiles.block_n * tiles.grid_block_n):
-        wide = jnp.promote_types(x.dtype, jnp.float32)
-        _, pullback = jax.vjp(
-            lambda b: lax.ragged_dot(x, b, sizes, preferred_element_type=wide),
-            jnp.zeros((sizes.shape[0], k, n), x.dtype),
-        )
-        return pullback(dy.astype(wide))[0].astype(x.dtype)
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+    x's dtype, float32 accumulation: commgemm's ping-pong dW kernel (`grouped_dw`) in `tiles`
+    (default `PingPongTiles()`: 128 x 128 tiles of dW, steps of 64 rows) where K and N are
+    whole tiles; jax's transposed ragged dot where asked for (`GroupedTiles`) and its tiles fit;
+    else XLA's ragged dot."""
+    dy = dy.astype(x.dtype)
+    (m, k), n = x.shape, dy.shape[1]
+    tiles = tiles or PingPongTiles()
+    if isinstance(tiles, PingPongTiles):
+        if grouped_dw.shape_reason(tiles, m, k, n, x.dtype) is None:
+            return grouped_dw.weight_grad(x, dy, sizes, tiles)
+    elif not (k % tiles.block_m or n % (tiles.block_n * tiles.grid_block_n)):
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x, dy.astype(x.dtype), group_sizes=sizes, **tiles.kernel_kwargs()
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            x, dy, group_sizes=sizes, **tiles.kernel_kwargs()
+        )
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    _, pullback = jax.vjp(
+        lambda b: lax.ragged_dot(x, b, sizes, preferred_element_type=wide),
+        jnp.zeros((sizes.shape[0], k, n), x.dtype),
     )
+    return pullback(dy.astype(wide))[0].astype(x.dtype)
 
 
 def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:

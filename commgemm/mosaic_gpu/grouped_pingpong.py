@@ -21,7 +21,9 @@ warpgroups (one tile between them) run their epilogues together and leave the te
 idle; an ordered pair of barriers makes the K loops alternate. A compute warpgroup waits on
 the "loaded" barriers of its own tiles only (one array per warpgroup, so each barrier's phases
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
-awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
+awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide. The
+schedule's pieces (`by_warpgroup`, `ring_scratch`, `k_loop_in_turn`, `launch`) run the grouped
+dW kernel too (`grouped_dw`).
 
 On one GPU (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
 the faster of the other two kernels with 16 to 128 groups and 3 to 5% slower than
@@ -118,6 +120,78 @@ def operand_tiles(tiles: PingPongTiles, k: int, dtype) -> PingPongTiles:
     return tiles
 
 
+def k_loop_in_turn(turn, c: int, unit, steps, k_step, acc_ref) -> None:
+    """Compute warpgroup c's K loop of `steps` steps (`k_step(kk, acc_ref)`) over its CTA's
+    unit `unit` (0, 1, ...: the warpgroups take them in turn), after the other warpgroup's
+    K loop of the unit before (the ordered barrier pair `turn`); then it hands the turn over
+    and awaits its wgmmas, so its epilogue runs under the other's next K loop."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @pl.when(unit > 0)
+    def _wait_turn():
+        plgpu.barrier_wait(turn[c])
+
+    lax.fori_loop(0, steps, k_step, acc_ref)
+    plgpu.barrier_arrive(turn[1 - c])
+    plgpu.wgmma_wait(0)
+
+
+def ring_scratch(stages: int, x_smem, w_smem, out_smem) -> tuple:
+    """The ping-pong's shared memory, in the order its kernels' scopes take it: the ring's
+    operand slots (`x_smem`, `w_smem`: plgpu.SMEM of `stages` blocks), one "loaded" barrier
+    array per compute warpgroup (two loads a slot), the "consumed" array, the two output tiles
+    (`out_smem`) and the ordered pair of turn barriers (`k_loop_in_turn`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    loads = [plgpu.Barrier(num_arrivals=2, num_barriers=stages) for _ in range(2)]
+    consumed = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+    turns = [plgpu.Barrier(num_arrivals=1) for _ in range(2)]
+    return (x_smem, w_smem, *loads, consumed, out_smem, *turns)
+
+
+def by_warpgroup(load, compute) -> None:
+    """The ping-pong's warpgroups: warpgroup 2 runs load() on 40 registers a thread; compute
+    warpgroups 0 and 1 each run compute(c) on 232, then await their last stores' reads of
+    shared memory."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def loads():
+        plgpu.set_max_registers(40, action="decrease")
+        load()
+
+    def computes(c: int):
+        plgpu.set_max_registers(232, action="increase")
+        compute(c)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    wg = lax.axis_index("wg")
+    pl.when(wg == 2)(loads)
+    for c in (0, 1):
+        pl.when(wg == c)(functools.partial(computes, c))
+
+
+def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands) -> jax.Array:
+    """A ping-pong grouped kernel `body` on `operands`: one persistent CTA per SM ("sm"), two
+    compute warpgroups and one that loads ("wg"), traced in 32-bit mode (its loops are bounded
+    at run time) under the named scope `name`; its result [out_shape] of `out_dtype`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    with jax.named_scope(name), jax.enable_x64(False):
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+            grid=(mt.num_sms(),),
+            grid_names=("sm",),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+        )(*operands)
+
+
 def shape_reason(
     tiles: PingPongTiles, m: int, k: int, n: int, dtype, *, w_nk: bool = False
 ) -> str | None:
@@ -205,7 +279,7 @@ def grouped_matmul(
             return p, pl.ds(n_idx * tn, tn)
 
         def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1):
-            wg, loaded, turn = lax.axis_index("wg"), (loaded0, loaded1), (turn0, turn1)
+            loaded, turn = (loaded0, loaded1), (turn0, turn1)
 
             def issue(c, s):  # the loads of the CTA's step s, a K-step of compute warpgroup c
                 slot, ks = s % stages, pl.ds((s % k_iters) * tk, tk)
@@ -217,7 +291,6 @@ def grouped_matmul(
                 plgpu.copy_gmem_to_smem(block, w_smem.at[slot], loaded[c].at[slot])
 
             def load():
-                plgpu.set_max_registers(40, action="decrease")
 
                 @pl.loop(0, mine * k_iters)
                 def _step(s):
@@ -259,13 +332,7 @@ def grouped_matmul(
                     return acc
 
                 def tile_scope(acc_ref):
-                    @pl.when(i > 0)  # the other warpgroup's K loop first
-                    def _wait_turn():
-                        plgpu.barrier_wait(turn[c])
-
-                    lax.fori_loop(0, k_iters, k_step, acc_ref)
-                    plgpu.barrier_arrive(turn[1 - c])
-                    plgpu.wgmma_wait(0)
+                    k_loop_in_turn(turn, c, i, k_iters, k_step, acc_ref)
                     plgpu.barrier_arrive(consumed.at[(i * k_iters + k_iters - 1) % stages])
                     store(c, mt.scaled(acc_ref[...], scale_ref, out_dtype), p, cols)
 
@@ -277,39 +344,21 @@ def grouped_matmul(
                 store(c, tile, used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
 
             def compute(c):
-                plgpu.set_max_registers(232, action="increase")
                 pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
                 pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pl.when(wg == 2)(load)
-            for c in (0, 1):
-                pl.when(wg == c)(functools.partial(compute, c))
+            by_warpgroup(load, compute)
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((stages, tm, tk), x.dtype, transforms=transforms),
-            plgpu.SMEM((stages, *w_block), w.dtype, transforms=transforms),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # x's and w's loads
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-            plgpu.SMEM((2, tm, tn), out_dtype),  # plain rows: the ladder starts at any row
-            plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=1),
+            *ring_scratch(
+                stages,
+                plgpu.SMEM((stages, tm, tk), x.dtype, transforms=transforms),
+                plgpu.SMEM((stages, *w_block), w.dtype, transforms=transforms),
+                plgpu.SMEM((2, tm, tn), out_dtype),  # plain rows: the ladder starts at any row
+            ),
             collective_axes="wg",
         )
 
-    plan = row_tiles(sizes, m, tm)
-    # traced in 32-bit mode, as grouped_kernel (a loop whose bounds are known at run time)
-    with jax.named_scope("grouped_gemm_pingpong"), jax.enable_x64(False):
-        return plgpu.kernel(
-            body,
-            out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-            grid=(sms,),
-            grid_names=("sm",),
-            num_threads=3,
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(
-                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-            ),
-        )(*plan.arrays(), x, w, *([] if scale is None else [scale]))
+    operands = (*row_tiles(sizes, m, tm).arrays(), x, w, *([] if scale is None else [scale]))
+    return launch(body, "grouped_gemm_pingpong", (m, n), out_dtype, *operands)

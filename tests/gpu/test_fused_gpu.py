@@ -241,7 +241,7 @@ def _grouped_kernel(name: str):
 def test_grouped_matmul_hopper_path(groups, empty, kernel):
     """cg.grouped_matmul on Hopper runs the Mosaic GPU kernels (the forward on commgemm's
     row-aligned or ping-pong kernel, on jax's or on the one `pick_tiles` picks; dX on its pick;
-    dW the transposed ragged dot): values and gradients against the float32 XLA ragged dot,
+    dW commgemm's dW kernel): values and gradients against the float32 XLA ragged dot,
     uneven groups summing short of the rows, and with every other group empty."""
     from commgemm.mosaic_gpu import grouped
 

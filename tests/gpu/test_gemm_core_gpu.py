@@ -318,3 +318,43 @@ def test_clustered_pingpong_core_back_to_back(op, spec, shape):
     outs = jax.block_until_ready([f(x, w) for _ in range(64)])
     ref = _ref(x, w)
     assert max(_rel_err(out, ref) for out in outs) < 1e-2  # bf16 rounding of the result
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [None, (128, 2, 4), (64, 5, 1)],
+    ids=["default", "steps-of-128", "band-1"],
+)
+@pytest.mark.parametrize(
+    "sizes",
+    [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [3, 61, 5, 900], [13] * 64],
+    ids=["one", "uneven", "none", "tiny", "unaligned", "many-small"],
+)
+def test_grouped_weight_grad_against_ragged_dot(sizes, tiles):
+    """commgemm's grouped dW kernel alone (`grouped_dw`): one group, empty groups, no rows at
+    all, 40 seven-row groups inside one step, groups starting off whole 8s, 64 groups of 13
+    rows, sums short of the rows; in steps of 64 and 128 rows and two bands. Against the float32
+    transpose of the ragged dot; the rows past the sum hold NaN in x and inf in dy (they must
+    contribute nothing)."""
+    from commgemm.mosaic_gpu import grouped_dw
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    m, k, n = 1024, 256, 384
+    tiling = tiles and PingPongTiles(tile_k=tiles[0], stages=tiles[1], band=tiles[2])
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kd = jax.random.split(jax.random.key(sizes.shape[0]), 2)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    x = jnp.where(jnp.arange(m)[:, None] >= int(sizes.sum()), jnp.nan, x)
+    dy = jax.random.normal(kd, (m, n), jnp.bfloat16)
+    dy = jnp.where(jnp.arange(m)[:, None] >= int(sizes.sum()), jnp.inf, dy)
+    got = jax.jit(lambda a, d, s: grouped_dw.weight_grad(a, d, s, tiling))(x, dy, sizes)
+    owner = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=m)
+    inside = (jnp.arange(m) < int(sizes.sum()))[:, None]
+    x32 = jnp.where(inside, x.astype(jnp.float32), 0.0)
+    dy32 = jnp.where(inside, dy.astype(jnp.float32), 0.0)
+    one_hot = (owner[None, :] == jnp.arange(sizes.shape[0])[:, None]) & inside[:, 0][None]
+    want = jnp.einsum("gm,mk,mn->gkn", one_hot.astype(jnp.float32), x32, dy32,
+                      precision="highest")  # fmt: skip
+    assert got.shape == want.shape and got.dtype == x.dtype
+    scale = max(float(jnp.abs(want).max()), 1.0)  # no rows at all: dW is zero
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 1.5e-2 * scale
