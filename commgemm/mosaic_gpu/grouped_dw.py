@@ -8,8 +8,10 @@ over its group's rows in steps of tile_k rows from the group's first row rounded
 multiple of 8 (Mosaic GPU's tiled shared memory loads whole 8s of rows); the rows of a step
 outside the group (up to 7 before it and the last step's tail) are zeroed in x's block in
 shared memory before its wgmma, which reads the x block [tile_k, tile_m] transposed, and rows
-past the groups' sum in dy's block too (whatever they hold, they contribute nothing; dy's rows
-of a neighbouring group meet zeros in x). An empty group's units store zero tiles.
+past the groups' sum in dy's block too (whatever they hold, they contribute nothing). dy's
+rows of a neighbouring group inside a step meet zeros in x: finite values add nothing, a NaN or
+inf there reaches this group's dW too (XLA's ragged dot keeps it in its own group's). An empty
+group's units store zero tiles.
 
 Schedule (as `grouped_pingpong`, CUTLASS's ping-pong): a load warpgroup fills one ring of
 `stages` slots step by step across the CTA's units (a unit's steps are counted by a prefix
@@ -29,13 +31,8 @@ from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import ROW_ALIGN, WGMMA_M, PingPongTiles
-from commgemm.mosaic_gpu.grouped_pingpong import (
-    SMEM_BYTES,
-    by_warpgroup,
-    k_loop_in_turn,
-    launch,
-    ring_scratch,
-)
+from commgemm.mosaic_gpu.grouped_pingpong import SMEM_BYTES, launch, ring_scratch
+from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
 
 #: Operand dtypes the kernel multiplies (float8 dW runs on dequantized 16-bit operands).
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -216,6 +213,7 @@ def weight_grad(
 
             def compute(c):
                 pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             by_warpgroup(load, compute)
 

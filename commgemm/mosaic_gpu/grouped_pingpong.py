@@ -21,9 +21,9 @@ warpgroups (one tile between them) run their epilogues together and leave the te
 idle; an ordered pair of barriers makes the K loops alternate. A compute warpgroup waits on
 the "loaded" barriers of its own tiles only (one array per warpgroup, so each barrier's phases
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
-awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide. The
-schedule's pieces (`by_warpgroup`, `ring_scratch`, `k_loop_in_turn`, `launch`) run the grouped
-dW kernel too (`grouped_dw`).
+awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
+Its pieces are the dense ping-pong kernels' (`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`)
+and, with `ring_scratch` and `launch`, the grouped dW kernel's (`grouped_dw`).
 
 On one GPU (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
 the faster of the other two kernels with 16 to 128 groups and 3 to 5% slower than
@@ -42,6 +42,7 @@ from jax import lax
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, PingPongTiles
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
+from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
 
 #: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
@@ -120,23 +121,6 @@ def operand_tiles(tiles: PingPongTiles, k: int, dtype) -> PingPongTiles:
     return tiles
 
 
-def k_loop_in_turn(turn, c: int, unit, steps, k_step, acc_ref) -> None:
-    """Compute warpgroup c's K loop of `steps` steps (`k_step(kk, acc_ref)`) over its CTA's
-    unit `unit` (0, 1, ...: the warpgroups take them in turn), after the other warpgroup's
-    K loop of the unit before (the ordered barrier pair `turn`); then it hands the turn over
-    and awaits its wgmmas, so its epilogue runs under the other's next K loop."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @pl.when(unit > 0)
-    def _wait_turn():
-        plgpu.barrier_wait(turn[c])
-
-    lax.fori_loop(0, steps, k_step, acc_ref)
-    plgpu.barrier_arrive(turn[1 - c])
-    plgpu.wgmma_wait(0)
-
-
 def ring_scratch(stages: int, x_smem, w_smem, out_smem) -> tuple:
     """The ping-pong's shared memory, in the order its kernels' scopes take it: the ring's
     operand slots (`x_smem`, `w_smem`: plgpu.SMEM of `stages` blocks), one "loaded" barrier
@@ -148,28 +132,6 @@ def ring_scratch(stages: int, x_smem, w_smem, out_smem) -> tuple:
     consumed = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
     turns = [plgpu.Barrier(num_arrivals=1) for _ in range(2)]
     return (x_smem, w_smem, *loads, consumed, out_smem, *turns)
-
-
-def by_warpgroup(load, compute) -> None:
-    """The ping-pong's warpgroups: warpgroup 2 runs load() on 40 registers a thread; compute
-    warpgroups 0 and 1 each run compute(c) on 232, then await their last stores' reads of
-    shared memory."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    def loads():
-        plgpu.set_max_registers(40, action="decrease")
-        load()
-
-    def computes(c: int):
-        plgpu.set_max_registers(232, action="increase")
-        compute(c)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    wg = lax.axis_index("wg")
-    pl.when(wg == 2)(loads)
-    for c in (0, 1):
-        pl.when(wg == c)(functools.partial(computes, c))
 
 
 def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands) -> jax.Array:
@@ -346,6 +308,7 @@ def grouped_matmul(
             def compute(c):
                 pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
                 pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             by_warpgroup(load, compute)
 

@@ -99,6 +99,43 @@ def tile_origin(tiles, tile, m_pairs: int, n_iters: int):
     return m_pair * tiles.cluster_m, n_idx * tiles.tile_n
 
 
+def k_loop_in_turn(turn, c: int, unit, steps, k_step, acc_ref) -> None:
+    """Compute warpgroup c's K loop of `steps` steps (`k_step(kk, acc_ref)`) over its CTA's
+    unit `unit` (0, 1, ...: the warpgroups take them in turn), after the other warpgroup's K
+    loop of the unit before (the ordered barrier pair `turn`); then it hands the turn over and
+    awaits its wgmmas, so its epilogue runs under the other's next K loop."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @pl.when(unit > 0)
+    def _wait_turn():
+        plgpu.barrier_wait(turn[c])
+
+    lax.fori_loop(0, steps, k_step, acc_ref)
+    plgpu.barrier_arrive(turn[1 - c])
+    plgpu.wgmma_wait(0)
+
+
+def by_warpgroup(load, compute) -> None:
+    """The warpgroups of a ping-pong kernel: warpgroup 2 runs load() on 40 registers a thread,
+    compute warpgroups 0 and 1 each compute(c) on 232."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def loads():
+        plgpu.set_max_registers(40, action="decrease")
+        load()
+
+    def computes(c: int):
+        plgpu.set_max_registers(232, action="increase")
+        compute(c)
+
+    wg = lax.axis_index("wg")
+    pl.when(wg == 2)(loads)
+    for c in (0, 1):
+        pl.when(wg == c)(functools.partial(computes, c))
+
+
 @dataclasses.dataclass(frozen=True)
 class Deal:
     """How `units` cluster tiles are dealt to `ctas` clusters: cluster cid's unit i is tile
@@ -219,7 +256,6 @@ def run(
         pl.when(half)(lambda: fn(tile_m // 2))
 
     def scoped(x_smem, w_smem, full0, full1, empty, out_smem, *rest):
-        wg = lax.axis_index("wg")
         full, order, free, extra = (full0, full1), rest[0:2], rest[2:4], rest[4:]
 
         def issue(c, s):  # step s's loads, into the slots of compute warpgroup c
@@ -234,7 +270,6 @@ def run(
             return x_smem.at[slot] if rows == tile_m else x_smem.at[slot].at[pl.ds(0, rows)]
 
         def load():
-            plgpu.set_max_registers(40, action="decrease")
             if unit.load_start:
                 unit.load_start(extra)
 
@@ -302,13 +337,7 @@ def run(
                 return acc
 
             def acc_scope(acc_ref):
-                @pl.when(i > 0)
-                def _():  # the K loops alternate: the other's was issued
-                    plgpu.barrier_wait(order[c])
-
-                lax.fori_loop(0, k_iters, kstep, acc_ref)
-                plgpu.barrier_arrive(order[1 - c])
-                plgpu.wgmma_wait(0)
+                k_loop_in_turn(order, c, i, k_iters, kstep, acc_ref)  # the K loops alternate
                 release(c, i, state, k_iters - 1)
                 with jax.named_scope("epilogue"):
                     epilogue(c, i, state, acc_ref, rows)
@@ -316,16 +345,13 @@ def run(
             pl.run_scoped(acc_scope, plgpu.ACC((rows, tile_n), jnp.float32))
 
         def compute(c):
-            plgpu.set_max_registers(232, action="increase")
             if unit.compute_start:
                 unit.compute_start(c, out_smem)
             pl.loop(c, units, step=2)(functools.partial(tile, c))
             if unit.compute_end:
                 unit.compute_end(c)
 
-        pl.when(wg == 2)(load)
-        for c in (0, 1):
-            pl.when(wg == c)(functools.partial(compute, c))
+        by_warpgroup(load, compute)
 
     pl.run_scoped(
         scoped,
