@@ -126,17 +126,16 @@ def weight_grad(x, dy, sizes, tiles: PingPongTiles | GroupedTiles | None = None)
     (default `PingPongTiles()`: 128 x 128 tiles of dW, steps of 64 rows) where K and N are
     whole tiles; jax's transposed ragged dot where asked for (`GroupedTiles`) and its tiles fit;
     else XLA's ragged dot."""
-    dy = dy.astype(x.dtype)
     (m, k), n = x.shape, dy.shape[1]
     tiles = tiles or PingPongTiles()
     if isinstance(tiles, PingPongTiles):
         if grouped_dw.shape_reason(tiles, m, k, n, x.dtype) is None:
-            return grouped_dw.weight_grad(x, dy, sizes, tiles)
+            return grouped_dw.weight_grad(x, dy.astype(x.dtype), sizes, tiles)
     elif not (k % tiles.block_m or n % (tiles.block_n * tiles.grid_block_n)):
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-            x, dy, group_sizes=sizes, **tiles.kernel_kwargs()
+            x, dy.astype(x.dtype), group_sizes=sizes, **tiles.kernel_kwargs()
         )
     wide = jnp.promote_types(x.dtype, jnp.float32)
     _, pullback = jax.vjp(
