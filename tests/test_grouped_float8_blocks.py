@@ -202,17 +202,20 @@ def test_reduce_scatter_blocks(rng, kernel_calls, method, reduce_dtype):
         assert not kernel_calls
 
 
-@pytest.mark.parametrize(("method", "mlp"), [("none", False), ("ring_exchange", False),
-                                            ("none", True), ("ring_exchange", True)])  # fmt: skip
-def test_expert_parallel_blocks(rng, kernel_calls, method, mlp):
+@pytest.mark.parametrize(("method", "mlp", "ffn"), [
+    ("none", False, 256), ("ring_exchange", False, 256), ("none", True, 256),
+    ("ring_exchange", True, 256), ("none", True, 384), ("ring_exchange", False, 384)])  # fmt: skip
+def test_expert_parallel_blocks(rng, kernel_calls, method, mlp, ffn):
     """Dispatch, experts, return: both ways' GEMMs on the kernel, as two ops or as
-    `expert_mlp` (NONE: the tokens regrouped once, from the first GEMM to the second)."""
+    `expert_mlp` (NONE: the tokens regrouped once, from the first GEMM to the second); also
+    with ffn = 384, three 128-column tiles (the ping-pong kernel's, where the row-aligned
+    kernel's 256-column tiles do not fit)."""
     from commgemm.grouped.expert_parallel import expert_mlp
 
     size, m, per_shard = 2, 256, 2
     experts = size * per_shard
     x = _bf16(rng, (size * m, 128))
-    w1, w2 = _bf16(rng, (experts, 128, 256)), _bf16(rng, (experts, 256, 128 * 2))
+    w1, w2 = _bf16(rng, (experts, 128, ffn)), _bf16(rng, (experts, ffn, 128 * 2))
     tokens = [rng.integers(0, experts, size=m) for _ in range(size)]
     sizes = np.stack([np.bincount(t, minlength=experts) for t in tokens]).astype(np.int32)
     cfg = _config(method)
@@ -406,3 +409,45 @@ def test_moe_block_capacity_on_the_kernel(rng, kernel_calls):
     # the hidden activation's e4m3 rounding follows the up GEMM's last bits: a few elements
     # a step apart (up to 4% of the largest output)
     np.testing.assert_allclose(out, want, rtol=TOL, atol=0.05 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_whole_block_quantizes_dy_once(rng, kernel_calls, check_vma):
+    """A block that is the op's whole result (`whole_block_matmul`, the MoE block's NONE path)
+    quantizes dY in its own backward, by dY's amax over the mesh axis: the result and the
+    gradients equal those of the op-wide form (`with_quantized_cotangent` handing dY's scale to
+    the block, which quantizes the dequantized dY again), with one float8 cast of dY in the
+    backward where the op-wide form has two."""
+    from commgemm.grouped.blocks import block_matmul, whole_block_matmul
+
+    size, m, per_shard = 2, 256, 3
+    x = _bf16(rng, (size * m, 128))
+    w = _bf16(rng, (size * per_shard, 128, 384))
+    sizes = jnp.asarray(np.stack([random_sizes(rng, per_shard, m) for _ in range(size)]))
+    recipe = cg.ScalingRecipe("current_tensor_scaling")
+
+    def op(whole):
+        def body(a, b, s):
+            a, b, r, rows, experts = scaling.quantized_operands(a, b, recipe, "x")
+            if whole:
+                return whole_block_matmul(a, b, s[0], rows, experts, r, "x")
+            out = block_matmul(a, b, s[0], rows, experts)
+            return scaling.with_quantized_cotangent(out, r, "x", experts)
+
+        f = shard(body, mesh1d(size), (P("x"), P("x"), P("x")), P("x"), check_vma=check_vma)
+        return lambda a, b: f(a, b, sizes)
+
+    dy = jax.random.normal(jax.random.key(1), (size * m, 384), jnp.bfloat16)
+    got, want = (jax.vjp(op(whole), x, w) for whole in (True, False))
+    np.testing.assert_array_equal(np.float32(got[0]), np.float32(want[0]))
+    kernel_calls.dx_scales.clear()
+    _same_gradients(got[1](dy), want[1](dy))
+    jax.effects_barrier()
+    # dX's scale: dY's amax over both shards (each shard's call), the same in both forms
+    np.testing.assert_allclose(kernel_calls.dx_scales, float(_current_scales(w)(dy)), rtol=1e-6)
+
+    def casts(whole):
+        grad = jax.grad(lambda a, b: jnp.sum(op(whole)(a, b).astype(jnp.float32) * dy), (0, 1))
+        return str(jax.make_jaxpr(grad)(x, w)).count("new_dtype=float8_e5m2")
+
+    assert casts(True) == 1 and casts(False) == 2, (casts(True), casts(False))

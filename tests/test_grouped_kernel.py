@@ -26,7 +26,8 @@ def _walk_rows(tiles: GroupedConfig, tiles_m: int, tiles_n: int) -> np.ndarray:
 
 
 @functools.cache
-def _schedule(tiles: GroupedConfig, m: int, n: int, ctas: int):
+def _schedule(tiles: GroupedConfig, m: int, n: int, ctas: int, pairwise: bool = True):
+    del pairwise  # a cache key: the rank's form, as PAIRWISE_RANK_TILES picks it when traced
     return jax.jit(lambda sizes: grouped_kernel.schedule(sizes, tiles, m, n, ctas))
 
 
@@ -34,20 +35,23 @@ def _schedule(tiles: GroupedConfig, m: int, n: int, ctas: int):
     "groups,tiles_m,tiles_n,tile_m,ctas",
     [(1, 1, 1, 64, 1), (5, 4, 3, 128, 4), (12, 6, 2, 64, 9), (8, 3, 4, 128, 132)],
 )
+@pytest.mark.parametrize("pairwise", [True, False], ids=["pairs", "sort"])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, data):
+def test_schedule_covers_every_row_once(groups, tiles_m, tiles_n, tile_m, ctas, pairwise, data):
     """Each row tile's pairs are the non-empty groups with rows in it, in group order, their
     [lo, hi) ranges giving every row of the tile its group (rows past the groups' sum none,
     a sum beyond M cut at M); the tiles' order is a permutation, costliest first (by their
     warpgroups' K loops) within the kernel's rounds as `balanced_slots` deals them, a last
-    wave narrowed or not."""
+    wave narrowed or not; the tiles ranked over their pairs or by a sort alike."""
     tiles = GroupedConfig(tile_m=tile_m, narrow_tail=data.draw(st.booleans()))
     m, n = tiles_m * tiles.cta_m, tiles_n * tiles.cta_n
     sizes = np.array(data.draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
     if sizes.sum() > m and data.draw(st.booleans()):
         sizes = np.diff(np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]))
-    plan = _schedule(tiles, m, n, ctas)(jnp.asarray(sizes, jnp.int32))
+    with pytest.MonkeyPatch.context() as patch:  # traced here, at the first call
+        patch.setattr(grouped_kernel, "PAIRWISE_RANK_TILES", 10**9 if pairwise else 0)
+        plan = _schedule(tiles, m, n, ctas, pairwise)(jnp.asarray(sizes, jnp.int32))
     ends = np.minimum(np.cumsum(sizes), m)
     starts = np.concatenate([[0], ends[:-1]])
     owner = np.full(m, -1)
@@ -212,9 +216,13 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
     assert "MXFP8" in grouped.float8_reason(x, w, cg.ScalingRecipe("mxfp8_1d_scaling"))
     split = cg.ScalingRecipe("current_tensor_scaling", split_accumulator=(True, True, True))
     assert grouped.float8_reason(x, w, split) is None
-    assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current)  # 256-column tiles
-    assert grouped.float8_reason(x, w[:, :, :640], split) is None  # split: 128-column tiles
+    # N not whole 256s: the ping-pong kernel's 128-column tiles (fast accumulation), or the
+    # row-aligned kernel's 64 x 128 warpgroup tiles (split)
+    assert grouped.float8_reason(x, w[:, :, :640], current) is None
+    assert grouped.float8_reason(x, w[:, :, :640], split) is None
     assert "N=704" in grouped.float8_reason(x, w[:, :, :704], split)
+    assert "N=704" in grouped.float8_reason(x, w[:, :, :704], current)
+    assert "N=640" in grouped.float8_reason(x, w[:, :, :640], current, GroupedConfig())
     assert "float8" in grouped_kernel.shape_reason(tiles, 1024, 512, 768, jnp.bfloat16,
                                                    split=True)  # fmt: skip
     # no rows, K or N: no kernel, XLA's ragged dot (which takes empty operands)
@@ -244,3 +252,29 @@ def test_pick_tiles(m, k, n, groups, want):
     assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16), want)
     dx = grouped.pick_tiles(m, k, n, groups, jnp.float16, dx=True)
     assert isinstance(dx, type(None) if want is type(None) else PingPongTiles)
+
+
+@pytest.mark.parametrize(
+    "m,k,n,groups,split,want",
+    [
+        (8192, 4096, 1792, 8, False, GroupedConfig),  # 1024 rows a group: row-aligned
+        (8192, 4096, 1792, 16, False, PingPongTiles),  # 512 rows a group
+        (8192, 4096, 1792, 16, True, GroupedConfig),  # split: the row-aligned kernel only
+        (98304, 2048, 1408, 64, False, PingPongTiles),  # N 11 x 128: 256-column tiles misfit
+        (98304, 2048, 1408, 64, True, GroupedConfig),  # split: 64 x 128 warpgroup tiles
+        (8000, 4096, 1792, 8, False, PingPongTiles),  # M not whole 128-row tiles
+        (8000, 4096, 1792, 8, True, str),  # ... and split: no kernel
+        (8192, 4096, 1600, 8, False, str),  # N not whole 128s
+        (8192, 4096, 1792, 8, None, GroupedConfig),  # tiles given: the row-aligned kernel
+    ],
+)
+def test_float8_kernel(m, k, n, groups, split, want):
+    """The float8 forward's kernel (and dX's, split or not) by rows a group and shape: the
+    ping-pong kernel wherever accumulation is fast and the row-aligned kernel's 256-column
+    tiles do not fit or its groups are short; a str (why) where neither kernel takes it."""
+    tiles = GroupedConfig() if split is None else None
+    got = grouped.float8_kernel(m, k, n, groups, jnp.float8_e4m3fn, split=bool(split),
+                                tiles=tiles)  # fmt: skip
+    assert isinstance(got, want), got
+    if want is str:
+        assert f"N={n}" in got or f"M={m}" in got or "128" in got, got

@@ -21,9 +21,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from commgemm.grouped.local import grouped_matmul
-from commgemm.grouped.scaling import Float8Experts, Rows
+from commgemm.grouped.scaling import Float8Experts, Rows, with_quantized_cotangent
+from commgemm.operand_scaling import dy_quantized
+from commgemm.quant import ScalingMode, ScalingRecipe, dequantize, quantize_by
 from commgemm.vma import like_primal, varying_like
 
 
@@ -149,28 +152,57 @@ def block_matmul(
     return out
 
 
+def whole_block_matmul(
+    values: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    recipe: ScalingRecipe | None,
+    axis_name=None,
+) -> jax.Array:
+    """`block_matmul` of a block that is the op's whole result, its cotangent quantized as
+    `with_quantized_cotangent` quantizes it. On the float8 kernel with dY scaled by its current
+    amax (no dy_state), the block's own backward quantizes dY (its amax over `axis_name`) in
+    one pass that writes both the float8 values dX multiplies and their 16-bit dequantized
+    copy dW reads, where the op-wide form (`with_quantized_cotangent` handing dY's scale to
+    every block's tag) dequantizes dY and the block quantizes it again."""
+    if recipe is None:
+        return grouped_matmul(values, w, sizes)
+    own = recipe.dy_state is None and float8_block_reason(rows, experts, values.dtype) is None
+    if not own:
+        out = block_matmul(values, w, sizes, rows, experts)
+        return with_quantized_cotangent(out, recipe, axis_name, experts)
+    names = () if axis_name is None else axis_name
+    how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names)
+    return _float8_block(
+        values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn, experts.scale_inv, how
+    )[0]
+
+
 def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dtype) -> str | None:
     """Why `block_matmul` emulates the GEMM of `rows` by `experts` into `out_dtype`, or None."""
-    from commgemm.mosaic_gpu import grouped_kernel
-    from commgemm.mosaic_gpu.configs import GroupedConfig
+    from commgemm.mosaic_gpu import grouped as hopper
 
     if rows is None or experts is None:
         return "no float8 operands for Hopper's tensor cores (block modes, or another backend)"
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
-    (m, k), n = rows.payload.shape, experts.nk.shape[1]
-    return grouped_kernel.shape_reason(
-        GroupedConfig(), m, k, n, rows.payload.dtype, w_nk=True, split=experts.split[0]
-    )
+    (m, k), (groups, n, _) = rows.payload.shape, experts.nk.shape
+    kernel = hopper.float8_kernel(m, k, n, groups, rows.payload.dtype, split=experts.split[0])
+    return kernel if isinstance(kernel, str) else None
 
 
 class Float8Block(NamedTuple):
     """How a block multiplies on the float8 kernel (static): its result's dtype, split
-    accumulation in the forward and in dX, and dY's float8 dtype."""
+    accumulation in the forward and in dX, dY's float8 dtype, and `dy_over`: None where dY
+    comes quantized by the op's scale (its tag's cotangent), else the mesh axes over which the
+    block's own backward takes dY's current amax (`whole_block_matmul`)."""
 
     out_dtype: str
     split: tuple[bool, bool]
     grad_dtype: str
+    dy_over: str | tuple[str, ...] | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -193,16 +225,20 @@ def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, 
 
 def _float8_block_bwd(how, residuals, cotangents):
     from commgemm.mosaic_gpu import grouped as hopper
-    from commgemm.quant import quantize_by
 
     values, w, sizes, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
+    qdy = None
+    if how.dy_over is not None:  # dY as it comes: quantized here, once
+        mode = ScalingMode.CURRENT_TENSOR_SCALING
+        qdy = dy_quantized(dy, mode, how.grad_dtype, how.dy_over, None)[0]
+        dy = lax.stop_gradient(dequantize(qdy, dy.dtype))
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
     dx = None
     if values.dtype in (jnp.bfloat16, jnp.float16):  # the kernel's result is 16-bit
         # dY's float8 values (as the op quantized them) times the experts', on the kernel
-        qdy = quantize_by(dy, dy_scale, how.grad_dtype)
+        qdy = quantize_by(dy, dy_scale, how.grad_dtype) if qdy is None else qdy
         dx = hopper.float8_dx(qdy, kn, w_scale, sizes, values.dtype, how.split[1])
     if dx is None:  # emulated: the 16-bit product of dY and the experts' quantized values
         dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]

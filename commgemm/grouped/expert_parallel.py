@@ -34,6 +34,7 @@ from commgemm.grouped.blocks import (
     permuted,
     regrouped,
     row_block,
+    whole_block_matmul,
 )
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
@@ -334,11 +335,9 @@ def expert_mlp(
     blocks, arrived, block_sizes = _dispatched(x, w1, group_sizes, axis_name, rows, capacity)
     dest, source, sizes = merged_order(block_sizes, capacity)
     flat, flat_rows = regrouped(blocks, arrived, source, dest)
-    y = block_matmul(flat, w1, sizes, flat_rows, experts)
-    h = activation(with_quantized_cotangent(y, recipe, axis_name, experts))
+    h = activation(whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name))
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
-    z = block_matmul(h2, w2, sizes, rows, experts)
-    z = with_quantized_cotangent(z, recipe, axis_name, experts)
+    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)
     return _returned(permuted(z, dest, source).reshape(size, capacity, -1), group_sizes,
                      axis_name, m), h  # fmt: skip

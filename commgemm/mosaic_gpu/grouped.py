@@ -13,8 +13,8 @@ tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where asked
 own ragged dot runs far below the tensor cores' rate on a Hopper GPU (docs/performance.md),
 which is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor
 scaling (current or delayed) runs the forward and dX on float8 operands in the same two kernels
-(`float8_matmul`: the ping-pong one where the groups average under 1024 rows and accumulation
-is fast)."""
+(`float8_kernel`: the ping-pong one where accumulation is fast and the groups average under
+1024 rows or N is no whole 256s)."""
 
 from __future__ import annotations
 
@@ -201,14 +201,13 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
     recipe asks)."""
     from commgemm.quant import TENSOR_MODES
 
-    tiles = tiles or GroupedConfig()
-    if (reason := unsupported_reason(x, w, tiles)) is not None:
+    if (reason := unsupported_reason(x, w, tiles or GroupedConfig())) is not None:
         return reason
     if recipe.mode not in TENSOR_MODES:
         return f"its float8 kernel takes tensor scaling, not {recipe.mode.name}"
     m, k, n = x.shape[0], w.shape[1], w.shape[2]
     split = recipe.split_accumulator[0]
-    return grouped_kernel.shape_reason(tiles, m, k, n, recipe.dtype, w_nk=True, split=split)
+    return _reason(float8_kernel(m, k, n, w.shape[0], recipe.dtype, split=split, tiles=tiles))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,21 +307,52 @@ def float8_matmul(
 ) -> jax.Array:
     """Rows of a [M, K] (float8, sorted by group) times their group's b_nk[g]^T ([G, N, K],
     float8, K-major) on one of commgemm's grouped kernels, the two tensor scales (`*_scale_inv`,
-    the factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit): the
-    ping-pong kernel where the groups average under TILES_KERNEL_ROWS rows and accumulation is
-    fast (it has no split form), else the row-aligned kernel (`tiles`: its tiling, which asks
-    for it). The shape must be the row-aligned kernel's (`grouped_kernel.shape_reason`), which
-    the ping-pong kernel's includes."""
+    the factors that dequantize) applied in its epilogue -> [M, N] in `out_dtype` (16-bit), on
+    the kernel `float8_kernel` picks (`tiles`: the row-aligned kernel's tiling, which asks for
+    it); ValueError where neither kernel takes the shape."""
     scale = (a_scale_inv * b_scale_inv).astype(jnp.float32).reshape(1)
-    (m, k), groups, sizes = a.shape, b_nk.shape[0], sizes.astype(jnp.int32)
-    pingpong = grouped_pingpong.operand_tiles(PingPongTiles(), k, a.dtype)
-    fits = grouped_pingpong.shape_reason(pingpong, m, k, b_nk.shape[1], a.dtype, w_nk=True)
+    (m, k), (groups, n, _), sizes = a.shape, b_nk.shape, sizes.astype(jnp.int32)
+    kernel = float8_kernel(m, k, n, groups, a.dtype, split=split, tiles=tiles)
     kw = dict(w_nk=True, scale=scale, out_dtype=out_dtype)
-    if tiles is None and not split and not row_aligned_rows(m, groups) and fits is None:
-        out = grouped_pingpong.grouped_matmul(a, b_nk, sizes, **kw)
+    if isinstance(kernel, str):
+        raise ValueError(f"float8 grouped GEMM {(m, k)} x {list(b_nk.shape)}: {kernel}")
+    if isinstance(kernel, PingPongTiles):
+        out = grouped_pingpong.grouped_matmul(a, b_nk, sizes, kernel, **kw)
     else:
-        out = grouped_kernel.grouped_matmul(a, b_nk, sizes, tiles, split_accumulator=split, **kw)
+        out = grouped_kernel.grouped_matmul(a, b_nk, sizes, kernel, split_accumulator=split, **kw)
     return varying_like(out, a, b_nk)  # a Pallas result carries no varying axes
+
+
+def float8_kernel(
+    m: int,
+    k: int,
+    n: int,
+    groups: int,
+    dtype,
+    *,
+    split: bool = False,
+    tiles: GroupedConfig | None = None,
+) -> GroupedConfig | PingPongTiles | str:
+    """The kernel `float8_matmul` runs x [m, K] (float8 `dtype`) times w [groups, n, K] on, or
+    why none takes the shape (a str): the row-aligned kernel in `tiles` where they are given;
+    else the ping-pong kernel where accumulation is fast (it has no split form) and the groups
+    average under TILES_KERNEL_ROWS rows or the row-aligned kernel's tiles do not fit (its
+    128 x 256 tiles; the ping-pong kernel's are 128 x 128); else the row-aligned kernel
+    (`fused.float8_tiling`: 64 x 128 warpgroup tiles with split accumulation)."""
+    aligned = tiles or GroupedConfig()
+    reason = grouped_kernel.shape_reason(aligned, m, k, n, dtype, w_nk=True, split=split)
+    if tiles is None and not split:
+        pingpong = grouped_pingpong.operand_tiles(PingPongTiles(), k, dtype)
+        fits = grouped_pingpong.shape_reason(pingpong, m, k, n, dtype, w_nk=True)
+        if fits is None and (reason is not None or not row_aligned_rows(m, groups)):
+            return pingpong
+        if fits is not None and reason is not None:
+            return reason if reason == fits else f"{reason}; ping-pong kernel: {fits}"
+    return aligned if reason is None else reason
+
+
+def _reason(kernel: GroupedConfig | PingPongTiles | str) -> str | None:
+    return kernel if isinstance(kernel, str) else None
 
 
 def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
@@ -330,13 +360,8 @@ def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
     qdy [M, N] (a tensor-scaled float8 `ScaledTensor`) times w_kn [G, K, N] (the float8 values
     as quantized along K, K-major for this contraction over N) -> [M, K] in `out_dtype`
     (16-bit); None where the kernel does not take the shape (the caller emulates)."""
-    (m, n), k = qdy.data.shape, w_kn.shape[1]
-    if (
-        grouped_kernel.shape_reason(
-            GroupedConfig(), m, n, k, qdy.data.dtype, w_nk=True, split=split
-        )
-        is not None
-    ):
+    (m, n), (groups, k, _) = qdy.data.shape, w_kn.shape
+    if isinstance(float8_kernel(m, n, k, groups, qdy.data.dtype, split=split), str):
         return None
     return float8_matmul(qdy.data, qdy.scale_inv, w_kn, w_scale_inv, sizes, out_dtype, split=split)
 
@@ -356,4 +381,4 @@ def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"its result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
     (m, k), n = x.data.shape, w.data.shape[1 if w_nk else 2]
-    return grouped_kernel.shape_reason(GroupedConfig(), m, k, n, x.data.dtype, w_nk=True)
+    return _reason(float8_kernel(m, k, n, w.data.shape[0], x.data.dtype))

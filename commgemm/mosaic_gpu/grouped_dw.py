@@ -87,7 +87,7 @@ def unit_offsets(steps: jax.Array, per_group: int, ctas: int) -> jax.Array:
     ctas, ...: an exclusive prefix sum of their steps, `per_group` units a group)."""
     units = steps.shape[0] * per_group
     waves = -(-units // ctas)
-    counts = jnp.repeat(steps, per_group, total_repeat_length=units)
+    counts = jnp.broadcast_to(steps[:, None], (steps.shape[0], per_group)).reshape(units)
     counts = jnp.pad(counts, (0, waves * ctas - units)).reshape(waves, ctas)
     return (jnp.cumsum(counts, axis=0) - counts).reshape(-1)[:units].astype(jnp.int32)
 

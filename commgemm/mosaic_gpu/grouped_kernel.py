@@ -84,9 +84,9 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     """The pairs of row tiles and groups for group `sizes` [G] (summing to at most m; a sum
     beyond m is cut at m) over m rows (whole tiles), and the output tiles' order over `ctas`
     CTAs, balanced by their warpgroups' K loops (`balanced_slots`), the cheapest last where
-    the last wave runs narrowed (`GroupedConfig.narrow_tail`). Everything is
-    counted by comparisons and prefix sums over the groups, not searched or sorted: a few
-    fused elementwise ops on a GPU, where a search is a loop of small kernels."""
+    the last wave runs narrowed (`GroupedConfig.narrow_tail`). The pairs are counted by
+    comparisons and prefix sums over the groups, not searched: a few fused elementwise ops on
+    a GPU, where a search is a loop of small kernels; the tiles are ranked by `cost_rank`."""
     cta_m = tiles.cta_m
     num_groups, tiles_m, tiles_n = sizes.shape[0], m // cta_m, n // tiles.cta_n
     ends = jnp.minimum(jnp.cumsum(sizes.astype(jnp.int32)), m)
@@ -112,18 +112,28 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     blocks = jnp.sum((lo[:, None] < block + tiles.tile_m) & (hi[:, None] > block), axis=1)
     walk = jnp.arange(tiles_m * tiles_n, dtype=jnp.int32)
     m_idx, _ = jax.vmap(lambda t: mt.cluster_tile(tiles, t, tiles_m, tiles_n))(walk)
-    # each tile's rank by cost, costliest first, ties in walk order: counted over all pairs of
-    # tiles in one fused reduction (a prefix sum over the tiles ran 2x slower on a Hopper GPU;
-    # tiles**2 stays small beside the GEMM)
+    # each tile's rank by cost, costliest first, ties in walk order
     cost = jnp.sum(jnp.where(in_tile, blocks[None, :], 0), axis=1, dtype=jnp.int32)[m_idx]
-    ahead = (cost[None, :] > cost[:, None]) | (
-        (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
-    )
-    rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+    rank = cost_rank(cost, walk)
     tail = mt.narrow_tail_units(tiles, walk.shape[0], ctas)
     slots = jnp.asarray(balanced_slots(walk.shape[0], ctas, tail))
     order = jnp.zeros_like(walk).at[slots[rank]].set(walk, unique_indices=True)
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
+
+
+#: Tiles up to which `cost_rank` compares all pairs (one fused reduction: faster than a prefix
+#: sum or a sort on a Hopper GPU up to 6144 tiles); past it tiles**2 outgrows a sort.
+PAIRWISE_RANK_TILES = 8192
+
+
+def cost_rank(cost: jax.Array, walk: jax.Array) -> jax.Array:
+    """[T] int32: each tile's place by `cost` [T], costliest first, ties in `walk` order
+    (arange(T)): over all pairs up to PAIRWISE_RANK_TILES tiles, else by a stable sort."""
+    if cost.shape[0] <= PAIRWISE_RANK_TILES:
+        tie = (cost[None, :] == cost[:, None]) & (walk[None, :] < walk[:, None])
+        return jnp.sum((cost[None, :] > cost[:, None]) | tie, axis=1, dtype=jnp.int32)
+    by_cost = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    return jnp.zeros_like(walk).at[by_cost].set(walk, unique_indices=True)
 
 
 @functools.cache

@@ -461,10 +461,28 @@ def test_grouped_matmul_float8_kernel(groups, split):
     within float8 accumulation and bf16 rounding of the float32 ragged dot of the dequantized
     operands, rows past the groups' sum zero; the gradients the emulated path's (jax's tiles
     requested: emulated), whichever accumulation the recipe asks."""
+    _check_float8_grouped(2048, 1024, 512, groups, split)
+
+
+@pytest.mark.parametrize("split", [(False, True, True), (False, False, False)],
+                         ids=["default", "fast"])  # fmt: skip
+def test_grouped_matmul_float8_columns_not_whole_256s(split):
+    """N = 640 (five 128-column tiles) with 2048 rows a group, where the row-aligned kernel's
+    256-column tiles do not fit: the forward on the ping-pong kernel (`float8_kernel`), dX on
+    the row-aligned kernel (split) or the ping-pong one (fast), as test_grouped_matmul_float8_
+    kernel checks them."""
+    from commgemm.mosaic_gpu import grouped
+
+    assert isinstance(grouped.float8_kernel(8192, 1024, 640, 4, jnp.float8_e4m3fn),
+                      grouped.PingPongTiles)  # fmt: skip
+    _check_float8_grouped(8192, 1024, 640, 4, split)
+
+
+def _check_float8_grouped(m: int, k: int, n: int, groups: int, split) -> None:
     from commgemm.mosaic_gpu.grouped import GroupedTiles
 
-    m, k, n = 2048, 1024, 512
-    sizes = np.random.default_rng(groups).multinomial(1900, np.ones(groups) / groups)
+    total = m - 148
+    sizes = np.random.default_rng(groups).multinomial(total, np.ones(groups) / groups)
     sizes[1] = 0
     sizes = jnp.asarray(sizes, jnp.int32)
     kx, kw, kg = jax.random.split(jax.random.key(groups), 3)
@@ -488,7 +506,7 @@ def test_grouped_matmul_float8_kernel(groups, split):
                               sizes, precision="highest")  # fmt: skip
     got = jax.jit(float8)(x, w).astype(jnp.float32)
     assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
-    assert float(jnp.abs(got[1900:]).max()) == 0.0
+    assert float(jnp.abs(got[total:]).max()) == 0.0
     for a, b in zip(jax.jit(jax.grad(loss(float8), (0, 1)))(x, w),
                     jax.jit(jax.grad(loss(emulated), (0, 1)))(x, w), strict=True):  # fmt: skip
         assert _relative_error(a, b) <= REL
