@@ -18,6 +18,10 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
               of [tokens, H]; FP8: the gathers in float8) -> t_comm
   local:      the per-device layer (heads/P, F/P, every token) on one device, no
               communication -> t_local; timed right after the others
+  nnx, flax:  the layer a user writes with commgemm's Flax layers (`commgemm.nnx`, AUTO), and
+              as `local` in plain Flax modules (bf16 rows): P = 1's baseline
+              (`flax_layer.py`); float32 parameters, so not comparable with the others'
+              (their AdamW updates bf16 ones)
   NAME+lhs:   the variant NAME jitted with XLA's latency-hiding scheduler on
               (compiler_options xla_gpu_enable_latency_hiding_scheduler)
   xla-flags:  `xla` in a child process with XLA's windowed-einsum collective matmul on
@@ -57,6 +61,7 @@ from commgemm.distributed import agreed, initialize
 setup_devices()
 initialize()  # under `commgemm launch`: join the other processes (a no-op otherwise)
 
+import flax_layer  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -185,7 +190,15 @@ def variants(size: Size, mesh: Mesh, dtype, scaling, names) -> dict:
     for name in names:
         base, _, suffix = name.partition("+")
         options = OPTIONS[suffix] if suffix else None
-        if base not in ("xla", "local", "comm"):
+        if base == "nnx":
+            fn, args = flax_layer.nnx_variant(size, mesh, params, x, dtype, scaling)
+            out[name] = (jax.jit(fn, compiler_options=options), args)
+        elif base == "flax":
+            if scaling is None:  # plain Flax has no FP8 layer
+                local = init(size, size.heads // n, size.ffn // n, dtype)
+                fn, args = flax_layer.flax_variant(size, local, x, dtype, jax.local_devices()[0])
+                out[name] = (jax.jit(fn, compiler_options=options), args)
+        elif base not in ("xla", "local", "comm"):
             if base == FAST_DGRAD and scaling is None:
                 continue  # an FP8 recipe's variant
             specs = ("auto", "auto") if base == FAST_DGRAD else (base.split("/") * 2)[:2]
@@ -304,15 +317,18 @@ def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: in
     if "xla" in row["loss"]:
         tol = 1e-1 if scaling else 5e-2
         ref = row["loss"]["xla"]
-        row["loss_ok"] = {  # local has other (per-device) parameters
-            n: abs(v - ref) <= tol * abs(ref) for n, v in row["loss"].items() if n != "local"
+        # local (and flax at P > 1) has other (per-device) parameters, on one device
+        single = ("local", "flax") if mesh.devices.size > 1 else ("local",)
+        row["loss_ok"] = {
+            n: abs(v - ref) <= tol * abs(ref) for n, v in row["loss"].items() if n not in single
         }
     if jax.default_backend() != "gpu":
         return row
-    together = {n: v for n, v in found.items() if n != "local"}
-    timed = spans.batch_spans_interleaved(together, calls=calls)
-    if "local" in found:
-        timed |= spans.batch_spans_interleaved({"local": found["local"]}, calls=calls)
+    single = ("local", "flax") if mesh.devices.size > 1 else ("local",)
+    timed = spans.batch_spans_interleaved({n: v for n, v in found.items() if n not in single},
+                                          calls=calls)  # fmt: skip
+    if alone := {n: v for n, v in found.items() if n in single}:
+        timed |= spans.batch_spans_interleaved(alone, calls=calls)
     for name, t in timed.items():
         row["ms"][name] = round(t["median"], 4)
         row["rounds"][name] = [round(r, 4) for r in t["rounds"]]

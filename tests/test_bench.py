@@ -556,26 +556,46 @@ def test_step_script_runs(tmp_path):
     shapes: the commgemm layer's first loss equals XLA's partitioning of the same layer, in bf16
     and FP8, also with methods named per op (ring/none); no device timing on a CPU, so no ratio
     is claimed."""
+    rows = _step_script(tmp_path, "auto,none,ring/none,auto-fast-dgrad,xla,comm")
+    for row in rows:  # the fast-dgrad recipe's AUTO in the FP8 row only
+        fp8 = {"auto-fast-dgrad": True} if row["dtype"] == "fp8" else {}
+        assert row["loss_ok"] == {"auto": True, "none": True, "ring/none": True, "xla": True,
+                                  **fp8}  # fmt: skip
+        assert row["ms"] == {} and row["ratios"] == {}
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_step_script_flax_variants(tmp_path, devices):
+    """step.py's nnx (commgemm's Flax layers, AUTO) and flax (plain Flax modules, bf16 only)
+    variants hold step.py's weights: their first losses match XLA's partitioning of the same
+    layer (flax only at P = 1: elsewhere it is one device's share, as `local`)."""
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    for row in _step_script(tmp_path, "xla,nnx,flax", XLA_FLAGS=flags):
+        flax = {"flax": True} if devices == 1 and row["dtype"] == "bf16" else {}
+        assert row["devices"] == devices
+        assert row["loss_ok"] == {"xla": True, "nnx": True, **flax}, row["loss"]
+        assert ("flax" in row["loss"]) == (row["dtype"] == "bf16")
+
+
+def _step_script(tmp_path, variants: str, **env) -> list[dict]:
+    """step.py --quick --sizes 8b --variants `variants` on the CPU (8 virtual devices unless
+    `env` sets XLA_FLAGS): its rows, bf16 then fp8."""
     import os
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).parent.parent
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)} | env
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "step.py"), "--out", str(tmp_path), "--quick",
-         "--sizes", "8b", "--variants", "auto,none,ring/none,auto-fast-dgrad,xla,comm"],
+         "--sizes", "8b", "--variants", variants],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
-    for row in rows:  # the fast-dgrad recipe's AUTO in the FP8 row only
-        fp8 = {"auto-fast-dgrad": True} if row["dtype"] == "fp8" else {}
-        assert row["loss_ok"] == {"auto": True, "none": True, "ring/none": True, "xla": True,
-                                  **fp8}  # fmt: skip
-        assert row["ms"] == {} and row["ratios"] == {}
+    return rows
 
 
 def _step_module():
