@@ -314,17 +314,16 @@ def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: in
            "shape": dataclasses.asdict(size), "loss": {}, "ms": {}, "busy": {},
            "exposed_ms": {}, "rounds": {}}  # fmt: skip
     first_losses(found, row, skip=("comm",))
+    # local (and flax at P > 1): other (per-device) parameters, on one device, timed apart
+    single = ("local", "flax") if mesh.devices.size > 1 else ("local",)
     if "xla" in row["loss"]:
         tol = 1e-1 if scaling else 5e-2
         ref = row["loss"]["xla"]
-        # local (and flax at P > 1) has other (per-device) parameters, on one device
-        single = ("local", "flax") if mesh.devices.size > 1 else ("local",)
         row["loss_ok"] = {
             n: abs(v - ref) <= tol * abs(ref) for n, v in row["loss"].items() if n not in single
         }
     if jax.default_backend() != "gpu":
         return row
-    single = ("local", "flax") if mesh.devices.size > 1 else ("local",)
     timed = spans.batch_spans_interleaved({n: v for n, v in found.items() if n not in single},
                                           calls=calls)  # fmt: skip
     if alone := {n: v for n, v in found.items() if n in single}:

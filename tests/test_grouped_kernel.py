@@ -276,5 +276,18 @@ def test_float8_kernel(m, k, n, groups, split, want):
     got = grouped.float8_kernel(m, k, n, groups, jnp.float8_e4m3fn, split=bool(split),
                                 tiles=tiles)  # fmt: skip
     assert isinstance(got, want), got
+    reason = grouped.float8_shape_reason(m, k, n, groups, jnp.float8_e4m3fn, split=bool(split),
+                                         tiles=tiles)  # fmt: skip
+    assert reason == (got if want is str else None)
     if want is str:
-        assert f"N={n}" in got or f"M={m}" in got or "128" in got, got
+        assert f"N={n}" in got or f"rows={m}" in got, got
+        # float8_matmul refuses the shape with that reason, before any kernel is built
+        a = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
+        b = jax.ShapeDtypeStruct((groups, n, k), jnp.float8_e4m3fn)
+        one, sizes = (
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((groups,), jnp.int32),
+        )
+        matmul = functools.partial(grouped.float8_matmul, out_dtype=jnp.bfloat16, split=bool(split))
+        with pytest.raises(ValueError, match="float8 grouped GEMM"):
+            jax.eval_shape(matmul, a, one, b, one, sizes)

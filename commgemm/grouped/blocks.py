@@ -189,8 +189,7 @@ def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dt
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"the kernel's result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
     (m, k), (groups, n, _) = rows.payload.shape, experts.nk.shape
-    kernel = hopper.float8_kernel(m, k, n, groups, rows.payload.dtype, split=experts.split[0])
-    return kernel if isinstance(kernel, str) else None
+    return hopper.float8_shape_reason(m, k, n, groups, rows.payload.dtype, split=experts.split[0])
 
 
 class Float8Block(NamedTuple):

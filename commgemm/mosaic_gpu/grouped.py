@@ -207,7 +207,7 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
         return f"its float8 kernel takes tensor scaling, not {recipe.mode.name}"
     m, k, n = x.shape[0], w.shape[1], w.shape[2]
     split = recipe.split_accumulator[0]
-    return _reason(float8_kernel(m, k, n, w.shape[0], recipe.dtype, split=split, tiles=tiles))
+    return float8_shape_reason(m, k, n, w.shape[0], recipe.dtype, split=split, tiles=tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +351,10 @@ def float8_kernel(
     return aligned if reason is None else reason
 
 
-def _reason(kernel: GroupedConfig | PingPongTiles | str) -> str | None:
+def float8_shape_reason(m: int, k: int, n: int, groups: int, dtype, **kw) -> str | None:
+    """Why neither kernel multiplies float8 x [m, K] by w [groups, n, K] (`float8_kernel`'s
+    str, with its keyword arguments), or None."""
+    kernel = float8_kernel(m, k, n, groups, dtype, **kw)
     return kernel if isinstance(kernel, str) else None
 
 
@@ -361,7 +364,7 @@ def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
     as quantized along K, K-major for this contraction over N) -> [M, K] in `out_dtype`
     (16-bit); None where the kernel does not take the shape (the caller emulates)."""
     (m, n), (groups, k, _) = qdy.data.shape, w_kn.shape
-    if isinstance(float8_kernel(m, n, k, groups, qdy.data.dtype, split=split), str):
+    if float8_shape_reason(m, n, k, groups, qdy.data.dtype, split=split) is not None:
         return None
     return float8_matmul(qdy.data, qdy.scale_inv, w_kn, w_scale_inv, sizes, out_dtype, split=split)
 
@@ -381,4 +384,4 @@ def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16):
         return f"its result is bf16 or fp16, not {jnp.dtype(out_dtype).name}"
     (m, k), n = x.data.shape, w.data.shape[1 if w_nk else 2]
-    return _reason(float8_kernel(m, k, n, w.data.shape[0], x.data.dtype))
+    return float8_shape_reason(m, k, n, w.data.shape[0], x.data.dtype)

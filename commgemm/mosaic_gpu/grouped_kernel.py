@@ -121,8 +121,8 @@ def schedule(sizes: jax.Array, tiles: GroupedConfig, m: int, n: int, ctas: int) 
     return Schedule(group=group, lo=lo, hi=hi, first=first, count=count, order=order)
 
 
-#: Tiles up to which `cost_rank` compares all pairs (one fused reduction: faster than a prefix
-#: sum or a sort on a Hopper GPU up to 6144 tiles); past it tiles**2 outgrows a sort.
+#: Tiles up to which `cost_rank` compares all pairs (one fused reduction, cheaper than a prefix
+#: sum or a sort for a few thousand tiles); past it the tiles**2 comparisons outgrow a sort.
 PAIRWISE_RANK_TILES = 8192
 
 
