@@ -32,8 +32,25 @@ from commgemm.vma import checks_vma, varying_axes
 
 
 def straight_through(a: jax.Array, q: ScaledTensor) -> jax.Array:
-    """q's values in a's dtype, with the identity gradient to a."""
-    return lax.stop_gradient(dequantize(q, a.dtype)) + (a - lax.stop_gradient(a))
+    """q's values in a's dtype, with the identity gradient to a. The values are q's alone (not
+    `values + (a - a)`, which reads `a` again and would put a's infinities in as NaNs)."""
+    return _identity_gradient(a, lax.stop_gradient(dequantize(q, a.dtype)))
+
+
+@jax.custom_vjp
+def _identity_gradient(a: jax.Array, values: jax.Array) -> jax.Array:
+    return values
+
+
+def _identity_gradient_fwd(a, values):
+    return values, None
+
+
+def _identity_gradient_bwd(_, ct):
+    return ct, None
+
+
+_identity_gradient.defvjp(_identity_gradient_fwd, _identity_gradient_bwd)
 
 
 def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:

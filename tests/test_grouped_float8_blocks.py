@@ -9,6 +9,7 @@ gradients are the emulated path's; and that block modes and float32 results stay
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -451,3 +452,73 @@ def test_whole_block_quantizes_dy_once(rng, kernel_calls, check_vma):
         return str(jax.make_jaxpr(grad)(x, w)).count("new_dtype=float8_e5m2")
 
     assert casts(True) == 1 and casts(False) == 2, (casts(True), casts(False))
+
+
+@pytest.mark.parametrize(
+    ("mode", "method", "on_kernel", "check_vma"),
+    [("current_tensor_scaling", "none", True, True),
+     ("current_tensor_scaling", "none", False, False),
+     ("current_tensor_scaling", "ring_exchange", True, True),
+     ("delayed_tensor_scaling", "none", True, True)],
+)  # fmt: skip
+def test_moe_block_quantizes_each_token_once(rng, request, mode, method, on_kernel, check_vma):
+    """The MoE block quantizes its m tokens [m, H] once, not their m*k copies
+    (`grouped.scaling.copied_rows`): its result and every gradient equal the block's that
+    quantizes the copies (the copies' amax is the tokens'; each copy's float8 values are its
+    token's), on the float8 kernel and emulated, and the only float8 cast of an [m*k, H]
+    operand left is none: the forward's one cast of x is of [m, H]."""
+    from commgemm.grouped import moe
+
+    if on_kernel:
+        request.getfixturevalue("kernel_calls")
+    size, m, hidden, ffn, experts, k = 2, 64, 128, 256, 4, 2
+    x = _bf16(rng, (size * m, hidden))
+    router = _bf16(rng, (hidden, experts))
+    w1, w2 = _bf16(rng, (experts, hidden, ffn)), _bf16(rng, (experts, ffn, hidden))
+    recipe = mode
+    if mode == "delayed_tensor_scaling":  # amax 4 in the history
+        state = cg.ScalingState.create()
+        state = jax.tree.map(lambda a: a + 4.0 if a.dtype == jnp.float32 else a, state)
+        recipe = cg.ScalingRecipe(mode, x_state=state, w_state=state)
+
+    def run():  # fresh functions: jax caches traces by function
+        def op(a, r, b, c):
+            body = lambda *v: moe.moe_per_shard(*v, k=k, axis_name="x",  # noqa: E731
+                                                config=_config(method), scaling=recipe)  # fmt: skip
+            specs = (P("x"), P(), P("x"), P("x"))
+            return shard(body, mesh1d(size), specs, P("x"), check_vma=check_vma)(a, r, b, c)
+
+        def loss(*v):
+            return jnp.sum(jnp.square(op(*v).astype(jnp.float32)))
+
+        args = (x, router, w1, w2)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args), _e4m3_cast_rows(op, args)
+
+    got, casts = run()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "copied_rows", lambda *a, **kw: None)  # the copies quantized
+        want, copies_casts = run()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.float32(g), np.float32(w))
+    # per shard: m tokens, m*k copies, the activations' P*m*k rows
+    assert m * k in copies_casts and m not in copies_casts, copies_casts
+    assert casts == [m if r == m * k else r for r in copies_casts], (casts, copies_casts)
+
+
+def _e4m3_cast_rows(fn, args) -> list[int]:
+    """The leading sizes of the operands fn's jaxpr (nested ones included) casts to e4m3."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if (
+                e.primitive.name == "convert_element_type"
+                and e.params["new_dtype"] == jnp.float8_e4m3fn
+                and e.invars[0].aval.ndim == 2
+            ):
+                found.append(e.invars[0].aval.shape[0])
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

@@ -46,7 +46,7 @@ from commgemm.grouped.scaling import (
 )
 from commgemm.operands import axis_size, check_divisible
 from commgemm.plan import make_grouped_plan
-from commgemm.quant import Scaling, check_weight_scaling
+from commgemm.quant import ScaledTensor, Scaling, check_weight_scaling
 from commgemm.xla.common import after
 
 
@@ -129,8 +129,13 @@ def all_to_all_grouped_matmul(
       the tokens' float8 payload as it arrived on the tensor cores, and dX the quantized dY
       (`grouped.blocks.block_matmul`); otherwise emulated.
     """
+    return _all_to_all_grouped(x, w, group_sizes, axis_name, config, scaling, capacity)
+
+
+def _all_to_all_grouped(x, w, group_sizes, axis_name, config, scaling, capacity, qx=None):
+    """`all_to_all_grouped_matmul`; `qx`: x as `scaling` quantizes it, or None."""
     check_weight_scaling("all_to_all_grouped_matmul", w, scaling)
-    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name)
+    x, w, recipe, rows, experts = quantized_operands(x, w, scaling, axis_name, qx)
     capacity = _capacity(capacity, x.shape[0])
     y, recv = _dispatch_grouped(x, w, group_sizes, axis_name, config, rows, experts, capacity)
     return with_quantized_cotangent(y, recipe, axis_name, experts), recv
@@ -306,13 +311,16 @@ def expert_mlp(
     config=None,
     scaling=None,
     capacity: int | None = None,
+    x_quantized: ScaledTensor | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The experts' MLP on this shard's tokens, dispatched and returned: x [m, K] sorted by
     global expert (counts group_sizes [P*e]), w1 [e, K, F] and w2 [e, F, N] this shard's
     experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
     the GEMMs [P*C, F], in an order of their own: for their amax). The same as
     `all_to_all_grouped_matmul` (with `capacity`), `activation`, `grouped_matmul_all_to_all`;
-    `scaling`: one recipe for both GEMMs or a pair (up, down).
+    `scaling`: one recipe for both GEMMs or a pair (up, down). `x_quantized`: x as the up
+    recipe quantizes it where the caller has it (`grouped.scaling.copied_rows`: the tokens'
+    copies quantized once per token), else None.
 
     Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
     from the first GEMM to the second: one permutation of the [P*C, K] rows and one of the
@@ -323,15 +331,15 @@ def expert_mlp(
     capacity = _capacity(capacity, m)
     ops = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")
     if any(_method(config, op, size) is not Method.NONE for op in ops):
-        y, received = all_to_all_grouped_matmul(x, w1, group_sizes, axis_name, config=config,
-                                                scaling=up, capacity=capacity)  # fmt: skip
+        y, received = _all_to_all_grouped(x, w1, group_sizes, axis_name, config, up, capacity,
+                                          x_quantized)  # fmt: skip
         h = activation(y)
         out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
                                         config=config, scaling=down, tokens=m)  # fmt: skip
         return out, h
     check_weight_scaling("all_to_all_grouped_matmul", w1, up)
     check_weight_scaling("grouped_matmul_all_to_all", w2, down)
-    x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name)
+    x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name, x_quantized)
     blocks, arrived, block_sizes = _dispatched(x, w1, group_sizes, axis_name, rows, capacity)
     dest, source, sizes = merged_order(block_sizes, capacity)
     flat, flat_rows = regrouped(blocks, arrived, source, dest)

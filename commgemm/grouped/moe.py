@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from commgemm.grouped.blocks import inverse_permutation, permuted
+from commgemm.grouped.scaling import copied_rows
 from commgemm.quant import amax
 
 
@@ -64,10 +65,12 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
         order, counts, capacity = _capped_order(order, expert, counts, capacity_factor, e)
     inverse = inverse_permutation(order)
     copies = jnp.repeat(x, k, axis=0)  # [m*k, H], token-major as the routing's rows
+    up = scaling[0] if isinstance(scaling, tuple) else scaling
+    quantized = copied_rows(x, order // k, up, axis_name)  # each token quantized once
     act = functools.partial(jax.nn.gelu, approximate=activation == "gelu_tanh")
     out, y = expert_mlp(permuted(copies, order, inverse), w1, w2, counts, axis_name,
                         activation=act, config=config, scaling=scaling,
-                        capacity=capacity)  # fmt: skip
+                        capacity=capacity, x_quantized=quantized)  # fmt: skip
     per_token = permuted(out, inverse, order).reshape(m, k, h)  # back in token-major order
     weighted = per_token.astype(jnp.float32) * gate.reshape(m, k, 1)
     out = jnp.sum(weighted, axis=1).astype(x.dtype)

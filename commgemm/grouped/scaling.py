@@ -48,22 +48,43 @@ from commgemm.xla.common import after
 
 
 def quantized_operands(
-    x: jax.Array, w: jax.Array, scaling: Scaling, axis_name: str | None = None
+    x: jax.Array,
+    w: jax.Array,
+    scaling: Scaling,
+    axis_name: str | None = None,
+    qx: ScaledTensor | None = None,
 ) -> tuple[jax.Array, jax.Array, ScalingRecipe | None, Rows | None, Float8Experts | None]:
     """(x, w, recipe, rows, experts) with x [..., K] and w [G, K, N] (or a `QuantizedWeight`
     of it) replaced by their quantized values (straight-through), x's rows as they travel
     (`Rows`) and w as Hopper's float8 kernel reads it (`float8_experts`); unchanged, and rows
-    and experts None, when scaling is None."""
+    and experts None, when scaling is None. `qx`: x as the recipe quantizes it, where the
+    caller has it (`copied_rows`), else quantized here."""
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None, None, None
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
-    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
+    if qx is None:
+        qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
     w, qw, nk = weight_operand(w, recipe, 1, names)
     experts = float8_experts(recipe, qw, nk)
     return straight_through(x, qx), straight_through(w, qw), recipe, rows, experts
+
+
+def copied_rows(
+    x: jax.Array, index: jax.Array, scaling: Scaling, axis_name: str | None = None
+) -> ScaledTensor | None:
+    """x[index] (rows [m, K] taken, each any number of times: a token's copies) as the recipe
+    quantizes it, from x quantized once: its tensor scale is x's where every row is taken
+    (the copies' amax is the tokens'), and each copy's float8 values are its row's. None
+    without a tensor-scaled recipe (block modes quantize the copies themselves)."""
+    recipe = as_recipe(scaling)
+    if recipe is None or recipe.mode not in TENSOR_MODES:
+        return None
+    names = () if axis_name is None else axis_name
+    q = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
+    return dataclasses.replace(q, data=q.data[index])
 
 
 @dataclasses.dataclass(frozen=True)
