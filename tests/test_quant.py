@@ -13,7 +13,10 @@ from commgemm.quant import (
     FP4,
     ScalingMode,
     ScalingState,
+    _max,
+    _on_grid,
     dequantize,
+    dequantize_fusible,
     quantize,
     quantize_by,
     swizzle_block_scales,
@@ -130,3 +133,42 @@ def test_quantize_by_recovers_the_float8_values(dtype, log_scale, seed):
     as_f32 = lambda t: np.asarray(t.data, np.float32)  # noqa: E731
     np.testing.assert_array_equal(as_f32(again), as_f32(q))
     assert again.scale_inv == q.scale_inv
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_grid_in_float32_is_the_cast(dtype):
+    """`_on_grid` rounds float32 values as a cast to the float8 format does: every finite
+    float8 value, each midpoint between neighbours (ties to even) and its float32 neighbours,
+    random values over 40 octaves (subnormals included), zeros and NaN; values clipped to the
+    format's range as quantizing clips them."""
+    every = np.arange(256, dtype=np.uint8).view(jnp.dtype(dtype)).astype(np.float32)
+    grid = np.sort(every[np.isfinite(every)])
+    mids = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng()
+    spread = rng.standard_normal(50_000) * np.exp2(rng.integers(-24, 16, 50_000))
+    v = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        spread, [0.0, -0.0, np.nan]]).astype(np.float32)  # fmt: skip
+    top = float(_max(dtype))
+    v = np.where(np.isnan(v), v, np.clip(v, -top, top)).astype(np.float32)
+    want = jnp.asarray(v).astype(dtype).astype(jnp.float32)
+    np.testing.assert_array_equal(jax.jit(lambda a: _on_grid(a, dtype))(jnp.asarray(v)), want)
+    with pytest.raises(ValueError, match="no float8 grid"):
+        _on_grid(jnp.asarray(v), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["current_tensor_scaling", "mxfp8_1d_scaling"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_dequantize_fusible_is_dequantize(rng, mode, dtype):
+    """`dequantize_fusible` (no optimization barrier) gives `dequantize`'s values bit for bit,
+    inside one jitted program with the quantizing pass, in bf16 and float32."""
+    x = jnp.asarray(rng.standard_normal((64, 256)) * np.exp2(rng.integers(-12, 12, (64, 1))),
+                    jnp.bfloat16)  # fmt: skip
+    for out in (jnp.bfloat16, jnp.float32):
+
+        def both(a, out=out):
+            q = quantize(a, mode, dtype=dtype, axis=-1)
+            return dequantize(q, out), dequantize_fusible(q, out)
+
+        held, fused = jax.jit(both)(x)
+        assert fused.dtype == out
+        np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(held, np.float32))

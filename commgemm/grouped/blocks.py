@@ -26,7 +26,7 @@ from jax import lax
 from commgemm.grouped.local import grouped_matmul
 from commgemm.grouped.scaling import Float8Experts, Rows, with_quantized_cotangent
 from commgemm.operand_scaling import dy_quantized
-from commgemm.quant import ScalingMode, ScalingRecipe, dequantize, quantize_by
+from commgemm.quant import ScalingMode, ScalingRecipe, dequantize_fusible, quantize_by
 from commgemm.vma import like_primal, varying_like
 
 
@@ -231,7 +231,7 @@ def _float8_block_bwd(how, residuals, cotangents):
     if how.dy_over is not None:  # dY as it comes: quantized here, once
         mode = ScalingMode.CURRENT_TENSOR_SCALING
         qdy = dy_quantized(dy, mode, how.grad_dtype, how.dy_over, None)[0]
-        dy = lax.stop_gradient(dequantize(qdy, dy.dtype))
+        dy = lax.stop_gradient(dequantize_fusible(qdy, dy.dtype))  # in the quantizing pass
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
     dx = None

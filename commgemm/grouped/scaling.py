@@ -41,6 +41,7 @@ from commgemm.quant import (
     ScalingRecipe,
     as_recipe,
     dequantize,
+    dequantize_fusible,
 )
 from commgemm.quantized_gemm import payload, unpack_rows
 from commgemm.vma import varying_like
@@ -210,7 +211,7 @@ def _bwd(mode, grad_dtype, axis_name, residuals, dy):
     scale = None  # the link's cotangent: dY's tensor scale, for the blocks' float8 dX
     if link is not None:
         scale = varying_like(q.scale_inv.astype(jnp.float32).reshape(link.shape), link)
-    return lax.stop_gradient(dequantize(q, dy.dtype)), scale, new
+    return lax.stop_gradient(dequantize_fusible(q, dy.dtype)), scale, new
 
 
 _quantized_cotangent.defvjp(_fwd, _bwd)
