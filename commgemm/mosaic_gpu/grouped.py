@@ -201,8 +201,10 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
     recipe asks)."""
     from commgemm.quant import TENSOR_MODES
 
-    if (reason := unsupported_reason(x, w, tiles or GroupedConfig())) is not None:
+    if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it quantizes bfloat16 or float16 operands, got {x.dtype}"
     if recipe.mode not in TENSOR_MODES:
         return f"its float8 kernel takes tensor scaling, not {recipe.mode.name}"
     m, k, n = x.shape[0], w.shape[1], w.shape[2]
@@ -275,12 +277,12 @@ def _float8_forward(x, w, sizes, qw, nk, states, plan: Float8Plan):
 
 def _float8_bwd(plan: Float8Plan, residuals, dy):
     from commgemm.operand_scaling import dy_quantized
-    from commgemm.quant import ScalingMode, dequantize
+    from commgemm.quant import ScalingMode, dequantize, dequantize_fusible
 
     qx, qw, sizes, dy_state = residuals  # x, w and the result share dy's dtype
     mode = ScalingMode.DELAYED_TENSOR_SCALING if dy_state is not None else qx.mode
     qdy, new_state = dy_quantized(dy, mode, plan.grad_dtype, (), dy_state)
-    dy16 = dequantize(qdy, dy.dtype)
+    dy16 = dequantize_fusible(qdy, dy.dtype)  # written by dY's quantizing pass
     dx = float8_dx(qdy, qw.data, qw.scale_inv, sizes, dy.dtype, plan.split[1])
     if dx is None:
         dx = product(dy16, dequantize(qw, dy.dtype), sizes, None, transpose_rhs=True)
