@@ -268,29 +268,23 @@ def dequantize(t: ScaledTensor, dtype=jnp.float32) -> jax.Array:
 
 
 def dequantize_fusible(t: ScaledTensor, dtype=jnp.float32) -> jax.Array:
-    """`dequantize(t, dtype)`, bit for bit, without its optimization barrier for tensor modes:
-    the float8 values, read as float32, are rounded to the float8 grid again (`_on_grid`, a
-    no-op on float8 values), so XLA may fuse this pass with the one that quantized t (one read
-    of the source writing the float8 values and these) and dropping the float8 round trip
-    there changes nothing. Block modes: `dequantize`."""
+    """`dequantize(t, dtype)` bit for bit, with no optimization barrier for tensor modes: the
+    float8 values re-rounded to their grid in float32 (`_on_grid`, a no-op on them), so XLA
+    may fuse this into the pass that quantized t. Block modes: `dequantize`."""
     if t.mode not in TENSOR_MODES:
         return dequantize(t, dtype)
     return (_on_grid(t.data.astype(jnp.float32), t.data.dtype) * t.scale_inv).astype(dtype)
 
 
 def _on_grid(v: jax.Array, dtype) -> jax.Array:
-    """float32 v (within a float8 `dtype`'s finite range, or not finite) rounded to the nearest
-    value of `dtype`, ties to even, as a cast to it rounds, in float32 arithmetic alone: its
-    mantissa bits from its smallest normal up (e4m3fn with a wider exponent, which changes
-    nothing below its largest value, 448), its subnormals' fixed step below (reduce_precision
-    may flush those)."""
-    grids = {"float8_e4m3fn": (3, -6, -9), "float8_e5m2": (2, -14, -16)}
-    if jnp.dtype(dtype).name not in grids:
-        raise ValueError(f"no float8 grid for {jnp.dtype(dtype).name}")
-    mantissa, smallest_normal, step = grids[jnp.dtype(dtype).name]
-    fine = jnp.round(v * 2.0**-step) * 2.0**step
-    normal = lax.reduce_precision(v, exponent_bits=8, mantissa_bits=mantissa)
-    return jnp.where(jnp.abs(v) < 2.0**smallest_normal, fine, normal)
+    """float32 v (in float8 `dtype`'s finite range, or not finite) rounded as a cast to it
+    rounds: its mantissa bits from its smallest normal up, its subnormals' step below."""
+    mantissa, normal, step = _GRIDS[jnp.dtype(dtype).name]  # bits; log2s of those values
+    rounded = lax.reduce_precision(v, exponent_bits=8, mantissa_bits=mantissa)
+    return jnp.where(jnp.abs(v) < 2.0**normal, jnp.round(v * 2.0**-step) * 2.0**step, rounded)
+
+
+_GRIDS = {"float8_e4m3fn": (3, -6, -9), "float8_e5m2": (2, -14, -16)}
 
 
 def swizzle_block_scales(scales: jax.Array) -> jax.Array:

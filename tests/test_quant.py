@@ -152,8 +152,6 @@ def test_float8_grid_in_float32_is_the_cast(dtype):
     v = np.where(np.isnan(v), v, np.clip(v, -top, top)).astype(np.float32)
     want = jnp.asarray(v).astype(dtype).astype(jnp.float32)
     np.testing.assert_array_equal(jax.jit(lambda a: _on_grid(a, dtype))(jnp.asarray(v)), want)
-    with pytest.raises(ValueError, match="no float8 grid"):
-        _on_grid(jnp.asarray(v), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("mode", ["current_tensor_scaling", "mxfp8_1d_scaling"])
