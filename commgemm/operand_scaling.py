@@ -25,7 +25,7 @@ from commgemm.quant import (
     ScalingState,
     amax,
     as_recipe,
-    dequantize,
+    dequantize_fusible,
     quantize,
 )
 from commgemm.vma import checks_vma, varying_axes
@@ -33,8 +33,9 @@ from commgemm.vma import checks_vma, varying_axes
 
 def straight_through(a: jax.Array, q: ScaledTensor) -> jax.Array:
     """q's values in a's dtype, with the identity gradient to a. The values are q's alone (not
-    `values + (a - a)`, which reads `a` again and would put a's infinities in as NaNs)."""
-    return _identity_gradient(a, lax.stop_gradient(dequantize(q, a.dtype)))
+    `values + (a - a)`, which reads `a` again and would put a's infinities in as NaNs), by
+    `dequantize_fusible`: XLA may compute them in the pass that quantizes `a`."""
+    return _identity_gradient(a, lax.stop_gradient(dequantize_fusible(q, a.dtype)))
 
 
 @jax.custom_vjp
