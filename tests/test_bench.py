@@ -566,20 +566,21 @@ def test_step_script_runs(tmp_path):
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_step_script_flax_variants(tmp_path, devices):
-    """step.py's nnx (commgemm's Flax layers, AUTO) and flax (plain Flax modules, bf16 only)
-    variants hold step.py's weights: their first losses match XLA's partitioning of the same
-    layer (flax only at P = 1: elsewhere it is one device's share, as `local`)."""
+    """step.py's nnx (commgemm's Flax layers, AUTO) and flax (plain Flax modules) variants
+    hold step.py's weights: their first losses match XLA's partitioning of the same layer
+    (flax only at P = 1: elsewhere it is one device's share, as `local`); bf16 (flax takes
+    only bf16; the nnx layers' FP8 is tests/test_nnx.py's)."""
     flags = f"--xla_force_host_platform_device_count={devices}"
-    for row in _step_script(tmp_path, "xla,nnx,flax", XLA_FLAGS=flags):
-        flax = {"flax": True} if devices == 1 and row["dtype"] == "bf16" else {}
-        assert row["devices"] == devices
-        assert row["loss_ok"] == {"xla": True, "nnx": True, **flax}, row["loss"]
-        assert ("flax" in row["loss"]) == (row["dtype"] == "bf16")
+    (row,) = _step_script(tmp_path, "xla,nnx,flax", ("bf16",), XLA_FLAGS=flags)
+    flax = {"flax": True} if devices == 1 else {}
+    assert row["devices"] == devices
+    assert row["loss_ok"] == {"xla": True, "nnx": True, **flax}, row["loss"]
+    assert "flax" in row["loss"]
 
 
-def _step_script(tmp_path, variants: str, **env) -> list[dict]:
-    """step.py --quick --sizes 8b --variants `variants` on the CPU (8 virtual devices unless
-    `env` sets XLA_FLAGS): its rows, bf16 then fp8."""
+def _step_script(tmp_path, variants: str, dtypes=("bf16", "fp8"), **env) -> list[dict]:
+    """step.py --quick --sizes 8b --variants `variants` --dtypes `dtypes` on the CPU (8 virtual
+    devices unless `env` sets XLA_FLAGS): its rows, one per dtype in order."""
     import os
     import pathlib
     import subprocess
@@ -589,12 +590,12 @@ def _step_script(tmp_path, variants: str, **env) -> list[dict]:
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)} | env
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "step.py"), "--out", str(tmp_path), "--quick",
-         "--sizes", "8b", "--variants", variants],
+         "--sizes", "8b", "--variants", variants, "--dtypes", ",".join(dtypes)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
-    assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
+    assert [r["dtype"] for r in rows] == list(dtypes)
     return rows
 
 
