@@ -49,9 +49,9 @@ from commgemm.config import Collective, OverlapConfig, uses_tpu_kernels
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
-    quantize_operand,
     tensor_scale,
     weight_operand,
+    x_operand,
 )
 from commgemm.operands import dot
 from commgemm.quant import TENSOR_MODES, ScaledTensor, ScalingMode, ScalingRecipe, amax, quantize
@@ -233,7 +233,7 @@ def collective_matmul(
     if recipe is None:
         return _vjp(collective, axis_name, cfg, w_transposed, NO_QUANTIZER, x, w, None, None)
     check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
-    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axis_name, recipe.x_state)
+    qx = x_operand(x, recipe, axis_name)
     k_dim = 1 if w_transposed else 0
     w, qw, kept = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
     quantizer = Quantizer.of(recipe)

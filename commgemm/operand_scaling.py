@@ -64,6 +64,12 @@ def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
         )
 
 
+def x_operand(x: jax.Array, recipe: ScalingRecipe, axis_names) -> ScaledTensor:
+    """x [..., K], a GEMM's row operand, quantized along K by `recipe` (no gradient through
+    the quantizing; its x_state where delayed), its tensor scale shared over `axis_names`."""
+    return quantize_operand(lax.stop_gradient(x), recipe, -1, axis_names, recipe.x_state)
+
+
 def quantize_operand(
     a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
 ) -> ScaledTensor:

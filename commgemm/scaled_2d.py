@@ -30,8 +30,8 @@ from commgemm.config import Collective, OverlapConfig
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
-    quantize_operand,
     weight_operand,
+    x_operand,
 )
 from commgemm.quant import (
     BLOCK,
@@ -62,7 +62,7 @@ def matmul_2d(
     check_blocks(recipe, x.shape[1], w.shape[1])
     check_blocks(recipe, w.shape[0], w.shape[1])  # W's own rows are quantized where they are
     axes = (row_axis, k_axis)
-    qx = quantize_operand(lax.stop_gradient(x), recipe, -1, axes, recipe.x_state)
+    qx = x_operand(x, recipe, axes)
     w, qw, _ = weight_operand(w, recipe, 0, axes)  # its GEMMs take w's blocks as quantized
     quantizer = Quantizer.of(recipe)
     return _scaled_2d(row_axis, k_axis, cfg, splits, quantizer, x, w, qx, qw, recipe.dy_state)

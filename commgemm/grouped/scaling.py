@@ -28,10 +28,10 @@ from jax import lax
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
-    quantize_operand,
     straight_through,
     tensor_scale,
     weight_operand,
+    x_operand,
 )
 from commgemm.quant import (
     TENSOR_MODES,
@@ -66,7 +66,7 @@ def quantized_operands(
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
     if qx is None:
-        qx = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
+        qx = x_operand(x, recipe, names)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
     w, qw, nk = weight_operand(w, recipe, 1, names)
     experts = float8_experts(recipe, qw, nk)
@@ -83,8 +83,7 @@ def copied_rows(
     recipe = as_recipe(scaling)
     if recipe is None or recipe.mode not in TENSOR_MODES:
         return None
-    names = () if axis_name is None else axis_name
-    q = quantize_operand(lax.stop_gradient(x), recipe, -1, names, recipe.x_state)
+    q = x_operand(x, recipe, () if axis_name is None else axis_name)
     return dataclasses.replace(q, data=q.data[index])
 
 
