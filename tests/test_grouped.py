@@ -371,6 +371,45 @@ def test_moe_block_exchanges(method, size):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("method", ["none", "ring"])
+def test_moe_block_keeps_lean_residuals(method, check_vma):
+    """What autodiff keeps of the MoE block for its backward (what a scan over layers or
+    micro-batches stores per step; bf16 operands): the dispatch's and return's row selections
+    keep [rows] flags, not masks of the rows' shape, and the combine keeps the experts' outputs
+    in bf16, not their [m, k, H] float32 copy."""
+    import contextlib
+    import io
+    import re
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from commgemm.grouped.moe import moe_per_shard
+
+    size, m, h, f, experts, k = 2, 16, 8, 12, 8, 2
+    rng = np.random.default_rng(0)
+    shapes = ((size * m, h), (h, experts), (experts, h, f), (experts, f, h))
+    args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
+    cfg = cg.OverlapConfig(method=method)
+    printed = io.StringIO()
+
+    def loss(*p):
+        out = moe_per_shard(*p, k=k, axis_name="x", config=cfg, scaling=None)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    def body(*p):
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(loss, *p)
+        return loss(*p)[None]
+
+    shard(body, mesh1d(size), (P("x"), P(), P("x"), P("x")), P("x"), check_vma=check_vma)(*args)
+    lines = printed.getvalue().splitlines()
+    kept = [re.match(r"(\w+)\[([\d,]*)\]", line).groups() for line in lines]
+    assert ("bf16", f"{m},{k},{h}") in kept or ("bf16", f"{m * k},{h}") in kept, kept
+    assert not [s for d, s in kept if d == "bool" and "," in s], kept
+    assert ("f32", f"{m},{k},{h}") not in kept, kept
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("method", ["none", "ring"])
 def test_moe_block_capacity_on_balanced_routing(check_vma, method):
     """Routing that gives every expert the same copies from every shard (token i of a shard
     prefers experts i and i + 1, of 8): with capacity factor 1 each shard sends each shard

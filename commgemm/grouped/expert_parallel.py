@@ -72,12 +72,35 @@ def _capacity(capacity: int | None, rows: int) -> int:
     return min(capacity, rows)
 
 
+@jax.custom_vjp
+def _select_rows(keep: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Row r of a where keep [R] (bool) holds, else b's: `jnp.where` by rows, whose gradient
+    keeps only the [R] flags (jnp.where's keeps its condition broadcast to a's shape)."""
+    return jnp.where(_by_rows(keep, a), a, b)
+
+
+def _by_rows(keep: jax.Array, a: jax.Array) -> jax.Array:
+    return keep.reshape(keep.shape + (1,) * (a.ndim - 1))
+
+
+def _select_rows_fwd(keep, a, b):
+    return _select_rows(keep, a, b), keep
+
+
+def _select_rows_bwd(keep, ct):
+    keep, zero = _by_rows(keep, ct), jnp.zeros((), ct.dtype)
+    return None, jnp.where(keep, ct, zero), jnp.where(keep, zero, ct)
+
+
+_select_rows.defvjp(_select_rows_fwd, _select_rows_bwd)
+
+
 def _window(x: jax.Array, start, count, rows: int) -> jax.Array:
     """Rows [start, start + count) of x moved to the top of `rows` rows, zeros below."""
     if rows > x.shape[0]:
         x = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
-    index = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    return jnp.where(index < count, jnp.roll(x, -start, axis=0)[:rows], jnp.zeros((), x.dtype))
+    moved = jnp.roll(x, -start, axis=0)[:rows]
+    return _select_rows(jnp.arange(rows) < count, moved, jnp.zeros_like(moved))
 
 
 def _exchange(values, axis_name: str, size: int, shift: int):
@@ -93,10 +116,10 @@ def _all_to_all(values, axis_name: str):
 def _place(out, back: jax.Array, start, count, tokens: int) -> jax.Array:
     """out [tokens, N] with rows [start, start + count) replaced by back's [C, N] first count
     rows (zeros elsewhere where out is None)."""
-    index = jnp.arange(tokens, dtype=jnp.int32)[:, None]
+    index = jnp.arange(tokens, dtype=jnp.int32)
     placed = jnp.roll(_window(back, 0, count, tokens), start, axis=0)
     inside = (index >= start) & (index < start + count)
-    return jnp.where(inside, placed, jnp.zeros_like(placed) if out is None else out)
+    return _select_rows(inside, placed, jnp.zeros_like(placed) if out is None else out)
 
 
 def _method(config, op: str, size: int) -> Method:

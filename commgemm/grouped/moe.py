@@ -72,12 +72,20 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
                         activation=act, config=config, scaling=scaling,
                         capacity=capacity, x_quantized=quantized)  # fmt: skip
     per_token = permuted(out, inverse, order).reshape(m, k, h)  # back in token-major order
-    weighted = per_token.astype(jnp.float32) * gate.reshape(m, k, 1)
-    out = jnp.sum(weighted, axis=1).astype(x.dtype)
+    out = _combined(per_token, gate.reshape(m, k, 1)).astype(x.dtype)
     if amax_over is None:
         return out
     seen = lambda a: amax(jax.lax.stop_gradient(a), amax_over)  # noqa: E731
     return out, {"up": {"x": seen(x), "w": seen(w1)}, "down": {"x": seen(y), "w": seen(w2)}}
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _combined(per_token: jax.Array, gate: jax.Array) -> jax.Array:
+    """The k expert outputs of each token [m, k, H] weighted by its gates [m, k, 1] (float32)
+    and added: [m, H] float32. Rematerialized, so that autodiff keeps per_token in its own
+    dtype for the gates' gradient, not its float32 copy (twice the bytes, kept per layer or
+    per step of a scan); without the optimization barrier, so XLA fuses as before."""
+    return jnp.sum(per_token.astype(jnp.float32) * gate, axis=1)
 
 
 def load_balancing_loss(
