@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -55,3 +56,23 @@ def _epilogue(z: jax.Array, bias: jax.Array | None, activation: Activation) -> j
     if activation is not None:
         acc = jax.nn.gelu(acc, approximate=activation == "gelu_tanh")
     return acc.astype(z.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
+    """jax.nn.gelu(x, approximate) of any shape, whose backward keeps x alone: the derivative is
+    recomputed from x in the pass over the output's gradient (the same values as jax's autodiff
+    of jax.nn.gelu), where autodiff would keep four arrays of x's size (for a grouped GEMM's
+    [rows, F] activations, per layer or per step of a scan)."""
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def _gelu_fwd(x: jax.Array, approximate: bool):
+    return gelu(x, approximate), x
+
+
+def _gelu_bwd(approximate: bool, x: jax.Array, g: jax.Array):
+    return jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), x)[1](g)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)

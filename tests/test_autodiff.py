@@ -309,3 +309,38 @@ def test_second_order_reverse_mode(rng, op, method):
     np.testing.assert_allclose(jax.jit(lambda: hvp(f))(), hvp(g), rtol=1e-10, atol=1e-10)
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda a: f(a, w, b), (x,), (v,))
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, jnp.bfloat16])
+def test_gelu_keeps_its_input_alone(rng, approximate, dtype):
+    """`epilogue.gelu`: jax.nn.gelu's values and gradients (first and second order; bf16 within
+    an ulp: the backward is jax's own, recomputed), under jit, vmap, remat and shard_map with
+    check_vma; its backward keeps x alone, where jax.nn.gelu's keeps several arrays of its
+    size."""
+    from commgemm.epilogue import gelu
+
+    x = jnp.asarray(rng.standard_normal((4, 6)) * 3, dtype)
+    plain = lambda a: jax.nn.gelu(a, approximate=approximate)  # noqa: E731
+    ours = lambda a: gelu(a, approximate)  # noqa: E731
+    loss = lambda f: lambda a: jnp.sum(jnp.sin(f(a)))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(plain(x)))
+    want = jax.grad(loss(plain))(x)
+    scalar = lambda a: jnp.sin(ours(a))  # noqa: E731
+    grads = {"grad": jax.grad(loss(ours))(x), "jit": jax.jit(jax.grad(loss(ours)))(x),
+             "vmap": jax.vmap(jax.grad(scalar))(x.reshape(-1)).reshape(x.shape),
+             "remat": jax.grad(jax.checkpoint(loss(ours)))(x)}  # fmt: skip
+    tol = dict(rtol=0, atol=0) if dtype == np.float64 else dict(rtol=2**-7, atol=1e-9)
+    for name, got in grads.items():  # bf16: XLA's fusion under jit rounds within an ulp
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   err_msg=name, **tol)  # fmt: skip
+    if dtype == np.float64:
+        hess = lambda f: jax.grad(lambda a: jnp.sum(jax.grad(loss(f))(a)))  # noqa: E731
+        np.testing.assert_allclose(hess(ours)(x), hess(plain)(x), rtol=1e-10, atol=1e-12)
+    mapped = jax.shard_map(jax.grad(loss(ours)), mesh=mesh1d(2), in_specs=P("x"),
+                           out_specs=P("x"))  # check_vma=True, the default  # fmt: skip
+    np.testing.assert_allclose(np.asarray(mapped(x), np.float64), np.asarray(want, np.float64),
+                               **tol)  # fmt: skip
+    kept = {name: [aval.shape for aval, _ in saved_residuals(lambda a, f=f: jnp.sum(f(a)), x)]
+            for name, f in (("ours", ours), ("plain", plain))}  # fmt: skip
+    assert kept["ours"] == [x.shape] and kept["plain"].count(x.shape) > 1, kept

@@ -374,8 +374,9 @@ def test_moe_block_exchanges(method, size):
 def test_moe_block_keeps_lean_residuals(method, check_vma):
     """What autodiff keeps of the MoE block for its backward (what a scan over layers or
     micro-batches stores per step; bf16 operands): the dispatch's and return's row selections
-    keep [rows] flags, not masks of the rows' shape, and the combine keeps the experts' outputs
-    in bf16, not their [m, k, H] float32 copy."""
+    keep [rows] flags, not masks of the rows' shape, the combine keeps the experts' outputs
+    in bf16, not their [m, k, H] float32 copy, and the GELU between the GEMMs its input and
+    output alone."""
     import contextlib
     import io
     import re
@@ -406,6 +407,11 @@ def test_moe_block_keeps_lean_residuals(method, check_vma):
     assert ("bf16", f"{m},{k},{h}") in kept or ("bf16", f"{m * k},{h}") in kept, kept
     assert not [s for d, s in kept if d == "bool" and "," in s], kept
     assert ("f32", f"{m},{k},{h}") not in kept, kept
+    # the activations between the GEMMs (P*m*k rows of F): the GELU's input and output, not
+    # the intermediates of jax.nn.gelu's autodiff (four arrays of their size)
+    between = [np.prod([int(d) for d in s.split(",")]) for d, s in kept
+               if s.endswith(f",{f}") and s != f"{experts // size},{h},{f}"]  # fmt: skip
+    assert 0 < sum(between) <= 2 * size * m * k * f, kept
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

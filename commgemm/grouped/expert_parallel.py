@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
+from commgemm.epilogue import gelu
 from commgemm.grouped.blocks import (
     block_matmul,
     merged_matmul,
@@ -330,7 +331,7 @@ def expert_mlp(
     group_sizes: jax.Array,
     axis_name: str,
     *,
-    activation=jax.nn.gelu,
+    activation=gelu,
     config=None,
     scaling=None,
     capacity: int | None = None,

@@ -145,6 +145,14 @@ def weight_grad(x, dy, sizes, tiles: PingPongTiles | GroupedTiles | None = None)
     return pullback(dy.astype(wide))[0].astype(x.dtype)
 
 
+def stored_apart(out: jax.Array) -> jax.Array:
+    """A grouped kernel's result behind an optimization barrier (no copy, no work). Where a
+    result is both used and saved for the backward inside a scan (an activation's input, which
+    the scan stacks with a dynamic update slice), XLA's dynamic-slice fusion would otherwise
+    launch the kernel a second time to write that slice; this way the slice is a copy."""
+    return lax.optimization_barrier(out)
+
+
 def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
     """x [M, K] @ w[g] per group (w [G, K, N]; with transpose_rhs, dX's dy [M, N] @ w[g]^T),
     forward only, by the kernel `tiles` names (None: `pick_tiles`; XLA's ragged dot where no
@@ -156,7 +164,7 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
         raise ValueError(f"grouped GEMM {(m, k)} x {w.shape}: {reason}")
     if isinstance(tiles, GroupedConfig | PingPongTiles):
         kernel = grouped_kernel if isinstance(tiles, GroupedConfig) else grouped_pingpong
-        out = kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs)
+        out = stored_apart(kernel.grouped_matmul(x, w, sizes, tiles, w_nk=transpose_rhs))
         return varying_like(out, x, w)  # a Pallas result carries no varying axes of its own
     if tiles is None:
         rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
@@ -322,7 +330,7 @@ def float8_matmul(
         out = grouped_pingpong.grouped_matmul(a, b_nk, sizes, kernel, **kw)
     else:
         out = grouped_kernel.grouped_matmul(a, b_nk, sizes, kernel, split_accumulator=split, **kw)
-    return varying_like(out, a, b_nk)  # a Pallas result carries no varying axes
+    return varying_like(stored_apart(out), a, b_nk)  # a Pallas result carries no varying axes
 
 
 def float8_kernel(
