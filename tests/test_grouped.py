@@ -416,6 +416,45 @@ def test_moe_block_keeps_lean_residuals(method, check_vma):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("method", ["none", "ring"])
+def test_moe_block_in_a_scan(method, check_vma):
+    """The MoE block over 3 micro-batches in a `lax.scan` inside shard_map (gradient
+    accumulation; a scan over layers stacks the same residuals): the loss and the gradients of
+    the router and both experts' weights equal those of the 3 blocks unrolled (float64
+    operands; the gates are float32, the block's softmax, so within float32's rounding)."""
+    from commgemm.grouped.moe import moe_per_shard
+
+    steps, size, m, h, f, experts = 3, 2, 8, 8, 6, 4
+    rng = np.random.default_rng(7)
+    xs, router, w1, w2 = (rng.standard_normal(s) for s in ((steps, size * m, h), (h, experts),
+                          (experts, h, f), (experts, f, h)))  # fmt: skip
+    cfg = cg.OverlapConfig(method=method)
+
+    def block(x, r, a, b):
+        out = moe_per_shard(x, r, a, b, k=2, axis_name="x", config=cfg, scaling=None)
+        return jnp.sum(jnp.sin(out))
+
+    def scanned(xs, r, a, b):
+        zero = jax.lax.pcast(jnp.zeros(()), ("x",), to="varying") if check_vma else 0.0
+        return jax.lax.scan(lambda c, x: (c + block(x, r, a, b), None), zero, xs)[0][None]
+
+    def unrolled(xs, r, a, b):
+        return sum(block(xs[i], r, a, b) for i in range(steps))[None]
+
+    specs = (P(None, "x"), P(), P("x"), P("x"))
+    losses = {}
+    for name, body in (("scan", scanned), ("unrolled", unrolled)):
+        f_ = shard(body, mesh1d(size), specs, P("x"), check_vma=check_vma)
+        loss = lambda *a, f_=f_: jnp.sum(f_(*a))  # noqa: E731
+        losses[name] = (loss(xs, router, w1, w2),
+                        jax.grad(loss, argnums=(1, 2, 3))(xs, router, w1, w2))  # fmt: skip
+    np.testing.assert_allclose(losses["scan"][0], losses["unrolled"][0], rtol=1e-6)
+    for name, g, r in zip(("router", "w1", "w2"), losses["scan"][1], losses["unrolled"][1],
+                          strict=True):  # fmt: skip
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(r).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("method", ["none", "ring"])
 def test_moe_block_capacity_on_balanced_routing(check_vma, method):
     """Routing that gives every expert the same copies from every shard (token i of a shard
     prefers experts i and i + 1, of 8): with capacity factor 1 each shard sends each shard
