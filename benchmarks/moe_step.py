@@ -18,11 +18,14 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
   ragged-a2a: xla's block with commgemm's grouped GEMM (`cg.grouped_matmul`) in place of the
               ragged dots: the ragged exchange against commgemm's padded blocks, the GEMMs
               alike (bf16 only)
+With --microbatches N every variant's step runs N micro-batches of the tokens in a `lax.scan`
+(gradient accumulation: the losses summed, one AdamW update), whose residuals the scan stacks.
 Before timing, every variant's first loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8);
 a variant that fails to compile or run is reported with its error and left out of the timing.
 A step under 90% busy is host-bound: no ratio is given from it.
 
-    PYTHONPATH=. python benchmarks/moe_step.py --out DIR [--sizes mixtral,fine] [--dtypes bf16,fp8]
+    PYTHONPATH=. python benchmarks/moe_step.py --out DIR [--sizes mixtral,fine] \
+        [--dtypes bf16,fp8] [--microbatches 4]
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR --quick     # tiny shapes, any backend
     PYTHONPATH=. python -m commgemm launch -n 4 --gpus-per-process 1 -- \
         python benchmarks/moe_step.py --out DIR
@@ -159,13 +162,17 @@ def init(size: Moe, dtype, seed: int = 0) -> dict:
 SPECS = {"router": P(), "w1": P("tp"), "w2": P("tp")}
 
 
-def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
-    """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block."""
+def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1) -> dict:
+    """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block, over
+    `microbatches` batches of the tokens in a scan where more than one."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be 1 or more")
     opt = optax.adamw(1e-4)
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((size.tokens, size.hidden)), dtype)
+    batches = (microbatches,) if microbatches > 1 else ()
+    x = jnp.asarray(rng.standard_normal((*batches, size.tokens, size.hidden)), dtype)
     params = {k: shard(v, mesh, SPECS[k]) for k, v in init(size, dtype).items()}
-    x = shard(x, mesh, P("tp", None))
+    x = shard(x, mesh, P(*(None,) * len(batches), "tp", None))
     out = {}
     for name in names:
         if name in ("xla", RAGGED) and scaling is not None:
@@ -191,7 +198,12 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names) -> dict:
         )
 
         def step(p, opt_state, a, forward=forward):
-            loss_fn = lambda q: jnp.mean(jnp.square(forward(q, a).astype(jnp.float32)))  # noqa: E731
+            def loss_fn(q):
+                one = lambda b: jnp.mean(jnp.square(forward(q, b).astype(jnp.float32)))  # noqa: E731
+                if not batches:
+                    return one(a)
+                return jax.lax.scan(lambda c, b: (c + one(b), None), 0.0, a)[0] / microbatches
+
             loss, grads = jax.value_and_grad(loss_fn)(p)
             updates, opt_state = opt.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
@@ -208,17 +220,19 @@ def run(
     calls: int,
     reference: dict,
     profile: bool = False,
+    microbatches: int = 1,
 ) -> dict:
     """One row: first losses checked against xla's bf16 loss (`reference`, per size), then
     device time per step where the backend is a GPU."""
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     scaling = FP8 if dtype_name == "fp8" else None
-    found = variants(size, mesh, jnp.bfloat16, scaling, names)
+    found = variants(size, mesh, jnp.bfloat16, scaling, names, microbatches)
     row = {
         "size": size_name,
         "dtype": dtype_name,
         "devices": mesh.devices.size,
         "shape": dataclasses.asdict(size),
+        "microbatches": microbatches,
         "loss": {},
         "ms": {},
         "busy": {},
@@ -255,7 +269,8 @@ def ratios(row: dict) -> dict:
 
 
 def main() -> None:
-    args = arguments(__doc__, "mixtral,fine", "auto,none,auto@1.25,xla,ragged-a2a")
+    args = arguments(__doc__, "mixtral,fine", "auto,none,auto@1.25,xla,ragged-a2a",
+                     microbatches=True)  # fmt: skip
     writer = jax.process_index() == 0
     if writer:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +287,7 @@ def main() -> None:
         size = QUICK if args.quick else SIZES[size_name]
         for dtype_name in args.dtypes.split(","):
             row = run(size_name, size, dtype_name, args.variants.split(","), args.calls,
-                      reference, args.profile)  # fmt: skip
+                      reference, args.profile, args.microbatches)  # fmt: skip
             row["ratios"] = ratios(row)
             result["rows"].append(row)
             if not writer:

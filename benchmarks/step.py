@@ -363,8 +363,11 @@ def ratios(row: dict) -> dict:
     return out
 
 
-def arguments(doc: str, sizes: str, variants: str) -> argparse.Namespace:
-    """The step benchmarks' command line (this script's and moe_step.py's)."""
+def arguments(
+    doc: str, sizes: str, variants: str, microbatches: bool = False
+) -> argparse.Namespace:
+    """The step benchmarks' command line (this script's and moe_step.py's; `microbatches`:
+    with --microbatches, moe_step.py's)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--sizes", default=sizes)
@@ -374,6 +377,9 @@ def arguments(doc: str, sizes: str, variants: str) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     parser.add_argument("--profile", action="store_true",
                         help="GPUs: each variant's kernel time by kind too")  # fmt: skip
+    if microbatches:
+        parser.add_argument("--microbatches", type=int, default=1,
+                            help="micro-batches a step (a scan, one update)")  # fmt: skip
     return parser.parse_args()
 
 

@@ -107,10 +107,11 @@ def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma,
 
 
 def test_moe_step_script_runs(tmp_path):
-    """The script on 8 virtual CPU devices with tiny shapes: commgemm's AUTO and serial blocks'
-    and the ragged all-to-all block's first losses equal the XLA-ops block's (bf16), and FP8's
-    are within 10%; a capacity-capped variant (none@0.5) runs, its loss finite and unchecked;
-    no device timing on a CPU, so no ratio is claimed."""
+    """The script on 8 virtual CPU devices with tiny shapes, 2 micro-batches a step (a scan):
+    commgemm's AUTO and serial blocks' and the ragged all-to-all block's first losses equal the
+    XLA-ops block's (bf16), and FP8's are within 10%; a capacity-capped variant (none@0.5)
+    runs, its loss finite and unchecked; no device timing on a CPU, so no ratio is claimed.
+    (One batch a step: test_multiprocess's run of the script.)"""
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [
@@ -123,6 +124,8 @@ def test_moe_step_script_runs(tmp_path):
             "fine",
             "--variants",
             "auto,none,none@0.5,xla,ragged-a2a",
+            "--microbatches",
+            "2",
         ],
         env=env,
         capture_output=True,
@@ -132,6 +135,7 @@ def test_moe_step_script_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "moe_step.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
+    assert all(r["microbatches"] == 2 for r in rows)
     ours = {"auto": True, "none": True}
     assert rows[0]["loss_ok"] == {**ours, "xla": True, "ragged-a2a": True}
     assert rows[1]["loss_ok"] == ours
