@@ -141,3 +141,12 @@ def test_moe_step_script_runs(tmp_path):
     assert rows[1]["loss_ok"] == ours
     assert all(r["ms"] == {} and r["ratios"] == {} for r in rows)
     assert all(np.isfinite(r["loss"]["none@0.5"]) for r in rows)
+
+
+@pytest.mark.parametrize("microbatches", [0, -2])
+def test_microbatches_must_be_positive(microbatches):
+    """--microbatches below 1 is refused with its value, before any step is built."""
+    bench = _bench()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    with pytest.raises(ValueError, match=f"microbatches={microbatches} must be 1 or more"):
+        bench.variants(bench.QUICK, mesh, jnp.bfloat16, None, ["none"], microbatches)
