@@ -80,9 +80,7 @@ def make_grouped_plan(
         cfg = cfg.replace(method=method, num_splits=1, bidirectional=False, aggregate=False)
     if op in EXPERT_PARALLEL_OPS:
         if cfg.method not in (Method.NONE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
-            raise ValueError(
-                f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}"
-            )
+            raise ValueError(f"{op} supports methods NONE and RING_EXCHANGE, got {cfg.method.name}")
         return GroupedPlan(cfg, size)
     if cfg.method not in (Method.NONE, Method.PIPELINE, Method.RING_EXCHANGE) or cfg.atomic_gemm:
         raise ValueError(

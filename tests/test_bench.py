@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import load_script
+from helpers import cpu_env, load_script
 
 import commgemm as cg
 from commgemm.bench import timing
@@ -570,7 +570,7 @@ def test_step_script_flax_variants(tmp_path, devices):
     hold step.py's weights: their first losses match XLA's partitioning of the same layer
     (flax only at P = 1: elsewhere it is one device's share, as `local`); bf16 (flax takes
     only bf16; the nnx layers' FP8 is tests/test_nnx.py's)."""
-    flags = f"--xla_force_host_platform_device_count={devices}"
+    flags = cpu_env(devices)["XLA_FLAGS"]
     (row,) = _step_script(tmp_path, "xla,nnx,flax", ("bf16",), XLA_FLAGS=flags)
     flax = {"flax": True} if devices == 1 else {}
     assert row["devices"] == devices

@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import time
 
 import pytest
+from helpers import cpu_env
 
 from commgemm.cli import main
 from commgemm.launch import LaunchError, launch
@@ -217,7 +217,7 @@ def test_launch_modes_benchmark_in_both_modes(tmp_path):
     assert launch(2, [sys.executable, *script], cpu_devices=4, timeout_s=300, out=out) == 0, (
         out.getvalue()[-3000:]
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = cpu_env(8)
     subprocess.run([sys.executable, *script], check=True, env=env, capture_output=True)
     for processes in (1, 2):
         data = json.loads((tmp_path / f"modes-8dev-{processes}proc.json").read_text())

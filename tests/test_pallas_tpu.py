@@ -7,7 +7,6 @@ rings of 2 and 4 run here on the suite's 8 devices; rings of 8 and the 2 x 4 mes
 process of 9 devices (`test_eight_device_rings`)."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, mesh1d, mesh2d, shard
+from helpers import P, cpu_env, mesh1d, mesh2d, shard
 
 import commgemm as cg
 from commgemm.mosaic_gpu import RingAGConfig
@@ -106,8 +105,7 @@ def test_barrier_prevents_a_race(rng):
     )
     jax.block_until_ready(f(x))
     assert not races_found()
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cpu_env()
     script = RACY_RING.replace("SEED", str(int(rng.integers(1 << 30))))
     root = pathlib.Path(__file__).parent.parent
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -235,8 +233,7 @@ def test_vmem_budget_refuses_too_large_blocks():
 
 def test_eight_device_rings(rng):
     """Rings of 8 and the 2 x 4 mesh, in a process of 9 CPU devices (the interpreter's spare)."""
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cpu_env()
     done = subprocess.run(
         [sys.executable, str(WORKER), str(int(rng.integers(1 << 30)))],
         env=env,

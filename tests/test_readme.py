@@ -1,13 +1,13 @@
 """Each of the README's Python snippets runs on its own (a fresh process with 8 virtual CPU
 devices) and gives the reference's answer."""
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from helpers import cpu_env
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -36,10 +36,7 @@ def test_readme_has_snippets():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_snippet_runs_alone(index):
-    env = os.environ | {
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    }
+    env = cpu_env(8)
     done = subprocess.run(
         [sys.executable, "-c", BLOCKS[index] + CHECKS],
         env=env,
