@@ -18,8 +18,8 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
   ragged-a2a: xla's block with commgemm's grouped GEMM (`cg.grouped_matmul`) in place of the
               ragged dots: the ragged exchange against commgemm's padded blocks, the GEMMs
               alike (bf16 only)
-With --microbatches N every variant's step runs N micro-batches of the tokens in a `lax.scan`
-(gradient accumulation: the losses summed, one AdamW update), whose residuals the scan stacks.
+With --microbatches N every variant's step accumulates gradients over N micro-batches of the
+tokens (`accumulated`: a `lax.scan` of forward and backward, float32 sums, one AdamW update).
 Before timing, every variant's first loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8);
 a variant that fails to compile or run is reported with its error and left out of the timing.
 A step under 90% busy is host-bound: no ratio is given from it.
@@ -162,9 +162,32 @@ def init(size: Moe, dtype, seed: int = 0) -> dict:
 SPECS = {"router": P(), "w1": P("tp"), "w2": P("tp")}
 
 
+def accumulated(loss_fn):
+    """value_and_grad of loss_fn(params, batch) over a stack of micro-batches [N, ...]: a
+    `lax.scan` whose body takes one micro-batch's loss and gradients (so only one micro-batch's
+    residuals live at a time) and adds them to sums of float32 or wider; their means, the
+    gradients in the parameters' dtypes."""
+
+    def run(params, batches):
+        def wide(dtype):
+            return jnp.promote_types(dtype, jnp.float32)
+
+        def body(sums, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            return jax.tree.map(lambda s, x: s + x.astype(s.dtype), sums, (loss, grads)), None
+
+        first = jax.eval_shape(loss_fn, params, batches[0])
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), (first, params))
+        loss, grads = jax.lax.scan(body, zeros, batches)[0]
+        n = batches.shape[0]
+        return loss / n, jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
+
+    return run
+
+
 def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1) -> dict:
-    """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block, over
-    `microbatches` batches of the tokens in a scan where more than one."""
+    """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block, its gradients
+    accumulated over `microbatches` batches of the tokens where more than one (`accumulated`)."""
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be 1 or more")
     opt = optax.adamw(1e-4)
@@ -198,13 +221,10 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
         )
 
         def step(p, opt_state, a, forward=forward):
-            def loss_fn(q):
-                one = lambda b: jnp.mean(jnp.square(forward(q, b).astype(jnp.float32)))  # noqa: E731
-                if not batches:
-                    return one(a)
-                return jax.lax.scan(lambda c, b: (c + one(b), None), 0.0, a)[0] / microbatches
+            def one(q, b):
+                return jnp.mean(jnp.square(forward(q, b).astype(jnp.float32)))
 
-            loss, grads = jax.value_and_grad(loss_fn)(p)
+            loss, grads = (accumulated if batches else jax.value_and_grad)(one)(p, a)
             updates, opt_state = opt.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
 

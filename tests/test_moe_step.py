@@ -107,7 +107,8 @@ def test_xla_baseline_matches_commgemm_block(devices, experts, top_k, check_vma,
 
 
 def test_moe_step_script_runs(tmp_path):
-    """The script on 8 virtual CPU devices with tiny shapes, 2 micro-batches a step (a scan):
+    """The script on 8 virtual CPU devices with tiny shapes, gradients accumulated over 2
+    micro-batches a step:
     commgemm's AUTO and serial blocks' and the ragged all-to-all block's first losses equal the
     XLA-ops block's (bf16), and FP8's are within 10%; a capacity-capped variant (none@0.5)
     runs, its loss finite and unchecked; no device timing on a CPU, so no ratio is claimed.
@@ -141,6 +142,29 @@ def test_moe_step_script_runs(tmp_path):
     assert rows[1]["loss_ok"] == ours
     assert all(r["ms"] == {} and r["ratios"] == {} for r in rows)
     assert all(np.isfinite(r["loss"]["none@0.5"]) for r in rows)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16])
+def test_accumulated_gradients_equal_the_whole_batch(rng, dtype):
+    """`accumulated` over N micro-batches: the mean of their losses and the gradients of that
+    mean, as value_and_grad of the mean over the stacked batches (float64: 1e-12; bf16
+    parameters: their dtype kept, within bf16's rounding of the float64 gradients)."""
+    n, b, d = 3, 5, 4
+    batches = jnp.asarray(rng.standard_normal((n, b, d)))
+    params = {"w": jnp.asarray(rng.standard_normal((d, d)), dtype), "s": jnp.asarray(0.5, dtype)}
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x.astype(p["w"].dtype) @ p["w"]).astype(jnp.float64) ** 2) * p["s"]
+
+    got_loss, got = jax.jit(_bench().accumulated(loss))(params, batches)
+    exact = {k: v.astype(jnp.float64) for k, v in params.items()}
+    whole = lambda p: jnp.mean(jax.vmap(lambda x: loss(p, x))(batches))  # noqa: E731
+    want_loss, want = jax.value_and_grad(whole)(exact)
+    tol = 1e-12 if dtype == jnp.float64 else 2e-2
+    np.testing.assert_allclose(got_loss, want_loss, rtol=tol)
+    for key in params:
+        assert got[key].dtype == dtype
+        np.testing.assert_allclose(np.asarray(got[key], np.float64), want[key], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("microbatches", [0, -2])
