@@ -10,6 +10,10 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
   NAME@CF:    the variant with capacity factor CF (`moe_per_shard`'s capacity_factor: each
               expert takes at most ceil(CF * m*k / E) copies from a shard, the rest dropped),
               e.g. auto@1.25; its loss is not checked (dropped tokens change it)
+  NAME+qw:    FP8 rows: the variant with its experts quantized once a step (`cg.quantize_weight`,
+              both float8 layouts kept, gradients pulled back to the weights) rather than in
+              every call: with --microbatches, once for all micro-batches (XLA's GPU compiler
+              does not move loop-invariant work out of a scan's body)
   xla:        the same block with `jax.lax.ragged_all_to_all` (only the routed rows travel) and
               `jax.lax.ragged_dot` on a receive buffer of the worst case (every token of every
               shard routed here), bf16 only. On a CPU, where XLA has no ragged all-to-all, an
@@ -60,6 +64,7 @@ from commgemm.nnx import moe_per_shard, top_k_routing
 FP8 = "current_tensor_scaling"
 #: XLA's ragged all-to-all with commgemm's grouped GEMMs: what the exchange alone costs
 RAGGED = "ragged-a2a"
+QW = "+qw"  # a variant's suffix: its experts quantized once a step (FP8 rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +174,8 @@ def accumulated(loss_fn):
     gradients in the parameters' dtypes."""
 
     def run(params, batches):
-        def wide(dtype):
-            return jnp.promote_types(dtype, jnp.float32)
+        def wide(dtype):  # float32, or float64 for float64 (float8 leaves: float32)
+            return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
         def body(sums, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -200,6 +205,9 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
     for name in names:
         if name in ("xla", RAGGED) and scaling is not None:
             continue  # the ragged all-to-all forms run in bf16
+        name, once = name.removesuffix(QW), name.endswith(QW)
+        if once and scaling is None:
+            continue  # nothing to quantize in bf16
         if name in ("xla", RAGGED):
             dot = cg.grouped_matmul if name == RAGGED else jax.lax.ragged_dot
             block = functools.partial(xla_moe_per_shard, k=size.top_k, axis_name="tp", dot=dot)
@@ -213,23 +221,37 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
                 scaling=scaling,
                 capacity_factor=float(factor) if factor else None,
             )
+        quantized = functools.partial(quantized_experts, scaling=scaling if once else None)
+        shapes = jax.eval_shape(quantized, params)  # experts split, their scales everywhere
+        specs = jax.tree.map(lambda a: P("tp") if a.ndim else P(), shapes) | {"router": P()}
         forward = jax.shard_map(
             lambda p, a, block=block: block(a, p["router"], p["w1"], p["w2"]),
             mesh=mesh,
-            in_specs=(SPECS, P("tp", None)),
+            in_specs=(specs, P("tp", None)),
             out_specs=P("tp", None),
         )
 
-        def step(p, opt_state, a, forward=forward):
+        def step(p, opt_state, a, forward=forward, quantized=quantized):
             def one(q, b):
                 return jnp.mean(jnp.square(forward(q, b).astype(jnp.float32)))
 
-            loss, grads = (accumulated if batches else jax.value_and_grad)(one)(p, a)
+            q, pullback = jax.vjp(quantized, p)  # the experts quantized once a step (+qw)
+            loss, grads = (accumulated if batches else jax.value_and_grad)(one)(q, a)
+            (grads,) = pullback(grads)
             updates, opt_state = opt.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
 
-        out[name] = (jax.jit(step), (params, opt.init(params), x))
+        out[name + QW * once] = (jax.jit(step), (params, opt.init(params), x))
     return out
+
+
+def quantized_experts(params: dict, scaling) -> dict:
+    """params with the experts quantized once by `scaling` (`cg.quantize_weight`, both float8
+    layouts kept; the gradient flows to the weights), or as they are where scaling is None."""
+    if scaling is None:
+        return params
+    once = functools.partial(cg.quantize_weight, scaling=scaling, keep_transposed=True)
+    return {**params, "w1": once(params["w1"]), "w2": once(params["w2"])}
 
 
 def run(
