@@ -12,8 +12,8 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
               e.g. auto@1.25; its loss is not checked (dropped tokens change it)
   NAME+qw:    FP8 rows: the variant with its experts quantized once a step (`cg.quantize_weight`,
               both float8 layouts kept, gradients pulled back to the weights) rather than in
-              every call: with --microbatches, once for all micro-batches (XLA's GPU compiler
-              does not move loop-invariant work out of a scan's body)
+              every call: with --microbatches, once for all micro-batches (XLA on a GPU
+              quantizes them again in each micro-batch of the scan otherwise)
   xla:        the same block with `jax.lax.ragged_all_to_all` (only the routed rows travel) and
               `jax.lax.ragged_dot` on a receive buffer of the worst case (every token of every
               shard routed here), bf16 only. On a CPU, where XLA has no ragged all-to-all, an
