@@ -203,11 +203,13 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
     x = shard(x, mesh, P(*(None,) * len(batches), "tp", None))
     out = {}
     for name in names:
-        if name in ("xla", RAGGED) and scaling is not None:
-            continue  # the ragged all-to-all forms run in bf16
         name, once = name.removesuffix(QW), name.endswith(QW)
+        if once and name in ("xla", RAGGED):
+            raise ValueError(f"{name + QW}: the {name} block runs in bf16, nothing to quantize")
         if once and scaling is None:
             continue  # nothing to quantize in bf16
+        if name in ("xla", RAGGED) and scaling is not None:
+            continue  # the ragged all-to-all forms run in bf16
         if name in ("xla", RAGGED):
             dot = cg.grouped_matmul if name == RAGGED else jax.lax.ragged_dot
             block = functools.partial(xla_moe_per_shard, k=size.top_k, axis_name="tp", dot=dot)

@@ -97,14 +97,14 @@ def spreads_of(found: dict) -> dict[str, float]:
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+def cpu_env(devices: int | None = None) -> dict[str, str]:
     """The environment for a test's child process on the CPU: this process's, with its XLA_FLAGS
     (conftest's unoptimized CPU code, which the child compiles in half the time) and, where
-    given, `devices` virtual devices (a flag the child's jax reads at start); then `extra`."""
+    given, `devices` virtual devices (a flag the child's jax reads at start)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if devices is not None:
         flags += f" --xla_force_host_platform_device_count={devices}"
-    return os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip(), **extra}
+    return os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
 
 
 def load_script(relative: str, name: str):

@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -183,6 +184,17 @@ def test_experts_quantized_once_step_as_quantized_each_call(microbatches):
     for key in p1:
         np.testing.assert_allclose(p1[key], p2[key], rtol=1e-5, atol=1e-7)
     assert list(bench.variants(bench.QUICK, mesh, jnp.float32, None, names, 1)) == ["auto"]
+
+
+@pytest.mark.parametrize("name", ["xla+qw", "ragged-a2a+qw"])
+def test_quantized_once_refused_for_the_bf16_blocks(name):
+    """+qw on a block that runs in bf16 alone (xla, ragged-a2a) is refused by name, in any dtype
+    row, rather than failing inside the block or being dropped."""
+    bench = _bench()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    for scaling in (None, bench.FP8):
+        with pytest.raises(ValueError, match=re.escape(name) + ": the .* block runs in bf16"):
+            bench.variants(bench.QUICK, mesh, jnp.bfloat16, scaling, ["auto", name])
 
 
 @pytest.mark.parametrize("microbatches", [0, -2])
