@@ -26,7 +26,10 @@ def environment() -> dict[str, object]:
     import jaxlib
     import numpy as np
 
+    from commgemm.mosaic_gpu.peers import nccl_version
+
     devices = jax.devices()
+    nccl = nccl_version()
     return {
         "backend": jax.default_backend(),
         "device_count": len(devices),
@@ -39,4 +42,5 @@ def environment() -> dict[str, object]:
         "numpy": np.__version__,
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "NCCL": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "nccl_library": ".".join(map(str, nccl)) if nccl else None,  # the one this process calls
     }

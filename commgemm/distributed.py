@@ -1,6 +1,6 @@
 """Multi-process runs: `initialize()` (from the variables `cg.launch` sets), the check that
-every process plans the same collective GEMM, and `agreed`, one answer for decisions each
-process makes for itself.
+every process plans the same collective GEMM, `agreed`, one answer for decisions each process
+makes for itself, and `machines`, where each process runs.
 
 One process per host (or per GPU) is how production JAX runs; every op works unchanged there, as
 long as the global arrays are made with `jax.make_array_from_callback` /
@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import socket
 import threading
 from collections.abc import Collection, Sequence
 
@@ -28,6 +29,8 @@ MARKER_DIR = "COMMGEMM_MARKER_DIR"
 #: How long a process waits for the others' plan of the same call before it goes on unchecked
 #: (a process may trace a call the others never do, e.g. to print its HLO).
 PLAN_CHECK_WAIT_S = 10
+#: How long the first `machines()` call waits for every process to publish its machine.
+MACHINES_WAIT_S = 60
 
 
 def launched() -> bool:
@@ -140,3 +143,49 @@ def agreed(names: Sequence[str], mine: Collection[str], *, every: bool) -> set[s
     found = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(names))
     keep = found.all(axis=0) if every else found.any(axis=0)
     return {n for n, k in zip(names, keep, strict=True) if k}
+
+
+def this_machine() -> str:
+    """This machine's name: the host name and the kernel's boot id, so that two machines of
+    one host name (or two containers of one machine) tell apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+_machines: tuple[str, ...] | None = None
+_published = False
+
+
+def machines() -> tuple[str, ...]:
+    """Each process's machine (`this_machine`), by process index; one process: its own.
+
+    The first call publishes this process's machine in the coordinator's key-value store and
+    reads the others' (waiting up to MACHINES_WAIT_S: every process must call it); later calls
+    return the same tuple. Raises TimeoutError where a process did not publish in time.
+    """
+    global _machines, _published
+    if jax.process_count() == 1:
+        return (this_machine(),)
+    if _machines is None:
+        from jax._src import distributed  # the coordination service's client (no public handle)
+
+        client = distributed.global_state.client
+        if client is None:
+            raise TimeoutError("jax.distributed has no coordination client to ask")
+        with _lock:
+            if not _published:
+                client.key_value_set(f"commgemm/machine/{jax.process_index()}", this_machine())
+                _published = True
+        found = []
+        for rank in range(jax.process_count()):
+            try:
+                found.append(client.blocking_key_value_get(
+                    f"commgemm/machine/{rank}", MACHINES_WAIT_S * 1000))  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - the client's own timeout error
+                raise TimeoutError(f"process {rank} did not say where it runs ({err})") from err
+        _machines = tuple(found)
+    return _machines

@@ -7,6 +7,7 @@ mp_worker.py listen         prints the address the coordinator listens on (from 
 mp_worker.py extra          rank 0 lowers an extra call first; every rank then runs the op
 mp_worker.py tune           each rank's timings favour another candidate: all take rank 0's
 mp_worker.py hosts          2 "hosts" x 4 devices: tensor parallel within, data parallel across
+mp_worker.py machines     prints where every process runs (`distributed.machines`), twice
 mp_worker.py agreed         each rank holds other names: every rank gets the same union, common
 """
 
@@ -39,6 +40,10 @@ if mode == "agreed":
     union = distributed.agreed(names, mine, every=False)
     common = distributed.agreed(names, mine, every=True)
     print("agreed", "".join(sorted(union)), "".join(sorted(common)))
+    sys.exit(0)
+if mode == "machines":
+    first, again = distributed.machines(), distributed.machines()
+    print("machines", jax.process_index(), "|".join(first), first == again)
     sys.exit(0)
 if mode == "listen":
     port = int(os.environ[distributed.COORDINATOR].rsplit(":", 1)[1])

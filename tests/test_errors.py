@@ -302,7 +302,7 @@ def test_fused_kernel_environment_checks(monkeypatch):
 
     import jax
 
-    from commgemm.mosaic_gpu import fused
+    from commgemm.mosaic_gpu import fused, peers
 
     def machine(capability: str, version: tuple, processes: int = 1) -> str | None:
         gpu = types.SimpleNamespace(platform="gpu", compute_capability=capability)
@@ -313,7 +313,60 @@ def test_fused_kernel_environment_checks(monkeypatch):
 
     assert "Hopper GPU (compute capability 9.x), got 8.0" in machine("8.0", (0, 11, 2))
     assert "needs jax >= 0.11" in machine("9.0", (0, 10, 2))
-    assert "one process driving all GPUs" in machine("9.0", (0, 11, 2), processes=2)
+    monkeypatch.setattr(peers, "nccl_version", lambda: (2, 28, 9))
+    assert "NCCL >= 2.29.2" in machine("9.0", (0, 11, 2), processes=2)
+
+
+def test_fused_kernels_with_several_processes_need_new_nccl_and_one_machine(monkeypatch):
+    """With one process per GPU the fused kernels need NCCL's peer addresses (NCCL >= 2.29.2)
+    and every process on one machine; each miss is its own reason, none where both hold."""
+    from commgemm.mosaic_gpu import peers
+
+    def reason(version, machines=("a/1", "a/1")):
+        monkeypatch.setattr(peers, "nccl_version", lambda: version)
+        monkeypatch.setattr(peers.distributed, "machines", lambda: machines)
+        return peers.multiprocess_reason()
+
+    old = reason((2, 28, 9))
+    assert "NCCL >= 2.29.2" in old and "calls NCCL 2.28.9" in old
+    assert "nvidia-nccl-cu13>=2.29.2" in old
+    assert "no NCCL is loaded" in reason(None)
+    assert reason((2, 29, 2)) is None and reason((2, 32, 3)) is None
+    assert "they run on 2" in reason((2, 29, 7), ("a/1", "b/2"))
+
+    def late():
+        raise TimeoutError("process 1 did not say where it runs")
+
+    monkeypatch.setattr(peers.distributed, "machines", late)
+    assert "process 1 did not say" in peers.multiprocess_reason()
+
+
+def test_nccl_version_read_from_the_library():
+    """The version codes NCCL reports, before and after 2.9, and a library's ncclGetVersion
+    read through ctypes (a stand-in library: the CI has no NCCL)."""
+    import ctypes
+    import types
+
+    from commgemm.mosaic_gpu import peers
+
+    assert peers.decode_version(22907) == (2, 29, 7)
+    assert peers.decode_version(23203) == (2, 32, 3)
+    assert peers.decode_version(2708) == (2, 7, 8)
+    assert peers.decode_version(21003) == (2, 10, 3)
+
+    def answer(code: int, status: int = 0):
+        def get(out):
+            out[0] = code
+            return status
+
+        signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+        return types.SimpleNamespace(ncclGetVersion=signature(get))
+
+    assert peers._library_version(answer(22809)) == (2, 28, 9)
+    assert peers._library_version(answer(22809, status=2)) is None  # an error: no version
+    assert peers._library_version(types.SimpleNamespace()) is None  # no such function
+    # None exactly where no NCCL is mapped (the CI: jax's CPU backend loads none)
+    assert (peers.nccl_version() is None) == (not peers._mapped_libraries())
 
 
 ZERO_CONFIGS = [

@@ -68,6 +68,21 @@ def test_mismatched_configs_across_ranks_raise_clearly():
     assert "num_splits=2" in text and "num_splits=4" in text
 
 
+def test_every_process_learns_where_the_others_run():
+    """`distributed.machines()`: one entry per process, by index, the same on every process
+    and on a second call (cached); here all on this machine."""
+    from commgemm import distributed
+
+    out = io.StringIO()
+    assert launch(3, [sys.executable, WORKER, "machines"], cpu_devices=1, out=out,
+                  timeout_s=120) == 0  # fmt: skip
+    lines = [ln.split("machines ", 1)[1] for ln in out.getvalue().splitlines() if "machines " in ln]
+    assert sorted(ln.split()[0] for ln in lines) == ["0", "1", "2"], out.getvalue()
+    here = distributed.this_machine()
+    assert {ln.split(" ", 1)[1] for ln in lines} == {f"{here}|{here}|{here} True"}
+    assert distributed.machines() == (here,)  # one process: its own
+
+
 def test_buffer_ids_agree_across_processes():
     out = io.StringIO()
     assert launch(3, [sys.executable, WORKER, "ids"], cpu_devices=1, out=out, timeout_s=120) == 0

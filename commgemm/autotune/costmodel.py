@@ -64,9 +64,9 @@ AUTO_MARGINS = {
     # AUTO's fused picks ran 1.2x to 1.9x faster than serial on 2 and 4 GPUs, as predicted
     ("gpu", "fused", 2): 0.10,
     ("gpu", "fused", "3+"): 0.10,
-    # the split rings where the fused kernels cannot run (one process per GPU) on 2 GPUs: the
-    # model's 0.77 to 0.80 of serial ran 0.995x to 1.22x serial's time; only comm_heavy AG's
-    # ring ever beat serial there (0.66 to 0.79, one process)
+    # the split rings where the fused kernels cannot run (one process per GPU on an older NCCL
+    # or on several machines) on 2 GPUs: the model's 0.77 to 0.80 of serial ran 0.995x to 1.22x
+    # serial's time; only comm_heavy AG's ring ever beat serial there (0.66 to 0.79, one process)
     ("gpu", "split", 2): 1.0,
     # RS 16384 x 8192 x 28672 on 4 GPUs: the split ring predicted 0.63 of serial, measured
     # 1.33; the bidirectional ring 2.4x its prediction on 4 GPUs: unknown to the model

@@ -34,8 +34,9 @@ them) and stores the result in x's dtype, so RS partial sums add already scaled.
 take no float8 operands here (`scaling_reason`).
 
 Requirements (checked at plan time by `unsupported_reason`): a GPU of compute capability 9.x
-with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices, the mesh axis
-spanning all of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
+with jax >= 0.11 (Mosaic GPU collectives), one process driving all devices or, with one process
+per GPU, every process on one machine and NCCL >= 2.29.2 (`peers`), the mesh axis spanning all
+of them, bf16 or fp16 operands and output, float32 accumulation, and shapes that
 divide into the kernel's tiles. The kernels address a peer by its coordinate on the axis, the
 others of the mesh (size 1 where the axis spans every device) kept. Mosaic GPU itself also
 wants the mesh's devices in id order (it raises otherwise).
@@ -62,6 +63,7 @@ from commgemm.mosaic_gpu import (
     direct_ag,
     direct_rs,
     heuristics,
+    peers,
     pingpong,
     pingpong_ag,
     pingpong_rs,
@@ -111,8 +113,8 @@ def kernel_config(collective: Collective, config: OverlapConfig) -> KernelConfig
 def _gpu_reason() -> str | None:
     if (reason := mosaic_tiles.hopper_reason()) is not None:
         return reason
-    if jax.process_count() != 1:
-        return "it needs one process driving all GPUs (got several processes)"
+    if jax.process_count() != 1 and (reason := peers.multiprocess_reason()) is not None:
+        return reason
     try:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu  # noqa: F401
     except ImportError as err:  # jax too old, or jaxlib without Mosaic GPU

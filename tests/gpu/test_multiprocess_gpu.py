@@ -3,6 +3,7 @@ of Transformer Engine and multi-host jobs): the demo's every op by every method 
 that mode, against a float64 reference."""
 
 import io
+import pathlib
 import re
 import sys
 
@@ -31,3 +32,21 @@ def test_demo_with_one_process_per_gpu(processes):
     assert f"in {processes} process(es)" in text, text[-4000:]
     found = re.search(r"(\d+) of (\d+) correct", text)
     assert found and found.group(1) == found.group(2) and int(found.group(2)) > 0, text[-4000:]
+
+
+def test_fused_kernels_with_one_process_per_gpu(two_gpus):
+    """The fused kernels with one process per GPU (AG and RS, ring and direct, forward and the
+    pipeline's dX and dW) against float32 references; where this job cannot run them (NCCL
+    older than 2.29.2: `peers`), an explicit fused config must raise with that reason."""
+    worker = str(pathlib.Path(__file__).with_name("fused_mp_worker.py"))
+    out = io.StringIO()
+    code = launch(2, [sys.executable, worker], gpus_per_process=1, timeout_s=400, out=out)
+    text = out.getvalue()
+    assert code == 0, text[-4000:]
+    refused = [ln for ln in text.splitlines() if "refused " in ln]
+    if refused:
+        assert "NCCL >= 2.29.2" in refused[0] or "one machine" in refused[0], refused[0]
+        pytest.skip(refused[0].split("refused ", 1)[1])
+    cases = [ln for ln in text.splitlines() if "case " in ln]
+    assert len(cases) == 2 * 6, text[-4000:]
+    assert all(" OK " in ln for ln in cases), "\n".join(cases)

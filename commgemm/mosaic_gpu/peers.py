@@ -1,0 +1,97 @@
+"""Peer memory with one process per GPU: what the fused kernels need there.
+
+With one process driving all GPUs, a Mosaic GPU kernel reaches a peer's buffers through CUDA
+peer access. With several processes (`commgemm launch -n P`, any `jax.distributed` job) XLA
+maps the peers' buffers through NCCL symmetric-memory windows and asks NCCL for each peer's
+address (`ncclGetPeerDevicePointer`, NCCL >= 2.29.2). An older NCCL lacks that function, and
+every kernel with remote references then fails at its first call ("unhandled system error").
+So the fused kernels run with several processes where the NCCL this process calls is new
+enough and every process runs on one machine (peers reachable by load and store over NVLink);
+`multiprocess_reason` says why not otherwise, and the plan keeps to the XLA methods.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from commgemm import distributed
+
+#: The oldest NCCL whose windows give peer addresses (`ncclGetPeerDevicePointer`).
+MIN_NCCL = (2, 29, 2)
+
+
+def decode_version(code: int) -> tuple[int, int, int]:
+    """NCCL_VERSION_CODE as (major, minor, patch): 22907 -> (2, 29, 7); before 2.9, 2708 ->
+    (2, 7, 8)."""
+    if code >= 20900:
+        return code // 10000, code // 100 % 100, code % 100
+    return code // 1000, code // 100 % 10, code % 100
+
+
+def _library_version(library: ctypes.CDLL) -> tuple[int, int, int] | None:
+    try:
+        get = library.ncclGetVersion
+    except AttributeError:
+        return None
+    code = ctypes.c_int(0)
+    if get(ctypes.byref(code)) != 0:
+        return None
+    return decode_version(code.value)
+
+
+def _mapped_libraries() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libnccl.so" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The version of the NCCL library this process calls, or None where none is loaded.
+
+    The library in the global symbol scope where there is one (a preloaded libnccl.so.2, or
+    one loaded with RTLD_GLOBAL); otherwise the libraries mapped into the process (jax's CUDA
+    plugin loads NCCL's wheel when its backend starts), the oldest where there are several.
+    """
+    try:
+        scope = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no global scope to ask (Windows)
+        scope = None
+    if scope is not None and (version := _library_version(scope)) is not None:
+        return version
+    versions = [v for p in _mapped_libraries() if (v := _library_version(ctypes.CDLL(p)))]
+    return min(versions) if versions else None
+
+
+def _text(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def multiprocess_reason() -> str | None:
+    """Why the fused kernels cannot run in this job of several processes, or None.
+
+    Every process must call it (the first call learns where the others run: `distributed.
+    machines`); each gets the same answer where their NCCL libraries agree.
+    """
+    version = nccl_version()
+    if version is None:
+        return "with several processes it needs NCCL's peer addresses, and no NCCL is loaded"
+    if version < MIN_NCCL:
+        return (
+            f"with several processes it needs NCCL >= {_text(MIN_NCCL)} for the peers' "
+            f"addresses (ncclGetPeerDevicePointer); this process calls NCCL {_text(version)}: "
+            f"install nvidia-nccl-cu13>={_text(MIN_NCCL)} (or -cu12), or preload such a "
+            "libnccl.so.2"
+        )
+    try:
+        machines = distributed.machines()
+    except TimeoutError as err:
+        return f"with several processes it needs them all on one machine, and {err}"
+    if len(set(machines)) != 1:
+        return (
+            "with several processes it needs them all on one machine (peer memory over "
+            f"NVLink); they run on {len(set(machines))}"
+        )
+    return None
