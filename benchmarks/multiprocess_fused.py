@@ -2,8 +2,9 @@
 
 Run under `commgemm launch -n P --gpus-per-process 1` (or alone: one process for all GPUs).
 Prints, per case, OK with the max relative error, or the error's last lines. jax's own Mosaic
-GPU collective matmul is the control. COMMGEMM_LIFT_PROCESS_CHECK=1 lifts commgemm's refusal
-of several processes, to see what the kernels themselves do (docs/multiprocess.md)."""
+GPU collective matmul is the control. COMMGEMM_LIFT_PROCESS_CHECK=1 lifts commgemm's checks for
+several processes (NCCL >= 2.29.2, one machine: `mosaic_gpu.peers`), to see what the kernels
+themselves do (docs/multiprocess.md)."""
 
 import os
 import sys

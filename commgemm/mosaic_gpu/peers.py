@@ -13,11 +13,14 @@ enough and every process runs on one machine (peers reachable by load and store 
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 from commgemm import distributed
 
 #: The oldest NCCL whose windows give peer addresses (`ncclGetPeerDevicePointer`).
 MIN_NCCL = (2, 29, 2)
+
+_warned: set[str] = set()
 
 
 def decode_version(code: int) -> tuple[int, int, int]:
@@ -73,18 +76,23 @@ def multiprocess_reason() -> str | None:
     """Why the fused kernels cannot run in this job of several processes, or None.
 
     Every process must call it (the first call learns where the others run: `distributed.
-    machines`); each gets the same answer where their NCCL libraries agree.
+    machines`); each gets the same answer where their NCCL libraries agree. An NCCL too old
+    also warns, once a process: AUTO then leaves the fused kernels out without an error.
     """
     version = nccl_version()
     if version is None:
         return "with several processes it needs NCCL's peer addresses, and no NCCL is loaded"
     if version < MIN_NCCL:
-        return (
+        reason = (
             f"with several processes it needs NCCL >= {_text(MIN_NCCL)} for the peers' "
             f"addresses (ncclGetPeerDevicePointer); this process calls NCCL {_text(version)}: "
-            f"install nvidia-nccl-cu13>={_text(MIN_NCCL)} (or -cu12), or preload such a "
-            "libnccl.so.2"
+            f"install nvidia-nccl-cu13>={_text(MIN_NCCL)} (the commgemm[multiprocess-cuda13] "
+            "extra; -cu12 for CUDA 12), or preload such a libnccl.so.2"
         )
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"commgemm's fused kernels are off in this job: {reason}", stacklevel=2)
+        return reason
     try:
         machines = distributed.machines()
     except TimeoutError as err:
