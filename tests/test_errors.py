@@ -375,6 +375,41 @@ def test_nccl_version_read_from_the_library():
     assert (peers.nccl_version() is None) == (not peers._mapped_libraries())
 
 
+def test_nccl_version_of_the_libraries_mapped(monkeypatch):
+    """With none in the global scope: the oldest NCCL mapped into the process, a mapped file
+    that cannot be opened any more skipped."""
+    import ctypes
+    import types
+
+    from commgemm.mosaic_gpu import peers
+
+    def library(code):
+        def get(out):
+            out[0] = code
+            return 0
+
+        signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+        return types.SimpleNamespace(ncclGetVersion=signature(get))
+
+    files = {"/a/libnccl.so.2": library(22907), "/b/libnccl.so.2": library(22809)}
+
+    def load(path):
+        if path is None:
+            return types.SimpleNamespace()  # the global scope: no NCCL there
+        if path not in files:
+            raise OSError(f"{path}: cannot open shared object file")
+        return files[path]
+
+    monkeypatch.setattr(peers.ctypes, "CDLL", load)
+    monkeypatch.setattr(peers, "_mapped_libraries", lambda: ["/gone/libnccl.so.2", *files])
+    assert peers.nccl_version() == (2, 28, 9)
+    files["/b/libnccl.so.2"] = library(23203)
+    assert peers.nccl_version() == (2, 29, 7)
+    files["/global"] = library(23001)
+    monkeypatch.setattr(peers.ctypes, "CDLL", lambda p: files["/global"] if p is None else load(p))
+    assert peers.nccl_version() == (2, 30, 1)  # the global scope's, where it has one
+
+
 ZERO_CONFIGS = [
     cg.OverlapConfig(),
     cg.OverlapConfig(method="pipeline", num_splits=2),

@@ -64,7 +64,14 @@ def nccl_version() -> tuple[int, int, int] | None:
         scope = None
     if scope is not None and (version := _library_version(scope)) is not None:
         return version
-    versions = [v for p in _mapped_libraries() if (v := _library_version(ctypes.CDLL(p)))]
+    versions = []
+    for path in _mapped_libraries():
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:  # gone from the disk since it was mapped
+            continue
+        if (version := _library_version(library)) is not None:
+            versions.append(version)
     return min(versions) if versions else None
 
 
