@@ -55,7 +55,7 @@ import re
 import subprocess
 import sys
 
-from commgemm.devices import setup_devices
+from commgemm.devices import environment, setup_devices
 from commgemm.distributed import agreed, initialize
 
 setup_devices()
@@ -394,6 +394,7 @@ def main() -> None:
     result = {"devices": jax.device_count(), "processes": processes,
               "backend": jax.default_backend(), "kind": jax.devices()[0].device_kind,
               "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "nccl": environment()["nccl_library"],
               "rows": []}  # fmt: skip
     path = args.out / "step.json"
     for size_name in args.sizes.split(","):

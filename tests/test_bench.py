@@ -594,7 +594,9 @@ def _step_script(tmp_path, variants: str, dtypes=("bf16", "fp8"), **env) -> list
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    result = json.loads((tmp_path / "step.json").read_text())
+    assert "nccl" in result  # the NCCL the run called (None where none was loaded)
+    rows = result["rows"]
     assert [r["dtype"] for r in rows] == list(dtypes)
     return rows
 
