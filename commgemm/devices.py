@@ -26,7 +26,7 @@ def environment() -> dict[str, object]:
     import jaxlib
     import numpy as np
 
-    from commgemm.mosaic_gpu.peers import nccl_version
+    from commgemm.mosaic_gpu.peers import nccl_version, version_text
 
     devices = jax.devices()
     nccl = nccl_version()
@@ -42,5 +42,5 @@ def environment() -> dict[str, object]:
         "numpy": np.__version__,
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "NCCL": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-        "nccl_library": ".".join(map(str, nccl)) if nccl else None,  # the one this process calls
+        "nccl_library": version_text(nccl) if nccl else None,  # the one this process calls
     }

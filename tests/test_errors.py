@@ -315,6 +315,7 @@ def test_fused_kernel_environment_checks(monkeypatch):
     assert "Hopper GPU (compute capability 9.x), got 8.0" in machine("8.0", (0, 11, 2))
     assert "needs jax >= 0.11" in machine("9.0", (0, 10, 2))
     monkeypatch.setattr(peers, "nccl_version", lambda: (2, 28, 9))
+    monkeypatch.setattr(peers, "_answer", [])
     with warnings.catch_warnings():  # its one-time warning: tested below
         warnings.simplefilter("ignore")
         assert "NCCL >= 2.29.2" in machine("9.0", (0, 11, 2), processes=2)
@@ -323,28 +324,39 @@ def test_fused_kernel_environment_checks(monkeypatch):
 def test_fused_kernels_with_several_processes_need_new_nccl_and_one_machine(monkeypatch):
     """With one process per GPU the fused kernels need NCCL's peer addresses (NCCL >= 2.29.2)
     and every process on one machine; each miss is its own reason, none where both hold."""
+    import warnings
+
     from commgemm.mosaic_gpu import peers
 
-    def reason(version, machines=("a/1", "a/1")):
+    def reason(version, machines=("a/1", "a/1"), fresh=True):
         monkeypatch.setattr(peers, "nccl_version", lambda: version)
         monkeypatch.setattr(peers.distributed, "machines", lambda: machines)
+        if fresh:  # a new process: nothing kept yet
+            monkeypatch.setattr(peers, "_answer", [])
         return peers.multiprocess_reason()
 
-    peers._warned.clear()
     with pytest.warns(UserWarning, match="fused kernels are off in this job"):
         old = reason((2, 28, 9))
-    assert reason((2, 28, 9)) == old  # warned once a process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once a process: no second warning
+        assert reason((2, 28, 9), fresh=False) == old
+    assert reason((2, 32, 3), fresh=False) == old  # kept for the process's life
     assert "NCCL >= 2.29.2" in old and "calls NCCL 2.28.9" in old
     assert "nvidia-nccl-cu13>=2.29.2" in old
     assert "no NCCL is loaded" in reason(None)
+    assert peers._answer == []  # not kept: NCCL may load later
     assert reason((2, 29, 2)) is None and reason((2, 32, 3)) is None
     assert "they run on 2" in reason((2, 29, 7), ("a/1", "b/2"))
 
     def late():
         raise TimeoutError("process 1 did not say where it runs")
 
+    monkeypatch.setattr(peers, "_answer", [])
     monkeypatch.setattr(peers.distributed, "machines", late)
     assert "process 1 did not say" in peers.multiprocess_reason()
+    assert peers._answer == []  # not kept: asked again next time
+    monkeypatch.setattr(peers.distributed, "machines", lambda: ("a/1", "a/1"))
+    assert peers.multiprocess_reason() is None
 
 
 def test_nccl_version_read_from_the_library():

@@ -20,7 +20,9 @@ from commgemm import distributed
 #: The oldest NCCL whose windows give peer addresses (`ncclGetPeerDevicePointer`).
 MIN_NCCL = (2, 29, 2)
 
-_warned: set[str] = set()
+#: This process's answer once NCCL is loaded (plans ask for every fused candidate; the NCCL a
+#: process calls and where the processes run do not change).
+_answer: list[str | None] = []
 
 
 def decode_version(code: int) -> tuple[int, int, int]:
@@ -75,7 +77,8 @@ def nccl_version() -> tuple[int, int, int] | None:
     return min(versions) if versions else None
 
 
-def _text(version: tuple[int, int, int]) -> str:
+def version_text(version: tuple[int, int, int]) -> str:
+    """(2, 29, 7) -> "2.29.7"."""
     return ".".join(map(str, version))
 
 
@@ -83,30 +86,35 @@ def multiprocess_reason() -> str | None:
     """Why the fused kernels cannot run in this job of several processes, or None.
 
     Every process must call it (the first call learns where the others run: `distributed.
-    machines`); each gets the same answer where their NCCL libraries agree. An NCCL too old
-    also warns, once a process: AUTO then leaves the fused kernels out without an error.
+    machines`); each gets the same answer where their NCCL libraries agree. The answer is kept
+    for the process's life once NCCL is loaded. An NCCL too old also warns, once: AUTO then
+    leaves the fused kernels out without an error.
     """
+    if _answer:
+        return _answer[0]
     version = nccl_version()
     if version is None:
         return "with several processes it needs NCCL's peer addresses, and no NCCL is loaded"
     if version < MIN_NCCL:
+        need, have = version_text(MIN_NCCL), version_text(version)
         reason = (
-            f"with several processes it needs NCCL >= {_text(MIN_NCCL)} for the peers' "
-            f"addresses (ncclGetPeerDevicePointer); this process calls NCCL {_text(version)}: "
-            f"install nvidia-nccl-cu13>={_text(MIN_NCCL)} (the commgemm[multiprocess-cuda13] "
-            "extra; -cu12 for CUDA 12), or preload such a libnccl.so.2"
+            f"with several processes it needs NCCL >= {need} for the peers' addresses "
+            f"(ncclGetPeerDevicePointer); this process calls NCCL {have}: install "
+            f"nvidia-nccl-cu13>={need} (the commgemm[multiprocess-cuda13] extra; -cu12 for CUDA "
+            "12), or preload such a libnccl.so.2"
         )
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"commgemm's fused kernels are off in this job: {reason}", stacklevel=2)
+        warnings.warn(f"commgemm's fused kernels are off in this job: {reason}", stacklevel=2)
+        _answer.append(reason)
         return reason
     try:
         machines = distributed.machines()
-    except TimeoutError as err:
+    except TimeoutError as err:  # not kept: a later plan asks again
         return f"with several processes it needs them all on one machine, and {err}"
+    reason = None
     if len(set(machines)) != 1:
-        return (
+        reason = (
             "with several processes it needs them all on one machine (peer memory over "
             f"NVLink); they run on {len(set(machines))}"
         )
-    return None
+    _answer.append(reason)
+    return reason
