@@ -5,10 +5,9 @@ ping-pong kernel (`grouped_pingpong`: tiles aligned to the groups, each compute 
 whole 128 x 128 tile, one's epilogue under the other's K loop) or the row-aligned kernel
 (`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that straddles
 group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ragged_dot_mgpu`:
-one unit per (row block, group)) runs where asked for (`GroupedTiles`). On one GPU (M = 8192, K
-= 4096, N = 1792) the ping-pong kernel ran the forward 24 to 30% faster than the others with 16
-to 128 groups and dX 12 to 36% faster with 8 to 128; the row-aligned kernel kept the forward
-with 8 groups (3 to 5% faster). dW runs commgemm's ping-pong dW kernel (`grouped_dw`: the
+one unit per (row block, group)) runs where asked for (`GroupedTiles`). The ping-pong kernel
+runs dX and the forward of groups averaging under TILES_KERNEL_ROWS rows, the row-aligned
+kernel the forward of larger groups. dW runs commgemm's ping-pong dW kernel (`grouped_dw`: the
 tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where asked for). XLA's
 own ragged dot runs far below the tensor cores' rate on a Hopper GPU (docs/performance.md),
 which is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor
@@ -31,9 +30,8 @@ from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
 from commgemm.vma import like_primal, varying_like
 
 #: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run
-#: the forward: on one GPU (M 8192, K 4096, N 1792) it was 3% faster than the ping-pong kernel
-#: with 1024 rows a group, and 24 to 26% slower with 512. dX runs the ping-pong
-#: kernel at any group size (12 to 36% faster with 8 to 128 groups).
+#: the forward (below, the ping-pong kernel: on one GPU, M 8192, K 4096, N 1792, the row-aligned
+#: one ran 24 to 26% slower with 512 rows a group). dX runs the ping-pong kernel at any size.
 TILES_KERNEL_ROWS = 1024
 
 

@@ -21,14 +21,16 @@ warpgroups (one tile between them) run their epilogues together and leave the te
 idle; an ordered pair of barriers makes the K loops alternate. A compute warpgroup waits on
 the "loaded" barriers of its own tiles only (one array per warpgroup, so each barrier's phases
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
-awaits before reusing the slot. CTAs walk the output tiles in bands `band` row tiles wide.
+awaits before reusing the slot. The load warpgroup reads a tile's place (its first row and
+group, int32 arrays in global memory) once per tile, then issues the loads of its K-steps;
+read in every K-step, those dependent global loads would set the pace of the loads, below
+the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide.
 Its pieces are the dense ping-pong kernels' (`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`)
 and, with `ring_scratch` and `launch`, the grouped dW kernel's (`grouped_dw`).
 
-On one GPU (M 8192, K 4096, N 1792, uneven groups) it ran the forward 24 to 30% faster than
-the faster of the other two kernels with 16 to 128 groups and 3 to 5% slower than
-`grouped_kernel` with 8; dX (w read [G, N, K]) 12 to 36% faster with 8 to 128; on float8
-operands 3, 24 and 39% faster than `grouped_kernel` with 8, 16 and 64 groups."""
+It runs dX (w read [G, N, K]) at any group size, the forward where the groups average fewer
+than `grouped.TILES_KERNEL_ROWS` rows, and the float8 forward where `grouped.float8_kernel`
+picks it."""
 
 from __future__ import annotations
 
@@ -243,25 +245,31 @@ def grouped_matmul(
         def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1):
             loaded, turn = (loaded0, loaded1), (turn0, turn1)
 
-            def issue(c, s):  # the loads of the CTA's step s, a K-step of compute warpgroup c
-                slot, ks = s % stages, pl.ds((s % k_iters) * tk, tk)
-                p, cols = where(s // k_iters)
-                rows = pl.ds(pl.multiple_of(start_ref[p], ROW_ALIGN), tm)
-                plgpu.copy_gmem_to_smem(x_ref.at[rows, ks], x_smem.at[slot], loaded[c].at[slot])
-                group = w_ref.at[group_ref[p]]
+            def issue(c, s, kk, x_rows, group, cols):  # step s (K-step kk) of warpgroup c
+                slot, ks = s % stages, pl.ds(kk * tk, tk)
+                plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_smem.at[slot], loaded[c].at[slot])
                 block = group.at[cols, ks] if w_nk else group.at[ks, cols]
                 plgpu.copy_gmem_to_smem(block, w_smem.at[slot], loaded[c].at[slot])
 
             def load():
 
-                @pl.loop(0, mine * k_iters)
-                def _step(s):
-                    @pl.when(s >= stages)
-                    def _reuse():
-                        plgpu.barrier_wait(consumed.at[s % stages])
+                @pl.loop(0, mine)
+                def _tile(i):  # the tile's schedule read once, not in each of its K-steps
+                    p, cols = where(i)
+                    x_rows = x_ref.at[pl.ds(pl.multiple_of(start_ref[p], ROW_ALIGN), tm)]
+                    group = w_ref.at[group_ref[p]]
 
-                    for c in (0, 1):
-                        pl.when((s // k_iters) % 2 == c)(functools.partial(issue, c, s))
+                    @pl.loop(0, k_iters)
+                    def _step(kk):
+                        s = i * k_iters + kk
+
+                        @pl.when(s >= stages)
+                        def _reuse():
+                            plgpu.barrier_wait(consumed.at[s % stages])
+
+                        for c in (0, 1):
+                            step = functools.partial(issue, c, s, kk, x_rows, group, cols)
+                            pl.when(i % 2 == c)(step)
 
             def store(c, value, p, cols):  # the tile's own rows: a ladder of TMA stores
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
