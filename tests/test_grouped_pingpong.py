@@ -1,6 +1,7 @@
 """commgemm's ping-pong grouped Hopper kernel, off the GPU: its row tiles (which rows of which
-group each tile stores, the tail's zeroed rows), its tiling's and operands' checks, and that it
-lowers for a CUDA target. tests/gpu/test_fused_gpu.py checks its values on Hopper."""
+group each tile stores, the tail's zeroed rows), its tiling's and operands' checks, that it
+lowers for a CUDA target, and that its K-step loads (and the dW kernel's) read no schedule
+array. tests/gpu/test_fused_gpu.py checks its values on Hopper."""
 
 import functools
 
@@ -168,3 +169,58 @@ def test_pingpong_kernel_lowers_on_float8(w_dtype, monkeypatch):
         grouped_pingpong.grouped_matmul(jnp.zeros((256, 256), jnp.float8_e4m3fn),
                                         jnp.zeros((2, 256, 512), jnp.float8_e4m3fn),
                                         jnp.asarray([100, 156], jnp.int32))  # fmt: skip
+
+
+def _loops_that_load(jaxpr) -> list[set[str]]:
+    """The primitives of each loop body (nested jaxprs included, nested loops not) that issues
+    TMA loads (`copy_gmem_to_smem`), over a jaxpr and every jaxpr inside it."""
+    from jax.extend import core as jcore
+
+    def inner(eqn):
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(item, jcore.ClosedJaxpr):
+                    yield item.jaxpr
+                elif isinstance(item, jcore.Jaxpr):
+                    yield item
+
+    def names(body, found):
+        for eqn in body.eqns:
+            found.add(eqn.primitive.name)
+            if eqn.primitive.name not in ("while", "scan"):
+                for sub in inner(eqn):
+                    names(sub, found)
+        return found
+
+    loops = []
+    for eqn in jaxpr.eqns:
+        for sub in inner(eqn):
+            if eqn.primitive.name in ("while", "scan"):
+                body = names(sub, set())
+                if "copy_gmem_to_smem" in body:
+                    loops.append(body)
+            loops.extend(_loops_that_load(sub))
+    return loops
+
+
+@pytest.mark.parametrize("form", ["forward", "dX", "float8-dX", "dW"])
+def test_k_step_loads_read_no_schedule(form, monkeypatch):
+    """The load warpgroup's K-step loop of the grouped ping-pong kernels (forward, dX's form,
+    float8, dW) issues its TMA loads from values it was handed: no read of the schedule's arrays
+    in global memory (a tile's first row and group, a unit's steps), whose dependent loads in
+    every K-step would set the pace of the loads. The kernel's jaxpr, traced on the CPU."""
+    from commgemm.mosaic_gpu import grouped_dw
+
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    sds, groups = jax.ShapeDtypeStruct, 8
+    dtype = jnp.float8_e4m3fn if form == "float8-dX" else jnp.bfloat16
+    x, sizes = sds((1024, 256), dtype), sds((groups,), jnp.int32)
+    if form == "dW":
+        fn, other = grouped_dw.weight_grad, sds((1024, 512), dtype)
+    else:
+        fn = functools.partial(grouped_pingpong.grouped_matmul, w_nk=form != "forward")
+        other = sds((groups, 256, 512) if form == "forward" else (groups, 512, 256), dtype)
+    loops = _loops_that_load(jax.make_jaxpr(fn)(x, other, sizes).jaxpr)
+    assert loops, "no loop issues the kernel's loads"
+    for body in loops:
+        assert "get" not in body, sorted(body)
