@@ -13,11 +13,12 @@ t_roof = max(FLOPs / R, bytes / B), R the rate of the dense GEMM of the same tot
 the HBM bandwidth of a device-to-device copy, bytes what the kernel must move at least (x, the
 experts that receive tokens, the output; for dW: x, dY and dW); the float8 variants also
 against their own (R of cuBLASLt's tensor-scaled FP8 GEMM, 1-byte operands, a bf16 output).
-Group sizes: uneven (every group non-empty) or Zipf-skewed (some empty). Writes
-OUT/grouped_gemm.json.
+Group sizes: uneven (every group non-empty), Zipf-skewed (some empty) or equal; each row also
+records the ping-pong kernel's tiles and waves against a dense GEMM's (`pingpong_waves`).
+Writes OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,16,64,128]
-        [--skews uneven,zipf]
+        [--skews uneven,zipf,equal]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
 from commgemm.mosaic_gpu import gemm_core, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import grouped as hopper
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
 
 #: The three Hopper kernels of the forward and dX, in their default tilings (commgemm's
@@ -67,7 +69,27 @@ def zipf_sizes(groups: int, tokens: int, seed: int, a: float = 1.2) -> np.ndarra
     return rng.multinomial(tokens, popularity / popularity.sum()).astype(np.int32)
 
 
-SIZES = {"uneven": uneven_sizes, "zipf": zipf_sizes}
+def equal_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
+    """Equal group sizes summing to `tokens` (the remainder in the first group; `seed` unused):
+    where every group fills whole tiles, the ping-pong kernel runs as many tiles as a dense
+    GEMM."""
+    sizes = np.full(groups, tokens // groups, np.int32)
+    sizes[0] += tokens - sizes.sum()
+    return sizes
+
+
+SIZES = {"uneven": uneven_sizes, "zipf": zipf_sizes, "equal": equal_sizes}
+
+
+def pingpong_waves(sizes, m: int, n: int, sms: int, tile_m: int = 128, tile_n: int = 128) -> dict:
+    """The ping-pong kernel's output tiles for group `sizes` over m rows and n columns (its row
+    tiles, `grouped_pingpong.row_tiles`, times the column tiles), the most any of `sms` CTAs
+    runs (its waves), and the same for a dense GEMM of m rows in the same tiles: the wave
+    quantization the groups' partial last tiles add."""
+    used = int(grouped_pingpong.row_tiles(jnp.asarray(sizes), m, tile_m).counts[0])
+    tiles, dense = used * (n // tile_n), -(-m // tile_m) * (n // tile_n)
+    return {"tiles": tiles, "waves": -(-tiles // sms), "dense_tiles": dense,
+            "dense_waves": -(-dense // sms)}  # fmt: skip
 
 
 def least_bytes(
@@ -264,7 +286,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=14336 // 8)
     parser.add_argument("--groups", default="8,16,64,128", help="comma-separated group counts")
-    parser.add_argument("--skews", default="uneven,zipf", help="group sizes: uneven, zipf")
+    parser.add_argument("--skews", default="uneven,zipf", help="group sizes: uneven, zipf, equal")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -293,6 +315,7 @@ def main() -> None:
         row = {
             "groups": groups,
             "skew": skew,
+            "pingpong_waves": pingpong_waves(sizes, m, n, mosaic_tiles.num_sms()),
             "sizes": sizes.tolist(),
             "timing": timing,
             "ms": times,

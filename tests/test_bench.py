@@ -732,3 +732,19 @@ def test_grouped_roofline_helpers():
     assert bench.least_bytes(sizes, 8, 4, 6, 1, out_itemsize=2) == 8 * 4 + 2 * 4 * 6 + 2 * 8 * 6
     assert bench.roofline_ms(2e12, 1e9, 1e15, 2e12) == 2.0  # compute: 2 ms, memory: 0.5 ms
     assert bench.roofline_ms(2e12, 8e9, 1e15, 2e12) == 4.0  # memory-bound
+
+
+def test_grouped_pingpong_waves():
+    """benchmarks/grouped_gemm.py's wave count: equal groups of whole tiles run a dense GEMM's
+    tiles; a group's partial last tile (and its first, from the row below its start rounded to
+    8) adds tiles; the waves are the most tiles any CTA runs."""
+    bench = load_script("benchmarks/grouped_gemm.py", "grouped_gemm_benchmark")
+    equal = bench.equal_sizes(8, 8192, seed=0)
+    assert equal.tolist() == [1024] * 8 and bench.equal_sizes(3, 10, 0).tolist() == [4, 3, 3]
+    got = bench.pingpong_waves(equal, 8192, 1792, sms=132)
+    assert got == {"tiles": 64 * 14, "waves": 7, "dense_tiles": 64 * 14, "dense_waves": 7}
+    # rows [0, 100) and [100, 128): the second group's tile starts at row 96, so 2 row tiles
+    two = bench.pingpong_waves(np.array([100, 0, 28]), 128, 256, sms=3)
+    assert two == {"tiles": 4, "waves": 2, "dense_tiles": 2, "dense_waves": 1}
+    uneven = bench.pingpong_waves(bench.uneven_sizes(8, 8192, seed=8), 8192, 1792, sms=132)
+    assert uneven["tiles"] > uneven["dense_tiles"] and uneven["waves"] >= 7
