@@ -81,11 +81,12 @@ def equal_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
 SIZES = {"uneven": uneven_sizes, "zipf": zipf_sizes, "equal": equal_sizes}
 
 
-def pingpong_waves(sizes, m: int, n: int, sms: int, tile_m: int = 128, tile_n: int = 128) -> dict:
-    """The ping-pong kernel's output tiles for group `sizes` over m rows and n columns (its row
-    tiles, `grouped_pingpong.row_tiles`, times the column tiles), the most any of `sms` CTAs
-    runs (its waves), and the same for a dense GEMM of m rows in the same tiles: the wave
-    quantization the groups' partial last tiles add."""
+def pingpong_waves(sizes, m: int, n: int, sms: int) -> dict:
+    """The ping-pong kernel's output tiles (its default `PingPongTiles()`) for group `sizes`
+    over m rows and n columns (its row tiles, `grouped_pingpong.row_tiles`, times the column
+    tiles), the most any of `sms` CTAs runs (its waves), and the same for a dense GEMM of m rows
+    in the same tiles: the wave quantization the groups' partial last tiles add."""
+    tile_m, tile_n = hopper.PingPongTiles().tile_m, hopper.PingPongTiles().tile_n
     used = int(grouped_pingpong.row_tiles(jnp.asarray(sizes), m, tile_m).counts[0])
     tiles, dense = used * (n // tile_n), -(-m // tile_m) * (n // tile_n)
     return {"tiles": tiles, "waves": -(-tiles // sms), "dense_tiles": dense,
