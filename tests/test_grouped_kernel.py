@@ -235,7 +235,8 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
 @pytest.mark.parametrize(
     "m,k,n,groups,want",
     [
-        (8192, 4096, 1792, 8, GroupedConfig),  # 1024 rows a group: the row-aligned kernel
+        (8192, 4096, 1792, 8, PingPongTiles),  # 1024 rows a group
+        (32768, 4096, 14336, 8, PingPongTiles),  # 4096 rows a group
         (8192, 4096, 1792, 16, PingPongTiles),  # 512
         (8192, 4096, 4096, 64, PingPongTiles),  # 128
         (8192, 4096, 1664, 8, PingPongTiles),  # N not whole 256-column tiles
@@ -246,17 +247,17 @@ def test_float8_shapes_and_path_reasons(monkeypatch):
     ],
 )
 def test_pick_tiles(m, k, n, groups, want):
-    """The forward's kernel by rows a group and shape; dX runs the ping-pong kernel wherever it
-    takes the shape."""
+    """The forward's and dX's kernel by shape: the ping-pong kernel wherever its tiles fit,
+    whatever the rows a group; else XLA's ragged dot (None)."""
     assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.bfloat16), want)
-    dx = grouped.pick_tiles(m, k, n, groups, jnp.float16, dx=True)
-    assert isinstance(dx, type(None) if want is type(None) else PingPongTiles)
+    assert isinstance(grouped.pick_tiles(m, k, n, groups, jnp.float16), want)
 
 
 @pytest.mark.parametrize(
     "m,k,n,groups,split,want",
     [
-        (8192, 4096, 1792, 8, False, GroupedConfig),  # 1024 rows a group: row-aligned
+        (8192, 4096, 1792, 8, False, PingPongTiles),  # 1024 rows a group
+        (32768, 14336, 4096, 8, False, PingPongTiles),  # 4096 rows a group
         (8192, 4096, 1792, 16, False, PingPongTiles),  # 512 rows a group
         (8192, 4096, 1792, 16, True, GroupedConfig),  # split: the row-aligned kernel only
         (98304, 2048, 1408, 64, False, PingPongTiles),  # N 11 x 128: 256-column tiles misfit
@@ -268,9 +269,10 @@ def test_pick_tiles(m, k, n, groups, want):
     ],
 )
 def test_float8_kernel(m, k, n, groups, split, want):
-    """The float8 forward's kernel (and dX's, split or not) by rows a group and shape: the
-    ping-pong kernel wherever accumulation is fast and the row-aligned kernel's 256-column
-    tiles do not fit or its groups are short; a str (why) where neither kernel takes it."""
+    """The float8 forward's kernel (and dX's, split or not) by shape: the ping-pong kernel
+    wherever accumulation is fast and its tiles fit, whatever the rows a group; the row-aligned
+    kernel for split accumulation or where its tiling is given; a str (why) where neither
+    kernel takes it."""
     tiles = GroupedConfig() if split is None else None
     got = grouped.float8_kernel(m, k, n, groups, jnp.float8_e4m3fn, split=bool(split),
                                 tiles=tiles)  # fmt: skip

@@ -1,19 +1,19 @@
 """The grouped GEMM on Hopper.
 
-The forward and dX (w transposed) run one of commgemm's two kernels (`pick_tiles`): the
-ping-pong kernel (`grouped_pingpong`: tiles aligned to the groups, each compute warpgroup a
-whole 128 x 128 tile, one's epilogue under the other's K loop) or the row-aligned kernel
-(`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that straddles
-group boundaries running one K loop per group); jax's Mosaic GPU ragged dot (`ragged_dot_mgpu`:
-one unit per (row block, group)) runs where asked for (`GroupedTiles`). The ping-pong kernel
-runs dX and the forward of groups averaging under TILES_KERNEL_ROWS rows, the row-aligned
-kernel the forward of larger groups. dW runs commgemm's ping-pong dW kernel (`grouped_dw`: the
-tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where asked for). XLA's
-own ragged dot runs far below the tensor cores' rate on a Hopper GPU (docs/performance.md),
-which is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor
-scaling (current or delayed) runs the forward and dX on float8 operands in the same two kernels
-(`float8_kernel`: the ping-pong one where accumulation is fast and the groups average under
-1024 rows or N is no whole 256s)."""
+The forward and dX (w transposed) run commgemm's ping-pong kernel (`grouped_pingpong`: tiles
+aligned to the groups, each compute warpgroup a whole 128 x 128 tile, one's epilogue under the
+other's K loop) wherever its tiles fit (`pick_tiles`); the row-aligned kernel
+(`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that
+straddles group boundaries running one K loop per group) and jax's Mosaic GPU ragged dot
+(`ragged_dot_mgpu`: one unit per (row block, group)) run where asked for (`GroupedConfig`,
+`GroupedTiles`; the ping-pong kernel ran the forward faster than the row-aligned one at
+every group size measured, docs/performance.md). dW runs commgemm's ping-pong dW kernel
+(`grouped_dw`: the tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where
+asked for). XLA's own ragged dot runs far below the tensor cores' rate on a Hopper GPU, which
+is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor scaling
+(current or delayed) runs the forward and dX on float8 operands in the same two kernels
+(`float8_kernel`: the ping-pong one where accumulation is fast, the row-aligned one for split
+accumulation)."""
 
 from __future__ import annotations
 
@@ -28,17 +28,6 @@ from commgemm.mosaic_gpu import grouped_dw, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
 from commgemm.vma import like_primal, varying_like
-
-#: Rows a group needs on average (M / G) for the row-aligned kernel (`grouped_kernel`) to run
-#: the forward (below, the ping-pong kernel: on one GPU, M 8192, K 4096, N 1792, the row-aligned
-#: one ran 24 to 26% slower with 512 rows a group). dX runs the ping-pong kernel at any size.
-TILES_KERNEL_ROWS = 1024
-
-
-def row_aligned_rows(m: int, groups: int) -> bool:
-    """Whether m rows in `groups` groups average TILES_KERNEL_ROWS rows a group or more: where
-    the row-aligned kernel runs the forward (bf16 and float8), the ping-pong kernel below."""
-    return m >= TILES_KERNEL_ROWS * groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +94,13 @@ def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
     return None
 
 
-def pick_tiles(m: int, k: int, n: int, groups: int, dtype, *, dx: bool = False) -> Kernel | None:
-    """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; `dx`: dX's product, w
-    transposed): for the forward, the row-aligned kernel where its tiles fit and the groups
-    average TILES_KERNEL_ROWS rows or more; else the ping-pong kernel where its tiles fit (it
-    takes every shape jax's kernel takes); else (or with no groups) None (XLA's ragged dot)."""
+def pick_tiles(m: int, k: int, n: int, groups: int, dtype) -> Kernel | None:
+    """The kernel for x [m, K] @ w [groups, K, n] (16-bit, on Hopper; the forward and dX's
+    product alike): the ping-pong kernel where its tiles fit (it takes every shape the other
+    kernels take); else (or with no groups) None (XLA's ragged dot)."""
     if groups < 1:  # no weights: every row is past the groups' sum
         return None
-    fits = functools.partial(_shape_reason, m, k, n, dtype)
-    if not dx and row_aligned_rows(m, groups) and fits(GroupedConfig()) is None:
-        return GroupedConfig()
-    return PingPongTiles() if fits(PingPongTiles()) is None else None
+    return PingPongTiles() if _shape_reason(m, k, n, dtype, PingPongTiles()) is None else None
 
 
 def weight_grad(x, dy, sizes, tiles: PingPongTiles | GroupedTiles | None = None) -> jax.Array:
@@ -157,7 +142,7 @@ def product(x, w, sizes, tiles, transpose_rhs: bool) -> jax.Array:
     kernel takes the shape)."""
     m, k = x.shape
     n = w.shape[1 if transpose_rhs else 2]
-    tiles = tiles or pick_tiles(m, k, n, w.shape[0], x.dtype, dx=transpose_rhs)
+    tiles = tiles or pick_tiles(m, k, n, w.shape[0], x.dtype)
     if (reason := _shape_reason(m, k, n, x.dtype, tiles) if tiles else None) is not None:
         raise ValueError(f"grouped GEMM {(m, k)} x {w.shape}: {reason}")
     if isinstance(tiles, GroupedConfig | PingPongTiles):
@@ -343,18 +328,18 @@ def float8_kernel(
 ) -> GroupedConfig | PingPongTiles | str:
     """The kernel `float8_matmul` runs x [m, K] (float8 `dtype`) times w [groups, n, K] on, or
     why none takes the shape (a str): the row-aligned kernel in `tiles` where they are given;
-    else the ping-pong kernel where accumulation is fast (it has no split form) and the groups
-    average under TILES_KERNEL_ROWS rows or the row-aligned kernel's tiles do not fit (its
-    128 x 256 tiles; the ping-pong kernel's are 128 x 128); else the row-aligned kernel
-    (`fused.float8_tiling`: 64 x 128 warpgroup tiles with split accumulation)."""
+    else the ping-pong kernel where accumulation is fast (it has no split form) and its tiles
+    fit; else the row-aligned kernel (`fused.float8_tiling`: 64 x 128 warpgroup tiles with
+    split accumulation). `groups` does not change the pick (the ping-pong kernel's tiles fit
+    any groups)."""
     aligned = tiles or GroupedConfig()
     reason = grouped_kernel.shape_reason(aligned, m, k, n, dtype, w_nk=True, split=split)
     if tiles is None and not split:
         pingpong = grouped_pingpong.operand_tiles(PingPongTiles(), k, dtype)
         fits = grouped_pingpong.shape_reason(pingpong, m, k, n, dtype, w_nk=True)
-        if fits is None and (reason is not None or not row_aligned_rows(m, groups)):
+        if fits is None:
             return pingpong
-        if fits is not None and reason is not None:
+        if reason is not None:
             return reason if reason == fits else f"{reason}; ping-pong kernel: {fits}"
     return aligned if reason is None else reason
 

@@ -28,9 +28,8 @@ the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide.
 Its pieces are the dense ping-pong kernels' (`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`)
 and, with `ring_scratch` and `launch`, the grouped dW kernel's (`grouped_dw`).
 
-It runs dX (w read [G, N, K]) at any group size, the forward where the groups average fewer
-than `grouped.TILES_KERNEL_ROWS` rows, and the float8 forward where `grouped.float8_kernel`
-picks it."""
+It runs the forward and dX (w read [G, N, K]) at any group size (`grouped.pick_tiles`), and
+the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation)."""
 
 from __future__ import annotations
 
