@@ -224,3 +224,34 @@ def test_k_step_loads_read_no_schedule(form, monkeypatch):
     assert loops, "no loop issues the kernel's loads"
     for body in loops:
         assert "get" not in body, sorted(body)
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.integers(0, 700), ctas=st.integers(1, 40), halving=st.booleans())
+def test_tile_deal_runs_every_tile_once(units, ctas, halving):
+    """Every tile runs once: whole on one CTA, or (a last wave at most half full after a whole
+    one, with `halving`) as its two halves on two CTAs, the last unit of each; CTAs run within
+    one unit of each other. Counted in Python from the deal of every CTA's every unit."""
+
+    def dealt(units):
+        deal = grouped_pingpong.TileDeal(units, ctas, jnp.arange(ctas, dtype=jnp.int32),
+                                         halving=halving)  # fmt: skip
+        i = jnp.arange(units // ctas + 2, dtype=jnp.int32)[:, None]
+        tile, half = deal.tile(i)
+        halves = deal.is_half(i) if halving else False
+        return deal.count, *(jnp.broadcast_to(a, (i.shape[0], ctas)) for a in (tile, half, halves))
+
+    with jax.enable_x64(False):
+        found = jax.jit(dealt, static_argnums=0)(units)
+    count, tile, half, is_half = (np.asarray(a) for a in found)
+    last = units % ctas
+    halved = halving and units > ctas and 0 < last <= ctas // 2
+    runs = {}
+    for c in range(ctas):
+        for i in range(int(count[c])):
+            assert bool(is_half[i, c]) == (halved and i == units // ctas)
+            runs.setdefault(int(tile[i, c]), []).append(int(half[i, c]) if is_half[i, c] else None)
+    assert sorted(runs) == list(range(units))
+    for t, parts in runs.items():
+        assert sorted(parts, key=str) == ([0, 1] if halved and t >= units - last else [None]), t
+    assert count.max() - count.min() <= 1

@@ -24,7 +24,9 @@ are awaited in order) and releases each slot on one "consumed" array, which the 
 awaits before reusing the slot. The load warpgroup reads a tile's place (its first row and
 group, int32 arrays in global memory) once per tile, then issues the loads of its K-steps;
 read in every K-step, those dependent global loads would set the pace of the loads, below
-the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide.
+the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide. The groups'
+partial last tiles often leave a last wave that fills few CTAs; where it fills at most half
+of them, its tiles run as two halves of tile_m / 2 rows each, on two CTAs (`TileDeal`).
 Its pieces are the dense ping-pong kernels' (`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`)
 and, with `ring_scratch` and `launch`, the grouped dW kernel's (`grouped_dw`).
 
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
-from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, PingPongTiles
+from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, WGMMA_M, PingPongTiles
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
 
@@ -155,6 +157,36 @@ def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands) ->
         )(*operands)
 
 
+class TileDeal:
+    """A CTA's units of the grouped GEMM's `units` output tiles (known at run time only: they
+    follow the group sizes) on `ctas` CTAs: unit i of CTA `cta` is tile cta + i * ctas, except
+    that where the last wave fills at most half the CTAs after a whole one (and `halving`: half
+    a tile is whole wgmma rows) its tiles run as two halves of tile_m / 2 rows each, half h of
+    tile `waves * ctas + h // 2` on CTA h (the last unit of CTAs 0 .. 2 * last - 1), so that
+    wave takes half a tile's time (the dense kernels' `pingpong.Deal`, traced). Groups' partial
+    last tiles add tiles a dense GEMM of the same rows does not have, and often such a wave."""
+
+    def __init__(self, units, ctas: int, cta, *, halving: bool):
+        self.ctas, self.cta, self.halving = ctas, cta, halving
+        self.waves, last = units // ctas, units % ctas
+        self.halved = halving & (units > ctas) & (last > 0) & (last <= ctas // 2)
+        extra = jnp.where(self.halved, cta < 2 * last, cta < last)
+        self.count = self.waves + extra.astype(jnp.int32)  # the CTA's units
+
+    def is_half(self, i):
+        """Whether the CTA's unit i is a half tile (traced)."""
+        return self.halved & (i == self.waves)
+
+    def tile(self, i):
+        """(tile, which half: 0 or 1, 0 for a whole tile) of the CTA's unit i (traced)."""
+        whole = self.cta + i * self.ctas
+        if not self.halving:
+            return whole, 0
+        half = self.is_half(i)
+        tile = jnp.where(half, self.waves * self.ctas + self.cta // 2, whole)
+        return tile, jnp.where(half, self.cta % 2, 0)
+
+
 def shape_reason(
     tiles: PingPongTiles, m: int, k: int, n: int, dtype, *, w_nk: bool = False
 ) -> str | None:
@@ -232,50 +264,69 @@ def grouped_matmul(
     def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, x_ref, w_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         cta, used = lax.axis_index("sm"), counts_ref[0]
-        mine = (used * n_iters - cta + sms - 1) // sms  # units cta, cta + sms, ... of the GEMM
-        tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # and of the tail
+        deal = TileDeal(used * n_iters, sms, cta, halving=tm % (2 * WGMMA_M) == 0)
+        tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # the tail's units
 
-        def where(i):  # the CTA's i-th GEMM tile: its rows' tile and columns
-            p, n_idx = plgpu.planar_snake(
-                cta + i * sms, (used, n_iters), MatmulDimension.M, tiles.band
-            )
-            return p, pl.ds(n_idx * tn, tn)
+        def where(i):  # the CTA's i-th GEMM unit: its rows' tile, columns and half (0 or 1)
+            tile, half = deal.tile(i)
+            p, n_idx = plgpu.planar_snake(tile, (used, n_iters), MatmulDimension.M, tiles.band)
+            return p, pl.ds(n_idx * tn, tn), half
+
+        def whole_or_half(i, fn):  # fn(rows): unit i's rows, tile_m or tile_m / 2
+            if not deal.halving:
+                return fn(tm)
+            half = deal.is_half(i)
+            pl.when(~half)(lambda: fn(tm))
+            pl.when(half)(lambda: fn(tm // 2))
 
         def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1):
             loaded, turn = (loaded0, loaded1), (turn0, turn1)
 
-            def issue(c, s, kk, x_rows, group, cols):  # step s (K-step kk) of warpgroup c
+            def x_slot(slot, rows):  # the first `rows` rows of a slot's x block
+                return x_smem.at[slot] if rows == tm else x_smem.at[slot, pl.ds(0, rows)]
+
+            def issue(c, s, kk, x_rows, group, cols, rows):  # step s (K-step kk) of warpgroup c
                 slot, ks = s % stages, pl.ds(kk * tk, tk)
-                plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_smem.at[slot], loaded[c].at[slot])
+                plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_slot(slot, rows), loaded[c].at[slot])
                 block = group.at[cols, ks] if w_nk else group.at[ks, cols]
                 plgpu.copy_gmem_to_smem(block, w_smem.at[slot], loaded[c].at[slot])
 
             def load():
 
-                @pl.loop(0, mine)
+                @pl.loop(0, deal.count)
                 def _tile(i):  # the tile's schedule read once, not in each of its K-steps
-                    p, cols = where(i)
-                    x_rows = x_ref.at[pl.ds(pl.multiple_of(start_ref[p], ROW_ALIGN), tm)]
+                    p, cols, half = where(i)
                     group = w_ref.at[group_ref[p]]
 
-                    @pl.loop(0, k_iters)
-                    def _step(kk):
-                        s = i * k_iters + kk
+                    def steps(rows):
+                        first = pl.multiple_of(start_ref[p] + half * rows, ROW_ALIGN)
+                        x_rows = x_ref.at[pl.ds(first, rows)]
 
-                        @pl.when(s >= stages)
-                        def _reuse():
-                            plgpu.barrier_wait(consumed.at[s % stages])
+                        @pl.loop(0, k_iters)
+                        def _step(kk):
+                            s = i * k_iters + kk
 
-                        for c in (0, 1):
-                            step = functools.partial(issue, c, s, kk, x_rows, group, cols)
-                            pl.when(i % 2 == c)(step)
+                            @pl.when(s >= stages)
+                            def _reuse():
+                                plgpu.barrier_wait(consumed.at[s % stages])
 
-            def store(c, value, p, cols):  # the tile's own rows: a ladder of TMA stores
+                            for c in (0, 1):
+                                step = functools.partial(issue, c, s, kk, x_rows, group, cols, rows)
+                                pl.when(i % 2 == c)(step)
+
+                    whole_or_half(i, steps)
+
+            def store(c, value, p, cols, half=0, rows=tm):
+                """The unit's own rows (its tile's rows [skip, skip + rows_ref[p]) inside the
+                unit's [half * rows, half * rows + rows)): a ladder of TMA stores."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[c] = value
+                out_smem.at[c, pl.ds(0, rows)][...] = value
                 plgpu.commit_smem()
-                row0, at, count = start_ref[p], skip_ref[p], rows_ref[p]
-                for size in ladder(tm):
+                first, skip = half * rows, skip_ref[p]
+                lo = jnp.maximum(skip, first)
+                count = jnp.maximum(jnp.minimum(skip + rows_ref[p], first + rows) - lo, 0)
+                row0, at = start_ref[p] + first, lo - first
+                for size in ladder(rows):
 
                     @pl.when(count & size != 0)
                     def _part(at=at, size=size):
@@ -285,13 +336,15 @@ def grouped_matmul(
                     at = at + (count & size)
 
             def gemm_tile(c, i):
-                p, cols = where(i)
+                p, cols, half = where(i)
+                whole_or_half(i, lambda rows: tile_rows(c, i, p, cols, half, rows))
 
+            def tile_rows(c, i, p, cols, half, rows):  # unit i, of `rows` rows
                 def k_step(kk, acc):
                     s = i * k_iters + kk
                     plgpu.barrier_wait(loaded[c].at[s % stages])
                     rhs = w_smem.at[s % stages]
-                    plgpu.wgmma(acc, x_smem.at[s % stages], rhs.T if w_nk else rhs)
+                    plgpu.wgmma(acc, x_slot(s % stages, rows), rhs.T if w_nk else rhs)
                     plgpu.wgmma_wait(1)  # the K-step before is done: release its slot
 
                     @pl.when(kk > 0)
@@ -303,9 +356,10 @@ def grouped_matmul(
                 def tile_scope(acc_ref):
                     k_loop_in_turn(turn, c, i, k_iters, k_step, acc_ref)
                     plgpu.barrier_arrive(consumed.at[(i * k_iters + k_iters - 1) % stages])
-                    store(c, mt.scaled(acc_ref[...], scale_ref, out_dtype), p, cols)
+                    value = mt.scaled(acc_ref[...], scale_ref, out_dtype)
+                    store(c, value, p, cols, half, rows)
 
-                pl.run_scoped(tile_scope, plgpu.ACC((tm, tn), jnp.float32))
+                pl.run_scoped(tile_scope, plgpu.ACC((rows, tn), jnp.float32))
 
             def zero_tile(c, j):  # rows past the groups' sum
                 z = cta + j * sms
@@ -313,7 +367,7 @@ def grouped_matmul(
                 store(c, tile, used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
 
             def compute(c):
-                pl.loop(c, mine, step=2)(functools.partial(gemm_tile, c))
+                pl.loop(c, deal.count, step=2)(functools.partial(gemm_tile, c))
                 pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -374,6 +374,42 @@ def test_pingpong_kernel_against_ragged_dot(sizes, w_nk, m):
     assert float(jnp.abs(got - 2 * want).max()) <= 2 * REL * scale
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[839, 480, 2531, 604, 534, 1454, 1051, 699], [839, 480, 2531, 604, 534, 1454, 1051, 560]],
+    ids=["all-rows", "short-sum"],
+)
+def test_pingpong_kernel_halved_last_wave(sizes, w_nk, dtype):
+    """commgemm's ping-pong grouped kernel where the groups' tiles leave a last wave at most
+    half full (8 uneven groups over 8192 rows, 14 column tiles: 952 tiles, 28 past 7 waves of
+    132; or 938, a sum 139 rows short), which run as half tiles of 64 rows: every row of every
+    group against the float32 ragged dot (bf16 operands; float8 ones as dX's K-major w), rows
+    past the sum zero."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    m, k, n = 8192, 256, 1792
+    sizes = jnp.asarray(sizes, jnp.int32)
+    units = int(grouped_pingpong.row_tiles(sizes, m, 128).counts[0]) * (n // 128)
+    ctas = mosaic_tiles.num_sms()
+    assert units > ctas and 0 < units % ctas <= ctas // 2, (units, ctas)  # a halved last wave
+    kx, kw = jax.random.split(jax.random.key(len(dtype) + w_nk), 2)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w_nk = w_nk or dtype != "bfloat16"  # float8 w is K-major
+    shape = (sizes.shape[0], n, k) if w_nk else (sizes.shape[0], k, n)
+    w = (jax.random.normal(kw, shape, jnp.float32) / k**0.25).astype(dtype)
+    rhs = jnp.swapaxes(w, 1, 2) if w_nk else w
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
+                              precision="highest")  # fmt: skip
+    kernel = functools.partial(grouped_pingpong.grouped_matmul, w_nk=w_nk)
+    got = jax.jit(kernel)(x, w, sizes).astype(jnp.float32)
+    assert float(jnp.abs(got - want).max()) <= REL * float(jnp.abs(want).max())
+    total = int(sizes.sum())
+    assert float(jnp.abs(got[total:]).max(initial=0.0)) == 0.0
+
+
 @pytest.mark.parametrize("w_nk", [False, True], ids=["forward", "dX"])
 @pytest.mark.parametrize("tile_m, tile_n", [(192, 128), (256, 64), (64, 128), (128, 192)])
 def test_pingpong_kernel_tilings(tile_m, tile_n, w_nk):
