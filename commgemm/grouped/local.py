@@ -132,13 +132,12 @@ def grouped_matmul(
         `keep_transposed=True` Hopper's float8 forward reads its values as kept, [G, N, K],
         instead of transposing them in each call): differentiable.
       hopper_tiles: the Hopper forward's kernel: a `PingPongTiles` (commgemm's ping-pong
-        kernel), a `GroupedConfig` (its row-aligned kernel) or a `GroupedTiles` (jax's ragged
-        dot); None picks one by the shape
-        (`mosaic_gpu.grouped.pick_tiles`). On a Hopper GPU with 16-bit operands whose shape
-        divides into the tiles, the forward and dX run a Mosaic GPU kernel and dW jax's
-        transposed ragged dot; elsewhere XLA's ragged dot (on a Hopper GPU 4 to 23 times slower for
-        8
-        to 64 groups, its dW 6.6 to 18 times slower on a Hopper GPU).
+        kernel, which None picks where its tiles fit: `mosaic_gpu.grouped.pick_tiles`), a
+        `GroupedConfig` (its row-aligned kernel) or a `GroupedTiles` (jax's ragged dot). On a
+        Hopper GPU with 16-bit operands whose shape divides into the tiles, the forward and dX
+        run a Mosaic GPU kernel and dW commgemm's ping-pong dW kernel; elsewhere XLA's ragged
+        dot (on a Hopper GPU 4 to 23 times slower for 8 to 64 groups, its dW 6.6 to 18 times
+        slower).
     Returns:
       [M, N]. Differentiable in x, w and bias. Not batchable with `jax.vmap` where x, w and
       group_sizes are not all batched along axis 0: `lax.ragged_dot` raises
