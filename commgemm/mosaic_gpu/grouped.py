@@ -6,14 +6,12 @@ other's K loop) wherever its tiles fit (`pick_tiles`); the row-aligned kernel
 (`grouped_kernel`: the dense kernels' 128 x 256 tiles aligned to the rows, a tile that
 straddles group boundaries running one K loop per group) and jax's Mosaic GPU ragged dot
 (`ragged_dot_mgpu`: one unit per (row block, group)) run where asked for (`GroupedConfig`,
-`GroupedTiles`; the ping-pong kernel ran the forward faster than the row-aligned one at
-every group size measured, docs/performance.md). dW runs commgemm's ping-pong dW kernel
-(`grouped_dw`: the tokens contracted group by group; jax's `transposed_ragged_dot_mgpu` where
-asked for). XLA's own ragged dot runs far below the tensor cores' rate on a Hopper GPU, which
-is why this path exists; it stays the fall-back for shapes no kernel takes. Tensor scaling
-(current or delayed) runs the forward and dX on float8 operands in the same two kernels
-(`float8_kernel`: the ping-pong one where accumulation is fast, the row-aligned one for split
-accumulation)."""
+`GroupedTiles`). dW runs commgemm's ping-pong dW kernel (`grouped_dw`: the tokens contracted
+group by group; jax's `transposed_ragged_dot_mgpu` where asked for). XLA's own ragged dot runs
+far below the tensor cores' rate on a Hopper GPU, which is why this path exists; it stays the
+fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the forward and
+dX on float8 operands in the same two kernels (`float8_kernel`: the ping-pong one where
+accumulation is fast, the row-aligned one for split accumulation)."""
 
 from __future__ import annotations
 
