@@ -35,7 +35,8 @@ A step under 90% busy is host-bound: no ratio is given from it.
         python benchmarks/moe_step.py --out DIR
 
 Under `commgemm launch` (one process per GPU) each process times its own GPUs and process 0
-writes the results.
+writes the results; on GPUs the xla and ragged-a2a variants are left out there (reported in
+the row's errors: XLA's ragged all-to-all does not run across processes).
 
 Writes DIR/moe_step.json and prints a line per row.
 """
@@ -65,6 +66,22 @@ FP8 = "current_tensor_scaling"
 #: XLA's ragged all-to-all with commgemm's grouped GEMMs: what the exchange alone costs
 RAGGED = "ragged-a2a"
 QW = "+qw"  # a variant's suffix: its experts quantized once a step (FP8 rows)
+#: Why the XLA ragged all-to-all variants are left out with one process per GPU: jax 0.11.2's
+#: XLA refuses the exchange across processes (it would fall back to NCCL send/recv); with
+#: xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback set, a two-process run of auto and
+#: xla finished no row in 320 s where auto alone took under a minute (2 x H200).
+RAGGED_ACROSS_PROCESSES = (
+    "XLA's ragged all-to-all across processes: refused (NCCL send/recv fallback) or stalled"
+)
+
+
+def leave_out_ragged(found: dict, row: dict, processes: int, backend: str) -> None:
+    """With several processes on GPUs, drop the variants on XLA's ragged all-to-all (xla,
+    ragged-a2a) from `found` before any process runs them, each reported in row["errors"]."""
+    if processes > 1 and backend == "gpu":
+        for name in sorted({"xla", RAGGED} & set(found)):
+            row.setdefault("errors", {})[name] = RAGGED_ACROSS_PROCESSES
+            del found[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +299,7 @@ def run(
         "busy": {},
         "rounds": {},
     }
+    leave_out_ragged(found, row, jax.process_count(), jax.default_backend())
     first_losses(found, row)
     if "xla" in row["loss"]:
         reference[size_name] = row["loss"]["xla"]

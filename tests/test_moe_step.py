@@ -204,3 +204,21 @@ def test_microbatches_must_be_positive(microbatches):
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     with pytest.raises(ValueError, match=f"microbatches={microbatches} must be 1 or more"):
         bench.variants(bench.QUICK, mesh, jnp.bfloat16, None, ["none"], microbatches)
+
+
+@pytest.mark.parametrize("processes, backend", [(1, "gpu"), (2, "gpu"), (2, "cpu")])
+def test_ragged_variants_left_out_across_gpu_processes(processes, backend):
+    """With several processes on GPUs the variants on XLA's ragged all-to-all (xla,
+    ragged-a2a) are dropped before any runs, each with its reason in the row's errors; one
+    process, or the CPU (where an all-to-all stands in for it), keeps every variant."""
+    bench = _bench()
+    names = ["auto", "xla", bench.RAGGED, "none"]
+    found, row = {name: (None, ()) for name in names}, {}
+    bench.leave_out_ragged(found, row, processes, backend)
+    dropped = processes > 1 and backend == "gpu"
+    assert sorted(found) == sorted(["auto", "none"] if dropped else names)
+    assert row.get("errors", {}) == (
+        {"xla": bench.RAGGED_ACROSS_PROCESSES, bench.RAGGED: bench.RAGGED_ACROSS_PROCESSES}
+        if dropped
+        else {}
+    )
