@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from commgemm.mosaic_gpu import grouped_pingpong
+from commgemm.mosaic_gpu import grouped_pingpong, pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.grouped_pingpong import ROW_ALIGN, PingPongTiles
 
@@ -228,24 +228,33 @@ def test_k_step_loads_read_no_schedule(form, monkeypatch):
 
 @settings(max_examples=60, deadline=None)
 @given(units=st.integers(0, 700), ctas=st.integers(1, 40), halving=st.booleans())
-def test_tile_deal_runs_every_tile_once(units, ctas, halving):
-    """Every tile runs once: whole on one CTA, or (a last wave at most half full after a whole
-    one, with `halving`) as its two halves on two CTAs, the last unit of each; CTAs run within
-    one unit of each other. Counted in Python from the deal of every CTA's every unit."""
-
-    def dealt(units):
-        deal = grouped_pingpong.TileDeal(units, ctas, jnp.arange(ctas, dtype=jnp.int32),
-                                         halving=halving)  # fmt: skip
-        i = jnp.arange(units // ctas + 2, dtype=jnp.int32)[:, None]
-        tile, half = deal.tile(i)
-        halves = deal.is_half(i) if halving else False
-        return deal.count, *(jnp.broadcast_to(a, (i.shape[0], ctas)) for a in (tile, half, halves))
-
-    with jax.enable_x64(False):
-        found = jax.jit(dealt, static_argnums=0)(units)
-    count, tile, half, is_half = (np.asarray(a) for a in found)
+@example(units=35, ctas=10, halving=True)  # a last wave of exactly half the CTAs
+def test_traced_deal_runs_every_tile_once(units, ctas, halving):
+    """`pingpong.Deal.traced` (the grouped kernel's: units known at run time only): every tile
+    runs once, whole on one CTA, or (a last wave at most half full after a whole one, with
+    `halving`) as its two halves on two CTAs, the last unit of each; CTAs run within one unit
+    of each other; and the traced deal is the dense kernels' static one (`pingpong.Deal` with
+    that tail). Counted in Python from the deal of every CTA's every unit."""
     last = units % ctas
     halved = halving and units > ctas and 0 < last <= ctas // 2
+    cid = jnp.arange(ctas, dtype=jnp.int32)
+    i = jnp.arange(units // ctas + 2, dtype=jnp.int32)[:, None]
+
+    def dealt(deal):
+        tile, half = deal.tile(cid, i)
+        halves = deal.half(i)
+        halves = False if halves is None else halves
+        return deal.count(cid), *(
+            jnp.broadcast_to(a, (i.shape[0], ctas)) for a in (tile, half, halves)
+        )
+
+    with jax.enable_x64(False):
+        traced = jax.jit(lambda u: dealt(pingpong.Deal.traced(u, ctas, halving=halving)))
+        found = [np.asarray(a) for a in traced(jnp.int32(units))]
+        static = [np.asarray(a) for a in dealt(pingpong.Deal(units, ctas, last if halved else 0))]
+    count, tile, half, is_half = found
+    for got, want in zip(found, static, strict=True):
+        np.testing.assert_array_equal(got, want)
     runs = {}
     for c in range(ctas):
         for i in range(int(count[c])):

@@ -26,9 +26,10 @@ group, int32 arrays in global memory) once per tile, then issues the loads of it
 read in every K-step, those dependent global loads would set the pace of the loads, below
 the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide. The groups'
 partial last tiles often leave a last wave that fills few CTAs; where it fills at most half
-of them, its tiles run as two halves of tile_m / 2 rows each, on two CTAs (`TileDeal`).
-Its pieces are the dense ping-pong kernels' (`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`)
-and, with `ring_scratch` and `launch`, the grouped dW kernel's (`grouped_dw`).
+of them, its tiles run as two halves of tile_m / 2 rows each, on two CTAs. Its pieces are the
+dense ping-pong kernels' (`pingpong.Deal`, traced here: the tiles follow the group sizes;
+`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`) and, with `ring_scratch` and `launch`,
+the grouped dW kernel's (`grouped_dw`).
 
 It runs the forward and dX (w read [G, N, K]) at any group size (`grouped.pick_tiles`), and
 the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation)."""
@@ -45,7 +46,7 @@ from jax import lax
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, WGMMA_M, PingPongTiles
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
-from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
+from commgemm.mosaic_gpu.pingpong import Deal, by_warpgroup, k_loop_in_turn
 
 #: Shared memory a Hopper CTA may use (227 KiB), less 1 KiB for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
@@ -157,36 +158,6 @@ def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands) ->
         )(*operands)
 
 
-class TileDeal:
-    """A CTA's units of the grouped GEMM's `units` output tiles (known at run time only: they
-    follow the group sizes) on `ctas` CTAs: unit i of CTA `cta` is tile cta + i * ctas, except
-    that where the last wave fills at most half the CTAs after a whole one (and `halving`: half
-    a tile is whole wgmma rows) its tiles run as two halves of tile_m / 2 rows each, half h of
-    tile `waves * ctas + h // 2` on CTA h (the last unit of CTAs 0 .. 2 * last - 1), so that
-    wave takes half a tile's time (the dense kernels' `pingpong.Deal`, traced). Groups' partial
-    last tiles add tiles a dense GEMM of the same rows does not have, and often such a wave."""
-
-    def __init__(self, units, ctas: int, cta, *, halving: bool):
-        self.ctas, self.cta, self.halving = ctas, cta, halving
-        self.waves, last = units // ctas, units % ctas
-        self.halved = halving & (units > ctas) & (last > 0) & (last <= ctas // 2)
-        extra = jnp.where(self.halved, cta < 2 * last, cta < last)
-        self.count = self.waves + extra.astype(jnp.int32)  # the CTA's units
-
-    def is_half(self, i):
-        """Whether the CTA's unit i is a half tile (traced)."""
-        return self.halved & (i == self.waves)
-
-    def tile(self, i):
-        """(tile, which half: 0 or 1, 0 for a whole tile) of the CTA's unit i (traced)."""
-        whole = self.cta + i * self.ctas
-        if not self.halving:
-            return whole, 0
-        half = self.is_half(i)
-        tile = jnp.where(half, self.waves * self.ctas + self.cta // 2, whole)
-        return tile, jnp.where(half, self.cta % 2, 0)
-
-
 def shape_reason(
     tiles: PingPongTiles, m: int, k: int, n: int, dtype, *, w_nk: bool = False
 ) -> str | None:
@@ -260,22 +231,23 @@ def grouped_matmul(
     n_iters, k_iters, sms = n // tn, k // tk, mt.num_sms()
     transforms = mt.smem_transforms(x.dtype, tk)  # w's dtype is as wide (float8: 1 byte)
     w_block = (tn, tk) if w_nk else (tk, tn)
+    halves = tm % (2 * WGMMA_M) == 0  # a last wave's halves: whole wgmma rows
 
     def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, x_ref, w_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         cta, used = lax.axis_index("sm"), counts_ref[0]
-        deal = TileDeal(used * n_iters, sms, cta, halving=tm % (2 * WGMMA_M) == 0)
+        deal = Deal.traced(used * n_iters, sms, halving=halves)
         tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # the tail's units
 
         def where(i):  # the CTA's i-th GEMM unit: its rows' tile, columns and half (0 or 1)
-            tile, half = deal.tile(i)
+            tile, half = deal.tile(cta, i)
             p, n_idx = plgpu.planar_snake(tile, (used, n_iters), MatmulDimension.M, tiles.band)
             return p, pl.ds(n_idx * tn, tn), half
 
         def whole_or_half(i, fn):  # fn(rows): unit i's rows, tile_m or tile_m / 2
-            if not deal.halving:
+            if not halves:
                 return fn(tm)
-            half = deal.is_half(i)
+            half = deal.half(i)
             pl.when(~half)(lambda: fn(tm))
             pl.when(half)(lambda: fn(tm // 2))
 
@@ -293,7 +265,7 @@ def grouped_matmul(
 
             def load():
 
-                @pl.loop(0, deal.count)
+                @pl.loop(0, deal.count(cta))
                 def _tile(i):  # the tile's schedule read once, not in each of its K-steps
                     p, cols, half = where(i)
                     group = w_ref.at[group_ref[p]]
@@ -367,7 +339,7 @@ def grouped_matmul(
                 store(c, tile, used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
 
             def compute(c):
-                pl.loop(c, deal.count, step=2)(functools.partial(gemm_tile, c))
+                pl.loop(c, deal.count(cta), step=2)(functools.partial(gemm_tile, c))
                 pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -141,32 +141,50 @@ class Deal:
     """How `units` cluster tiles are dealt to `ctas` clusters: cluster cid's unit i is tile
     cid + i * ctas; with `tail` > 0, the last `tail` tiles (a last wave at most half full) run
     as two halves of tile_m / 2 rows each, half h of tile `waves * ctas + h // 2` on cluster h
-    (the last unit of clusters 0 .. 2 * tail - 1)."""
+    (the last unit of clusters 0 .. 2 * tail - 1). `units` and `tail` are Python ints where the
+    shapes fix them (the dense kernels), or traced int32 (`Deal.traced`: the grouped kernel,
+    whose tiles follow the group sizes)."""
 
-    units: int
+    units: int | jax.Array
     ctas: int
-    tail: int = 0
+    tail: int | jax.Array = 0
+
+    @classmethod
+    def traced(cls, units: jax.Array, ctas: int, *, halving: bool) -> Deal:
+        """The deal of `units` tiles known at run time only: where `halving` (a half tile is
+        whole wgmma rows), the last wave's tiles halved where a whole wave precedes it and it
+        fills at most half the clusters."""
+        if not halving:
+            return cls(units, ctas)
+        last = units % ctas
+        narrow = (units > ctas) & (last > 0) & (last <= ctas // 2)
+        return cls(units, ctas, jnp.where(narrow, last, 0))
 
     @property
-    def waves(self) -> int:
+    def waves(self):
         """Whole waves before a halved tail."""
         return (self.units - self.tail) // self.ctas
 
     def count(self, cid):
         """Cluster cid's units (traced)."""
-        if not self.tail:
+        if isinstance(self.tail, int) and not self.tail:
             return (self.units - cid + self.ctas - 1) // self.ctas
-        return self.waves + (cid < 2 * self.tail).astype(jnp.int32)
+        halved = self.waves + (cid < 2 * self.tail).astype(jnp.int32)
+        if isinstance(self.tail, int):
+            return halved
+        return jnp.where(self.tail > 0, halved, (self.units - cid + self.ctas - 1) // self.ctas)
 
     def half(self, i):
         """Whether unit i (of any cluster) is a half tile (traced), or None without a tail."""
-        return None if not self.tail else i >= self.waves
+        if isinstance(self.tail, int):
+            return None if not self.tail else i >= self.waves
+        return (self.tail > 0) & (i >= self.waves)
 
     def tile(self, cid, i):
         """(tile, which half: 0 or 1, 0 for a whole tile) of cluster cid's unit i (traced)."""
-        if not self.tail:
+        if isinstance(self.tail, int) and not self.tail:
             return cid + i * self.ctas, 0
-        half = i >= self.waves
+        half = self.half(i)
         tile = jnp.where(half, self.waves * self.ctas + cid // 2, cid + i * self.ctas)
         return tile, jnp.where(half, lax.rem(cid, jnp.int32(2)), 0)
 
