@@ -292,7 +292,9 @@ def first_losses(found: dict, row: dict, skip: tuple[str, ...] = ()) -> None:
     """Each variant's first step (its loss into row["loss"]; not for `skip`), where it compiles
     and fits in memory; a variant that does not is reported in row["errors"] and dropped from
     `found`. With several processes the processes agree first on which variants every one of
-    them can run, so that all run the same steps."""
+    them can run, so that all run the same steps. With one process a variant whose first step
+    fails (an error raised when it runs) is reported and dropped too; with several, such an
+    error ends the process (the others would wait for it in their collectives)."""
     errors = {name: why for name, (fn, args) in found.items() if (why := cannot_run(fn, args))}
     runnable = agreed(list(found), set(found) - set(errors), every=True)
     for name in list(found):
@@ -301,7 +303,13 @@ def first_losses(found: dict, row: dict, skip: tuple[str, ...] = ()) -> None:
             row.setdefault("errors", {})[name] = why
             del found[name]
         elif name not in skip:
-            row["loss"][name] = float(found[name][0](*found[name][1])[2])
+            try:
+                row["loss"][name] = float(found[name][0](*found[name][1])[2])
+            except Exception as err:  # noqa: BLE001 - one process: report it, run the others
+                if jax.process_count() > 1:
+                    raise
+                row.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"[:600]
+                del found[name]
 
 
 def run(size_name: str, size: Size, dtype_name: str, names: list[str], calls: int,

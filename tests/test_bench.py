@@ -678,6 +678,19 @@ def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
     assert row["loss"] == {"small": 64 * 64} and set(found) == {"small", "comm"}
     assert "TypeError" in row["errors"]["broken"]  # incompatible shapes for dot
 
+    class FailsWhenRun:  # compiles, then fails at its first step (as a refused collective)
+        def __init__(self, fn):
+            self.lower = fn.lower
+
+        def __call__(self, *args):
+            raise RuntimeError("refused at run time")
+
+    found = {"small": loss_step(1.0), "fails": (FailsWhenRun(loss_step(2.0)[0]), found["small"][1])}
+    row = {"loss": {}}
+    step.first_losses(found, row)
+    assert row["loss"] == {"small": 64 * 64} and set(found) == {"small"}
+    assert row["errors"] == {"fails": "RuntimeError: refused at run time"}
+
     # 1 MiB free on the last device, 1 GiB on the others: the step on 64 x 64 (about 100 KiB of
     # buffers) fits, on 1024 x 1024 not (the device with the least free memory decides)
     last = jax.local_devices()[-1].id
