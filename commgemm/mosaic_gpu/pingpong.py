@@ -161,28 +161,35 @@ class Deal:
         return cls(units, ctas, jnp.where(narrow, last, 0))
 
     @property
+    def fixed(self) -> bool:
+        """Whether the tail is known at trace time (a Python int)."""
+        return isinstance(self.tail, int)
+
+    @property
     def waves(self):
         """Whole waves before a halved tail."""
         return (self.units - self.tail) // self.ctas
 
     def count(self, cid):
         """Cluster cid's units (traced)."""
-        if isinstance(self.tail, int) and not self.tail:
+
+        def in_turn():  # no halved tail: units cid, cid + ctas, ...
             return (self.units - cid + self.ctas - 1) // self.ctas
+
+        if self.fixed and not self.tail:
+            return in_turn()
         halved = self.waves + (cid < 2 * self.tail).astype(jnp.int32)
-        if isinstance(self.tail, int):
-            return halved
-        return jnp.where(self.tail > 0, halved, (self.units - cid + self.ctas - 1) // self.ctas)
+        return halved if self.fixed else jnp.where(self.tail > 0, halved, in_turn())
 
     def half(self, i):
         """Whether unit i (of any cluster) is a half tile (traced), or None without a tail."""
-        if isinstance(self.tail, int):
+        if self.fixed:
             return None if not self.tail else i >= self.waves
         return (self.tail > 0) & (i >= self.waves)
 
     def tile(self, cid, i):
         """(tile, which half: 0 or 1, 0 for a whole tile) of cluster cid's unit i (traced)."""
-        if isinstance(self.tail, int) and not self.tail:
+        if self.fixed and not self.tail:
             return cid + i * self.ctas, 0
         half = self.half(i)
         tile = jnp.where(half, self.waves * self.ctas + cid // 2, cid + i * self.ctas)
