@@ -35,6 +35,20 @@ def shard(fn, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
     )
 
 
+def ragged_layouts(sizes: np.ndarray, rows: int, most: int):
+    """Layouts of a ragged all-to-all (`commgemm.grouped.exchange`) from sizes [src, dst], the
+    rows each device has for each device (each source's sum at most `rows`): per device its
+    send bounds [P + 1] (regions of those sizes tiling `rows`), send counts (capped at `most`),
+    receive bounds (regions of `most` rows) and receive counts."""
+    size = sizes.shape[0]
+    counts = np.minimum(sizes, most).astype(np.int32)
+    send = np.zeros((size, size + 1), np.int32)
+    send[:, 1:size] = np.cumsum(sizes, 1)[:, :-1]
+    send[:, size] = rows
+    recv = np.tile(np.arange(size + 1, dtype=np.int32) * most, (size, 1))
+    return send, counts, recv, counts.T.copy()
+
+
 def random(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 

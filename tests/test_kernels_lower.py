@@ -833,3 +833,34 @@ def test_kept_transposed_dense_lowers(spec, keep, monkeypatch):
     assert bool(transposes) is not keep, transposes
     kernels = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
     assert len(kernels) == (spec != "none"), kernels
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
+@pytest.mark.parametrize("size", [2, 4])
+def test_ragged_all_to_all_kernel_lowers(size, dtype, check_vma, monkeypatch):
+    """The expert-parallel exchange on its NVLink kernel (`mosaic_gpu.ragged_a2a`), as on a
+    Hopper GPU: forward and (for 16-bit and wider rows) its transpose each one Mosaic GPU
+    call."""
+    from commgemm.grouped import exchange
+
+    monkeypatch.setattr(exchange, "kernel_reason", lambda dtype, k: None)
+    rows, most, k = 1000, 700, 512
+
+    def body(x, sb, sc, rb, rc):
+        send, recv = exchange.Layout(sb[0], sc[0]), exchange.Layout(rb[0], rc[0])
+        return exchange.ragged_all_to_all(x, send, recv, "x", most, size * most)
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"),) * 5, out_specs=P("x"),
+                      check_vma=check_vma)  # fmt: skip
+    ints = lambda n: jax.ShapeDtypeStruct((size, n), jnp.int32)  # noqa: E731
+    args = (jax.ShapeDtypeStruct((size * rows, k), dtype), ints(size + 1), ints(size),
+            ints(size + 1), ints(size))  # fmt: skip
+    wide = jnp.dtype(dtype).itemsize >= 2
+
+    def fn(x, *layouts):  # the exchange, and its transpose on its result where differentiable
+        y, pullback = jax.vjp(lambda v: f(v, *layouts), x)
+        return pullback(y) if wide else y
+
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (2 if wide else 1)

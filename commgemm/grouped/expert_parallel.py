@@ -2,16 +2,18 @@
 grouped GEMM, and the way back, per shard inside `jax.shard_map`.
 
 Shard d of P owns experts [d*e, (d+1)*e) of E = P*e. Each shard's tokens are sorted by global
-expert; group_sizes [E] are its counts. Shapes stay static: what shard s sends shard d is a
-block of C rows (its tokens for d's experts first, zeros after), with d's e counts beside it.
-C, the capacity, is m (all of s's m token rows could go to one shard) unless the caller caps
-it: then the tokens past the first C for a shard are dropped (results of zero), and the
-exchanges and the received [P*C, .] activations shrink by m / C (`moe_per_shard`'s
-capacity_factor caps each expert's tokens instead).
-RING_EXCHANGE sends to shard me + t at step t while multiplying what arrived at step t - 1, so
-the expert GEMMs start on the first tokens while the rest are in flight; NONE exchanges every
-block first in one `lax.all_to_all` (and the results back in another), then multiplies all
-of them in one grouped GEMM, their rows regrouped by expert and the padding last
+expert; group_sizes [E] are its counts. Shapes stay static: what shard d receives from shard s
+is a block of C rows (s's tokens for d's experts first, zeros after), with their e counts
+beside it. C, the capacity, is m (all of s's m token rows could go to one shard) unless the
+caller caps it: then the tokens past the first C for a shard are dropped (results of zero),
+and the received [P*C, .] activations shrink by m / C (`moe_per_shard`'s capacity_factor caps
+each expert's tokens instead).
+RING_EXCHANGE sends to shard me + t at step t, a whole block of C rows, while multiplying what
+arrived at step t - 1, so the expert GEMMs start on the first tokens while the rest are in
+flight; NONE exchanges every shard's tokens first in one ragged all-to-all
+(`grouped.exchange`: only the routed rows travel, straight from the sorted tokens into their
+blocks; the results back in another, straight into token order), then multiplies all of them
+in one grouped GEMM, their rows regrouped by expert and the padding last
 (`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`).
 `expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
 expert from the first GEMM to the second.
@@ -37,6 +39,7 @@ from commgemm.grouped.blocks import (
     row_block,
     whole_block_matmul,
 )
+from commgemm.grouped.exchange import Layout, ragged_all_to_all
 from commgemm.grouped.local import check_grouped, sizes_in_rows
 from commgemm.grouped.scaling import (
     Float8Experts,
@@ -215,24 +218,32 @@ def _sent(x, rows: Rows | None, start, count, capacity: int):
 
 
 def _dispatched(x, w, group_sizes, axis_name, rows: Rows | None, capacity: int):
-    """This shard's tokens x [m, K] sent to their experts' shards in one all-to-all: (blocks
-    [P, C, K], block s from shard s, its first C tokens for this shard's experts first and
-    zeros after; their quantized rows as they travelled, payload [P, C, .], or None; their
-    counts [P, e])."""
+    """This shard's tokens x [m, K] sent to their experts' shards in one ragged all-to-all
+    (`grouped.exchange`: only the routed rows travel): (blocks [P, C, K], block s from shard s,
+    its first C tokens for this shard's experts first and zeros after; their quantized rows as
+    they travelled, payload [P, C, .], or None; their counts [P, e])."""
     starts, counts, sizes = _routed(x, w, group_sizes, axis_name, capacity)
-    sent = [_sent(x, rows, starts[d], counts[d], capacity) for d in range(sizes.shape[0])]
-    blocks = jnp.stack([b for b, _ in sent])
-    stacked = _stacked(tuple(q for _, q in sent))
-    values, arrived = carry(
-        functools.partial(_all_to_all, axis_name=axis_name), blocks, stacked, None
-    )
-    return values, arrived, _all_to_all(sizes, axis_name)
+    size, m = sizes.shape[0], x.shape[0]
+    arrived_sizes = _all_to_all(sizes, axis_name)
+    send = Layout(_bounds(starts, m), counts)
+    recv = Layout(_bounds(jnp.arange(size) * capacity, size * capacity),
+                  arrived_sizes.sum(axis=1).astype(jnp.int32))  # fmt: skip
+
+    exchange = functools.partial(_exchanged, axis_name=axis_name, capacity=capacity)
+    values, arrived = carry(exchange, x, rows, None, send, recv)
+    return values, arrived, arrived_sizes
 
 
-def _stacked(arrived: tuple[Rows | None, ...]) -> Rows | None:
-    if arrived[0] is None:
-        return None
-    return dataclasses.replace(arrived[0], payload=jnp.stack([q.payload for q in arrived]))
+def _exchanged(v, send: Layout, recv: Layout, *, axis_name: str, capacity: int) -> jax.Array:
+    """v [m, .] -> the blocks [P, C, .] that `_dispatched` moves."""
+    size = send.counts.shape[0]
+    moved = ragged_all_to_all(v, send, recv, axis_name, capacity, size * capacity)
+    return moved.reshape(size, capacity, -1)
+
+
+def _bounds(starts: jax.Array, rows: int) -> jax.Array:
+    """[P + 1] int32 region bounds: the regions' first rows, then `rows`."""
+    return jnp.append(starts.astype(jnp.int32), jnp.int32(rows))
 
 
 def _ring_exchanged(x, w, group_sizes, axis_name, rows: Rows | None, capacity: int):
@@ -313,15 +324,19 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
 
 
 def _returned(results: jax.Array, group_sizes, axis_name, tokens: int) -> jax.Array:
-    """results [P, C, N], [s] those for shard s's tokens, sent back in one all-to-all and
-    placed where this shard's tokens for each shard's experts are: [m, N] (m = tokens; zeros
-    past the tokens' count and for those past the first C for a shard)."""
-    back = _all_to_all(results, axis_name)  # [d]: this shard's tokens' results from shard d
-    starts, counts = _starts(group_sizes, back.shape[0], back.shape[1])
-    out = None
-    for d in range(back.shape[0]):
-        out = _place(out, back[d], starts[d], counts[d], tokens)
-    return out
+    """results [P, C, N], [s] those for shard s's tokens, sent back in one ragged all-to-all
+    (`grouped.exchange`) and placed where this shard's tokens for each shard's experts are:
+    [m, N] (m = tokens; zeros past the tokens' count and for those past the first C for a
+    shard)."""
+    size, capacity = results.shape[:2]
+    group_sizes = sizes_in_rows(group_sizes, 0, tokens)  # as the dispatch cut them
+    starts, counts = _starts(group_sizes, size, capacity)
+    counts = counts.astype(jnp.int32)
+    send = Layout(_bounds(jnp.arange(size) * capacity, size * capacity),
+                  _all_to_all(counts, axis_name))  # fmt: skip
+    recv = Layout(_bounds(starts, tokens), counts)
+    flat = results.reshape(size * capacity, -1)
+    return ragged_all_to_all(flat, send, recv, axis_name, capacity, tokens)
 
 
 def expert_mlp(

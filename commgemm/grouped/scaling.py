@@ -161,35 +161,41 @@ class Rows:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def moved(fn, values: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
-    """fn, a linear collective (a ppermute, an all-gather), applied to a block of quantized
-    rows: to their payload, which is what travels, the values dequantized on arrival (fn of
-    `values`, the block's values); the gradient flows to `values` through fn's transpose, as
-    it would through fn(values). Returns (the values, the moved rows)."""
-    arrived = dataclasses.replace(rows, payload=fn(rows.payload))
+def moved(fn, values: jax.Array, rows: Rows, *args) -> tuple[jax.Array, Rows]:
+    """fn(block, *args), a collective linear in the block (a ppermute, an all-gather, a ragged
+    all-to-all whose layouts are `args`), applied to a block of quantized rows: to their
+    payload, which is what travels, the values dequantized on arrival (fn of `values`, the
+    block's values); the gradient flows to `values` through fn's transpose, as it would
+    through fn(values). Returns (the values, the moved rows)."""
+    arrived = dataclasses.replace(rows, payload=fn(rows.payload, *args))
     return arrived.values(), arrived
 
 
-def _moved_fwd(fn, values, rows):
+def _moved_fwd(fn, values, rows, *args):
     # values: the point of fn's (linear) VJP; the block's GEMM keeps it as a residual anyway
-    return moved(fn, values, rows), values
+    return moved(fn, values, rows, *args), (values, args)
 
 
-def _moved_bwd(fn, values, cotangents):
-    return jax.vjp(fn, values)[1](cotangents[0])[0], None
+def _moved_bwd(fn, residuals, cotangents):
+    values, args = residuals
+    pullback = jax.vjp(lambda v: fn(v, *args), values)[1]
+    return (pullback(cotangents[0])[0], None, *(None for _ in args))
 
 
 moved.defvjp(_moved_fwd, _moved_bwd)
 
 
-def carry(fn, block: jax.Array, rows: Rows | None, previous) -> tuple[jax.Array, Rows | None]:
-    """fn (a collective) applied to a block of x's rows, held until `previous` exists (the
-    collectives of a pipeline stay apart: commgemm.xla.common.after): to its quantized payload
-    where it has one (`moved`), else to the block itself. Returns (the values, the moved rows)."""
+def carry(
+    fn, block: jax.Array, rows: Rows | None, previous, *args
+) -> tuple[jax.Array, Rows | None]:
+    """fn(block, *args) (a collective; `args` its traced operands besides the block) applied to
+    a block of x's rows, held until `previous` exists (the collectives of a pipeline stay
+    apart: commgemm.xla.common.after): to its quantized payload where it has one (`moved`),
+    else to the block itself. Returns (the values, the moved rows)."""
     if rows is None:
-        return fn(after(block, previous)), None
+        return fn(after(block, previous), *args), None
     held = dataclasses.replace(rows, payload=after(rows.payload, previous))
-    return moved(fn, block, held)
+    return moved(fn, block, held, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -1,0 +1,157 @@
+"""A ragged all-to-all on Hopper GPUs (the exchange of `lax.ragged_all_to_all`): each device's
+rows for each peer written straight into that peer's result over NVLink, only the rows that are
+there, where an all-to-all of static shapes moves whole blocks.
+
+Layouts: a device's rows are P regions, region j rows [bounds[j], bounds[j + 1]) of which the
+first counts[j] are live. `exchange_kernel` moves the live rows of region d of each device's source
+into region `me` of device d's result; result rows that no live row reaches come out zero.
+
+One persistent kernel, one CTA per SM, one warpgroup: the work is units of tile_rows x
+tile_cols (a TMA load of the source block into shared memory, then a ladder of TMA stores of
+powers of two rows into the peer's result: `grouped_pingpong.ladder`, so a transfer writes its
+live rows and no others), then the units that zero the rest of this device's regions, dealt
+round-robin to the CTAs. CTA c first adds 1 to semaphore c on every device (itself included)
+and waits for P of its own: no device writes into a peer's result before the peer has entered
+the kernel (its earlier work, whose memory the result may reuse, done). Every CTA, its stores
+landed, adds 1 to another semaphore on every device; CTA 0 waits for P x CTAs of them, so the
+kernel ends when every row has arrived. Waits take their counts off: each call starts where
+the last left them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commgemm.mosaic_gpu import tiles as mt
+from commgemm.mosaic_gpu.grouped_pingpong import ladder
+
+#: Rows of a unit: a TMA box dimension is at most 256 elements.
+TILE_ROWS = 128
+#: Bytes of a unit's row: 64 KiB a unit at 128 rows, two units' buffers in shared memory.
+ROW_BYTES = 512
+
+
+def tile_cols(k: int, dtype) -> int | None:
+    """Columns of a unit for rows of k elements of `dtype`: ROW_BYTES worth (at most 256
+    elements, a TMA box's limit), down to what divides k; None where no 16-byte multiple does."""
+    itemsize = jnp.dtype(dtype).itemsize
+    cols = min(k, ROW_BYTES // itemsize, 256)
+    while cols * itemsize >= 16:
+        if k % cols == 0 and (cols * itemsize) % 16 == 0:
+            return cols
+        cols //= 2
+    return None
+
+
+def plan_array(src_bounds, src_counts, dst_at, dst_bounds, dst_counts) -> jax.Array:
+    """The kernel's int32 [5, P + 1]: [0] where this device's rows for each peer start, [1]
+    how many, [2] where they land on the peer (the peer's dst_bounds[me]), [3] this device's
+    result bounds (P + 1), [4] the rows arriving in each of its regions."""
+    size = src_counts.shape[0]
+    pad = lambda a: jnp.pad(a.astype(jnp.int32), (0, size + 1 - a.shape[0]))  # noqa: E731
+    return jnp.stack([pad(src_bounds[:size]), pad(src_counts), pad(dst_at), pad(dst_bounds),
+                      pad(dst_counts)])  # fmt: skip
+
+
+def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: str) -> jax.Array:
+    """src [R, K] -> [out_rows, K] by `plan` (`plan_array`), on a Hopper GPU inside
+    shard_map over `axis_name` (every device of the axis calls it)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    size = lax.axis_size(axis_name)
+    k, dtype = src.shape[1], src.dtype
+    tm, tc = TILE_ROWS, tile_cols(k, dtype)
+    if tc is None:
+        raise ValueError(f"ragged all-to-all kernel: rows of {k} x {jnp.dtype(dtype).name}")
+    blocks, ctas = k // tc, mt.num_sms()
+
+    def body(plan_ref, src_ref, zeros_ref, out_ref):
+        pl.run_scoped(
+            lambda *scratch: exchange(plan_ref, src_ref, zeros_ref, out_ref, *scratch),
+            plgpu.SMEM((tm, tc), dtype),
+            plgpu.SMEM((tm, tc), dtype),
+            plgpu.Barrier(num_arrivals=1),
+        )
+
+    def exchange(plan_ref, src_ref, zeros_ref, out_ref, buf, zeros, loaded):
+        cta = lax.axis_index("sm")
+        entered = pl.get_global(plgpu.SemaphoreType.REGULAR((ctas,)))
+        arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+        # no store into a peer's result before the peer runs this kernel: its earlier work,
+        # which may use the same memory, has finished by then
+        for d in range(size):
+            mt.relaxed_signal(entered.at[cta], device_id=mt.peer_id(axis_name, jnp.int32(d)))
+        plgpu.copy_gmem_to_smem(zeros_ref, zeros, loaded)  # the zero block, once
+        plgpu.barrier_wait(loaded)
+        pl.semaphore_wait(entered.at[cta], value=size, decrement=True)
+
+        def units(rows):
+            return (jnp.maximum(rows, 0) + tm - 1) // tm * blocks
+
+        sends = [units(plan_ref[1, d]) for d in range(size)]
+        fills = [units(plan_ref[3, s + 1] - plan_ref[3, s] - plan_ref[4, s]) for s in range(size)]
+        starts, total = [], jnp.int32(0)
+        for n in sends + fills:
+            starts.append(total)
+            total = total + n
+
+        def ladder_store(source, dest, first, rows, cols):
+            at = 0
+            for step in ladder(tm):
+
+                @pl.when(rows & step != 0)
+                def _part(at=at, step=step):
+                    plgpu.copy_smem_to_gmem(
+                        source.at[pl.ds(at, step)], dest.at[pl.ds(first + at, step), cols]
+                    )
+
+                at = at + (rows & step)
+
+        def send(d, unit):
+            chunk, cols = unit // blocks, pl.ds(lax.rem(unit, blocks) * tc, tc)
+            rows = jnp.minimum(tm, plan_ref[1, d] - chunk * tm)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf read by the last stores
+            plgpu.copy_gmem_to_smem(
+                src_ref.at[pl.ds(plan_ref[0, d] + chunk * tm, tm), cols], buf, loaded
+            )
+            plgpu.barrier_wait(loaded)
+            peer = plgpu.remote_ref(out_ref, mt.peer_id(axis_name, jnp.int32(d)))
+            ladder_store(buf, peer, plan_ref[2, d] + chunk * tm, rows, cols)
+
+        def fill(s, unit):
+            chunk, cols = unit // blocks, pl.ds(lax.rem(unit, blocks) * tc, tc)
+            first = plan_ref[3, s] + plan_ref[4, s] + chunk * tm
+            rows = jnp.minimum(tm, plan_ref[3, s + 1] - first)
+            ladder_store(zeros, out_ref, first, rows, cols)
+
+        work = [(send, d) for d in range(size)] + [(fill, s) for s in range(size)]
+
+        @pl.loop(0, (total - cta + ctas - 1) // ctas)
+        def _units(i):
+            unit = cta + i * ctas
+            for j, (fn, idx) in enumerate(work):
+                end = starts[j + 1] if j + 1 < len(work) else total
+                pl.when((unit >= starts[j]) & (unit < end))(
+                    lambda fn=fn, idx=idx, j=j: fn(idx, unit - starts[j])
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed
+        for d in range(size):
+            mt.relaxed_signal(arrived.at[0], device_id=mt.peer_id(axis_name, jnp.int32(d)))
+
+        @pl.when(cta == 0)
+        def _all_arrived():
+            pl.semaphore_wait(arrived.at[0], value=size * ctas, decrement=True)
+
+    with jax.named_scope("ragged_all_to_all"), jax.enable_x64(False):
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((out_rows, k), dtype),
+            grid=(ctas,),
+            grid_names=("sm",),
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+        )(plan, src, jnp.zeros((tm, tc), dtype))
