@@ -109,3 +109,9 @@ def test_exchange_under_jit_grad_check():
 def test_kernel_reason_off_gpu():
     """Off a Hopper GPU the exchange takes its all-to-all form, and says why."""
     assert "GPU" in kernel_reason(jnp.bfloat16, 256)
+
+
+def test_kernel_is_for_one_process(monkeypatch):
+    """With several processes the exchange takes its all-to-all form, whatever the GPUs."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert "one process" in kernel_reason(jnp.bfloat16, 256)

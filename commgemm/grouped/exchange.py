@@ -8,10 +8,9 @@ result's layout (recv.counts[s] = shard s's send.counts[me]); every other result
 Its transpose is the same exchange the other way (recv -> send), so the gradient moves the
 same rows back.
 
-On one shard it is a select (both layouts hold one region from row 0). On Hopper GPUs whose
-peers this process reaches (one process for all of them, or several on
-one machine with NCCL's peer addresses: `mosaic_gpu.peers`) a kernel writes the live rows into
-the peers' results over NVLink (`mosaic_gpu.ragged_a2a`); elsewhere each region's rows travel
+On one shard it is a select (both layouts hold one region from row 0). On Hopper GPUs driven
+by one process a kernel writes the live rows into the peers' results over NVLink
+(`mosaic_gpu.ragged_a2a`); elsewhere, one process per GPU included, each region's rows travel
 in one `lax.all_to_all` of blocks of `most` rows (the largest live count any region can hold),
 gathered out of and into the regions.
 """
@@ -43,6 +42,8 @@ def kernel_reason(dtype, k: int) -> str | None:
     """Why rows of k elements of `dtype` do not travel by the NVLink kernel here, or None."""
     from commgemm.mosaic_gpu import fused, ragged_a2a
 
+    if jax.process_count() != 1:
+        return "it is for one process driving every GPU; with several the all-to-all form runs"
     if (reason := fused._gpu_reason()) is not None:
         return reason
     if ragged_a2a.tile_cols(k, dtype) is None:
