@@ -20,8 +20,8 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
               all-to-all of padded chunks with the same offsets stands in for it (checked, not
               timed).
   ragged-a2a: xla's block with commgemm's grouped GEMM (`cg.grouped_matmul`) in place of the
-              ragged dots: the ragged exchange against commgemm's padded blocks, the GEMMs
-              alike (bf16 only)
+              ragged dots: XLA's ragged exchange against commgemm's (`grouped.exchange`), the
+              GEMMs alike (bf16 only)
 With --microbatches N every variant's step accumulates gradients over N micro-batches of the
 tokens (`accumulated`: a `lax.scan` of forward and backward, float32 sums, one AdamW update).
 Before timing, every variant's first loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8);
