@@ -115,3 +115,38 @@ def test_kernel_is_for_one_process(monkeypatch):
     """With several processes the exchange takes its all-to-all form, whatever the GPUs."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     assert "one process" in kernel_reason(jnp.bfloat16, 256)
+
+
+@pytest.mark.parametrize(
+    "shape, bounds, counts, most, out_rows, match",
+    [
+        ((ROWS,), 3, 2, MOST, 2 * MOST, "src must be"),
+        ((0, K), 3, 2, MOST, 2 * MOST, "src must be"),
+        ((ROWS, K), 4, 2, MOST, 2 * MOST, "send layout bounds"),
+        ((ROWS, K), 3, 3, MOST, 2 * MOST, "send layout bounds"),
+        ((ROWS, K), 3, 2, 0, 2 * MOST, "most=0"),
+        ((ROWS, K), 3, 2, MOST, 2.5, "out_rows=2.5"),
+    ],
+    ids=["1-d", "empty", "bounds", "counts", "most", "out-rows"],
+)
+def test_exchange_refuses_bad_input(shape, bounds, counts, most, out_rows, match):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    send = Layout(jnp.zeros((bounds,), jnp.int32), jnp.zeros((counts,), jnp.int32))
+    recv = Layout(jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))
+
+    def body(x):
+        return ragged_all_to_all(x, send, recv, "x", most, out_rows)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(fn, jax.ShapeDtypeStruct((2 * shape[0], *shape[1:]), jnp.float32))
+
+
+def test_exchange_refuses_float_layouts():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    send = Layout(jnp.zeros((3,), jnp.float32), jnp.zeros((2,), jnp.int32))
+    recv = Layout(jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))
+    fn = jax.shard_map(lambda x: ragged_all_to_all(x, send, recv, "x", MOST, 2 * MOST),
+                       mesh=mesh, in_specs=P("x"), out_specs=P("x"))  # fmt: skip
+    with pytest.raises(ValueError, match="integers"):
+        jax.eval_shape(fn, jax.ShapeDtypeStruct((2 * ROWS, K), jnp.float32))

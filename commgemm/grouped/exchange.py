@@ -58,7 +58,26 @@ def ragged_all_to_all(
     `recv`, recv.bounds[P] = out_rows): the live rows of region me of every shard s's src in
     region s, zeros elsewhere. `most` (static): no count exceeds it, the fallback's block rows.
     Inside shard_map over `axis_name`."""
+    _check(src, send, recv, lax.axis_size(axis_name), most, out_rows)
     return _exchange(src, send, recv, axis_name, most, out_rows)
+
+
+def _check(src, send: Layout, recv: Layout, size: int, most, out_rows) -> None:
+    """Clear errors for what the exchange cannot take (counts are data: not checked)."""
+    if src.ndim != 2 or src.shape[0] < 1:
+        raise ValueError(f"ragged_all_to_all: src must be [R >= 1, K], got {list(src.shape)}")
+    for name, value in (("most", most), ("out_rows", out_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"ragged_all_to_all: {name}={value!r} must be a positive int")
+    for side, layout in (("send", send), ("recv", recv)):
+        shapes = (tuple(layout.bounds.shape), tuple(layout.counts.shape))
+        if shapes != ((size + 1,), (size,)):
+            raise ValueError(
+                f"ragged_all_to_all: {side} layout bounds {list(shapes[0])} and counts "
+                f"{list(shapes[1])} must be [{size + 1}] and [{size}] on an axis of {size}"
+            )
+        if not all(jnp.issubdtype(a.dtype, jnp.integer) for a in (layout.bounds, layout.counts)):
+            raise ValueError(f"ragged_all_to_all: {side} layout must hold integers")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
