@@ -49,6 +49,36 @@ def ragged_layouts(sizes: np.ndarray, rows: int, most: int):
     return send, counts, recv, counts.T.copy()
 
 
+def region_index(peer: int, group: int, size: int, groups: int, by_group: bool) -> int:
+    """The region of (peer, group) in a `grouped.exchange.Layout` of size x groups regions."""
+    return group * size + peer if by_group else peer * groups + group
+
+
+def grouped_layouts(rng: np.random.Generator, size: int, groups: int, most: int, orders):
+    """Random layouts of a grouped ragged all-to-all: counts [src, dst, group] (each source's
+    per peer summing to at most `most`), regions of those counts plus 0 or 1 rows of slack in
+    the orders (send by_group, recv by_group) tiling `size * (most + groups)` rows on both
+    sides: (counts, send bounds [P, R + 1], send counts [P, R], recv bounds, recv counts)."""
+    rows, regions = size * (most + groups), size * groups
+    totals = rng.integers(0, most + 1, size=(size, size))
+    counts = np.stack([rng.multinomial(t, np.full(groups, 1 / groups)) for t in totals.flat])
+    counts = counts.reshape(size, size, groups).astype(np.int32)
+    sides = []
+    for by_group, pairs in zip(orders, ("send", "recv"), strict=True):
+        sizes, live = np.zeros((size, regions), np.int32), np.zeros((size, regions), np.int32)
+        for me in range(size):
+            for other in range(size):
+                for j in range(groups):
+                    c = counts[me, other, j] if pairs == "send" else counts[other, me, j]
+                    r = region_index(other, j, size, groups, by_group)
+                    live[me, r], sizes[me, r] = c, c + rng.integers(0, 2)
+        bounds = np.zeros((size, regions + 1), np.int32)
+        bounds[:, 1:regions] = np.cumsum(sizes, axis=1)[:, :-1]
+        bounds[:, regions] = rows
+        sides += [bounds, live]
+    return counts, *sides
+
+
 def random(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 

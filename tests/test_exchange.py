@@ -1,8 +1,8 @@
 """`grouped.exchange.ragged_all_to_all` (here its all-to-all form; the NVLink kernel is checked
 against it bit for bit in tests/gpu/test_exchange_gpu.py): results against a numpy reference
-on random layouts (regions of any size, empty and capped ones, counts up to `most`), float64,
-1 (a select), 2, 4 and 8 devices, both shard_map settings; the gradient is the exchange the
-other way."""
+on random layouts (regions of any size, empty and capped ones, counts up to `most`; one region
+per peer, and several per peer in either order), float64, 1 (a select or a gather), 2, 4 and 8
+devices, both shard_map settings; the gradient is the exchange the other way."""
 
 import functools
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ragged_layouts
+from helpers import grouped_layouts, ragged_layouts, region_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -80,6 +80,50 @@ def test_exchange_against_numpy(size, check_vma, data):
             c = counts[s, d]
             want[s, send[s, d] : send[s, d] + c] = ct[d, recv[d, s] : recv[d, s] + c]
     np.testing.assert_array_equal(grad, want)
+
+
+@functools.cache
+def _grouped_exchange(size: int, check_vma: bool, orders: tuple[bool, bool], most: int, rows: int):
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def body(x, sb, sc, rb, rc):
+        send = Layout(sb[0], sc[0], by_group=orders[0])
+        recv = Layout(rb[0], rc[0], by_group=orders[1])
+        return ragged_all_to_all(x, send, recv, "x", most, rows)
+
+    specs = (P("x"),) * 5
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=check_vma)
+    return jax.jit(fn)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+@settings(max_examples=6, deadline=None)
+@given(groups=st.integers(1, 4), orders=st.tuples(st.booleans(), st.booleans()),
+       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_grouped_exchange_against_numpy(size, check_vma, groups, orders, seed):
+    """Regions per (peer, group) in either order on either side (the expert-parallel block's
+    tokens: peer-major out, group-major in): each region's live rows land in the receiver's
+    region of (source, group), and the gradient moves them back."""
+    rng, most = np.random.default_rng(seed), 6
+    counts, sb, sc, rb, rc = grouped_layouts(rng, size, groups, most, orders)
+    rows = size * (most + groups)
+    x = rng.standard_normal((size, rows, K))
+    fn = _grouped_exchange(size, check_vma, orders, most, rows)
+    args = (sb, sc, rb, rc)
+    got = np.asarray(fn(x.reshape(size * rows, K), *args)).reshape(size, rows, K)
+    ct = rng.standard_normal(got.shape)
+    pullback = jax.vjp(lambda v: fn(v, *args), x.reshape(size * rows, K))[1]
+    grad = np.asarray(pullback(ct.reshape(size * rows, K))[0]).reshape(x.shape)
+    want, want_grad = np.zeros_like(x), np.zeros_like(x)
+    for s, d, j in np.ndindex(counts.shape):
+        c = counts[s, d, j]
+        out = rb[d, region_index(s, j, size, groups, orders[1])]
+        src = sb[s, region_index(d, j, size, groups, orders[0])]
+        want[d, out : out + c] = x[s, src : src + c]
+        want_grad[s, src : src + c] = ct[d, out : out + c]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(grad, want_grad)
 
 
 def test_exchange_every_row_to_one_shard(rng):

@@ -837,25 +837,26 @@ def test_kept_transposed_dense_lowers(spec, keep, monkeypatch):
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32])
-@pytest.mark.parametrize("size", [2, 4])
-def test_ragged_all_to_all_kernel_lowers(size, dtype, check_vma, monkeypatch):
+@pytest.mark.parametrize("size, groups", [(2, 1), (4, 1), (2, 3)])
+def test_ragged_all_to_all_kernel_lowers(size, groups, dtype, check_vma, monkeypatch):
     """The expert-parallel exchange on its NVLink kernel (`mosaic_gpu.ragged_a2a`), as on a
-    Hopper GPU: forward and (for 16-bit and wider rows) its transpose each one Mosaic GPU
-    call."""
+    Hopper GPU, one region per peer or several (peer-major out, group-major in): forward and
+    (for 16-bit and wider rows) its transpose each one Mosaic GPU call."""
     from commgemm.grouped import exchange
 
     monkeypatch.setattr(exchange, "kernel_reason", lambda dtype, k: None)
-    rows, most, k = 1000, 700, 512
+    rows, most, k, regions = 1000, 700, 512, size * groups
 
     def body(x, sb, sc, rb, rc):
-        send, recv = exchange.Layout(sb[0], sc[0]), exchange.Layout(rb[0], rc[0])
+        send = exchange.Layout(sb[0], sc[0])
+        recv = exchange.Layout(rb[0], rc[0], by_group=groups > 1)
         return exchange.ragged_all_to_all(x, send, recv, "x", most, size * most)
 
     f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"),) * 5, out_specs=P("x"),
                       check_vma=check_vma)  # fmt: skip
     ints = lambda n: jax.ShapeDtypeStruct((size, n), jnp.int32)  # noqa: E731
-    args = (jax.ShapeDtypeStruct((size * rows, k), dtype), ints(size + 1), ints(size),
-            ints(size + 1), ints(size))  # fmt: skip
+    args = (jax.ShapeDtypeStruct((size * rows, k), dtype), ints(regions + 1), ints(regions),
+            ints(regions + 1), ints(regions))  # fmt: skip
     wide = jnp.dtype(dtype).itemsize >= 2
 
     def fn(x, *layouts):  # the exchange, and its transpose on its result where differentiable

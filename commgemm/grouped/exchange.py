@@ -1,18 +1,23 @@
 """The expert-parallel exchange: each shard's rows for each shard moved into that shard's
-region for it, only the live rows (a ragged all-to-all), differentiable.
+regions for them, only the live rows (a ragged all-to-all), differentiable.
 
-A `Layout` splits a shard's rows into P regions: region j is rows [bounds[j], bounds[j + 1]),
-of which the first counts[j] are live. `ragged_all_to_all(src, send, recv)` moves the live rows
-of region d of each shard's src into region `me` of shard d's result, where `recv` is the
-result's layout (recv.counts[s] = shard s's send.counts[me]); every other result row is zero.
-Its transpose is the same exchange the other way (recv -> send), so the gradient moves the
-same rows back.
+A `Layout` splits a shard's rows into R = P x g regions: region r is rows [bounds[r],
+bounds[r + 1]), of which the first counts[r] are live, and stands for a (peer, group) pair:
+(r // g, r % g), peer-major, or with `by_group` (r % P, r // P), group-major.
+`ragged_all_to_all(src, send, recv)` moves the live rows of region (d, j) of each shard s's
+src into region (s, j) of shard d's result, where `recv` is the result's layout
+(recv.counts of (s, j) = shard s's send.counts of (me, j)); every other result row is zero.
+With g = 1 a region is a peer. Groups let a shard's rows arrive in an order of the receiver's
+choosing: the expert-parallel block's tokens, sorted by expert on each sender (peer-major),
+land sorted by expert on their experts' shard (group-major), every source's rows for an
+expert together. Its transpose is the same exchange the other way (recv -> send), so the
+gradient moves the same rows back.
 
-On one shard it is a select (both layouts hold one region from row 0). On Hopper GPUs driven
-by one process a kernel writes the live rows into the peers' results over NVLink
-(`mosaic_gpu.ragged_a2a`); elsewhere, one process per GPU included, each region's rows travel
-in one `lax.all_to_all` of blocks of `most` rows (the largest live count any region can hold),
-gathered out of and into the regions.
+On one shard it is a select (g = 1: both layouts hold one region from row 0) or one gather.
+On Hopper GPUs driven by one process a kernel writes the live rows into the peers' results
+over NVLink (`mosaic_gpu.ragged_a2a`); elsewhere, one process per GPU included, each peer's
+rows travel in one `lax.all_to_all` of blocks of `most` rows (the most live rows a shard holds
+for one peer, over its groups), gathered out of and into the regions.
 """
 
 from __future__ import annotations
@@ -30,12 +35,27 @@ from commgemm.vma import varying_like
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A shard's rows as P regions: bounds [P + 1] int32 (region j: rows [bounds[j],
-    bounds[j + 1]), bounds[0] = 0 and bounds[P] the rows), counts [P] int32 (the live rows at
-    the top of each region)."""
+    """A shard's rows as R = P x g regions: bounds [R + 1] int32 (region r: rows [bounds[r],
+    bounds[r + 1]), bounds[0] = 0 and bounds[R] the rows), counts [R] int32 (the live rows at
+    the top of each region); region r is the pair (peer, group) (r // g, r % g), or (r % P,
+    r // P) where `by_group` (static)."""
 
     bounds: jax.Array
     counts: jax.Array
+    by_group: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def grid(self, a: jax.Array, size: int) -> jax.Array:
+        """a [R] by region -> [P, g], [d, j] that of region (d, j)."""
+        return a.reshape(-1, size).T if self.by_group else a.reshape(size, -1)
+
+    def flat(self, a: jax.Array) -> jax.Array:
+        """a [P, g] by (peer, group) -> [R] by region: `grid`'s inverse."""
+        return a.T.reshape(-1) if self.by_group else a.reshape(-1)
+
+    def pair(self, r: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+        """The (peer, group) of regions r (any int32 array)."""
+        groups = self.counts.shape[0] // size
+        return (r % size, r // size) if self.by_group else (r // groups, r % groups)
 
 
 def kernel_reason(dtype, k: int) -> str | None:
@@ -55,9 +75,10 @@ def ragged_all_to_all(
     src: jax.Array, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int
 ) -> jax.Array:
     """src [R, K] (this shard's rows in the regions of `send`) -> [out_rows, K] (the regions of
-    `recv`, recv.bounds[P] = out_rows): the live rows of region me of every shard s's src in
-    region s, zeros elsewhere. `most` (static): no count exceeds it, the fallback's block rows.
-    Inside shard_map over `axis_name`."""
+    `recv`, recv.bounds[-1] = out_rows): the live rows of region (me, j) of every shard s's src
+    in region (s, j), zeros elsewhere. `most` (static): no shard's live rows for one peer (its
+    counts over the peer's groups) exceed it; the fallback's block rows. Inside shard_map over
+    `axis_name`."""
     _check(src, send, recv, lax.axis_size(axis_name), most, out_rows)
     return _exchange(src, send, recv, axis_name, most, out_rows)
 
@@ -69,12 +90,14 @@ def _check(src, send: Layout, recv: Layout, size: int, most, out_rows) -> None:
     for name, value in (("most", most), ("out_rows", out_rows)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"ragged_all_to_all: {name}={value!r} must be a positive int")
+    regions = recv.counts.shape[0] if recv.counts.ndim == 1 else 0
     for side, layout in (("send", send), ("recv", recv)):
         shapes = (tuple(layout.bounds.shape), tuple(layout.counts.shape))
-        if shapes != ((size + 1,), (size,)):
+        if regions < size or regions % size or shapes != ((regions + 1,), (regions,)):
             raise ValueError(
                 f"ragged_all_to_all: {side} layout bounds {list(shapes[0])} and counts "
-                f"{list(shapes[1])} must be [{size + 1}] and [{size}] on an axis of {size}"
+                f"{list(shapes[1])} must be [R + 1] and [R], R a multiple of {size} (the axis), "
+                f"the same R on both sides"
             )
         if not all(jnp.issubdtype(a.dtype, jnp.integer) for a in (layout.bounds, layout.counts)):
             raise ValueError(f"ragged_all_to_all: {side} layout must hold integers")
@@ -82,43 +105,72 @@ def _check(src, send: Layout, recv: Layout, size: int, most, out_rows) -> None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int):
-    if lax.axis_size(axis_name) == 1:
+    size = lax.axis_size(axis_name)
+    if size == 1:
         return _local(src, send, recv, out_rows)
     if kernel_reason(src.dtype, src.shape[1]) is None:
         from commgemm.mosaic_gpu import ragged_a2a
 
-        # where this shard's rows land on each peer d: d's region for it
-        at = lax.all_to_all(recv.bounds[:-1], axis_name, 0, 0, tiled=True)
-        plan = ragged_a2a.plan_array(send.bounds, send.counts, at, recv.bounds, recv.counts)
+        # where this shard's regions land on each peer d: d's regions (me, j)
+        at = lax.all_to_all(recv.grid(recv.bounds[:-1], size), axis_name, 0, 0, tiled=True)
+        peers = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[:, None], at.shape)
+        zeros_at = recv.bounds[:-1] + recv.counts  # the rest of each result region: zeros
+        plan = ragged_a2a.plan_array(
+            (send.bounds[:-1], send.counts, send.flat(at), send.flat(peers)),
+            (zeros_at, recv.bounds[1:] - zeros_at),
+            src.shape[1],
+            src.dtype,
+        )
         out = ragged_a2a.exchange_kernel(src, plan, out_rows, axis_name)
         return varying_like(out, src, plan)  # a Pallas result carries no varying axes
     return _blocks(src, send, recv, axis_name, most, out_rows)
 
 
+def _regions(rows: int, layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(region [rows], offset in it [rows], live [rows] bool) of rows 0..rows-1 of `layout`."""
+    index = jnp.arange(rows, dtype=jnp.int32)
+    regions = layout.counts.shape[0]
+    region = jnp.sum(index[:, None] >= layout.bounds[None, 1:regions], axis=1, dtype=jnp.int32)
+    offset = index - layout.bounds[region]
+    return region, offset, (offset >= 0) & (offset < layout.counts[region])
+
+
 def _local(src, send: Layout, recv: Layout, out_rows: int):
-    """The exchange on one shard: the live rows of its one region, moved to the top of the
-    result's one region (a select where both start at row 0, as they do)."""
-    rows = jnp.arange(out_rows, dtype=jnp.int32)
-    live = (rows < jnp.minimum(send.counts[0], recv.counts[0]))[:, None]
-    if src.shape[0] < out_rows:
-        src = jnp.pad(src, ((0, out_rows - src.shape[0]), (0, 0)))
-    return jnp.where(live, src[:out_rows], jnp.zeros((), src.dtype))
+    """The exchange on one shard: region j's live rows moved to the result's region j (with one
+    region, both from row 0: a select)."""
+    zero = jnp.zeros((), src.dtype)
+    if send.counts.shape[0] == 1:
+        rows = jnp.arange(out_rows, dtype=jnp.int32)
+        live = (rows < jnp.minimum(send.counts[0], recv.counts[0]))[:, None]
+        if src.shape[0] < out_rows:
+            src = jnp.pad(src, ((0, out_rows - src.shape[0]), (0, 0)))
+        return jnp.where(live, src[:out_rows], zero)
+    region, offset, live = _regions(out_rows, recv)
+    live = live & (offset < send.counts[region])
+    take = jnp.clip(send.bounds[region] + offset, 0, src.shape[0] - 1)
+    return jnp.where(live[:, None], src[take], zero)
 
 
 def _blocks(src, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int):
-    """The exchange as one all-to-all of [P, most, K] blocks, gathered out of src's regions and
-    into the result's."""
-    size, index = send.counts.shape[0], jnp.arange(most, dtype=jnp.int32)
-    take = jnp.clip(send.bounds[:size, None] + index, 0, src.shape[0] - 1)
-    live = (index < send.counts[:, None])[..., None]
-    blocks = jnp.where(live, src[take], jnp.zeros((), src.dtype))
+    """The exchange as one all-to-all of [P, most, K] blocks (block d: the live rows of regions
+    (d, 0), (d, 1), ... one after another), gathered out of src's regions and into the
+    result's."""
+    size, zero = lax.axis_size(axis_name), jnp.zeros((), src.dtype)
+    counts, firsts = send.grid(send.counts, size), send.grid(send.bounds[:-1], size)  # [P, g]
+    ends, index = jnp.cumsum(counts, axis=1), jnp.arange(most, dtype=jnp.int32)
+    group = jnp.sum(index[None, :, None] >= ends[:, None, :], axis=2, dtype=jnp.int32)
+    live = group < counts.shape[1]  # [P, most]
+    at = functools.partial(jnp.take_along_axis, indices=jnp.minimum(group, counts.shape[1] - 1),
+                           axis=1)  # fmt: skip
+    take = jnp.clip(at(firsts) + index - at(ends - counts), 0, src.shape[0] - 1)
+    blocks = jnp.where(live[..., None], src[take], zero)
     got = lax.all_to_all(blocks, axis_name, 0, 0).reshape(size * most, -1)  # [s]: from s
-    rows = jnp.arange(out_rows, dtype=jnp.int32)
-    region = jnp.sum(rows[:, None] >= recv.bounds[None, 1:size], axis=1)
-    offset = rows - recv.bounds[region]
-    inside = (offset >= 0) & (offset < recv.counts[region])
-    picked = got[jnp.where(inside, region * most + offset, 0)]
-    return jnp.where(inside[:, None], picked, jnp.zeros((), src.dtype))
+    region, offset, inside = _regions(out_rows, recv)
+    peer, group = recv.pair(region, size)
+    arrived = recv.grid(recv.counts, size)
+    before = (jnp.cumsum(arrived, axis=1) - arrived)[peer, group]
+    picked = got[jnp.where(inside, peer * most + before + offset, 0)]
+    return jnp.where(inside[:, None], picked, zero)
 
 
 def _exchange_fwd(src, send, recv, axis_name, most, out_rows):

@@ -15,8 +15,8 @@ flight; NONE exchanges every shard's tokens first in one ragged all-to-all
 blocks; the results back in another, straight into token order), then multiplies all of them
 in one grouped GEMM, their rows regrouped by expert and the padding last
 (`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`).
-`expert_mlp` is dispatch, activation and return in one: with NONE the rows stay regrouped by
-expert from the first GEMM to the second.
+`expert_mlp` is dispatch, activation and return in one: with NONE the rows arrive sorted by
+expert (regions per source shard and expert) and leave from there, no regrouping.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from commgemm.epilogue import gelu
 from commgemm.grouped.blocks import (
     block_matmul,
     merged_matmul,
-    merged_order,
     permuted,
-    regrouped,
     row_block,
     whole_block_matmul,
 )
@@ -361,10 +359,11 @@ def expert_mlp(
     recipe quantizes it where the caller has it (`grouped.scaling.copied_rows`: the tokens'
     copies quantized once per token), else None.
 
-    Where both ops run NONE (AUTO's choice on GPUs) the received tokens stay regrouped by expert
-    from the first GEMM to the second: one permutation of the [P*C, K] rows and one of the
-    [P*C, N] results, where the two ops would also put the [P*C, F] activations back in the
-    order of their source shards and regroup them again."""
+    Where both ops run NONE (AUTO's choice on GPUs) the tokens arrive sorted by expert (the
+    exchange's regions are (shard, expert) pairs: `_expert_layouts`), stay so from the first
+    GEMM to the second, and the results go back from there into token order: two ragged
+    all-to-alls and no permutation, where the two ops would regroup the [P*C, K] rows, put the
+    [P*C, F] activations back in the order of their source shards and regroup them again."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
@@ -379,12 +378,29 @@ def expert_mlp(
     check_weight_scaling("all_to_all_grouped_matmul", w1, up)
     check_weight_scaling("grouped_matmul_all_to_all", w2, down)
     x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name, x_quantized)
-    blocks, arrived, block_sizes = _dispatched(x, w1, group_sizes, axis_name, rows, capacity)
-    dest, source, sizes = merged_order(block_sizes, capacity)
-    flat, flat_rows = regrouped(blocks, arrived, source, dest)
+    tokens, by_expert, sizes = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
+    exchange = functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
+                                 out_rows=size * capacity)  # fmt: skip
+    flat, flat_rows = carry(exchange, x, rows, None, tokens, by_expert)
     h = activation(whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name))
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)
-    return _returned(permuted(z, dest, source).reshape(size, capacity, -1), group_sizes,
-                     axis_name, m), h  # fmt: skip
+    return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
+
+
+def _expert_layouts(x, w, group_sizes, axis_name, capacity: int):
+    """The exchange layouts of `expert_mlp`, regions by (shard, expert): (tokens: this shard's
+    tokens x [m, K] as they are sorted, each expert's first C-capped rows live (peer-major);
+    by_expert: the rows [P*C, .] its experts receive, sorted by expert, every source's rows
+    for one expert together and in source order, the padding last (group-major); the counts
+    [e] of its experts there)."""
+    size, e, m = axis_size(axis_name), w.shape[0], x.shape[0]
+    _, _, sizes = _routed(x, w, group_sizes, axis_name, capacity)  # [P, e], capped
+    cut = sizes_in_rows(group_sizes, 0, m).astype(jnp.int32)
+    tokens = Layout(_bounds(jnp.cumsum(cut) - cut, m), sizes.reshape(-1))
+    # [e * P]: the rows of (expert j, source s) at j * P + s
+    arrived = _all_to_all(sizes, axis_name).T.reshape(-1)
+    ends = jnp.cumsum(arrived, dtype=jnp.int32)
+    by_expert = Layout(_bounds(ends - arrived, size * capacity), arrived, by_group=True)
+    return tokens, by_expert, arrived.reshape(e, size).sum(axis=1)

@@ -2,20 +2,21 @@
 rows for each peer written straight into that peer's result over NVLink, only the rows that are
 there, where an all-to-all of static shapes moves whole blocks.
 
-Layouts: a device's rows are P regions, region j rows [bounds[j], bounds[j + 1]) of which the
-first counts[j] are live. `exchange_kernel` moves the live rows of region d of each device's source
-into region `me` of device d's result; result rows that no live row reaches come out zero.
+Plans (`plan_array`): items, each rows of this device's source for one peer and where they land
+there (the regions of `grouped.exchange`), then the rows of this device's result that no peer
+writes; `exchange_kernel` moves the one and zeroes the other.
 
 One persistent kernel, one CTA per SM, one warpgroup: the work is units of tile_rows x
 tile_cols (a TMA load of the source block into shared memory, then a ladder of TMA stores of
 powers of two rows into the peer's result: `grouped_pingpong.ladder`, so a transfer writes its
 live rows and no others), then the units that zero the rest of this device's regions, dealt
-round-robin to the CTAs. CTA c first adds 1 to semaphore c on every device (itself included)
-and waits for P of its own: no device writes into a peer's result before the peer has entered
-the kernel (its earlier work, whose memory the result may reuse, done). Every CTA, its stores
-landed, adds 1 to another semaphore on every device; CTA 0 waits for P x CTAs of them, so the
-kernel ends when every row has arrived. Waits take their counts off: each call starts where
-the last left them."""
+round-robin to the CTAs, each finding its item by a binary search of the items' first units.
+CTA c first adds 1 to semaphore c on every device (itself included) and waits for P of its
+own: no device writes into a peer's result before the peer has entered the kernel (its earlier
+work, whose memory the result may reuse, done). Every CTA, its stores landed, adds 1 to
+another semaphore on every device; CTA 0 waits for P x CTAs of them, so the kernel ends when
+every row has arrived. Waits take their counts off: each call starts where the last left
+them."""
 
 from __future__ import annotations
 
@@ -44,14 +45,22 @@ def tile_cols(k: int, dtype) -> int | None:
     return None
 
 
-def plan_array(src_bounds, src_counts, dst_at, dst_bounds, dst_counts) -> jax.Array:
-    """The kernel's int32 [5, P + 1]: [0] where this device's rows for each peer start, [1]
-    how many, [2] where they land on the peer (the peer's dst_bounds[me]), [3] this device's
-    result bounds (P + 1), [4] the rows arriving in each of its regions."""
-    size = src_counts.shape[0]
-    pad = lambda a: jnp.pad(a.astype(jnp.int32), (0, size + 1 - a.shape[0]))  # noqa: E731
-    return jnp.stack([pad(src_bounds[:size]), pad(src_counts), pad(dst_at), pad(dst_bounds),
-                      pad(dst_counts)])  # fmt: skip
+def plan_array(sends, fills, k: int, dtype) -> jax.Array:
+    """The kernel's int32 [5, 2R + 1] for R send and R fill items: sends (first row here [R],
+    rows [R], first row on the peer [R], peer [R]), fills (first row here [R], rows [R]: the
+    rows of this device's result that no peer writes). [0] each item's first unit (and the
+    total), [1] its source row, [2] its rows, [3] its first destination row, [4] its peer (-1:
+    this device, from the zero block)."""
+    src_first, rows, dst_first, peer = (jnp.asarray(a, jnp.int32) for a in sends)
+    fill_first, fill_rows = (jnp.asarray(a, jnp.int32) for a in fills)
+    blocks = k // tile_cols(k, dtype)
+    count = jnp.concatenate([rows, fill_rows])
+    units = (jnp.maximum(count, 0) + TILE_ROWS - 1) // TILE_ROWS * blocks
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(units, dtype=jnp.int32)])
+    pad = lambda a: jnp.append(a, jnp.int32(0))  # noqa: E731
+    return jnp.stack([first, pad(jnp.concatenate([src_first, jnp.zeros_like(fill_first)])),
+                      pad(count), pad(jnp.concatenate([dst_first, fill_first])),
+                      pad(jnp.concatenate([peer, jnp.full_like(fill_first, -1)]))])  # fmt: skip
 
 
 def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: str) -> jax.Array:
@@ -66,6 +75,8 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
     if tc is None:
         raise ValueError(f"ragged all-to-all kernel: rows of {k} x {jnp.dtype(dtype).name}")
     blocks, ctas = k // tc, mt.num_sms()
+    items = plan.shape[1] - 1
+    sends = items // 2
 
     def body(plan_ref, src_ref, zeros_ref, out_ref):
         pl.run_scoped(
@@ -86,16 +97,17 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
         plgpu.copy_gmem_to_smem(zeros_ref, zeros, loaded)  # the zero block, once
         plgpu.barrier_wait(loaded)
         pl.semaphore_wait(entered.at[cta], value=size, decrement=True)
+        total = plan_ref[0, items]
 
-        def units(rows):
-            return (jnp.maximum(rows, 0) + tm - 1) // tm * blocks
-
-        sends = [units(plan_ref[1, d]) for d in range(size)]
-        fills = [units(plan_ref[3, s + 1] - plan_ref[3, s] - plan_ref[4, s]) for s in range(size)]
-        starts, total = [], jnp.int32(0)
-        for n in sends + fills:
-            starts.append(total)
-            total = total + n
+        def item_of(unit):
+            """The item of a unit: the last whose first unit is at most it (a binary search
+            over the nondecreasing firsts; empty items share their successor's)."""
+            item, step = jnp.int32(0), 1 << ((items - 1).bit_length() - 1) if items > 1 else 0
+            while step:
+                ahead = jnp.minimum(item + step, items - 1)
+                item = jnp.where((item + step < items) & (plan_ref[0, ahead] <= unit), ahead, item)
+                step >>= 1
+            return item
 
         def ladder_store(source, dest, first, rows, cols):
             at = 0
@@ -109,33 +121,32 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
 
                 at = at + (rows & step)
 
-        def send(d, unit):
-            chunk, cols = unit // blocks, pl.ds(lax.rem(unit, blocks) * tc, tc)
-            rows = jnp.minimum(tm, plan_ref[1, d] - chunk * tm)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf read by the last stores
-            plgpu.copy_gmem_to_smem(
-                src_ref.at[pl.ds(plan_ref[0, d] + chunk * tm, tm), cols], buf, loaded
-            )
-            plgpu.barrier_wait(loaded)
-            peer = plgpu.remote_ref(out_ref, mt.peer_id(axis_name, jnp.int32(d)))
-            ladder_store(buf, peer, plan_ref[2, d] + chunk * tm, rows, cols)
-
-        def fill(s, unit):
-            chunk, cols = unit // blocks, pl.ds(lax.rem(unit, blocks) * tc, tc)
-            first = plan_ref[3, s] + plan_ref[4, s] + chunk * tm
-            rows = jnp.minimum(tm, plan_ref[3, s + 1] - first)
-            ladder_store(zeros, out_ref, first, rows, cols)
-
-        work = [(send, d) for d in range(size)] + [(fill, s) for s in range(size)]
-
         @pl.loop(0, (total - cta + ctas - 1) // ctas)
         def _units(i):
             unit = cta + i * ctas
-            for j, (fn, idx) in enumerate(work):
-                end = starts[j + 1] if j + 1 < len(work) else total
-                pl.when((unit >= starts[j]) & (unit < end))(
-                    lambda fn=fn, idx=idx, j=j: fn(idx, unit - starts[j])
+            item = item_of(unit)
+            local = unit - plan_ref[0, item]
+            chunk, cols = local // blocks, pl.ds(lax.rem(local, blocks) * tc, tc)
+            rows = jnp.minimum(tm, plan_ref[2, item] - chunk * tm)
+            first = plan_ref[3, item] + chunk * tm
+
+            @pl.when(item < sends)
+            def _send():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf read by the last stores
+                plgpu.copy_gmem_to_smem(
+                    src_ref.at[pl.ds(plan_ref[1, item] + chunk * tm, tm), cols], buf, loaded
                 )
+                plgpu.barrier_wait(loaded)
+                for d in range(size):  # a TMA store's peer is static: one branch each
+
+                    @pl.when(plan_ref[4, item] == d)
+                    def _to(d=d):
+                        peer = plgpu.remote_ref(out_ref, mt.peer_id(axis_name, jnp.int32(d)))
+                        ladder_store(buf, peer, first, rows, cols)
+
+            @pl.when(item >= sends)
+            def _fill():
+                ladder_store(zeros, out_ref, first, rows, cols)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed
         for d in range(size):
