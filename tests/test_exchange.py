@@ -155,10 +155,19 @@ def test_kernel_reason_off_gpu():
     assert "GPU" in kernel_reason(jnp.bfloat16, 256)
 
 
-def test_kernel_is_for_one_process(monkeypatch):
-    """With several processes the exchange takes its all-to-all form, whatever the GPUs."""
+def test_kernel_with_processes_needs_nccl_peers(monkeypatch):
+    """With several processes on Hopper GPUs the kernel needs what the fused kernels need there
+    (NCCL's peer addresses); an older NCCL gives the all-to-all form, and says why."""
+    from commgemm.mosaic_gpu import fused, peers
+    from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert "one process" in kernel_reason(jnp.bfloat16, 256)
+    monkeypatch.setattr(peers, "_answer", [])
+    monkeypatch.setattr(peers, "nccl_version", lambda: (2, 28, 9))
+    assert fused.mosaic_tiles is mosaic_tiles
+    with pytest.warns(UserWarning, match="NCCL"):
+        assert "NCCL >= 2.29.2" in kernel_reason(jnp.bfloat16, 256)
 
 
 @pytest.mark.parametrize(

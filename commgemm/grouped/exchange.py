@@ -14,10 +14,11 @@ expert together. Its transpose is the same exchange the other way (recv -> send)
 gradient moves the same rows back.
 
 On one shard it is a select (g = 1: both layouts hold one region from row 0) or one gather.
-On Hopper GPUs driven by one process a kernel writes the live rows into the peers' results
-over NVLink (`mosaic_gpu.ragged_a2a`); elsewhere, one process per GPU included, each peer's
-rows travel in one `lax.all_to_all` of blocks of `most` rows (the most live rows a shard holds
-for one peer, over its groups), gathered out of and into the regions.
+On Hopper GPUs a kernel writes the live rows into the peers' results over NVLink
+(`mosaic_gpu.ragged_a2a`; with one process per GPU where the fused kernels run there:
+`mosaic_gpu.peers`); elsewhere each peer's rows travel in one `lax.all_to_all` of blocks of
+`most` rows (the most live rows a shard holds for one peer, over its groups), gathered out of
+and into the regions.
 """
 
 from __future__ import annotations
@@ -62,9 +63,7 @@ def kernel_reason(dtype, k: int) -> str | None:
     """Why rows of k elements of `dtype` do not travel by the NVLink kernel here, or None."""
     from commgemm.mosaic_gpu import fused, ragged_a2a
 
-    if jax.process_count() != 1:
-        return "it is for one process driving every GPU; with several the all-to-all form runs"
-    if (reason := fused._gpu_reason()) is not None:
+    if (reason := fused._gpu_reason()) is not None:  # with several processes: NCCL's peers
         return reason
     if ragged_a2a.tile_cols(k, dtype) is None:
         return f"rows of {k} x {jnp.dtype(dtype).name} are no whole 16-byte TMA boxes"

@@ -394,9 +394,14 @@ def _expert_layouts(x, w, group_sizes, axis_name, capacity: int):
     tokens x [m, K] as they are sorted, each expert's first C-capped rows live (peer-major);
     by_expert: the rows [P*C, .] its experts receive, sorted by expert, every source's rows
     for one expert together and in source order, the padding last (group-major); the counts
-    [e] of its experts there)."""
+    [e] of its experts there). On one shard both are one region: the sorted tokens' first C
+    rows are the rows its experts take, in order (the exchange a select)."""
     size, e, m = axis_size(axis_name), w.shape[0], x.shape[0]
     _, _, sizes = _routed(x, w, group_sizes, axis_name, capacity)  # [P, e], capped
+    if size == 1:  # the tokens are in expert order already: their first C rows, one region
+        live = jnp.sum(sizes, dtype=jnp.int32)[None]
+        ends = jnp.array([0, m], jnp.int32), jnp.array([0, capacity], jnp.int32)
+        return Layout(ends[0], live), Layout(ends[1], live), sizes[0]
     cut = sizes_in_rows(group_sizes, 0, m).astype(jnp.int32)
     tokens = Layout(_bounds(jnp.cumsum(cut) - cut, m), sizes.reshape(-1))
     # [e * P]: the rows of (expert j, source s) at j * P + s
