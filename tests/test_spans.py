@@ -310,6 +310,40 @@ def test_batch_spans_time_steps_with_idle_inside(monkeypatch):
         cg.bench.batch_spans_interleaved({"a": (f, (jnp.ones(2),))}, rounds=0)
 
 
+@pytest.mark.parametrize(
+    "stall_ns, merged, match",
+    [(900_000, False, "nearly as long"), (3_000_000, False, "nearly as long"),
+     (3_000_000, True, "different kernel counts")],
+    ids=["near", "longer", "cut-inside"],
+)  # fmt: skip
+def test_batch_spans_refuse_a_split_in_doubt(monkeypatch, stall_ns, merged, match):
+    """A host stall inside one batch nearly as long as the gaps between batches, or longer; or
+    one where two batches ran with no gap between them (the cut then lands inside a batch, one
+    batch taking another's kernels): refused, not misread."""
+    import random
+
+    from commgemm.bench import spans
+
+    rounds, calls = 3, 4
+    order, rng = [], random.Random(0)
+    for _ in range(rounds):
+        names = ["a", "b"]
+        rng.shuffle(names)
+        order += names
+    events, t = [], 0
+    for i, name in enumerate(order):
+        for c in range(calls):
+            events.append((t, 500, f"{name}-gemm"))
+            t += 600 + (stall_ns if (i, c) == (2, 1) else 0)
+        t += 0 if merged and i == 3 else 1_000_000
+    monkeypatch.setattr(spans, "_trace", lambda work: _trace({0: {"Stream #1": events}}))
+    f = jax.jit(lambda a: a + 1)
+    with pytest.raises(RuntimeError, match=match):
+        cg.bench.batch_spans_interleaved(
+            {"a": (f, (jnp.ones(2),)), "b": (f, (jnp.ones(2),))}, rounds=rounds, calls=calls
+        )
+
+
 def test_report_times_by_spans_where_periods_fail(monkeypatch):
     """Where device periods cannot tell a variant's calls apart (host-paced calls on 4 GPUs),
     `overlap_report` times those variants by device spans instead and says so; where spans fail

@@ -312,7 +312,10 @@ def batch_spans_interleaved(
     start to last's end, idle time inside included) / calls is the time per call, its busy
     fraction the union of its kernels over the span. Returns {name: {"median": median over
     rounds of the median over GPUs of ms per call, "rounds", "busy": median busy fraction,
-    "events": GPU 0's (start, end, name) of one middle batch, in ns}}."""
+    "events": GPU 0's (start, end, name) of one middle batch, in ns}}. Raises RuntimeError
+    where the split is in doubt: a gap inside a batch nearly as long as those between them
+    (AMBIGUOUS_GAPS), or one variant's batches of different kernel counts (a cut in the wrong
+    place gives one batch another's kernels; a variant runs the same kernels every call)."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds={rounds} and calls={calls} must be >= 1")
     order, data = _interleaved_trace(variants, rounds, calls, gap_s, seed)
@@ -324,7 +327,23 @@ def batch_spans_interleaved(
             last_end = max(last_end, events[i][1])
         if len(gaps) < len(order) - 1:
             raise RuntimeError(f"GPU {d}: {len(events)} kernels for {len(order)} batches")
-        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[: len(order) - 1])
+        ranked = sorted(gaps, reverse=True)
+        if len(ranked) >= len(order) > 1:
+            cut, kept = ranked[len(order) - 2][0], ranked[len(order) - 1][0]
+            if cut < AMBIGUOUS_GAPS * kept:
+                raise RuntimeError(
+                    f"GPU {d}: an idle gap inside a batch ({kept / 1e6:.1f} ms) nearly as long as "
+                    f"those between batches ({cut / 1e6:.1f} ms): give a longer gap_s"
+                )
+        cuts = sorted(i for _, i in ranked[: len(order) - 1])
+        counts = {}
+        for name, a, b in zip(order, [0, *cuts], [*cuts, len(events)], strict=True):
+            counts.setdefault(name, set()).add(b - a)
+        if mixed := {name: sorted(c) for name, c in counts.items() if len(c) > 1}:
+            raise RuntimeError(
+                f"GPU {d}: batches of one variant hold different kernel counts {mixed}: the "
+                "batches are not told apart (give a longer gap_s)"
+            )
         batches = []
         for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True):
             run = events[a:b]
