@@ -319,7 +319,8 @@ def test_batch_spans_time_steps_with_idle_inside(monkeypatch):
 def test_batch_spans_refuse_a_split_in_doubt(monkeypatch, stall_ns, merged, match):
     """A host stall inside one batch nearly as long as the gaps between batches, or longer; or
     one where two batches ran with no gap between them (the cut then lands inside a batch, one
-    batch taking another's kernels): refused, not misread."""
+    batch taking another's kernels): traced again with longer gaps, and where the trace stays
+    so, refused, not misread; where the next trace is clean, its figures."""
     import random
 
     from commgemm.bench import spans
@@ -336,12 +337,28 @@ def test_batch_spans_refuse_a_split_in_doubt(monkeypatch, stall_ns, merged, matc
             events.append((t, 500, f"{name}-gemm"))
             t += 600 + (stall_ns if (i, c) == (2, 1) else 0)
         t += 0 if merged and i == 3 else 1_000_000
-    monkeypatch.setattr(spans, "_trace", lambda work: _trace({0: {"Stream #1": events}}))
+    clean = [(i * 10_000_000 + c * 600, 500, f"{n}-gemm") for i, n in enumerate(order)
+             for c in range(calls)]  # fmt: skip
+    traces, gaps = [], []
+    monkeypatch.setattr(spans, "_trace", lambda work: _trace({0: {"Stream #1": traces.pop(0)}}))
+    traced = spans._interleaved_trace
+
+    def recorded(variants, rounds, calls, gap_s, seed):
+        gaps.append(gap_s)
+        return traced(variants, rounds, calls, gap_s, seed)
+
+    monkeypatch.setattr(spans, "_interleaved_trace", recorded)
     f = jax.jit(lambda a: a + 1)
-    with pytest.raises(RuntimeError, match=match):
-        cg.bench.batch_spans_interleaved(
-            {"a": (f, (jnp.ones(2),)), "b": (f, (jnp.ones(2),))}, rounds=rounds, calls=calls
-        )
+    variants = {"a": (f, (jnp.ones(2),)), "b": (f, (jnp.ones(2),))}
+    traces += [events] * 3
+    with pytest.raises(spans.SplitInDoubt, match=match):
+        cg.bench.batch_spans_interleaved(variants, rounds=rounds, calls=calls, gap_s=0.01)
+    assert gaps == pytest.approx([0.01, 0.04, 0.16])  # two retries, gaps 4x longer
+    traces += [events, clean]
+    found = cg.bench.batch_spans_interleaved(variants, rounds=rounds, calls=calls)
+    assert found["a"]["median"] == pytest.approx((3 * 600 + 500) / calls / 1e6)
+    with pytest.raises(ValueError, match="retries"):
+        cg.bench.batch_spans_interleaved(variants, retries=-1)
 
 
 def test_report_times_by_spans_where_periods_fail(monkeypatch):

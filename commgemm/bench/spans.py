@@ -297,6 +297,42 @@ def device_periods_interleaved(
     return out
 
 
+def _batch_spans(d: int, events, order: list[str], calls: int) -> list[tuple]:
+    """GPU d's events cut into len(order) batches at the longest gaps: [(ms per call, busy
+    fraction, events)] in order; SplitInDoubt where the cut is in doubt."""
+    gaps, last_end = [], events[0][1]
+    for i in range(1, len(events)):
+        gaps.append((events[i][0] - last_end, i))
+        last_end = max(last_end, events[i][1])
+    if len(gaps) < len(order) - 1:
+        raise RuntimeError(f"GPU {d}: {len(events)} kernels for {len(order)} batches")
+    ranked = sorted(gaps, reverse=True)
+    if len(ranked) >= len(order) > 1:
+        cut, kept = ranked[len(order) - 2][0], ranked[len(order) - 1][0]
+        if cut < AMBIGUOUS_GAPS * kept:
+            raise SplitInDoubt(
+                f"GPU {d}: an idle gap inside a batch ({kept / 1e6:.1f} ms) nearly as long as "
+                f"those between batches ({cut / 1e6:.1f} ms)"
+            )
+    cuts = sorted(i for _, i in ranked[: len(order) - 1])
+    counts = {}
+    for name, a, b in zip(order, [0, *cuts], [*cuts, len(events)], strict=True):
+        counts.setdefault(name, set()).add(b - a)
+    if mixed := {name: sorted(c) for name, c in counts.items() if len(c) > 1}:
+        raise SplitInDoubt(f"GPU {d}: batches of one variant hold different kernel counts {mixed}")
+    batches = []
+    for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True):
+        run = events[a:b]
+        span = max(e for _, e, _ in run) - run[0][0]
+        busy = busy_ns(split_calls([(s, e) for s, e, _ in run], float("inf"))[0])
+        batches.append((span / calls / 1e6, busy / span, run))
+    return batches
+
+
+class SplitInDoubt(RuntimeError):
+    """A trace whose batches cannot be told apart for sure (`batch_spans_interleaved`)."""
+
+
 def batch_spans_interleaved(
     variants: Mapping[str, tuple[Callable, tuple]],
     *,
@@ -304,6 +340,7 @@ def batch_spans_interleaved(
     calls: int = 4,
     gap_s: float = 0.05,
     seed: int = 0,
+    retries: int = 2,
 ) -> dict[str, dict]:
     """Device time per call where `device_periods_interleaved` cannot split calls (a training
     step has no one main kernel; host-paced steps leave gaps inside a batch): `rounds` rounds,
@@ -312,45 +349,25 @@ def batch_spans_interleaved(
     start to last's end, idle time inside included) / calls is the time per call, its busy
     fraction the union of its kernels over the span. Returns {name: {"median": median over
     rounds of the median over GPUs of ms per call, "rounds", "busy": median busy fraction,
-    "events": GPU 0's (start, end, name) of one middle batch, in ns}}. Raises RuntimeError
-    where the split is in doubt: a gap inside a batch nearly as long as those between them
-    (AMBIGUOUS_GAPS), or one variant's batches of different kernel counts (a cut in the wrong
-    place gives one batch another's kernels; a variant runs the same kernels every call)."""
-    if rounds < 1 or calls < 1:
-        raise ValueError(f"rounds={rounds} and calls={calls} must be >= 1")
-    order, data = _interleaved_trace(variants, rounds, calls, gap_s, seed)
-    per_device = []  # [device][batch] -> (ms per call, busy fraction, events)
-    for d, events in enumerate(_gpu_events(data)):
-        gaps, last_end = [], events[0][1]
-        for i in range(1, len(events)):
-            gaps.append((events[i][0] - last_end, i))
-            last_end = max(last_end, events[i][1])
-        if len(gaps) < len(order) - 1:
-            raise RuntimeError(f"GPU {d}: {len(events)} kernels for {len(order)} batches")
-        ranked = sorted(gaps, reverse=True)
-        if len(ranked) >= len(order) > 1:
-            cut, kept = ranked[len(order) - 2][0], ranked[len(order) - 1][0]
-            if cut < AMBIGUOUS_GAPS * kept:
-                raise RuntimeError(
-                    f"GPU {d}: an idle gap inside a batch ({kept / 1e6:.1f} ms) nearly as long as "
-                    f"those between batches ({cut / 1e6:.1f} ms): give a longer gap_s"
-                )
-        cuts = sorted(i for _, i in ranked[: len(order) - 1])
-        counts = {}
-        for name, a, b in zip(order, [0, *cuts], [*cuts, len(events)], strict=True):
-            counts.setdefault(name, set()).add(b - a)
-        if mixed := {name: sorted(c) for name, c in counts.items() if len(c) > 1}:
-            raise RuntimeError(
-                f"GPU {d}: batches of one variant hold different kernel counts {mixed}: the "
-                "batches are not told apart (give a longer gap_s)"
-            )
-        batches = []
-        for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True):
-            run = events[a:b]
-            span = max(e for _, e, _ in run) - run[0][0]
-            busy = busy_ns(split_calls([(s, e) for s, e, _ in run], float("inf"))[0])
-            batches.append((span / calls / 1e6, busy / span, run))
-        per_device.append(batches)
+    "events": GPU 0's (start, end, name) of one middle batch, in ns}}. Where the split is in
+    doubt (a gap inside a batch nearly as long as those between them, AMBIGUOUS_GAPS; or one
+    variant's batches of different kernel counts: a cut in the wrong place gives one batch
+    another's kernels, where a variant runs the same kernels every call) it traces again with
+    gaps 4x longer, up to `retries` times, then raises SplitInDoubt (a RuntimeError)."""
+    if rounds < 1 or calls < 1 or retries < 0:
+        raise ValueError(f"rounds={rounds} and calls={calls} must be >= 1, retries={retries} >= 0")
+    for attempt in range(retries + 1):
+        order, data = _interleaved_trace(variants, rounds, calls, gap_s, seed)
+        try:
+            per_device = [_batch_spans(d, events, order, calls)
+                          for d, events in enumerate(_gpu_events(data))]  # fmt: skip
+            break
+        except SplitInDoubt as err:
+            if attempt == retries:
+                raise SplitInDoubt(
+                    f"{err} (gaps of {gap_s * 1e3:.0f} ms; give a longer gap_s)"
+                ) from None
+            gap_s *= 4
     out = {}
     for name in variants:
         index = [i for i, n in enumerate(order) if n == name]
