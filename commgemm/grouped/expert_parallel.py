@@ -11,12 +11,13 @@ each expert's tokens instead).
 RING_EXCHANGE sends to shard me + t at step t, a whole block of C rows, while multiplying what
 arrived at step t - 1, so the expert GEMMs start on the first tokens while the rest are in
 flight; NONE exchanges every shard's tokens first in one ragged all-to-all
-(`grouped.exchange`: only the routed rows travel, straight from the sorted tokens into their
-blocks; the results back in another, straight into token order), then multiplies all of them
-in one grouped GEMM, their rows regrouped by expert and the padding last
-(`grouped.blocks.merged_matmul`). AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`).
-`expert_mlp` is dispatch, activation and return in one: with NONE the rows arrive sorted by
-expert (regions per source shard and expert) and leave from there, no regrouping.
+(`grouped.exchange`: only the routed rows travel, straight from the sorted tokens into expert
+order, every source's rows for an expert together and the padding last: regions per shard and
+expert, `_layouts`), multiplies all of them in one grouped GEMM and returns the blocks by
+source (a gather); on the way back it regroups the blocks by expert (a gather), multiplies,
+and one ragged all-to-all takes the results from expert order straight into token order.
+AUTO runs NONE (`plan.GROUPED_AUTO_RING_SIZES`). `expert_mlp` is dispatch, activation and
+return in one: with NONE the rows arrive sorted by expert and leave from there, no gathers.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from commgemm.config import Method
 from commgemm.epilogue import gelu
 from commgemm.grouped.blocks import (
     block_matmul,
-    merged_matmul,
+    merged_order,
     permuted,
+    regrouped,
     row_block,
     whole_block_matmul,
 )
@@ -175,9 +177,12 @@ def _dispatch_grouped(
     `experts`)."""
     size = axis_size(axis_name)
     method = _method(config, "all_to_all_grouped_matmul", size)
-    if method is not Method.RING_EXCHANGE:  # every block has arrived: one GEMM, regrouped
-        blocks, arrived, sizes = _dispatched(x, w, group_sizes, axis_name, rows, capacity)
-        return merged_matmul(blocks, w, sizes, arrived, experts), sizes
+    if method is not Method.RING_EXCHANGE:  # the tokens arrive by expert: one GEMM
+        tokens, by_expert, sizes = _expert_layouts(x, w, group_sizes, axis_name, capacity)
+        flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
+        out = block_matmul(flat, w, sizes.sum(axis=0), flat_rows, experts)
+        dest, source, _ = merged_order(sizes, capacity)  # by expert -> by source: a gather
+        return permuted(out, dest, source).reshape(size, capacity, -1), sizes
     blocks, arrived, by_step_sizes = _ring_exchanged(x, w, group_sizes, axis_name, rows, capacity)
     parts = zip(blocks, arrived, by_step_sizes, strict=True)  # each block's GEMM as it arrives
     by_step_y = jnp.stack([block_matmul(b, w, c, q, experts) for b, q, c in parts])
@@ -213,30 +218,6 @@ def _sent(x, rows: Rows | None, start, count, capacity: int):
     if rows is None:
         return block, None
     return block, dataclasses.replace(rows, payload=_window(rows.payload, start, count, capacity))
-
-
-def _dispatched(x, w, group_sizes, axis_name, rows: Rows | None, capacity: int):
-    """This shard's tokens x [m, K] sent to their experts' shards in one ragged all-to-all
-    (`grouped.exchange`: only the routed rows travel): (blocks [P, C, K], block s from shard s,
-    its first C tokens for this shard's experts first and zeros after; their quantized rows as
-    they travelled, payload [P, C, .], or None; their counts [P, e])."""
-    starts, counts, sizes = _routed(x, w, group_sizes, axis_name, capacity)
-    size, m = sizes.shape[0], x.shape[0]
-    arrived_sizes = _all_to_all(sizes, axis_name)
-    send = Layout(_bounds(starts, m), counts)
-    recv = Layout(_bounds(jnp.arange(size) * capacity, size * capacity),
-                  arrived_sizes.sum(axis=1).astype(jnp.int32))  # fmt: skip
-
-    exchange = functools.partial(_exchanged, axis_name=axis_name, capacity=capacity)
-    values, arrived = carry(exchange, x, rows, None, send, recv)
-    return values, arrived, arrived_sizes
-
-
-def _exchanged(v, send: Layout, recv: Layout, *, axis_name: str, capacity: int) -> jax.Array:
-    """v [m, .] -> the blocks [P, C, .] that `_dispatched` moves."""
-    size = send.counts.shape[0]
-    moved = ragged_all_to_all(v, send, recv, axis_name, capacity, size * capacity)
-    return moved.reshape(size, capacity, -1)
 
 
 def _bounds(starts: jax.Array, rows: int) -> jax.Array:
@@ -306,9 +287,14 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
     size = axis_size(axis_name)
     method = _method(config, "grouped_matmul_all_to_all", size)
     check_grouped(y[0], w, recv_sizes[0])
-    if method is Method.NONE:  # one GEMM over every source's tokens, regrouped, one all-to-all
-        every = merged_matmul(y, w, recv_sizes, rows, experts)
-        return _returned(every, group_sizes, axis_name, tokens)
+    if method is Method.NONE:  # one GEMM over every source's tokens by expert, sent from there
+        dest, source, sizes = merged_order(recv_sizes, y.shape[1])
+        flat, flat_rows = regrouped(y, rows, source, dest)
+        z = block_matmul(flat, w, sizes, flat_rows, experts)
+        cut = sizes_in_rows(group_sizes, 0, tokens).astype(jnp.int32)  # as the dispatch cut them
+        sent = _capped(cut.reshape(size, -1), y.shape[1])
+        mine, by_expert = _layouts(sent, recv_sizes, cut, tokens, y.shape[1])
+        return ragged_all_to_all(z, by_expert, mine, axis_name, y.shape[1], tokens)
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size, y.shape[1])
     out, last = None, None
@@ -319,22 +305,6 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
         dest = lax.rem(me + jnp.int32(t), jnp.int32(size))
         out = _place(out, last, starts[dest], counts[dest], tokens)
     return out
-
-
-def _returned(results: jax.Array, group_sizes, axis_name, tokens: int) -> jax.Array:
-    """results [P, C, N], [s] those for shard s's tokens, sent back in one ragged all-to-all
-    (`grouped.exchange`) and placed where this shard's tokens for each shard's experts are:
-    [m, N] (m = tokens; zeros past the tokens' count and for those past the first C for a
-    shard)."""
-    size, capacity = results.shape[:2]
-    group_sizes = sizes_in_rows(group_sizes, 0, tokens)  # as the dispatch cut them
-    starts, counts = _starts(group_sizes, size, capacity)
-    counts = counts.astype(jnp.int32)
-    send = Layout(_bounds(jnp.arange(size) * capacity, size * capacity),
-                  _all_to_all(counts, axis_name))  # fmt: skip
-    recv = Layout(_bounds(starts, tokens), counts)
-    flat = results.reshape(size * capacity, -1)
-    return ragged_all_to_all(flat, send, recv, axis_name, capacity, tokens)
 
 
 def expert_mlp(
@@ -378,10 +348,9 @@ def expert_mlp(
     check_weight_scaling("all_to_all_grouped_matmul", w1, up)
     check_weight_scaling("grouped_matmul_all_to_all", w2, down)
     x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name, x_quantized)
-    tokens, by_expert, sizes = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
-    exchange = functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
-                                 out_rows=size * capacity)  # fmt: skip
-    flat, flat_rows = carry(exchange, x, rows, None, tokens, by_expert)
+    tokens, by_expert, arrived = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
+    flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
+    sizes = arrived.sum(axis=0)
     h = activation(whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name))
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
@@ -390,22 +359,35 @@ def expert_mlp(
 
 
 def _expert_layouts(x, w, group_sizes, axis_name, capacity: int):
-    """The exchange layouts of `expert_mlp`, regions by (shard, expert): (tokens: this shard's
-    tokens x [m, K] as they are sorted, each expert's first C-capped rows live (peer-major);
-    by_expert: the rows [P*C, .] its experts receive, sorted by expert, every source's rows
-    for one expert together and in source order, the padding last (group-major); the counts
-    [e] of its experts there). On one shard both are one region: the sorted tokens' first C
-    rows are the rows its experts take, in order (the exchange a select)."""
-    size, e, m = axis_size(axis_name), w.shape[0], x.shape[0]
-    _, _, sizes = _routed(x, w, group_sizes, axis_name, capacity)  # [P, e], capped
-    if size == 1:  # the tokens are in expert order already: their first C rows, one region
-        live = jnp.sum(sizes, dtype=jnp.int32)[None]
+    """The exchange layouts of this shard's tokens x [m, K] (sorted by global expert, counts
+    group_sizes [P*e]) and the rows its experts receive, `_layouts`, with the counts [P, e] that
+    arrive from each shard for each of its experts."""
+    sent = _routed(x, w, group_sizes, axis_name, capacity)[2]  # [P, e], capped
+    arrived = _all_to_all(sent, axis_name)
+    cut = sizes_in_rows(group_sizes, 0, x.shape[0]).astype(jnp.int32)
+    return *_layouts(sent, arrived, cut, x.shape[0], capacity), arrived
+
+
+def _layouts(sent, arrived, cut, m: int, capacity: int) -> tuple[Layout, Layout]:
+    """(tokens: a shard's m token rows, sorted by global expert with counts cut [P*e], as
+    regions per (shard, expert), each expert's first `sent` [P, e] rows live (peer-major);
+    by_expert: the [P*C] rows its experts receive, `arrived` [P, e] from each shard, sorted by
+    expert, every source's rows for one expert together and in source order, the padding last
+    (group-major)). On one shard both are one region: the sorted tokens' first C rows are the
+    rows its experts take, in order (the exchange a select)."""
+    size = sent.shape[0]
+    if size == 1:
+        live = jnp.sum(sent, dtype=jnp.int32)[None]
         ends = jnp.array([0, m], jnp.int32), jnp.array([0, capacity], jnp.int32)
-        return Layout(ends[0], live), Layout(ends[1], live), sizes[0]
-    cut = sizes_in_rows(group_sizes, 0, m).astype(jnp.int32)
-    tokens = Layout(_bounds(jnp.cumsum(cut) - cut, m), sizes.reshape(-1))
-    # [e * P]: the rows of (expert j, source s) at j * P + s
-    arrived = _all_to_all(sizes, axis_name).T.reshape(-1)
-    ends = jnp.cumsum(arrived, dtype=jnp.int32)
-    by_expert = Layout(_bounds(ends - arrived, size * capacity), arrived, by_group=True)
-    return tokens, by_expert, arrived.reshape(e, size).sum(axis=1)
+        return Layout(ends[0], live), Layout(ends[1], live)
+    tokens = Layout(_bounds(jnp.cumsum(cut) - cut, m), sent.reshape(-1).astype(jnp.int32))
+    counts = arrived.T.reshape(-1).astype(jnp.int32)  # (expert j, source s) at j * P + s
+    ends = jnp.cumsum(counts, dtype=jnp.int32)
+    return tokens, Layout(_bounds(ends - counts, size * capacity), counts, by_group=True)
+
+
+def _to_experts(axis_name: str, capacity: int):
+    """The exchange of a shard's tokens (x or its quantized payload) into its experts' rows
+    [P*C, .], by `_layouts`' pair."""
+    return functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
+                             out_rows=axis_size(axis_name) * capacity)  # fmt: skip
