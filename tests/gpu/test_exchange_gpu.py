@@ -123,3 +123,40 @@ def test_expert_parallel_block_through_the_kernel(two_gpus, monkeypatch, scaling
     for a, b in zip(got[1], want[1], strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                       np.asarray(b.astype(jnp.float32)))  # fmt: skip
+
+
+@pytest.mark.parametrize("capacity", [None, 96], ids=["all", "capped"])
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"], ids=["bf16", "fp8"])
+def test_expert_parallel_ops_through_the_kernel(two_gpus, monkeypatch, scaling, capacity):
+    """The two ops with NONE (tokens into expert order, results out of it) with the kernel
+    against the same ops with the kernel turned off: equal results and gradients."""
+    import commgemm as cg
+
+    size, m, hidden, ffn, per_shard = jax.device_count(), 256, 256, 512, 4
+    experts = per_shard * size
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((size * m, hidden))).astype(jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((experts, hidden, ffn)) / 16).astype(jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 22).astype(jnp.bfloat16)
+    sizes = np.stack([np.bincount(rng.integers(0, experts, m), minlength=experts)
+                      for _ in range(size)]).astype(np.int32)  # fmt: skip
+    cfg = cg.OverlapConfig(method="none")
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def body(a, b, c, g):
+        y, got = cg.all_to_all_grouped_matmul(a, b, g[0], "x", config=cfg, scaling=scaling,
+                                              capacity=capacity)  # fmt: skip
+        return cg.grouped_matmul_all_to_all(jax.nn.gelu(y), c, got, g[0], "x", config=cfg,
+                                            scaling=scaling, tokens=m)  # fmt: skip
+
+    def loss(a, b, c):
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=P("x"))
+        return jnp.mean(jnp.square(f(a, b, c, sizes).astype(jnp.float32)))
+
+    got = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)
+    monkeypatch.setattr(ex, "kernel_reason", lambda dtype, k: "turned off")
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))  # fmt: skip
