@@ -173,42 +173,37 @@ def grouped_rows(devices, cfg) -> list[dict]:
             mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp")), out_specs=P("tp"))),
             (x, w_ep, ep_sizes_d))  # fmt: skip
     rows.append({"method": "expert parallel", "ms": time_variants(variants)})
-    # method none's blocks in one regrouped GEMM or block by block, whatever the defaults
+    # method none's blocks in one regrouped GEMM or block by block, whatever the defaults (the
+    # all-gather's; the expert-parallel dispatch receives its rows by expert, no blocks)
     ag = lambda a, b, s: cg.all_gather_grouped_matmul(a, b, s[0], "tp")  # noqa: E731
-    dispatch = lambda a, b, s: cg.all_to_all_grouped_matmul(a, b, s[0], "tp")[0]  # noqa: E731
     variants = {}
     for merge in (True, False):
         how = "regrouped" if merge else "block by block"
-        for name, body, specs, out, args in (
-            ("ag+grouped", ag, (P("tp"), P(None, None, "tp"), P("tp")), P(None, "tp"),
-             (x, w_col, sizes_d)),
-            ("all-to-all+grouped", dispatch, (P("tp"), P("tp"), P("tp")), P("tp"),
-             (x, w_ep, ep_sizes_d)),
-        ):  # fmt: skip
-            f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
+        f = jax.shard_map(ag, mesh=mesh, in_specs=(P("tp"), P(None, None, "tp"), P("tp")),
+                          out_specs=P(None, "tp"))  # fmt: skip
 
-            def traced(*a, f=f, merge=merge):
-                with _merging(merge):
-                    return f(*a)
+        def traced(*a, f=f, merge=merge):
+            with _merging(merge):
+                return f(*a)
 
-            variants[f"{name} none, {how}"] = (jax.jit(traced), args)
+        variants[f"ag+grouped none, {how}"] = (jax.jit(traced), (x, w_col, sizes_d))
     rows.append({"method": "none: regrouped or block by block", "ms": time_variants(variants)})
     return rows
 
 
 @contextlib.contextmanager
 def _merging(merge: bool):
-    """Method none of the grouped ops with every block in one regrouped GEMM (`merge`, the
-    library's way: `grouped.blocks.merged_matmul`) or block by block (as before it): a
-    benchmark-side patch of the ops' `merged_matmul`."""
-    from commgemm.grouped import blocks, collective, expert_parallel
+    """Method none of the collective grouped ops with every block in one regrouped GEMM
+    (`merge`, the library's way: `grouped.blocks.merged_matmul`) or block by block (as before
+    it): a benchmark-side patch of their `merged_matmul`."""
+    from commgemm.grouped import blocks, collective
 
     def block_by_block(stacked, w, block_sizes, rows, experts, out_dtype=None):
         return jnp.stack([blocks.block_matmul(stacked[p], w, block_sizes[p],
                                               blocks.row_block(rows, p), experts, out_dtype)
                           for p in range(stacked.shape[0])])  # fmt: skip
 
-    modules = (collective, expert_parallel)
+    modules = (collective,)
     saved = [m.merged_matmul for m in modules]
     for m in modules:
         m.merged_matmul = blocks.merged_matmul if merge else block_by_block

@@ -489,7 +489,9 @@ def test_capabilities_script_runs(tmp_path):
         "expert parallel",
         "none: regrouped or block by block",
     ]
-    assert len(result["grouped"][-1]["ms"]) == 5
+    assert set(result["grouped"][-1]["ms"]) == {
+        "ag+grouped none, regrouped", "ag+grouped none, block by block", "timing"
+    }  # fmt: skip
     assert all(t > 0 for row in result["backward"] for n, t in row["ms"].items() if n != "timing")
     assert [r["op"] for r in result["grouped_fp8"]] == [
         "ag+grouped ring", "ag+grouped none", "all-to-all+grouped ring", "grouped+rs none",
