@@ -221,7 +221,7 @@ def _sent(x, rows: Rows | None, start, count, capacity: int):
 
 
 def _bounds(starts: jax.Array, rows: int) -> jax.Array:
-    """[P + 1] int32 region bounds: the regions' first rows, then `rows`."""
+    """[R + 1] int32 region bounds: the R regions' first rows, then `rows`."""
     return jnp.append(starts.astype(jnp.int32), jnp.int32(rows))
 
 

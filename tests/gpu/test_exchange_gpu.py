@@ -115,14 +115,7 @@ def test_expert_parallel_block_through_the_kernel(two_gpus, monkeypatch, scaling
                             out_specs=P("tp"))(x, w1, w2)  # fmt: skip
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
-    step = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
-    got = step(x, w1, w2)
-    monkeypatch.setattr(ex, "kernel_reason", lambda dtype, k: "turned off")
-    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    for a, b in zip(got[1], want[1], strict=True):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                      np.asarray(b.astype(jnp.float32)))  # fmt: skip
+    _kernel_equals_fallback(monkeypatch, loss, x, w1, w2)
 
 
 @pytest.mark.parametrize("capacity", [None, 96], ids=["all", "capped"])
@@ -153,9 +146,15 @@ def test_expert_parallel_ops_through_the_kernel(two_gpus, monkeypatch, scaling, 
         f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=P("x"))
         return jnp.mean(jnp.square(f(a, b, c, sizes).astype(jnp.float32)))
 
-    got = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)
+    _kernel_equals_fallback(monkeypatch, loss, x, w1, w2)
+
+
+def _kernel_equals_fallback(monkeypatch, loss, *args) -> None:
+    """loss(*args) and its gradients with the exchange kernel, then with it turned off: equal
+    bit for bit."""
+    got = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*args)
     monkeypatch.setattr(ex, "kernel_reason", lambda dtype, k: "turned off")
-    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     for a, b in zip(got[1], want[1], strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
