@@ -203,3 +203,17 @@ def test_exchange_refuses_float_layouts():
                        mesh=mesh, in_specs=P("x"), out_specs=P("x"))  # fmt: skip
     with pytest.raises(ValueError, match="integers"):
         jax.eval_shape(fn, jax.ShapeDtypeStruct((2 * ROWS, K), jnp.float32))
+
+
+@pytest.mark.parametrize("send_regions, recv_regions", [(3, 3), (4, 6)],
+                         ids=["not-a-multiple", "sides-differ"])  # fmt: skip
+def test_exchange_refuses_regions_that_do_not_pair(send_regions, recv_regions):
+    """Regions must come P to a group on both sides, as many on each: 3 on an axis of 2, or 4
+    sent against 6 received, is refused with the rule."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    layout = lambda r: Layout(jnp.zeros((r + 1,), jnp.int32), jnp.zeros((r,), jnp.int32))  # noqa: E731
+    send, recv = layout(send_regions), layout(recv_regions)
+    fn = jax.shard_map(lambda x: ragged_all_to_all(x, send, recv, "x", MOST, 2 * MOST),
+                       mesh=mesh, in_specs=P("x"), out_specs=P("x"))  # fmt: skip
+    with pytest.raises(ValueError, match="R a multiple of 2"):
+        jax.eval_shape(fn, jax.ShapeDtypeStruct((2 * ROWS, K), jnp.float32))
