@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from commgemm.config import Method, OverlapConfig
 from commgemm.epilogue import Activation, apply_epilogue
 from commgemm.gemm import gemm
+from commgemm.grouped.activation import as_function
 from commgemm.grouped.moe import (  # noqa: F401 (top_k_routing, load_balancing_loss public here)
     expert_capacity,
     load_balancing_loss,
@@ -337,6 +338,7 @@ class ParallelMoE(nnx.Module):
         self.mesh, self.axis_name, self.data_axis = mesh, axis_name, data_axis
         self.top_k, self.config, self.scaling = top_k, config, scaling
         self.dtype, self.activation = dtype, activation
+        as_function(activation)  # an unknown activation fails here
         if capacity_factor is not None:
             expert_capacity(1, num_experts, capacity_factor)  # a bad factor fails here
         self.capacity_factor, self.load_balancing = capacity_factor, load_balancing

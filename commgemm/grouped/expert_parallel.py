@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from commgemm.config import Method
-from commgemm.epilogue import gelu
+from commgemm.epilogue import Activation
+from commgemm.grouped.activation import activation_rows, as_function
 from commgemm.grouped.blocks import (
     block_matmul,
     merged_order,
@@ -314,7 +316,7 @@ def expert_mlp(
     group_sizes: jax.Array,
     axis_name: str,
     *,
-    activation=gelu,
+    activation: Callable | Activation = "gelu_tanh",
     config=None,
     scaling=None,
     capacity: int | None = None,
@@ -324,16 +326,18 @@ def expert_mlp(
     global expert (counts group_sizes [P*e]), w1 [e, K, F] and w2 [e, F, N] this shard's
     experts -> (out [m, N] in x's order, zeros past the tokens' count; the activations between
     the GEMMs [P*C, F], in an order of their own: for their amax). The same as
-    `all_to_all_grouped_matmul` (with `capacity`), `activation`, `grouped_matmul_all_to_all`;
-    `scaling`: one recipe for both GEMMs or a pair (up, down). `x_quantized`: x as the up
-    recipe quantizes it where the caller has it (`grouped.scaling.copied_rows`: the tokens'
-    copies quantized once per token), else None.
+    `all_to_all_grouped_matmul` (with `capacity`), `activation` (a function of the [P*C, F]
+    rows, or a name: "gelu", "gelu_tanh", None), `grouped_matmul_all_to_all`; `scaling`: one
+    recipe for both GEMMs or a pair (up, down). `x_quantized`: x as the up recipe quantizes it
+    where the caller has it (`grouped.scaling.copied_rows`: the tokens' copies quantized once
+    per token), else None.
 
     Where both ops run NONE (AUTO's choice on GPUs) the tokens arrive sorted by expert (the
     exchange's regions are (shard, expert) pairs: `_expert_layouts`), stay so from the first
     GEMM to the second, and the results go back from there into token order: two ragged
     all-to-alls and no permutation, where the two ops would regroup the [P*C, K] rows, put the
-    [P*C, F] activations back in the order of their source shards and regroup them again."""
+    [P*C, F] activations back in the order of their source shards and regroup them again. A
+    named activation then runs on the rows that hold tokens only (`grouped.activation`)."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
@@ -341,7 +345,7 @@ def expert_mlp(
     if any(_method(config, op, size) is not Method.NONE for op in ops):
         y, received = _all_to_all_grouped(x, w1, group_sizes, axis_name, config, up, capacity,
                                           x_quantized)  # fmt: skip
-        h = activation(y)
+        h = activation(y) if callable(activation) else as_function(activation)(y)
         out = grouped_matmul_all_to_all(h, w2, received, group_sizes, axis_name,
                                         config=config, scaling=down, tokens=m)  # fmt: skip
         return out, h
@@ -351,7 +355,8 @@ def expert_mlp(
     tokens, by_expert, arrived = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
     flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
     sizes = arrived.sum(axis=0)
-    h = activation(whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name))
+    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name)
+    h = activation(y) if callable(activation) else activation_rows(y, jnp.sum(sizes), activation)
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)

@@ -23,7 +23,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from commgemm.epilogue import gelu
 from commgemm.grouped.blocks import inverse_permutation, permuted
 from commgemm.grouped.scaling import copied_rows
 from commgemm.quant import amax
@@ -68,9 +67,8 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     copies = jnp.repeat(x, k, axis=0)  # [m*k, H], token-major as the routing's rows
     up = scaling[0] if isinstance(scaling, tuple) else scaling
     quantized = copied_rows(x, order // k, up, axis_name)  # each token quantized once
-    act = functools.partial(gelu, approximate=activation == "gelu_tanh")
     out, y = expert_mlp(permuted(copies, order, inverse), w1, w2, counts, axis_name,
-                        activation=act, config=config, scaling=scaling,
+                        activation=activation, config=config, scaling=scaling,
                         capacity=capacity, x_quantized=quantized)  # fmt: skip
     per_token = permuted(out, inverse, order).reshape(m, k, h)  # back in token-major order
     out = _combined(per_token, gate.reshape(m, k, 1)).astype(x.dtype)

@@ -109,6 +109,25 @@ def ladder(tile_m: int) -> tuple[int, ...]:
     return tuple(top >> i for i in range(top.bit_length()))
 
 
+def ladder_store(source, dest, first, count, cols, tile_m: int) -> None:
+    """In a Mosaic GPU kernel: source's rows [0, count) (a tile_m-row shared-memory tile,
+    0 <= count <= tile_m) into dest's rows [first, first + count) at columns `cols`, by the
+    `ladder`'s TMA stores (to be waited on by the caller)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    at = 0
+    for step in ladder(tile_m):
+
+        @pl.when(count & step != 0)
+        def _part(at=at, step=step):
+            plgpu.copy_smem_to_gmem(
+                source.at[pl.ds(at, step)], dest.at[pl.ds(first + at, step), cols]
+            )
+
+        at = at + (count & step)
+
+
 def ring_stages(tiles: PingPongTiles, dtype, out_dtype) -> int:
     """The ring's slots: `tiles.stages`, or as many as fit in shared memory beside the two
     output tiles (fewer for a 32-bit result)."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.mosaic_gpu import tiles as mt
-from commgemm.mosaic_gpu.grouped_pingpong import ladder
+from commgemm.mosaic_gpu.grouped_pingpong import ladder_store
 
 #: Rows of a unit: a TMA box dimension is at most 256 elements.
 TILE_ROWS = 128
@@ -109,18 +109,6 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
                 step >>= 1
             return item
 
-        def ladder_store(source, dest, first, rows, cols):
-            at = 0
-            for step in ladder(tm):
-
-                @pl.when(rows & step != 0)
-                def _part(at=at, step=step):
-                    plgpu.copy_smem_to_gmem(
-                        source.at[pl.ds(at, step)], dest.at[pl.ds(first + at, step), cols]
-                    )
-
-                at = at + (rows & step)
-
         @pl.loop(0, (total - cta + ctas - 1) // ctas)
         def _units(i):
             unit = cta + i * ctas
@@ -142,11 +130,11 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
                     @pl.when(plan_ref[4, item] == d)
                     def _to(d=d):
                         peer = plgpu.remote_ref(out_ref, mt.peer_id(axis_name, jnp.int32(d)))
-                        ladder_store(buf, peer, first, rows, cols)
+                        ladder_store(buf, peer, first, rows, cols, tm)
 
             @pl.when(item >= sends)
             def _fill():
-                ladder_store(zeros, out_ref, first, rows, cols)
+                ladder_store(zeros, out_ref, first, rows, cols, tm)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed
         for d in range(size):

@@ -1,0 +1,71 @@
+"""The experts' activation kernel (`mosaic_gpu.activation`) on one Hopper GPU: GELU and its
+gradient on the live rows against jax.nn.gelu in float64, zeros past them, within bf16/f16
+rounding, on fresh random rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from commgemm.grouped import activation as act
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])
+@pytest.mark.parametrize("rows, cols, live", [(4096, 1408, 1999), (512, 256, 0), (192, 48, 192),
+                                              (8192, 512, 8191)])  # fmt: skip
+def test_kernel_against_float64(dtype, approximate, rows, cols, live):
+    assert act.kernel_reason((rows, cols), dtype) is None
+    rng = np.random.default_rng()
+    y = rng.standard_normal((rows, cols)) * 3
+    y[live:] = 0
+    g = rng.standard_normal((rows, cols))
+    y16, g16 = jnp.asarray(y, dtype), jnp.asarray(g, dtype)
+    name = "gelu_tanh" if approximate else "gelu"
+    out, pullback = jax.vjp(lambda a: act.activation_rows(a, jnp.int32(live), name), y16)
+    (dy,) = pullback(g16)
+    y64, g64 = np.asarray(y16, np.float64), np.asarray(g16, np.float64)
+    with jax.enable_x64(True):  # the reference in float64 (on the GPU)
+        ref, pull = jax.vjp(lambda a: jax.nn.gelu(a, approximate=approximate), jnp.asarray(y64))
+        dref = np.array(pull(jnp.asarray(g64))[0])
+    dref[live:] = 0
+    ulp = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=ulp, atol=ulp)
+    np.testing.assert_allclose(np.asarray(dy, np.float64), dref, rtol=2 * ulp, atol=2 * ulp)
+    assert not np.asarray(out[live:], np.float64).any() and not np.asarray(dy[live:]).any()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"], ids=["bf16", "fp8"])
+def test_moe_block_with_the_kernel(monkeypatch, activation, scaling):
+    """The MoE block's loss and gradients (AUTO, all GPUs; its activation on the live rows by
+    the kernel) against the same block with the activation over every row: within bf16
+    rounding (the kernel's float32 math is its own, rounded once)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from commgemm.nnx import moe_per_shard
+
+    size, tokens, hidden, ffn, k = jax.device_count(), 512, 256, 512, 2
+    experts = 4 * size
+    keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 4)
+    x = jax.random.normal(keys[0], (tokens * size, hidden), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
+    w1 = (jax.random.normal(keys[2], (experts, hidden, ffn)) / hidden**0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (experts, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+
+    def loss(x, w1, w2):
+        block = lambda a, b, c: moe_per_shard(a, router, b, c, k=k, axis_name="tp", config=None,  # noqa: E731
+                                              scaling=scaling, activation=activation)  # fmt: skip
+        out = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
+        return jnp.mean(jnp.square(out(x, w1, w2).astype(jnp.float32)))
+
+    step = lambda: jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)  # noqa: E731
+    got = step()
+    monkeypatch.setattr(act, "kernel_reason", lambda shape, dtype: "turned off")
+    want = step()
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-2)
+    for a, b in zip(got[1], want[1], strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
