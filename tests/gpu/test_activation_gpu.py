@@ -39,8 +39,10 @@ def test_kernel_against_float64(dtype, approximate, rows, cols, live):
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"], ids=["bf16", "fp8"])
 def test_moe_block_with_the_kernel(monkeypatch, activation, scaling):
     """The MoE block's loss and gradients (AUTO, all GPUs; its activation on the live rows by
-    the kernel) against the same block with the activation over every row: within bf16
-    rounding (the kernel's float32 math is its own, rounded once)."""
+    the kernel) against the same block with the activation over every row. bf16: within 2% in
+    norm (the kernel's float32 math is its own, rounded once). FP8: a value a hair apart may
+    round to the neighbouring float8 value, so each is held to the bf16 block's results in
+    float32 (no kernel): the kernel's distance at most 1.25x the fallback's, plus 0.5%."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -55,17 +57,22 @@ def test_moe_block_with_the_kernel(monkeypatch, activation, scaling):
     w2 = (jax.random.normal(keys[3], (experts, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
     mesh = Mesh(np.array(jax.devices()), ("tp",))
 
-    def loss(x, w1, w2):
+    def loss(x, w1, w2, scaling=scaling):
         block = lambda a, b, c: moe_per_shard(a, router, b, c, k=k, axis_name="tp", config=None,  # noqa: E731
                                               scaling=scaling, activation=activation)  # fmt: skip
         out = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
         return jnp.mean(jnp.square(out(x, w1, w2).astype(jnp.float32)))
 
-    step = lambda: jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, w1, w2)  # noqa: E731
-    got = step()
+    step = lambda *a: jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*a)  # noqa: E731
+    got = step(x, w1, w2)
     monkeypatch.setattr(act, "kernel_reason", lambda shape, dtype: "turned off")
-    want = step()
+    want = step(x, w1, w2)
+    wide = [a.astype(jnp.float32) for a in (x, w1, w2)]
+    ref = step(*wide, None) if scaling else want
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-2)
-    for a, b in zip(got[1], want[1], strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+    for a, b, r in zip(got[1], want[1], ref[1], strict=True):
+        a, b, r = (np.asarray(v, np.float64) for v in (a, b, r))
+        if scaling is None:
+            assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+        else:
+            assert np.linalg.norm(a - r) <= 1.25 * np.linalg.norm(b - r) + 5e-3 * np.linalg.norm(r)
