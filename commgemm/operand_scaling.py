@@ -64,20 +64,31 @@ def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
         )
 
 
-def x_operand(x: jax.Array, recipe: ScalingRecipe, axis_names) -> ScaledTensor:
+def x_operand(
+    x: jax.Array, recipe: ScalingRecipe, axis_names, local_amax: jax.Array | None = None
+) -> ScaledTensor:
     """x [..., K], a GEMM's row operand, quantized along K by `recipe` (no gradient through
-    the quantizing; its x_state where delayed), its tensor scale shared over `axis_names`."""
-    return quantize_operand(lax.stop_gradient(x), recipe, -1, axis_names, recipe.x_state)
+    the quantizing; its x_state where delayed), its tensor scale shared over `axis_names`.
+    `local_amax`: x's own largest finite |value| where the caller has it (`quant.amax`)."""
+    return quantize_operand(
+        lax.stop_gradient(x), recipe, -1, axis_names, recipe.x_state, local_amax
+    )
 
 
 def quantize_operand(
-    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
+    a: jax.Array,
+    recipe: ScalingRecipe,
+    axis: int,
+    axis_names,
+    state: ScalingState | None,
+    local_amax: jax.Array | None = None,
 ) -> ScaledTensor:
     """`a` quantized as an operand of a GEMM contracting its dimension `axis`, its tensor (or
-    NVFP4 global) scale shared over `axis_names`."""
+    NVFP4 global) scale shared over `axis_names` (`local_amax`: a's own, where known)."""
     if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
         return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
-    shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
+    mxfp8 = recipe.mode is ScalingMode.MXFP8_1D_SCALING
+    shared = None if mxfp8 else amax(a, axis_names, local_amax)
     return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
 
 
