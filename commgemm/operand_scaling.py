@@ -64,31 +64,20 @@ def check_blocks(recipe: ScalingRecipe, k: int, n: int) -> None:
         )
 
 
-def x_operand(
-    x: jax.Array, recipe: ScalingRecipe, axis_names, local_amax: jax.Array | None = None
-) -> ScaledTensor:
+def x_operand(x: jax.Array, recipe: ScalingRecipe, axis_names) -> ScaledTensor:
     """x [..., K], a GEMM's row operand, quantized along K by `recipe` (no gradient through
-    the quantizing; its x_state where delayed), its tensor scale shared over `axis_names`.
-    `local_amax`: x's own largest finite |value| where the caller has it (`quant.amax`)."""
-    return quantize_operand(
-        lax.stop_gradient(x), recipe, -1, axis_names, recipe.x_state, local_amax
-    )
+    the quantizing; its x_state where delayed), its tensor scale shared over `axis_names`."""
+    return quantize_operand(lax.stop_gradient(x), recipe, -1, axis_names, recipe.x_state)
 
 
 def quantize_operand(
-    a: jax.Array,
-    recipe: ScalingRecipe,
-    axis: int,
-    axis_names,
-    state: ScalingState | None,
-    local_amax: jax.Array | None = None,
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
 ) -> ScaledTensor:
     """`a` quantized as an operand of a GEMM contracting its dimension `axis`, its tensor (or
-    NVFP4 global) scale shared over `axis_names` (`local_amax`: a's own, where known)."""
+    NVFP4 global) scale shared over `axis_names`."""
     if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
         return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, state=state)[0]
-    mxfp8 = recipe.mode is ScalingMode.MXFP8_1D_SCALING
-    shared = None if mxfp8 else amax(a, axis_names, local_amax)
+    shared = None if recipe.mode is ScalingMode.MXFP8_1D_SCALING else amax(a, axis_names)
     return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
 
 

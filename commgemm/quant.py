@@ -409,14 +409,11 @@ def check_weight_scaling(fn_name: str, w, scaling: Scaling) -> None:
         )
 
 
-def amax(
-    x: jax.Array, axis_names: str | tuple[str, ...] = (), local: jax.Array | None = None
-) -> jax.Array:
+def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:
     """The largest finite |x| of the whole tensor that x is a shard of: the max over the mesh
-    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own). `local`:
-    x's own, where the caller has it (float32, as computed here), else computed here."""
+    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own)."""
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
-    local = _amax(x) if local is None else local
+    local = _amax(x)
     over = tuple(a for a in names if a in varying_axes(x)) if names else ()
     if names and not checks_vma(names[0]):  # nothing tracked: every axis may vary
         over = names

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm import quant
 from commgemm.epilogue import ACTIVATIONS, Activation, gelu
 from commgemm.vma import like_primal, varying_like
 
@@ -63,34 +62,29 @@ def value_and_slope(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Arr
     return x * cdf, cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
 
 
-def rows_kernel(y, live, approximate: bool, g=None, *, amax: bool = False):
+def rows_kernel(y, live, approximate: bool, g=None) -> jax.Array:
     """The kernel: GELU(y) on y's [R, F] first `live` rows (g given: g * GELU'(y) there), zeros
-    past them, in y's dtype, typed varying as its inputs inside shard_map; with `amax` also
-    its units' largest finite |value| (`mosaic_gpu.activation.gelu_rows`)."""
+    past them, in y's dtype, typed varying as its inputs inside shard_map."""
     from commgemm.mosaic_gpu.activation import gelu_rows
 
     math_ = functools.partial(value_and_slope, approximate=approximate)
-    out = gelu_rows(y, live, math_, g, amax=amax)
+    out = gelu_rows(y, live, math_, g)
     ins = (y,) if g is None else (y, g)
-    # a Pallas result carries no varying axes of its own
-    return (
-        tuple(varying_like(o, *ins, live) for o in out) if amax else varying_like(out, *ins, live)
-    )
+    return varying_like(out, *ins, live)  # a Pallas result carries no varying axes of its own
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def kernel_gelu(y: jax.Array, live: jax.Array, approximate: bool, amax: bool = False):
-    """`rows_kernel`'s GELU (and with `amax` its units' amax, no gradient), differentiable in
-    y by the backward kernel."""
-    return rows_kernel(y, live, approximate, amax=amax)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def kernel_gelu(y: jax.Array, live: jax.Array, approximate: bool) -> jax.Array:
+    """`rows_kernel`'s GELU, differentiable in y by the backward kernel."""
+    return rows_kernel(y, live, approximate)
 
 
-def _fwd(y, live, approximate, amax):
-    return rows_kernel(y, live, approximate, amax=amax), (y, live)
+def _fwd(y, live, approximate):
+    return rows_kernel(y, live, approximate), (y, live)
 
 
-def _bwd(approximate, amax, residuals, ct):
-    (y, live), g = residuals, ct[0] if amax else ct
+def _bwd(approximate, residuals, g):
+    y, live = residuals
     return like_primal(rows_kernel(y, live, approximate, g.astype(y.dtype)), y), None
 
 
@@ -108,19 +102,3 @@ def activation_rows(y: jax.Array, live: jax.Array, activation: Activation) -> ja
     if activation is None or kernel_reason(y.shape, y.dtype) is not None:
         return fn(y)
     return kernel_gelu(y, live, activation == "gelu_tanh")
-
-
-def activation_and_amax(
-    y: jax.Array, live: jax.Array, activation: Activation
-) -> tuple[jax.Array, jax.Array]:
-    """(`activation_rows(y, live, activation)`, its largest finite |value|: float32, this
-    shard's, as `quant.amax` computes it), the amax taken by the kernel where it runs (no pass
-    of its own over the buffer), else computed from the result."""
-    if activation is None or kernel_reason(y.shape, y.dtype) is not None:
-        h = activation_rows(y, live, activation)
-        return h, quant.amax(lax.stop_gradient(h))
-    from commgemm.mosaic_gpu.activation import live_units, units
-
-    h, per_unit = kernel_gelu(y, live, activation == "gelu_tanh", True)
-    taken = jnp.arange(units(*y.shape, y.dtype)) < live_units(live, y.shape[1], y.dtype)
-    return h, lax.stop_gradient(jnp.max(jnp.where(taken, per_unit, 0.0)))

@@ -32,7 +32,7 @@ from jax import lax
 
 from commgemm.config import Method
 from commgemm.epilogue import Activation
-from commgemm.grouped.activation import activation_and_amax, activation_rows, as_function
+from commgemm.grouped.activation import activation_rows, as_function
 from commgemm.grouped.blocks import (
     block_matmul,
     merged_order,
@@ -50,10 +50,9 @@ from commgemm.grouped.scaling import (
     quantized_operands,
     with_quantized_cotangent,
 )
-from commgemm.operand_scaling import x_operand
 from commgemm.operands import axis_size, check_divisible
 from commgemm.plan import make_grouped_plan
-from commgemm.quant import ScaledTensor, Scaling, ScalingMode, as_recipe, check_weight_scaling
+from commgemm.quant import ScaledTensor, Scaling, check_weight_scaling
 from commgemm.xla.common import after
 
 
@@ -357,24 +356,11 @@ def expert_mlp(
     flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
     sizes = arrived.sum(axis=0)
     y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name)
-    h, qh = _activated(y, jnp.sum(sizes), activation, down, axis_name)
+    h = activation(y) if callable(activation) else activation_rows(y, jnp.sum(sizes), activation)
     check_grouped(h, w2, sizes)
-    h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name, qh)
+    h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
     z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)
     return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
-
-
-def _activated(y, live, activation, scaling, axis_name) -> tuple[jax.Array, ScaledTensor | None]:
-    """(the activation of the experts' rows y [P*C, F], the first `live` holding tokens; h as
-    the down GEMM's recipe quantizes it where that is current tensor scaling, its amax taken
-    with the activation (`grouped.activation.activation_and_amax`), else None)."""
-    if callable(activation):
-        return activation(y), None
-    recipe = as_recipe(scaling)
-    if recipe is None or recipe.mode is not ScalingMode.CURRENT_TENSOR_SCALING:
-        return activation_rows(y, live, activation), None
-    h, local = activation_and_amax(y, live, activation)
-    return h, x_operand(h, recipe, axis_name, local)
 
 
 def _expert_layouts(x, w, group_sizes, axis_name, capacity: int):

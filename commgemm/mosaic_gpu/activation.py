@@ -37,31 +37,12 @@ def tile_cols(f: int, dtype) -> int | None:
     return None
 
 
-def units(r: int, f: int, dtype) -> int:
-    """The kernel's units of a [r, f] buffer: row tiles x column blocks, row-tile major."""
-    return r // TILE_ROWS * (f // tile_cols(f, dtype))
-
-
-def live_units(live: jax.Array, f: int, dtype) -> jax.Array:
-    """The units that hold rows [0, live): the first (live + TILE_ROWS - 1) // TILE_ROWS row
-    tiles' (int32)."""
-    return (live + TILE_ROWS - 1) // TILE_ROWS * (f // tile_cols(f, dtype))
-
-
 def gelu_rows(
-    y: jax.Array,
-    live: jax.Array,
-    value_and_slope,
-    g: jax.Array | None = None,
-    *,
-    amax: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    y: jax.Array, live: jax.Array, value_and_slope, g: jax.Array | None = None
+) -> jax.Array:
     """value_and_slope(x) (float32 -> (GELU(x), GELU'(x))) on y's [R, F] first `live` rows
     (int32 [1]): GELU(y), or with g [R, F] g * GELU'(y); zeros past them; y's dtype. R a
-    multiple of TILE_ROWS, F of `tile_cols`. With `amax`, also each unit's largest finite
-    |result| (float32 [units]: `units(...)`; the units past the live rows' are not written),
-    the rows past `live` inside the last live tile counted as they come out of y's rows there
-    (zeros where y's are: a grouped GEMM's)."""
+    multiple of TILE_ROWS, F of `tile_cols`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -73,20 +54,17 @@ def gelu_rows(
     ins = (y,) if g is None else (y, g)
 
     def body(live_ref, *refs):
-        *srcs, zeros_ref, out_ref = refs[:-1] if amax else refs
-        amax_ref = refs[-1] if amax else None
+        *srcs, zeros_ref, out_ref = refs
         scratch = [plgpu.SMEM((tm, tc), dtype) for _ in range(len(srcs) + 2)]
         barriers = [plgpu.Barrier(num_arrivals=1) for _ in range(len(srcs) + 1)]
-        pl.run_scoped(
-            lambda *s: work(live_ref, srcs, zeros_ref, out_ref, amax_ref, *s), *scratch, *barriers
-        )
+        pl.run_scoped(lambda *s: work(live_ref, srcs, zeros_ref, out_ref, *s), *scratch, *barriers)
 
-    def work(live_ref, srcs, zeros_ref, out_ref, amax_ref, *scratch):
+    def work(live_ref, srcs, zeros_ref, out_ref, *scratch):
         n = len(srcs)
         bufs, out, zeros = scratch[:n], scratch[n], scratch[n + 1]
         loaded, zero_loaded = scratch[n + 2 : 2 * n + 2], scratch[2 * n + 2]
         cta, live = lax.axis_index("cta"), live_ref[0]
-        live_units = (live + tm - 1) // tm * blocks  # `live_units`
+        live_units = (live + tm - 1) // tm * blocks
         plgpu.copy_gmem_to_smem(zeros_ref, zeros, zero_loaded)
         plgpu.barrier_wait(zero_loaded)
 
@@ -101,13 +79,9 @@ def gelu_rows(
             value, slope = value_and_slope(bufs[0][...].astype(jnp.float32))
             if n == 2:
                 value = slope * bufs[1][...].astype(jnp.float32)
-            stored = value.astype(dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read `out`
-            out[...] = stored
+            out[...] = value.astype(dtype)
             plgpu.commit_smem()
-            if amax_ref is not None:  # |x| < inf: neither inf nor NaN
-                magnitude = jnp.abs(stored.astype(jnp.float32))
-                amax_ref[unit] = jnp.max(jnp.where(magnitude < jnp.inf, magnitude, 0.0))
             rows = jnp.minimum(tm, live - first)  # the tile holding row `live`: zeros from it
             ladder_store(out, out_ref, first, rows, cols, tm)
             ladder_store(zeros, out_ref, first + rows, tm - rows, cols, tm)
@@ -121,12 +95,9 @@ def gelu_rows(
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     with jax.named_scope("gelu_rows"), jax.enable_x64(False):
-        out_type = jax.ShapeDtypeStruct((r, f), dtype)
-        if amax:
-            out_type = (out_type, jax.ShapeDtypeStruct((units(r, f, dtype),), jnp.float32))
         return plgpu.kernel(
             body,
-            out_type=out_type,
+            out_type=jax.ShapeDtypeStruct((r, f), dtype),
             grid=(ctas,),
             grid_names=("cta",),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

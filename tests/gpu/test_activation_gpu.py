@@ -76,25 +76,3 @@ def test_moe_block_with_the_kernel(monkeypatch, activation, scaling):
             assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
         else:
             assert np.linalg.norm(a - r) <= 1.25 * np.linalg.norm(b - r) + 5e-3 * np.linalg.norm(r)
-
-
-@pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])
-@pytest.mark.parametrize("rows, cols, live", [(4096, 1408, 1999), (512, 256, 0), (192, 48, 192),
-                                              (8192, 512, 8191)])  # fmt: skip
-def test_kernel_amax(approximate, rows, cols, live):
-    """The amax the kernel takes with GELU: exactly `quant.amax` of its result (an inf and a
-    NaN among the live rows left out), the result the same as without it."""
-    from commgemm import quant
-
-    rng = np.random.default_rng()
-    y = rng.standard_normal((rows, cols)) * rng.uniform(0.5, 30)
-    y[live:] = 0
-    if live:
-        y[rng.integers(live), rng.integers(cols)] = np.inf
-        y[rng.integers(live), rng.integers(cols)] = np.nan
-    y = jnp.asarray(y, jnp.bfloat16)
-    name = "gelu_tanh" if approximate else "gelu"
-    h, got = jax.jit(act.activation_and_amax, static_argnums=2)(y, jnp.int32(live), name)
-    want = act.activation_rows(y, jnp.int32(live), name)
-    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want, np.float32))
-    assert float(got) == float(quant.amax(want))
