@@ -306,7 +306,8 @@ class ParallelAttentionProjections(nnx.Module):
 class ParallelMoE(nnx.Module):
     """A mixture-of-experts feed-forward block with expert parallelism: a router (replicated),
     top-k routing, the tokens dispatched to their experts' shards (`cg.all_to_all_grouped_matmul`,
-    the expert GEMMs running as tokens arrive), the activation, the way back
+    the expert GEMMs running as tokens arrive), the activation ("gelu": exact, "gelu_tanh" or
+    None; on the rows that hold tokens: `commgemm.grouped.activation`), the way back
     (`cg.grouped_matmul_all_to_all`) and the gated combine. [B, S, H] -> [B, S, H] (no residual),
     the experts split over `axis_name` (num_experts divisible by its size); tokens stay where
     they are, sequence-parallel as the other layers keep them: [B/D, S/P, H] on each shard (B

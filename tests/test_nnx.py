@@ -210,7 +210,7 @@ def test_parallel_mlp_with_fp8(rng):
     assert np.abs(np.asarray(k8) - np.asarray(k)).max() <= 0.15 * np.abs(np.asarray(k)).max()
 
 
-def _moe_reference(x, router, w1, w2, k, capacity_factor=None):
+def _moe_reference(x, router, w1, w2, k, capacity_factor=None, activation="gelu"):
     """Every token's top-k experts on one device, weighted by the softmax of their logits; with
     `capacity_factor`, per shard of `_mesh()` (x [B, S, H] sharded [data, tp]): each expert's
     copies from the shard past the first ceil(capacity_factor * copies / E) in token order
@@ -218,13 +218,15 @@ def _moe_reference(x, router, w1, w2, k, capacity_factor=None):
     if capacity_factor is not None and capacity_factor > 0:  # each shard's tokens alone
         rows = [jnp.split(b, 4, axis=1) for b in jnp.split(x, 2, axis=0)]
         return jnp.concatenate([
-            jnp.concatenate([_moe_reference(t, router, w1, w2, k, -capacity_factor)
+            jnp.concatenate([_moe_reference(t, router, w1, w2, k, -capacity_factor, activation)
                              for t in row], axis=1)
             for row in rows
         ], axis=0)  # fmt: skip
     flat = x.reshape(-1, x.shape[-1])
     expert, gate, token = cgnnx.top_k_routing(flat @ router, k)
-    h = jax.nn.gelu(jnp.einsum("th,thf->tf", flat[token], w1[expert]), approximate=False)
+    h = jnp.einsum("th,thf->tf", flat[token], w1[expert])
+    if activation is not None:
+        h = jax.nn.gelu(h, approximate=activation == "gelu_tanh")
     out = jnp.einsum("tf,tfh->th", h, w2[expert]) * gate[:, None]
     if capacity_factor is not None:  # negative: this shard's, capped
         experts = w1.shape[0]
@@ -258,6 +260,29 @@ def test_parallel_moe(rng, method, top_k):
         *params
     )
     for got, r in zip((grads.router, grads.w1, grads.w2), ref, strict=True):
+        np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+def test_parallel_moe_activation(rng, activation):
+    """ParallelMoE's activation by name ("gelu" above): the tanh form and none, values and the
+    experts' gradients against the one-device reference."""
+    mesh = _mesh()
+    moe = cgnnx.create_sharded(
+        lambda: cgnnx.ParallelMoE(16, 24, 8, mesh=mesh, rngs=nnx.Rngs(3), data_axis="data",
+                                  activation=activation),
+        mesh,
+    )  # fmt: skip
+    x = rng.standard_normal((4, 16, 16)).astype(np.float32)
+    xd = jax.device_put(x, NamedSharding(mesh, P("data", "tp", None)))
+    params = [jax.device_put(p[...], jax.devices()[0]) for p in (moe.router, moe.w1, moe.w2)]
+    ref = lambda r, a, b: _moe_reference(x, r, a, b, 2, activation=activation)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, a: m(a))(moe, xd)), ref(*params),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    grads = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a) * g)))(moe, xd)
+    want = jax.grad(lambda a, b: jnp.sum(ref(params[0], a, b) * g), (0, 1))(*params[1:])
+    for got, r in zip((grads.w1, grads.w2), want, strict=True):
         np.testing.assert_allclose(np.asarray(got[...]), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 

@@ -48,7 +48,8 @@ def moe_per_shard(x, router, w1, w2, *, k, axis_name, config, scaling, activatio
     (experts sharded over `axis_name`, P*e in all; router [H, P*e] replicated): route, sort the
     k copies of each token by expert, dispatch them to their experts' shards with the expert
     GEMMs (`config`'s method; `grouped.expert_parallel.expert_mlp`), back, combine: [m, H] in
-    x's dtype. `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down). With
+    x's dtype. `scaling`: the two grouped GEMMs' (one for both, or a pair: up, down).
+    `activation`: between them, by name ("gelu": exact, "gelu_tanh", None). With
     `amax_over` (the mesh axes the tokens are sharded over) also returns each GEMM's operands'
     amax over the whole tensors ({"up": {"x", "w"}, "down": {"x", "w"}}: delayed scaling's
     next states). `capacity_factor` (> 0; default none: no token dropped): each expert takes at
