@@ -66,9 +66,13 @@ def rows_kernel(y, live, approximate: bool, g=None) -> jax.Array:
     """The kernel: GELU(y) on y's [R, F] first `live` rows (g given: g * GELU'(y) there), zeros
     past them, in y's dtype, typed varying as its inputs inside shard_map."""
     from commgemm.mosaic_gpu.activation import gelu_rows
+    from commgemm.mosaic_gpu.grouped import stored_apart
 
     math_ = functools.partial(value_and_slope, approximate=approximate)
+    # the forward's result is used and (for the next GEMM's dW) kept: inside a scan, not
+    # launched a second time to write the stacked copy (`stored_apart`)
     out = gelu_rows(y, live, math_, g)
+    out = stored_apart(out) if g is None else out
     ins = (y,) if g is None else (y, g)
     return varying_like(out, *ins, live)  # a Pallas result carries no varying axes of its own
 
