@@ -31,11 +31,13 @@ from commgemm.quant import (
 from commgemm.vma import checks_vma, varying_axes
 
 
-def straight_through(a: jax.Array, q: ScaledTensor) -> jax.Array:
+def straight_through(a: jax.Array, q: ScaledTensor, values: jax.Array | None = None) -> jax.Array:
     """q's values in a's dtype, with the identity gradient to a. The values are q's alone (not
     `values + (a - a)`, which reads `a` again and would put a's infinities in as NaNs), by
-    `dequantize_fusible`: XLA may compute them in the pass that quantizes `a`."""
-    return _identity_gradient(a, lax.stop_gradient(dequantize_fusible(q, a.dtype)))
+    `dequantize_fusible`: XLA may compute them in the pass that quantizes `a`; or `values`,
+    where the caller has them (the kernel that quantized `a` wrote them)."""
+    values = dequantize_fusible(q, a.dtype) if values is None else values
+    return _identity_gradient(a, lax.stop_gradient(values))
 
 
 @jax.custom_vjp

@@ -13,9 +13,8 @@ NaN in x) also gives scale 1 (a delayed state keeps its previous scale), so the 
 keep their values (clipped to the format's range) and only the non-finite ones come back
 non-finite (NaN in formats without inf), as they would in a jnp product: never a tensor of NaN
 from one bad element. NVFP4's values hold no NaN or inf: a 16-element block with a non-finite
-element comes back all NaN. A tiny amax gives at most MAX_SCALE, never an inf scale.
-The ops' quantized path is commgemm.autodiff's quantizer (commgemm.quantized_gemm, commgemm.scaled).
-"""
+element comes back all NaN. A tiny amax gives at most MAX_SCALE, never an inf scale. The ops'
+quantized path is commgemm.autodiff's quantizer (commgemm.quantized_gemm, commgemm.scaled)."""
 
 from __future__ import annotations
 
@@ -116,24 +115,22 @@ class ScalingState:
         return ScalingState(jnp.zeros(history, jnp.float32), jnp.ones((), jnp.float32), algorithm)
 
     def update(self, amax: jax.Array, dtype=jnp.float8_e4m3fn) -> ScalingState:
-        """The state after observing `amax` (e.g. `commgemm.amax(x, axis_name)`, the
-        tensor's amax over its shards): the history shifted, the next scale from it. A
-        non-finite amax leaves the scale as it was."""
+        """The state after observing `amax` (e.g. `commgemm.amax(x, axis_name)`): the history
+        shifted, the next scale from it. A non-finite amax leaves the scale as it was."""
         history = jnp.roll(self.amax_history, 1).at[0].set(jnp.asarray(amax, jnp.float32))
         chosen = history[0] if self.algorithm == "most_recent" else jnp.max(history)
-        scale = jnp.where(jnp.isfinite(chosen), _scale(chosen, dtype), self.scale)
+        scale = jnp.where(jnp.isfinite(chosen), scale_for(chosen, dtype), self.scale)
         return ScalingState(history, scale, self.algorithm)
 
 
 #: The largest tensor scale (and smallest global scale_inv's reciprocal): a power of two whose
-#: reciprocal is a normal float32, so that a tiny amax never overflows a scale to inf (which
-#: turns zeros into NaN) and the dequantizing factor never flushes to zero.
+#: reciprocal is a normal float32: a tiny amax never overflows a scale to inf (zeros to NaN).
 MAX_SCALE = 2.0**100
 
 
-def _scale(amax, dtype) -> jax.Array:
+def scale_for(amax, dtype) -> jax.Array:
     """float32 scale mapping amax onto the dtype's largest value (1 where amax is 0 or not
-    finite), at most MAX_SCALE."""
+    finite), at most MAX_SCALE: current tensor scaling's."""
     amax = jnp.asarray(amax, jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
     scale = jnp.minimum(_max(dtype) / jnp.where(ok, amax, 1.0), MAX_SCALE)
@@ -190,7 +187,7 @@ def quantize(
     if mode is ScalingMode.NO_SCALING:
         return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)
     if mode is ScalingMode.CURRENT_TENSOR_SCALING:
-        scale = _scale(_amax(x) if amax is None else amax, dtype)
+        scale = scale_for(_amax(x) if amax is None else amax, dtype)
         return ScaledTensor(_cast(x32 * scale, dtype), 1.0 / scale, mode=mode, axis=axis)
     if mode is ScalingMode.DELAYED_TENSOR_SCALING:
         if state is None:
@@ -409,11 +406,14 @@ def check_weight_scaling(fn_name: str, w, scaling: Scaling) -> None:
         )
 
 
-def amax(x: jax.Array, axis_names: str | tuple[str, ...] = ()) -> jax.Array:
+def amax(
+    x: jax.Array, axis_names: str | tuple[str, ...] = (), local: jax.Array | None = None
+) -> jax.Array:
     """The largest finite |x| of the whole tensor that x is a shard of: the max over the mesh
-    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own)."""
+    axes in `axis_names` that x varies over (a lax.pmax; outside shard_map, x's own). `local`:
+    x's own (float32) where the caller has it."""
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or ())
-    local = _amax(x)
+    local = _amax(x) if local is None else local
     over = tuple(a for a in names if a in varying_axes(x)) if names else ()
     if names and not checks_vma(names[0]):  # nothing tracked: every axis may vary
         over = names

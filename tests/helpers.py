@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pathlib
@@ -174,3 +175,33 @@ def balance_reference(logits: np.ndarray, k: int) -> float:
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
     return experts * float(np.sum(f * p.mean(axis=0)))
+
+
+def moe_block_step(activation, scaling):
+    """(step, args): jit(value_and_grad) of the mean square of the MoE block (`moe_per_shard`,
+    AUTO, 4 experts a device over every device, top 2, 512 tokens a device, H 256, F 512) in
+    x, w1, w2 (fresh random bf16), the router fixed; `step(*args, scaling=...)` overrides the
+    block's scaling."""
+    import jax.numpy as jnp
+
+    from commgemm.nnx import moe_per_shard
+
+    size, tokens, hidden, ffn, k = jax.device_count(), 512, 256, 512, 2
+    experts = 4 * size
+    keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 4)
+    x = jax.random.normal(keys[0], (tokens * size, hidden), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
+    w1 = (jax.random.normal(keys[2], (experts, hidden, ffn)) / hidden**0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (experts, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+
+    def loss(x, w1, w2, scaling=scaling):
+        block = lambda a, b, c: moe_per_shard(a, router, b, c, k=k, axis_name="tp", config=None,  # noqa: E731
+                                              scaling=scaling, activation=activation)  # fmt: skip
+        out = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
+        return jnp.mean(jnp.square(out(x, w1, w2).astype(jnp.float32)))
+
+    def step(*args, **kw):
+        return jax.jit(jax.value_and_grad(functools.partial(loss, **kw), (0, 1, 2)))(*args)
+
+    return step, (x, w1, w2)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import commgemm as cg
 from commgemm.grouped import activation as act
-from commgemm.mosaic_gpu import activation as kernel
+from commgemm.mosaic_gpu import rows as kernel
 from commgemm.mosaic_gpu import tiles
 
 

@@ -4,8 +4,8 @@ An expert-parallel shard receives its experts' rows into a buffer sized for the 
 (P*C rows: every source's tokens routed here), sorted by expert with the padding last; about
 1/P of it holds tokens. The grouped GEMMs skip the padding, but an activation written in jnp
 runs over every row, forward and backward. `activation_rows` applies GELU (exact or tanh) to
-the first `live` rows only: on a Hopper GPU by a kernel (`mosaic_gpu.activation`) that zeroes
-the padding's tiles without reading them, elsewhere by the activation over the whole buffer
+the first `live` rows only: on a Hopper GPU by a kernel (`mosaic_gpu.rows`) that zeroes the
+padding's tiles without reading them, elsewhere by the activation over the whole buffer
 (the padding rows come out zeros there too: a grouped GEMM's rows past its groups are zeros,
 and GELU(0) = 0).
 """
@@ -39,17 +39,12 @@ def as_function(activation: Activation):
 
 def kernel_reason(shape: tuple[int, ...], dtype) -> str | None:
     """Why `activation_rows` on a [R, F] buffer of `dtype` runs over every row here, or None
-    where the kernel (`mosaic_gpu.activation`) takes it."""
-    from commgemm.mosaic_gpu import activation as kernel
-    from commgemm.mosaic_gpu import tiles
+    where the kernel (`mosaic_gpu.rows`) takes it."""
+    from commgemm.mosaic_gpu import rows
 
-    if (reason := tiles.hopper_reason()) is not None:
-        return reason
     if jnp.dtype(dtype) not in _KERNEL_DTYPES:
         return f"the kernel takes bf16 and f16 rows, not {jnp.dtype(dtype).name}"
-    if len(shape) != 2 or shape[0] % kernel.TILE_ROWS or kernel.tile_cols(shape[1], dtype) is None:
-        return f"{shape} is no whole [{kernel.TILE_ROWS}, 2^i >= 8] tiles"
-    return None
+    return rows.kernel_reason(shape, dtype)
 
 
 def value_and_slope(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
@@ -65,15 +60,18 @@ def value_and_slope(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Arr
 def rows_kernel(y, live, approximate: bool, g=None) -> jax.Array:
     """The kernel: GELU(y) on y's [R, F] first `live` rows (g given: g * GELU'(y) there), zeros
     past them, in y's dtype, typed varying as its inputs inside shard_map."""
-    from commgemm.mosaic_gpu.activation import gelu_rows
     from commgemm.mosaic_gpu.grouped import stored_apart
+    from commgemm.mosaic_gpu.rows import map_rows
 
-    math_ = functools.partial(value_and_slope, approximate=approximate)
+    def math_(tiles, _):
+        value, slope = value_and_slope(tiles[0], approximate)
+        return (value,) if g is None else (slope * tiles[1],)
+
+    ins = (y,) if g is None else (y, g)
+    (out,) = map_rows(math_, ins, live, (y.dtype,))
     # the forward's result is used and (for the next GEMM's dW) kept: inside a scan, not
     # launched a second time to write the stacked copy (`stored_apart`)
-    out = gelu_rows(y, live, math_, g)
     out = stored_apart(out) if g is None else out
-    ins = (y,) if g is None else (y, g)
     return varying_like(out, *ins, live)  # a Pallas result carries no varying axes of its own
 
 

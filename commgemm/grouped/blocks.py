@@ -24,9 +24,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from commgemm.grouped.local import grouped_matmul
-from commgemm.grouped.scaling import Float8Experts, Rows, with_quantized_cotangent
-from commgemm.operand_scaling import dy_quantized
-from commgemm.quant import ScalingMode, ScalingRecipe, dequantize_fusible, quantize_by
+from commgemm.grouped.scaling import (
+    Float8Experts,
+    Rows,
+    quantized_rows,
+    with_quantized_cotangent,
+)
+from commgemm.quant import ScalingRecipe, quantize_by
 from commgemm.vma import like_primal, varying_like
 
 
@@ -228,10 +232,10 @@ def _float8_block_bwd(how, residuals, cotangents):
     values, w, sizes, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
     qdy = None
-    if how.dy_over is not None:  # dY as it comes: quantized here, once
-        mode = ScalingMode.CURRENT_TENSOR_SCALING
-        qdy = dy_quantized(dy, mode, how.grad_dtype, how.dy_over, None)[0]
-        dy = lax.stop_gradient(dequantize_fusible(qdy, dy.dtype))  # in the quantizing pass
+    if how.dy_over is not None:  # dY as it comes: quantized here, once, its rows that
+        # hold tokens only (the GEMM's rows past its groups are zeros, so are theirs of dY)
+        qdy, dy = quantized_rows(dy, jnp.sum(sizes), how.grad_dtype, how.dy_over)
+        dy = lax.stop_gradient(dy)
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
     dx = None

@@ -337,7 +337,9 @@ def expert_mlp(
     GEMM to the second, and the results go back from there into token order: two ragged
     all-to-alls and no permutation, where the two ops would regroup the [P*C, K] rows, put the
     [P*C, F] activations back in the order of their source shards and regroup them again. A
-    named activation then runs on the rows that hold tokens only (`grouped.activation`)."""
+    named activation then runs on the rows that hold tokens only (`grouped.activation`), and
+    so do the passes of current tensor scaling over the received rows (the tokens' values on
+    arrival, h's and both dYs' quantization: `grouped.scaling.quantized_rows`)."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
@@ -353,12 +355,16 @@ def expert_mlp(
     check_weight_scaling("grouped_matmul_all_to_all", w2, down)
     x, w1, recipe, rows, experts = quantized_operands(x, w1, up, axis_name, x_quantized)
     tokens, by_expert, arrived = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
-    flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
     sizes = arrived.sum(axis=0)
+    live = jnp.sum(sizes)  # the received rows that hold tokens: the rest is padding
+    flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert,
+                            live=live)  # fmt: skip
     y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name)
-    h = activation(y) if callable(activation) else activation_rows(y, jnp.sum(sizes), activation)
+    named = not callable(activation)  # zeros past the live rows (GELU(0) = 0)
+    h = activation_rows(y, live, activation) if named else activation(y)
     check_grouped(h, w2, sizes)
-    h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name)
+    h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
+                                                       live=live if named else None)  # fmt: skip
     z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)
     return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
 

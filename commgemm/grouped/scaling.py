@@ -39,9 +39,12 @@ from commgemm.quant import (
     Scaling,
     ScalingMode,
     ScalingRecipe,
+    amax,
     as_recipe,
     dequantize,
     dequantize_fusible,
+    quantize,
+    scale_for,
 )
 from commgemm.quantized_gemm import payload, unpack_rows
 from commgemm.vma import varying_like
@@ -54,23 +57,69 @@ def quantized_operands(
     scaling: Scaling,
     axis_name: str | None = None,
     qx: ScaledTensor | None = None,
+    live: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, ScalingRecipe | None, Rows | None, Float8Experts | None]:
     """(x, w, recipe, rows, experts) with x [..., K] and w [G, K, N] (or a `QuantizedWeight`
     of it) replaced by their quantized values (straight-through), x's rows as they travel
     (`Rows`) and w as Hopper's float8 kernel reads it (`float8_experts`); unchanged, and rows
     and experts None, when scaling is None. `qx`: x as the recipe quantizes it, where the
-    caller has it (`copied_rows`), else quantized here."""
+    caller has it (`copied_rows`), else quantized here. `live`: x [R, K] holds values in its
+    first `live` rows only, zeros past them (a grouped GEMM's result): with current tensor
+    scaling only those rows are quantized (`quantized_rows`)."""
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None, None, None
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
-    if qx is None:
+    values = None
+    if qx is None and live is not None and recipe.mode is ScalingMode.CURRENT_TENSOR_SCALING:
+        qx, values = quantized_rows(lax.stop_gradient(x), live, recipe.dtype, names)
+    elif qx is None:
         qx = x_operand(x, recipe, names)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
     w, qw, nk = weight_operand(w, recipe, 1, names)
     experts = float8_experts(recipe, qw, nk)
-    return straight_through(x, qx), straight_through(w, qw), recipe, rows, experts
+    return straight_through(x, qx, values), straight_through(w, qw), recipe, rows, experts
+
+
+def rows_reason(shape: tuple[int, ...], dtype, float8) -> str | None:
+    """Why `quantized_rows` (or `Rows.values`) works over every row of a [R, F] buffer of
+    `dtype` and its `float8` values here, or None where the live-row kernels take it."""
+    from commgemm.mosaic_gpu import rows
+
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the kernels write bf16 or f16 values, not {jnp.dtype(dtype).name}"
+    return rows.kernel_reason(shape, dtype, float8)
+
+
+def quantized_rows(
+    x: jax.Array, live: jax.Array, dtype, axis_names=()
+) -> tuple[ScaledTensor, jax.Array]:
+    """x [R, F] quantized to the float8 `dtype` by current tensor scaling, its amax the largest
+    of its first `live` rows' over `axis_names` (shared as `quant.amax` shares it), and the
+    values that stands for in x's dtype: (ScaledTensor, values), both zeros past `live`. Where
+    x's rows past `live` are zeros, exactly `quantize(x, amax=amax(x, axis_names))` and its
+    `dequantize`. On a Hopper GPU (`rows_reason`) two passes over the live rows only
+    (`mosaic_gpu.rows`: the amax, then one that writes the float8 values and the 16-bit ones);
+    elsewhere XLA's over every row."""
+    mode = ScalingMode.CURRENT_TENSOR_SCALING
+    if rows_reason(x.shape, x.dtype, dtype) is not None:
+        q = quantize(x, mode, dtype=dtype, amax=amax(x, axis_names))
+        return q, dequantize_fusible(q, x.dtype)
+    from commgemm.mosaic_gpu.rows import amax_rows, map_rows
+
+    live = jnp.minimum(live, x.shape[0]).astype(jnp.int32)
+    scale = scale_for(amax(x, axis_names, local=amax_rows(x, live)), dtype)
+    top = float(jnp.finfo(dtype).max)
+
+    def math_(tiles, scalars):
+        v = tiles[0] * scalars[0]  # `quant.quantize`'s rounding, bit for bit
+        q = (jnp.clip(v, -top, top) + (v - v)).astype(dtype)
+        return q, q.astype(jnp.float32) * scalars[1]
+
+    q, values = map_rows(math_, (x,), live, (dtype, x.dtype), (scale, 1.0 / scale))
+    q, values = (varying_like(a, x, live) for a in (q, values))
+    return ScaledTensor(q, 1.0 / scale, mode=mode), values
 
 
 def copied_rows(
@@ -148,9 +197,21 @@ class Rows:
     mode: ScalingMode = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
+    live: jax.Array | None = None
 
     def values(self) -> jax.Array:
+        """The rows' values in `dtype`. Where `live` is set (the payload [R, K] holds rows in
+        its first `live` only, zeros past them: the rows an exchange brought) and the
+        live-row kernels take it (`rows_reason`), those rows only are dequantized."""
         lead, flat = self.payload.shape[:-1], self.payload.reshape(-1, self.payload.shape[-1])
+        kernel = self.live is not None and self.mode in TENSOR_MODES and self.payload.ndim == 2
+        if kernel and rows_reason(self.payload.shape, self.dtype, self.payload.dtype) is None:
+            from commgemm.mosaic_gpu.rows import map_rows
+
+            live = jnp.minimum(self.live, self.payload.shape[0]).astype(jnp.int32)
+            math_ = lambda tiles, scalars: (tiles[0] * scalars[0],)  # noqa: E731
+            (out,) = map_rows(math_, (self.payload,), live, (self.dtype,), (self.scale,))
+            return varying_like(out, self.payload, live)
         if self.mode in TENSOR_MODES:
             t = ScaledTensor(flat, self.scale, mode=self.mode)
         else:
@@ -186,15 +247,16 @@ moved.defvjp(_moved_fwd, _moved_bwd)
 
 
 def carry(
-    fn, block: jax.Array, rows: Rows | None, previous, *args
+    fn, block: jax.Array, rows: Rows | None, previous, *args, live: jax.Array | None = None
 ) -> tuple[jax.Array, Rows | None]:
     """fn(block, *args) (a collective; `args` its traced operands besides the block) applied to
     a block of x's rows, held until `previous` exists (the collectives of a pipeline stay
     apart: commgemm.xla.common.after): to its quantized payload where it has one (`moved`),
-    else to the block itself. Returns (the values, the moved rows)."""
+    else to the block itself. Returns (the values, the moved rows). `live`: the rows that
+    hold values once moved (the rest zeros), where known (`Rows.live`)."""
     if rows is None:
         return fn(after(block, previous), *args), None
-    held = dataclasses.replace(rows, payload=after(rows.payload, previous))
+    held = dataclasses.replace(rows, payload=after(rows.payload, previous), live=live)
     return moved(fn, block, held, *args)
 
 

@@ -1,4 +1,4 @@
-"""The experts' activation kernel (`mosaic_gpu.activation`) on one Hopper GPU: GELU and its
+"""The experts' activation kernel (`mosaic_gpu.rows`) on one Hopper GPU: GELU and its
 gradient on the live rows against jax.nn.gelu in float64, zeros past them, within bf16/f16
 rounding, on fresh random rows."""
 
@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import moe_block_step
 
 from commgemm.grouped import activation as act
 
@@ -43,32 +44,12 @@ def test_moe_block_with_the_kernel(monkeypatch, activation, scaling):
     norm (the kernel's float32 math is its own, rounded once). FP8: a value a hair apart may
     round to the neighbouring float8 value, so each is held to the bf16 block's results in
     float32 (no kernel): the kernel's distance at most 1.25x the fallback's, plus 0.5%."""
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    from commgemm.nnx import moe_per_shard
-
-    size, tokens, hidden, ffn, k = jax.device_count(), 512, 256, 512, 2
-    experts = 4 * size
-    keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 4)
-    x = jax.random.normal(keys[0], (tokens * size, hidden), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (hidden, experts), jnp.float32)
-    w1 = (jax.random.normal(keys[2], (experts, hidden, ffn)) / hidden**0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(keys[3], (experts, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
-    mesh = Mesh(np.array(jax.devices()), ("tp",))
-
-    def loss(x, w1, w2, scaling=scaling):
-        block = lambda a, b, c: moe_per_shard(a, router, b, c, k=k, axis_name="tp", config=None,  # noqa: E731
-                                              scaling=scaling, activation=activation)  # fmt: skip
-        out = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
-        return jnp.mean(jnp.square(out(x, w1, w2).astype(jnp.float32)))
-
-    step = lambda *a: jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*a)  # noqa: E731
+    step, (x, w1, w2) = moe_block_step(activation, scaling)
     got = step(x, w1, w2)
     monkeypatch.setattr(act, "kernel_reason", lambda shape, dtype: "turned off")
     want = step(x, w1, w2)
     wide = [a.astype(jnp.float32) for a in (x, w1, w2)]
-    ref = step(*wide, None) if scaling else want
+    ref = step(*wide, scaling=None) if scaling else want
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-2)
     for a, b, r in zip(got[1], want[1], ref[1], strict=True):
         a, b, r = (np.asarray(v, np.float64) for v in (a, b, r))
