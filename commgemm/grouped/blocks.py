@@ -164,13 +164,16 @@ def whole_block_matmul(
     experts: Float8Experts | None,
     recipe: ScalingRecipe | None,
     axis_name=None,
+    padded: bool = False,
 ) -> jax.Array:
     """`block_matmul` of a block that is the op's whole result, its cotangent quantized as
     `with_quantized_cotangent` quantizes it. On the float8 kernel with dY scaled by its current
     amax (no dy_state), the block's own backward quantizes dY (its amax over `axis_name`) in
     one pass that writes both the float8 values dX multiplies and their 16-bit dequantized
     copy dW reads, where the op-wide form (`with_quantized_cotangent` handing dY's scale to
-    every block's tag) dequantizes dY and the block quantizes it again."""
+    every block's tag) dequantizes dY and the block quantizes it again. `padded`: the block's
+    rows past its groups are padding worth skipping (`grouped.scaling.quantized_rows` then
+    quantizes dY's rows of the groups only)."""
     if recipe is None:
         return grouped_matmul(values, w, sizes)
     own = recipe.dy_state is None and float8_block_reason(rows, experts, values.dtype) is None
@@ -178,7 +181,7 @@ def whole_block_matmul(
         out = block_matmul(values, w, sizes, rows, experts)
         return with_quantized_cotangent(out, recipe, axis_name, experts)
     names = () if axis_name is None else axis_name
-    how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names)
+    how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names, padded)
     return _float8_block(
         values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn, experts.scale_inv, how
     )[0]
@@ -200,12 +203,14 @@ class Float8Block(NamedTuple):
     """How a block multiplies on the float8 kernel (static): its result's dtype, split
     accumulation in the forward and in dX, dY's float8 dtype, and `dy_over`: None where dY
     comes quantized by the op's scale (its tag's cotangent), else the mesh axes over which the
-    block's own backward takes dY's current amax (`whole_block_matmul`)."""
+    block's own backward takes dY's current amax (`whole_block_matmul`), over the rows of the
+    groups only where `padded`."""
 
     out_dtype: str
     split: tuple[bool, bool]
     grad_dtype: str
     dy_over: str | tuple[str, ...] | None = None
+    padded: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -232,9 +237,10 @@ def _float8_block_bwd(how, residuals, cotangents):
     values, w, sizes, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
     qdy = None
-    if how.dy_over is not None:  # dY as it comes: quantized here, once, its rows that
-        # hold tokens only (the GEMM's rows past its groups are zeros, so are theirs of dY)
-        qdy, dy = quantized_rows(dy, jnp.sum(sizes), how.grad_dtype, how.dy_over)
+    if how.dy_over is not None:  # dY as it comes: quantized here, once (where padded, its
+        # rows of the groups only: the GEMM's rows past them are zeros, so are theirs of dY)
+        live = jnp.sum(sizes) if how.padded else None
+        qdy, dy = quantized_rows(dy, live, how.grad_dtype, how.dy_over)
         dy = lax.stop_gradient(dy)
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]

@@ -338,8 +338,9 @@ def expert_mlp(
     all-to-alls and no permutation, where the two ops would regroup the [P*C, K] rows, put the
     [P*C, F] activations back in the order of their source shards and regroup them again. A
     named activation then runs on the rows that hold tokens only (`grouped.activation`), and
-    so do the passes of current tensor scaling over the received rows (the tokens' values on
-    arrival, h's and both dYs' quantization: `grouped.scaling.quantized_rows`)."""
+    on several shards so do the passes of current tensor scaling over the received rows (the
+    tokens' values on arrival, h's and both dYs' quantization: `grouped.scaling.
+    quantized_rows`); on one shard, with no padding to skip, XLA's fused passes."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
@@ -357,15 +358,16 @@ def expert_mlp(
     tokens, by_expert, arrived = _expert_layouts(x, w1, group_sizes, axis_name, capacity)
     sizes = arrived.sum(axis=0)
     live = jnp.sum(sizes)  # the received rows that hold tokens: the rest is padding
+    skip = live if size > 1 else None  # FP8's passes: on one shard no padding worth skipping
     flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert,
-                            live=live)  # fmt: skip
-    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name)
+                            live=skip)  # fmt: skip
+    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name, size > 1)
     named = not callable(activation)  # zeros past the live rows (GELU(0) = 0)
     h = activation_rows(y, live, activation) if named else activation(y)
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
-                                                       live=live if named else None)  # fmt: skip
-    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name)
+                                                       live=skip if named else None)  # fmt: skip
+    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, size > 1)
     return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
 
 

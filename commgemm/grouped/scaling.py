@@ -64,14 +64,14 @@ def quantized_operands(
     (`Rows`) and w as Hopper's float8 kernel reads it (`float8_experts`); unchanged, and rows
     and experts None, when scaling is None. `qx`: x as the recipe quantizes it, where the
     caller has it (`copied_rows`), else quantized here. `live`: x [R, K] holds values in its
-    first `live` rows only, zeros past them (a grouped GEMM's result): with current tensor
-    scaling only those rows are quantized (`quantized_rows`)."""
+    first `live` rows only, zeros past them (a grouped GEMM's result on a padded buffer): with
+    current tensor scaling only those rows are quantized (`quantized_rows`)."""
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None, None, None
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
-    values = None
+    values = None  # where padded, x's rows past `live` are worth skipping
     if qx is None and live is not None and recipe.mode is ScalingMode.CURRENT_TENSOR_SCALING:
         qx, values = quantized_rows(lax.stop_gradient(x), live, recipe.dtype, names)
     elif qx is None:
@@ -93,7 +93,7 @@ def rows_reason(shape: tuple[int, ...], dtype, float8) -> str | None:
 
 
 def quantized_rows(
-    x: jax.Array, live: jax.Array, dtype, axis_names=()
+    x: jax.Array, live: jax.Array | None, dtype, axis_names=()
 ) -> tuple[ScaledTensor, jax.Array]:
     """x [R, F] quantized to the float8 `dtype` by current tensor scaling, its amax the largest
     of its first `live` rows' over `axis_names` (shared as `quant.amax` shares it), and the
@@ -101,9 +101,10 @@ def quantized_rows(
     x's rows past `live` are zeros, exactly `quantize(x, amax=amax(x, axis_names))` and its
     `dequantize`. On a Hopper GPU (`rows_reason`) two passes over the live rows only
     (`mosaic_gpu.rows`: the amax, then one that writes the float8 values and the 16-bit ones);
-    elsewhere XLA's over every row."""
+    elsewhere, or where `live` is None (no padding to skip: XLA's fused passes are the
+    faster), XLA's over every row."""
     mode = ScalingMode.CURRENT_TENSOR_SCALING
-    if rows_reason(x.shape, x.dtype, dtype) is not None:
+    if live is None or rows_reason(x.shape, x.dtype, dtype) is not None:
         q = quantize(x, mode, dtype=dtype, amax=amax(x, axis_names))
         return q, dequantize_fusible(q, x.dtype)
     from commgemm.mosaic_gpu.rows import amax_rows, map_rows
