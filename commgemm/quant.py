@@ -137,7 +137,7 @@ def scale_for(amax, dtype) -> jax.Array:
     return jnp.where(ok, scale, 1.0)
 
 
-def _cast(v: jax.Array, dtype) -> jax.Array:
+def clip_cast(v: jax.Array, dtype) -> jax.Array:
     """v clipped to dtype's finite range and cast; non-finite elements stay non-finite (v - v
     is 0, or NaN for an inf or NaN: one elementwise pass, no mask for XLA to materialize)."""
     top = _max(dtype)
@@ -188,11 +188,11 @@ def quantize(
         return ScaledTensor(x, jnp.ones((), jnp.float32), mode=mode, axis=axis)
     if mode is ScalingMode.CURRENT_TENSOR_SCALING:
         scale = scale_for(_amax(x) if amax is None else amax, dtype)
-        return ScaledTensor(_cast(x32 * scale, dtype), 1.0 / scale, mode=mode, axis=axis)
+        return ScaledTensor(clip_cast(x32 * scale, dtype), 1.0 / scale, mode=mode, axis=axis)
     if mode is ScalingMode.DELAYED_TENSOR_SCALING:
         if state is None:
             raise ValueError("DELAYED_TENSOR_SCALING needs state= (ScalingState.create())")
-        data = _cast(x32 * state.scale, dtype)
+        data = clip_cast(x32 * state.scale, dtype)
         new = state.update(_amax(x) if amax is None else amax, dtype)
         return ScaledTensor(data, 1.0 / state.scale, mode=mode, axis=axis), new
     blocks = _blocks(x32, axis, BLOCK[mode])
@@ -206,7 +206,7 @@ def quantize(
         mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [.5, 1)
         exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
         scale_inv = jnp.ldexp(jnp.ones_like(ratio), exponent)
-        data = _unblocks(_cast(blocks / scale_inv, jnp.float8_e4m3fn), axis, x.ndim)
+        data = _unblocks(clip_cast(blocks / scale_inv, jnp.float8_e4m3fn), axis, x.ndim)
         return ScaledTensor(data, scale_inv[..., 0].astype(E8M0), mode=mode, axis=axis)
     tensor_amax = jnp.max(block_amax) if amax is None else jnp.asarray(amax, jnp.float32)
     # products with reciprocals, no chained divisions: a compiler may reassociate a / b / c
@@ -224,7 +224,7 @@ def quantize(
     block_scale = jnp.where(finite, block_scale, jnp.asarray(jnp.nan, jnp.float8_e4m3fn))
     effective = _held(block_scale).astype(jnp.float32) * global_scale_inv
     to_values = 1.0 / jnp.where(effective > 0, effective, 1.0)  # one per block
-    data = _unblocks(_cast(blocks * to_values, FP4), axis, x.ndim)
+    data = _unblocks(clip_cast(blocks * to_values, FP4), axis, x.ndim)
     return ScaledTensor(data, block_scale[..., 0], global_scale_inv, mode=mode, axis=axis)
 
 
@@ -233,7 +233,7 @@ def quantize_by(x: jax.Array, scale_inv: jax.Array, dtype) -> ScaledTensor:
     that dequantizes). Values that were quantized by that scale and dequantized to bf16 come
     back as the same float8 values: a bf16 value lies within 2^-9 of its float8 value times
     the scale, well inside half a float8 step (2^-5 at least)."""
-    data = _cast(x.astype(jnp.float32) / scale_inv, dtype)
+    data = clip_cast(x.astype(jnp.float32) / scale_inv, dtype)
     return ScaledTensor(data, scale_inv, mode=ScalingMode.CURRENT_TENSOR_SCALING)
 
 

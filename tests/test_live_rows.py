@@ -97,3 +97,17 @@ def test_fp8_step_quantizes_live_rows_on_kernels(check_vma, size, monkeypatch):
     gelu = [c for c in calls if re.match(head + gelu, c)]
     want = (3, 3, 1) if size > 1 else (0, 0, 0)
     assert (len(amax), len(quantize), len(dequantize), len(gelu)) == (*want, 2), calls
+
+
+@pytest.mark.parametrize(
+    "shapes, dtype",
+    [([(100, 128)], jnp.bfloat16), ([(0, 128)], jnp.bfloat16), ([(128, 12)], jnp.bfloat16),
+     ([(128, 128), (64, 128)], jnp.bfloat16)],
+    ids=["rows", "empty", "cols", "mismatch"],
+)  # fmt: skip
+def test_map_rows_refuses_buffers_that_do_not_tile(shapes, dtype):
+    """Buffers that are no whole [TILE_ROWS, tile_cols] tiles, or of different shapes, are
+    refused before any kernel is built (here on the CPU)."""
+    ins = [jnp.zeros(s, dtype) for s in shapes]
+    with pytest.raises(ValueError, match="no whole tiles"):
+        rows.map_rows(lambda t, s: (t[0],), ins, jnp.int32(1), (dtype,))

@@ -361,13 +361,13 @@ def expert_mlp(
     skip = live if size > 1 else None  # FP8's passes: on one shard no padding worth skipping
     flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert,
                             live=skip)  # fmt: skip
-    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name, size > 1)
+    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name, padded=size > 1)
     named = not callable(activation)  # zeros past the live rows (GELU(0) = 0)
     h = activation_rows(y, live, activation) if named else activation(y)
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
                                                        live=skip if named else None)  # fmt: skip
-    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, size > 1)
+    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, padded=size > 1)
     return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
 
 

@@ -41,6 +41,7 @@ from commgemm.quant import (
     ScalingRecipe,
     amax,
     as_recipe,
+    clip_cast,
     dequantize,
     dequantize_fusible,
     quantize,
@@ -71,7 +72,7 @@ def quantized_operands(
         return x, w, None, None, None
     check_blocks(recipe, x.shape[-1], w.shape[2])
     names = () if axis_name is None else axis_name
-    values = None  # where padded, x's rows past `live` are worth skipping
+    values = None
     if qx is None and live is not None and recipe.mode is ScalingMode.CURRENT_TENSOR_SCALING:
         qx, values = quantized_rows(lax.stop_gradient(x), live, recipe.dtype, names)
     elif qx is None:
@@ -109,13 +110,10 @@ def quantized_rows(
         return q, dequantize_fusible(q, x.dtype)
     from commgemm.mosaic_gpu.rows import amax_rows, map_rows
 
-    live = jnp.minimum(live, x.shape[0]).astype(jnp.int32)
     scale = scale_for(amax(x, axis_names, local=amax_rows(x, live)), dtype)
-    top = float(jnp.finfo(dtype).max)
 
     def math_(tiles, scalars):
-        v = tiles[0] * scalars[0]  # `quant.quantize`'s rounding, bit for bit
-        q = (jnp.clip(v, -top, top) + (v - v)).astype(dtype)
+        q = clip_cast(tiles[0] * scalars[0], dtype)  # `quant.quantize`'s rounding
         return q, q.astype(jnp.float32) * scalars[1]
 
     q, values = map_rows(math_, (x,), live, (dtype, x.dtype), (scale, 1.0 / scale))
@@ -209,10 +207,9 @@ class Rows:
         if kernel and rows_reason(self.payload.shape, self.dtype, self.payload.dtype) is None:
             from commgemm.mosaic_gpu.rows import map_rows
 
-            live = jnp.minimum(self.live, self.payload.shape[0]).astype(jnp.int32)
             math_ = lambda tiles, scalars: (tiles[0] * scalars[0],)  # noqa: E731
-            (out,) = map_rows(math_, (self.payload,), live, (self.dtype,), (self.scale,))
-            return varying_like(out, self.payload, live)
+            (out,) = map_rows(math_, (self.payload,), self.live, (self.dtype,), (self.scale,))
+            return varying_like(out, self.payload, self.live)
         if self.mode in TENSOR_MODES:
             t = ScaledTensor(flat, self.scale, mode=self.mode)
         else:

@@ -66,8 +66,9 @@ def map_rows(
     scalars: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, ...]:
     """fn on the first `live` rows (int32 scalar) of `ins` ([R, F] each): its results [R, F]
-    in `out_dtypes`, zeros past `live` (those rows of `ins` are not read). `scalars`: float32
-    scalars fn takes beside the tiles. R a multiple of TILE_ROWS, F of `tile_cols`."""
+    in `out_dtypes`, zeros past `live` (those rows of `ins` are not read; `live` is taken
+    between 0 and R). `scalars`: float32 scalars fn takes beside the tiles. R a multiple of
+    TILE_ROWS, F of `tile_cols`."""
     return _launch(fn, tuple(ins), live, tuple(out_dtypes), tuple(scalars), amax=False)
 
 
@@ -75,6 +76,7 @@ def amax_rows(x: jax.Array, live: jax.Array) -> jax.Array:
     """The largest finite |value| of x's [R, F] first `live` rows (float32; 0 where none):
     whole tiles in the kernel, the partial tile's rows in XLA."""
     r, f = x.shape
+    live = _rows_of(live, r)
     (per_unit,) = _launch(None, (x,), live, (), (), amax=True)
     blocks = f // tile_cols(f, x.dtype)
     whole = live // TILE_ROWS * TILE_ROWS
@@ -86,6 +88,11 @@ def amax_rows(x: jax.Array, live: jax.Array) -> jax.Array:
     return jnp.maximum(
         jnp.max(jnp.where(taken, per_unit, 0.0)), jnp.max(jnp.where(inside, magnitude, 0.0))
     )
+
+
+def _rows_of(live, rows: int) -> jax.Array:
+    """`live` as the kernels read it: an int32 count between 0 and `rows`."""
+    return jnp.clip(jnp.asarray(live, jnp.int32), 0, rows)
 
 
 def _launch(fn, ins, live, out_dtypes, scalars, amax: bool) -> tuple[jax.Array, ...]:
@@ -170,7 +177,7 @@ def _launch(fn, ins, live, out_dtypes, scalars, amax: bool) -> tuple[jax.Array, 
                     lowering_semantics=plgpu.LoweringSemantics.Lane
                 ),
             )(
-                jnp.reshape(live, (1,)).astype(jnp.int32),
+                jnp.reshape(_rows_of(live, r), (1,)),
                 jnp.stack([jnp.asarray(s, jnp.float32) for s in scalars] or [jnp.float32(0)]),
                 *ins,
                 *(jnp.zeros((tm, tc), d) for d in out_dtypes),
