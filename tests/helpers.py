@@ -205,3 +205,13 @@ def moe_block_step(activation, scaling):
         return jax.jit(jax.value_and_grad(functools.partial(loss, **kw), (0, 1, 2)))(*args)
 
     return step, (x, w1, w2)
+
+
+def garbage_freed(nbytes: int) -> None:
+    """Fills and frees `nbytes` of NaNs on every device, so that buffers allocated next are
+    likely to start out as NaNs (a kernel's unwritten rows then show it if anyone reads them)."""
+    import jax.numpy as jnp
+
+    for device in jax.devices():
+        filled = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16, device=device)
+        jax.block_until_ready(filled).delete()

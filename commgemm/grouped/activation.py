@@ -57,9 +57,10 @@ def value_and_slope(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Arr
     return x * cdf, cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
 
 
-def rows_kernel(y, live, approximate: bool, g=None) -> jax.Array:
+def rows_kernel(y, live, approximate: bool, g=None, fill: bool = True) -> jax.Array:
     """The kernel: GELU(y) on y's [R, F] first `live` rows (g given: g * GELU'(y) there), zeros
-    past them, in y's dtype, typed varying as its inputs inside shard_map."""
+    past them (not written unless `fill`), in y's dtype, typed varying as its inputs inside
+    shard_map."""
     from commgemm.mosaic_gpu.grouped import stored_apart
     from commgemm.mosaic_gpu.rows import map_rows
 
@@ -68,39 +69,44 @@ def rows_kernel(y, live, approximate: bool, g=None) -> jax.Array:
         return (value,) if g is None else (slope * tiles[1],)
 
     ins = (y,) if g is None else (y, g)
-    (out,) = map_rows(math_, ins, live, (y.dtype,))
+    (out,) = map_rows(math_, ins, live, (y.dtype,), fill=fill)
     # the forward's result is used and (for the next GEMM's dW) kept: inside a scan, not
     # launched a second time to write the stacked copy (`stored_apart`)
     out = stored_apart(out) if g is None else out
     return varying_like(out, *ins, live)  # a Pallas result carries no varying axes of its own
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def kernel_gelu(y: jax.Array, live: jax.Array, approximate: bool) -> jax.Array:
-    """`rows_kernel`'s GELU, differentiable in y by the backward kernel."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def kernel_gelu(y: jax.Array, live: jax.Array, approximate: bool, fill_grad: bool) -> jax.Array:
+    """`rows_kernel`'s GELU, differentiable in y by the backward kernel (its rows past `live`
+    not written unless `fill_grad`)."""
     return rows_kernel(y, live, approximate)
 
 
-def _fwd(y, live, approximate):
+def _fwd(y, live, approximate, fill_grad):
     return rows_kernel(y, live, approximate), (y, live)
 
 
-def _bwd(approximate, residuals, g):
+def _bwd(approximate, fill_grad, residuals, g):
     y, live = residuals
-    return like_primal(rows_kernel(y, live, approximate, g.astype(y.dtype)), y), None
+    dy = rows_kernel(y, live, approximate, g.astype(y.dtype), fill_grad)
+    return like_primal(dy, y), None
 
 
 kernel_gelu.defvjp(_fwd, _bwd)
 
 
-def activation_rows(y: jax.Array, live: jax.Array, activation: Activation) -> jax.Array:
+def activation_rows(
+    y: jax.Array, live: jax.Array, activation: Activation, *, fill_grad: bool = True
+) -> jax.Array:
     """`activation` ("gelu", "gelu_tanh" or None) of y [R, F] (a grouped GEMM's result, rows
     past its groups zeros) whose first `live` rows (int32 scalar) hold tokens: [R, F] in y's
-    dtype, zeros past `live`. Differentiable in y (its gradient zeros past `live` too). On a
-    Hopper GPU (bf16 or f16 y; `kernel_reason`) the padding's tiles are not read, forward or
+    dtype, zeros past `live`. Differentiable in y (its gradient zeros past `live` too, or, with
+    `fill_grad=False` on the kernel, not written there: for readers of the live rows only). On
+    a Hopper GPU (bf16 or f16 y; `kernel_reason`) the padding's tiles are not read, forward or
     back; elsewhere the activation runs over every row (the same values: GELU(0) = 0). The
     kernel computes in float32, rounding once to y's dtype."""
     fn = as_function(activation)
     if activation is None or kernel_reason(y.shape, y.dtype) is not None:
         return fn(y)
-    return kernel_gelu(y, live, activation == "gelu_tanh")
+    return kernel_gelu(y, live, activation == "gelu_tanh", bool(fill_grad))

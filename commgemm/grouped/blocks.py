@@ -165,6 +165,7 @@ def whole_block_matmul(
     recipe: ScalingRecipe | None,
     axis_name=None,
     padded: bool = False,
+    fill: bool = True,
 ) -> jax.Array:
     """`block_matmul` of a block that is the op's whole result, its cotangent quantized as
     `with_quantized_cotangent` quantizes it. On the float8 kernel with dY scaled by its current
@@ -173,18 +174,33 @@ def whole_block_matmul(
     copy dW reads, where the op-wide form (`with_quantized_cotangent` handing dY's scale to
     every block's tag) dequantizes dY and the block quantizes it again. `padded`: the block's
     rows past its groups are padding worth skipping (`grouped.scaling.quantized_rows` then
-    quantizes dY's rows of the groups only)."""
+    quantizes dY's rows of the groups only; `fill=False`: its results' rows past them are left
+    unwritten, for dX's kernel and dW, which read the groups' rows only)."""
     if recipe is None:
         return grouped_matmul(values, w, sizes)
-    own = recipe.dy_state is None and float8_block_reason(rows, experts, values.dtype) is None
-    if not own:
+    if reads_cotangent_padding(values, rows, experts, recipe):
         out = block_matmul(values, w, sizes, rows, experts)
         return with_quantized_cotangent(out, recipe, axis_name, experts)
     names = () if axis_name is None else axis_name
-    how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names, padded)
+    how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names, padded, fill)
     return _float8_block(
         values, w, sizes, rows.payload, rows.scale, experts.nk, experts.kn, experts.scale_inv, how
     )[0]
+
+
+def reads_cotangent_padding(
+    values: jax.Array, rows: Rows | None, experts: Float8Experts | None, recipe
+) -> bool:
+    """Whether `whole_block_matmul`'s backward reads dY's rows past the groups: where it hands
+    dY to `with_quantized_cotangent` (delayed scaling, or no float8 kernel), whose amax takes
+    every row, so those rows must be zeros. The 16-bit GEMM's gradients and the block's own
+    float8 backward read the groups' rows only (`mosaic_gpu.grouped.padding_reason` says
+    where)."""
+    if recipe is None:
+        return False
+    return (
+        recipe.dy_state is not None or float8_block_reason(rows, experts, values.dtype) is not None
+    )
 
 
 def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dtype) -> str | None:
@@ -204,13 +220,15 @@ class Float8Block(NamedTuple):
     accumulation in the forward and in dX, dY's float8 dtype, and `dy_over`: None where dY
     comes quantized by the op's scale (its tag's cotangent), else the mesh axes over which the
     block's own backward takes dY's current amax (`whole_block_matmul`), over the rows of the
-    groups only where `padded`."""
+    groups only where `padded` (the quantized dY's rows past them left unwritten unless
+    `fill`)."""
 
     out_dtype: str
     split: tuple[bool, bool]
     grad_dtype: str
     dy_over: str | tuple[str, ...] | None = None
     padded: bool = False
+    fill: bool = True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -238,9 +256,9 @@ def _float8_block_bwd(how, residuals, cotangents):
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
     qdy = None
     if how.dy_over is not None:  # dY as it comes: quantized here, once (where padded, its
-        # rows of the groups only: the GEMM's rows past them are zeros, so are theirs of dY)
+        # rows of the groups only: the GEMM's rows past them are zeros, and add nothing)
         live = jnp.sum(sizes) if how.padded else None
-        qdy, dy = quantized_rows(dy, live, how.grad_dtype, how.dy_over)
+        qdy, dy = quantized_rows(dy, live, how.grad_dtype, how.dy_over, fill=how.fill)
         dy = lax.stop_gradient(dy)
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
     dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]

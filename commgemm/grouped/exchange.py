@@ -18,7 +18,9 @@ On Hopper GPUs a kernel writes the live rows into the peers' results over NVLink
 (`mosaic_gpu.ragged_a2a`; with one process per GPU where the fused kernels run there:
 `mosaic_gpu.peers`); elsewhere each peer's rows travel in one `lax.all_to_all` of blocks of
 `most` rows (the most live rows a shard holds for one peer, over its groups), gathered out of
-and into the regions.
+and into the regions. Where every reader of a result takes its live rows only (a grouped GEMM
+and the live-row kernels: the expert-parallel block's received tokens), `fill=False` lets the
+kernel leave the other rows as the memory held them instead of writing zeros there.
 """
 
 from __future__ import annotations
@@ -71,15 +73,25 @@ def kernel_reason(dtype, k: int) -> str | None:
 
 
 def ragged_all_to_all(
-    src: jax.Array, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int
+    src: jax.Array,
+    send: Layout,
+    recv: Layout,
+    axis_name: str,
+    most: int,
+    out_rows: int,
+    *,
+    fill: bool = True,
+    fill_grad: bool = True,
 ) -> jax.Array:
     """src [R, K] (this shard's rows in the regions of `send`) -> [out_rows, K] (the regions of
     `recv`, recv.bounds[-1] = out_rows): the live rows of region (me, j) of every shard s's src
     in region (s, j), zeros elsewhere. `most` (static): no shard's live rows for one peer (its
     counts over the peer's groups) exceed it; the fallback's block rows. Inside shard_map over
-    `axis_name`."""
+    `axis_name`. `fill` (static), False: the result's rows outside the live ones are
+    unspecified where the NVLink kernel runs (not written; zeros elsewhere), for readers of the
+    live rows only; `fill_grad` the same for the gradient's result [R, K]."""
     _check(src, send, recv, lax.axis_size(axis_name), most, out_rows)
-    return _exchange(src, send, recv, axis_name, most, out_rows)
+    return _exchange(src, send, recv, axis_name, most, out_rows, (bool(fill), bool(fill_grad)))
 
 
 def _check(src, send: Layout, recv: Layout, size: int, most, out_rows) -> None:
@@ -102,8 +114,10 @@ def _check(src, send: Layout, recv: Layout, size: int, most, out_rows) -> None:
             raise ValueError(f"ragged_all_to_all: {side} layout must hold integers")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_rows: int, fills):
+    """The exchange; fills (static): whether the kernel zeroes the rows outside the live ones,
+    (of this result, of the gradient's)."""
     size = lax.axis_size(axis_name)
     if size == 1:
         return _local(src, send, recv, out_rows)
@@ -114,9 +128,10 @@ def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_ro
         at = lax.all_to_all(recv.grid(recv.bounds[:-1], size), axis_name, 0, 0, tiled=True)
         peers = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[:, None], at.shape)
         zeros_at = recv.bounds[:-1] + recv.counts  # the rest of each result region: zeros
+        zero_rows = recv.bounds[1:] - zeros_at if fills[0] else jnp.zeros_like(zeros_at)
         plan = ragged_a2a.plan_array(
             (send.bounds[:-1], send.counts, send.flat(at), send.flat(peers)),
-            (zeros_at, recv.bounds[1:] - zeros_at),
+            (zeros_at, zero_rows),
             src.shape[1],
             src.dtype,
         )
@@ -172,13 +187,14 @@ def _blocks(src, send: Layout, recv: Layout, axis_name: str, most: int, out_rows
     return jnp.where(inside[:, None], picked, zero)
 
 
-def _exchange_fwd(src, send, recv, axis_name, most, out_rows):
-    return _exchange(src, send, recv, axis_name, most, out_rows), (send, recv, src.shape[0])
+def _exchange_fwd(src, send, recv, axis_name, most, out_rows, fills):
+    out = _exchange(src, send, recv, axis_name, most, out_rows, fills)
+    return out, (send, recv, src.shape[0])
 
 
-def _exchange_bwd(axis_name, most, out_rows, residuals, ct):
+def _exchange_bwd(axis_name, most, out_rows, fills, residuals, ct):
     send, recv, rows = residuals
-    return _exchange(ct, recv, send, axis_name, most, rows), None, None
+    return _exchange(ct, recv, send, axis_name, most, rows, fills[::-1]), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -37,6 +37,7 @@ from commgemm.grouped.blocks import (
     block_matmul,
     merged_order,
     permuted,
+    reads_cotangent_padding,
     regrouped,
     row_block,
     whole_block_matmul,
@@ -340,7 +341,9 @@ def expert_mlp(
     named activation then runs on the rows that hold tokens only (`grouped.activation`), and
     on several shards so do the passes of current tensor scaling over the received rows (the
     tokens' values on arrival, h's and both dYs' quantization: `grouped.scaling.
-    quantized_rows`); on one shard, with no padding to skip, XLA's fused passes."""
+    quantized_rows`); on one shard, with no padding to skip, XLA's fused passes. Where the
+    GEMMs' gradients read the groups' rows only (`mosaic_gpu.grouped.padding_reason`) the
+    padding is not even written: not by the exchange, dY's kernels or the quantizing passes."""
     up, down = scaling if isinstance(scaling, tuple) else (scaling, scaling)
     size, m = axis_size(axis_name), x.shape[0]
     capacity = _capacity(capacity, m)
@@ -359,16 +362,27 @@ def expert_mlp(
     sizes = arrived.sum(axis=0)
     live = jnp.sum(sizes)  # the received rows that hold tokens: the rest is padding
     skip = live if size > 1 else None  # FP8's passes: on one shard no padding worth skipping
-    flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert,
-                            live=skip)  # fmt: skip
-    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name, padded=size > 1)
+    from commgemm.mosaic_gpu.grouped import padding_reason
+
+    # where every reader of the received buffers takes their live rows only, the exchange and
+    # the live-row kernels leave the padding unwritten (h, returned for its amax, keeps zeros)
+    unread = size > 1 and all(padding_reason(size * capacity, x.dtype, w) is None for w in (w1, w2))
+    flat, flat_rows = carry(_to_experts(axis_name, capacity, fill=not unread), x, rows, None,
+                            tokens, by_expert, live=skip, fill=not unread)  # fmt: skip
+    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name,
+                           padded=size > 1, fill=not unread)  # fmt: skip
     named = not callable(activation)  # zeros past the live rows (GELU(0) = 0)
-    h = activation_rows(y, live, activation) if named else activation(y)
+    dy1_unread = unread and not reads_cotangent_padding(flat, flat_rows, experts, recipe)
+    h = activation_rows(y, live, activation, fill_grad=not dy1_unread) if named else activation(y)
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
-                                                       live=skip if named else None)  # fmt: skip
-    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, padded=size > 1)
-    return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m), h
+                                                       live=skip if named else None,
+                                                       fill=not unread)  # fmt: skip
+    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, padded=size > 1,
+                           fill=not unread)  # fmt: skip
+    dz_unread = unread and not reads_cotangent_padding(h2, rows, experts, recipe)
+    out = ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m, fill_grad=not dz_unread)
+    return out, h
 
 
 def _expert_layouts(x, w, group_sizes, axis_name, capacity: int):
@@ -399,8 +413,8 @@ def _layouts(sent, arrived, cut, m: int, capacity: int) -> tuple[Layout, Layout]
     return tokens, Layout(_bounds(ends - counts, size * capacity), counts, by_group=True)
 
 
-def _to_experts(axis_name: str, capacity: int):
+def _to_experts(axis_name: str, capacity: int, fill: bool = True):
     """The exchange of a shard's tokens (x or its quantized payload) into its experts' rows
-    [P*C, .], by `_layouts`' pair."""
+    [P*C, .], by `_layouts`' pair (`fill=False`: their padding left unwritten)."""
     return functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
-                             out_rows=axis_size(axis_name) * capacity)  # fmt: skip
+                             out_rows=axis_size(axis_name) * capacity, fill=fill)  # fmt: skip

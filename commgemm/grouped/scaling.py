@@ -59,6 +59,7 @@ def quantized_operands(
     axis_name: str | None = None,
     qx: ScaledTensor | None = None,
     live: jax.Array | None = None,
+    fill: bool = True,
 ) -> tuple[jax.Array, jax.Array, ScalingRecipe | None, Rows | None, Float8Experts | None]:
     """(x, w, recipe, rows, experts) with x [..., K] and w [G, K, N] (or a `QuantizedWeight`
     of it) replaced by their quantized values (straight-through), x's rows as they travel
@@ -66,7 +67,8 @@ def quantized_operands(
     and experts None, when scaling is None. `qx`: x as the recipe quantizes it, where the
     caller has it (`copied_rows`), else quantized here. `live`: x [R, K] holds values in its
     first `live` rows only, zeros past them (a grouped GEMM's result on a padded buffer): with
-    current tensor scaling only those rows are quantized (`quantized_rows`)."""
+    current tensor scaling only those rows are quantized (`quantized_rows`; `fill=False`:
+    its results' rows past `live` unspecified, for readers of the groups' rows only)."""
     recipe = as_recipe(scaling)
     if recipe is None:
         return x, w, None, None, None
@@ -74,7 +76,7 @@ def quantized_operands(
     names = () if axis_name is None else axis_name
     values = None
     if qx is None and live is not None and recipe.mode is ScalingMode.CURRENT_TENSOR_SCALING:
-        qx, values = quantized_rows(lax.stop_gradient(x), live, recipe.dtype, names)
+        qx, values = quantized_rows(lax.stop_gradient(x), live, recipe.dtype, names, fill=fill)
     elif qx is None:
         qx = x_operand(x, recipe, names)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
@@ -94,18 +96,22 @@ def rows_reason(shape: tuple[int, ...], dtype, float8) -> str | None:
 
 
 def quantized_rows(
-    x: jax.Array, live: jax.Array | None, dtype, axis_names=()
+    x: jax.Array, live: jax.Array | None, dtype, axis_names=(), *, fill: bool = True
 ) -> tuple[ScaledTensor, jax.Array]:
     """x [R, F] quantized to the float8 `dtype` by current tensor scaling, its amax the largest
     of its first `live` rows' over `axis_names` (shared as `quant.amax` shares it), and the
-    values that stands for in x's dtype: (ScaledTensor, values), both zeros past `live`. Where
-    x's rows past `live` are zeros, exactly `quantize(x, amax=amax(x, axis_names))` and its
-    `dequantize`. On a Hopper GPU (`rows_reason`) two passes over the live rows only
-    (`mosaic_gpu.rows`: the amax, then one that writes the float8 values and the 16-bit ones);
-    elsewhere, or where `live` is None (no padding to skip: XLA's fused passes are the
-    faster), XLA's over every row."""
+    values that stands for in x's dtype: (ScaledTensor, values), both zeros past `live`
+    (whatever x holds there). Where x's rows past `live` are zeros, exactly `quantize(x,
+    amax=amax(x, axis_names))` and its `dequantize`. On a Hopper GPU (`rows_reason`) two
+    passes over the live rows only (`mosaic_gpu.rows`: the amax, then one that writes the
+    float8 values and the 16-bit ones; with `fill=False` the results' rows past `live` are not
+    written, their values unspecified); elsewhere, or where `live` is None (no padding to
+    skip: XLA's fused passes are the faster), XLA's over every row (those past `live` taken as
+    zeros)."""
     mode = ScalingMode.CURRENT_TENSOR_SCALING
     if live is None or rows_reason(x.shape, x.dtype, dtype) is not None:
+        if live is not None:  # the rows past `live` may hold anything (unwritten padding)
+            x = jnp.where(jnp.arange(x.shape[0])[:, None] < live, x, jnp.zeros((), x.dtype))
         q = quantize(x, mode, dtype=dtype, amax=amax(x, axis_names))
         return q, dequantize_fusible(q, x.dtype)
     from commgemm.mosaic_gpu.rows import amax_rows, map_rows
@@ -116,7 +122,7 @@ def quantized_rows(
         q = clip_cast(tiles[0] * scalars[0], dtype)  # `quant.quantize`'s rounding
         return q, q.astype(jnp.float32) * scalars[1]
 
-    q, values = map_rows(math_, (x,), live, (dtype, x.dtype), (scale, 1.0 / scale))
+    q, values = map_rows(math_, (x,), live, (dtype, x.dtype), (scale, 1.0 / scale), fill=fill)
     q, values = (varying_like(a, x, live) for a in (q, values))
     return ScaledTensor(q, 1.0 / scale, mode=mode), values
 
@@ -197,18 +203,22 @@ class Rows:
     k: int = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
     live: jax.Array | None = None
+    fill: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def values(self) -> jax.Array:
         """The rows' values in `dtype`. Where `live` is set (the payload [R, K] holds rows in
-        its first `live` only, zeros past them: the rows an exchange brought) and the
-        live-row kernels take it (`rows_reason`), those rows only are dequantized."""
+        its first `live` only: the rows an exchange brought; past them padding) and the
+        live-row kernels take it (`rows_reason`), those rows only are dequantized: zeros past
+        them, or, without `fill` (no one reads the padding), nothing written there."""
         lead, flat = self.payload.shape[:-1], self.payload.reshape(-1, self.payload.shape[-1])
         kernel = self.live is not None and self.mode in TENSOR_MODES and self.payload.ndim == 2
         if kernel and rows_reason(self.payload.shape, self.dtype, self.payload.dtype) is None:
             from commgemm.mosaic_gpu.rows import map_rows
 
             math_ = lambda tiles, scalars: (tiles[0] * scalars[0],)  # noqa: E731
-            (out,) = map_rows(math_, (self.payload,), self.live, (self.dtype,), (self.scale,))
+            (out,) = map_rows(
+                math_, (self.payload,), self.live, (self.dtype,), (self.scale,), fill=self.fill
+            )
             return varying_like(out, self.payload, self.live)
         if self.mode in TENSOR_MODES:
             t = ScaledTensor(flat, self.scale, mode=self.mode)
@@ -245,16 +255,23 @@ moved.defvjp(_moved_fwd, _moved_bwd)
 
 
 def carry(
-    fn, block: jax.Array, rows: Rows | None, previous, *args, live: jax.Array | None = None
+    fn,
+    block: jax.Array,
+    rows: Rows | None,
+    previous,
+    *args,
+    live: jax.Array | None = None,
+    fill: bool = True,
 ) -> tuple[jax.Array, Rows | None]:
     """fn(block, *args) (a collective; `args` its traced operands besides the block) applied to
     a block of x's rows, held until `previous` exists (the collectives of a pipeline stay
     apart: commgemm.xla.common.after): to its quantized payload where it has one (`moved`),
     else to the block itself. Returns (the values, the moved rows). `live`: the rows that
-    hold values once moved (the rest zeros), where known (`Rows.live`)."""
+    hold values once moved, where known, and `fill`: whether the values' padding past them is
+    written (`Rows.live`, `Rows.fill`)."""
     if rows is None:
         return fn(after(block, previous), *args), None
-    held = dataclasses.replace(rows, payload=after(rows.payload, previous), live=live)
+    held = dataclasses.replace(rows, payload=after(rows.payload, previous), live=live, fill=fill)
     return moved(fn, block, held, *args)
 
 

@@ -76,6 +76,18 @@ def unsupported_reason(x, w, tiles: Kernel | None = None) -> str | None:
     return _shape_reason(x.shape[0], w.shape[1], w.shape[2], x.dtype, tiles)
 
 
+def padding_reason(m: int, dtype, w) -> str | None:
+    """Why the groups' results of x [m, K] @ w [G, K, N] for x of `dtype`
+    (`grouped.local.grouped_matmul`, forward and gradients) might depend on what x's and dY's
+    rows past the groups' sum hold here (a NaN there reaching dW through XLA's ragged dot), or
+    None: where the Hopper path runs (`ragged_dot`: its forward and dX go row by row) and dW
+    runs on commgemm's kernel, which zeroes those rows in shared memory (`grouped_dw`)."""
+    x = jax.ShapeDtypeStruct((m, w.shape[1]), dtype)
+    if (reason := unsupported_reason(x, w)) is not None:
+        return reason
+    return grouped_dw.shape_reason(PingPongTiles(), m, w.shape[1], w.shape[2], dtype)
+
+
 def _shape_reason(m: int, k: int, n: int, dtype, tiles) -> str | None:
     if tiles is None:
         kernels = (PingPongTiles(), GroupedConfig(), default_tiles(n))

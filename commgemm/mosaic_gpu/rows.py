@@ -1,6 +1,7 @@
 """Elementwise maps and the amax over the first rows of a buffer, on Hopper GPUs: the rows past
-them are zeroed without being read (`commgemm.grouped.activation` and
-`commgemm.grouped.scaling` say where such buffers come from).
+them are zeroed without being read, or not written at all where no one reads them
+(`commgemm.grouped.activation` and `commgemm.grouped.scaling` say where such buffers come
+from).
 
 Units of TILE_ROWS x cols (the same columns for every operand: ROW_BYTES of the widest dtype):
 a TMA load of each input's tile into shared memory, the values in float32 in registers, the
@@ -64,12 +65,15 @@ def map_rows(
     live: jax.Array,
     out_dtypes: Sequence,
     scalars: Sequence[jax.Array] = (),
+    *,
+    fill: bool = True,
 ) -> tuple[jax.Array, ...]:
     """fn on the first `live` rows (int32 scalar) of `ins` ([R, F] each): its results [R, F]
     in `out_dtypes`, zeros past `live` (those rows of `ins` are not read; `live` is taken
-    between 0 and R). `scalars`: float32 scalars fn takes beside the tiles. R a multiple of
-    TILE_ROWS, F of `tile_cols`."""
-    return _launch(fn, tuple(ins), live, tuple(out_dtypes), tuple(scalars), amax=False)
+    between 0 and R); with `fill=False` the results' rows past `live` are not written (their
+    values unspecified: for readers of the first `live` rows only). `scalars`: float32 scalars
+    fn takes beside the tiles. R a multiple of TILE_ROWS, F of `tile_cols`."""
+    return _launch(fn, tuple(ins), live, tuple(out_dtypes), tuple(scalars), amax=False, fill=fill)
 
 
 def amax_rows(x: jax.Array, live: jax.Array) -> jax.Array:
@@ -95,7 +99,7 @@ def _rows_of(live, rows: int) -> jax.Array:
     return jnp.clip(jnp.asarray(live, jnp.int32), 0, rows)
 
 
-def _launch(fn, ins, live, out_dtypes, scalars, amax: bool) -> tuple[jax.Array, ...]:
+def _launch(fn, ins, live, out_dtypes, scalars, amax: bool, fill: bool = True):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -150,9 +154,10 @@ def _launch(fn, ins, live, out_dtypes, scalars, amax: bool) -> tuple[jax.Array, 
             rows = jnp.minimum(tm, live - first)  # the tile holding row `live`: zeros from it
             for result, zero, out in zip(results, zeros, outs, strict=True):
                 ladder_store(result, out, first, rows, cols, tm)
-                ladder_store(zero, out, first + rows, tm - rows, cols, tm)
+                if fill:
+                    ladder_store(zero, out, first + rows, tm - rows, cols, tm)
 
-        if n_out:
+        if n_out and fill:
 
             @pl.loop(0, (units - live_units - cta + ctas - 1) // ctas)
             def _zero(i):

@@ -5,11 +5,13 @@ peer or several in either order), repeated calls, several dtypes and row widths,
 shard_map with and without check_vma; and the expert-parallel block through it against the
 block with the fallback."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import grouped_layouts, ragged_layouts
+from helpers import garbage_freed, grouped_layouts, ragged_layouts
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +29,8 @@ def _layouts(rng, size: int, rows: int, most: int, skew: bool):
     return ragged_layouts(sizes, rows, most)
 
 
-def _pair(size: int, most: int, check_vma: bool, orders=(False, False), out_rows=None):
+def _pair(size: int, most: int, check_vma: bool, orders=(False, False), out_rows=None,
+          **fills):  # fmt: skip
     out_rows = size * most if out_rows is None else out_rows
 
     def body(exchange):
@@ -40,7 +43,7 @@ def _pair(size: int, most: int, check_vma: bool, orders=(False, False), out_rows
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"),
                                      check_vma=check_vma))  # fmt: skip
 
-    return body(ex.ragged_all_to_all), body(ex._blocks)
+    return body(functools.partial(ex.ragged_all_to_all, **fills)), body(ex._blocks)
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
@@ -93,6 +96,39 @@ def test_grouped_kernel_equals_fallback(two_gpus, groups, most, orders):
     ct = jnp.asarray(rng.standard_normal(want.shape)).astype(dtype)
     grads = [jax.vjp(lambda v, f=f: f(v, sb, sc, rb, rc), x)[1](ct)[0] for f in (kernel, fallback)]
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
+
+
+def _live(bounds: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[P * rows] bool: the live rows of each device's regions (bounds [P, R + 1], counts
+    [P, R]), the devices' rows one after another."""
+    size, rows = bounds.shape[0], int(bounds[0, -1])
+    live = np.zeros((size, rows), bool)
+    for d in range(size):
+        for first, count in zip(bounds[d, :-1], counts[d], strict=True):
+            live[d, first : first + count] = True
+    return live.reshape(-1)
+
+
+@pytest.mark.parametrize("orders", [(False, True), (True, False)], ids=["to-groups", "back"])
+def test_unfilled_kernel_on_live_rows(two_gpus, orders):
+    """fill=False and fill_grad=False (the rows outside the live regions not written, here
+    after a buffer of NaNs was freed): the live rows of the result and of the gradient equal
+    the fallback's bit for bit."""
+    size, k, dtype, groups, most = jax.device_count(), 512, jnp.bfloat16, 8, 700
+    rng = np.random.default_rng()
+    _, sb, sc, rb, rc = grouped_layouts(rng, size, groups, most, orders)
+    rows = size * (most + groups)
+    x = jnp.asarray(rng.standard_normal((size * rows, k))).astype(dtype)
+    kernel, fallback = _pair(size, most, True, orders, rows, fill=False, fill_grad=False)
+    garbage_freed(8 * size * rows * k)  # NaNs where the results may go
+    got, pullback = jax.vjp(lambda v: kernel(v, sb, sc, rb, rc), x)
+    want, want_pullback = jax.vjp(lambda v: fallback(v, sb, sc, rb, rc), x)
+    live = _live(rb, rc)
+    np.testing.assert_array_equal(np.asarray(got)[live], np.asarray(want)[live])
+    ct = jnp.asarray(rng.standard_normal(want.shape)).astype(dtype)
+    back = _live(sb, sc)
+    np.testing.assert_array_equal(np.asarray(pullback(ct)[0])[back],
+                                  np.asarray(want_pullback(ct)[0])[back])  # fmt: skip
 
 
 @pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"], ids=["bf16", "fp8"])

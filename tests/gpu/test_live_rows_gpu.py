@@ -1,16 +1,20 @@
 """Current tensor scaling on a buffer's live rows by the `mosaic_gpu.rows` kernels on one
 Hopper GPU, against XLA's passes over every row (`quant.quantize`, `quant.dequantize`) and
 numpy, on fresh random rows: bit for bit where the rows past `live` are zeros, those rows
-never read (garbage there changes nothing), and the FP8 MoE block with them against without."""
+never read (garbage there changes nothing), and the FP8 MoE block with them against without;
+the results' rows past `live` left unwritten (`fill=False`), and the MoE block so."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import moe_block_step
+from helpers import garbage_freed, moe_block_step
 
+import commgemm as cg
 from commgemm import quant
 from commgemm.grouped import scaling
+from commgemm.grouped.activation import activation_rows
+from commgemm.mosaic_gpu import grouped
 from commgemm.mosaic_gpu.rows import amax_rows
 
 SHAPES = [(4096, 1408, 1999), (512, 256, 0), (192, 2048, 192), (8192, 512, 8191), (128, 128, 70)]
@@ -51,28 +55,71 @@ def test_quantized_rows_is_quantize(rows, cols, live, dtype):
     x, garbage = _rows(rows, cols, live, np.random.default_rng())
     want = jax.jit(lambda a: quant.quantize(a, "current_tensor_scaling", dtype=dtype))(x)
     want_values = np.asarray(jax.jit(quant.dequantize, static_argnums=1)(want, jnp.bfloat16))
-    fn = jax.jit(lambda a, n: scaling.quantized_rows(a, n, dtype))
-    for a in (x, garbage):
-        q, values = fn(a, jnp.int32(live))
-        assert float(q.scale_inv) == float(want.scale_inv)
-        np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8),
-                                      np.asarray(want.data).view(np.uint8))  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(values), want_values)
+    for fill in (True, False):  # unfilled: the rows past `live` unspecified
+        fn = jax.jit(lambda a, n, fill=fill: scaling.quantized_rows(a, n, dtype, fill=fill))
+        rows_ = slice(None) if fill else slice(live)
+        for a in (x, garbage):
+            garbage_freed(8 * rows * cols)
+            q, values = fn(a, jnp.int32(live))
+            assert float(q.scale_inv) == float(want.scale_inv)
+            np.testing.assert_array_equal(np.asarray(q.data)[rows_].view(np.uint8),
+                                          np.asarray(want.data)[rows_].view(np.uint8))  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(values)[rows_], want_values[rows_])
 
 
 @pytest.mark.parametrize("rows, cols, live", SHAPES)
 def test_rows_values_on_live_rows(rows, cols, live):
     """`Rows.values` with `live`: XLA's dequantize of the float8 payload on the live rows, bit
-    for bit, zeros past them."""
+    for bit, zeros past them (with `fill=False` not written there)."""
     x, _ = _rows(rows, cols, live, np.random.default_rng())
     q = quant.quantize(x, "current_tensor_scaling", dtype=jnp.float8_e4m3fn)
     payload = q.data.at[live:].set(jnp.float8_e4m3fn(448.0))  # never read
     mode = quant.ScalingMode.CURRENT_TENSOR_SCALING
-    got = jax.jit(lambda p, s, n: scaling.Rows(p, s, mode, cols, "bfloat16", n).values())(
-        payload, q.scale_inv, jnp.int32(live)
-    )
     want = np.asarray(quant.dequantize(q, jnp.bfloat16))
-    np.testing.assert_array_equal(np.asarray(got), want)
+    for fill in (True, False):
+        rows_ = scaling.Rows(payload, q.scale_inv, mode, cols, "bfloat16", jnp.int32(live), fill)
+        garbage_freed(8 * rows * cols)
+        got = np.asarray(jax.jit(lambda r: r.values())(rows_))
+        np.testing.assert_array_equal(got if fill else got[:live], want if fill else want[:live])
+
+
+@pytest.mark.parametrize("rows, cols, live", SHAPES)
+def test_gelu_gradient_unfilled(rows, cols, live):
+    """`activation_rows(fill_grad=False)`: the gradient's live rows bit for bit those of the
+    filled one (zeros past `live`), whatever lies in the freed memory it is written to."""
+    x, _ = _rows(rows, cols, live, np.random.default_rng(), scale=2.0)
+    g = jnp.asarray(np.random.default_rng().standard_normal((rows, cols)), jnp.bfloat16)
+    grads = []
+    for fill in (True, False):
+        fn = lambda a, fill=fill: activation_rows(a, jnp.int32(live), "gelu", fill_grad=fill)  # noqa: E731
+        garbage_freed(8 * rows * cols)
+        grads.append(np.asarray(jax.jit(lambda a, fn=fn: jax.vjp(fn, a)[1](g)[0])(x)))
+    np.testing.assert_array_equal(grads[1][:live], grads[0][:live])
+    assert not grads[0][live:].any()
+
+
+def _delayed() -> cg.ScalingRecipe:
+    start = cg.ScalingState.create(history=4)
+    return cg.ScalingRecipe("delayed_tensor_scaling", x_state=start, w_state=start,
+                            dy_state=start)  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling_", [None, "current_tensor_scaling", "delayed"])
+def test_moe_block_with_unwritten_padding(monkeypatch, scaling_):
+    """The MoE block (AUTO, all GPUs) leaving its received buffers' padding unwritten (freed
+    NaNs beneath) against the same block writing zeros there (`padding_reason` turned off):
+    finite, and equal losses and gradients (1e-5 in norm)."""
+    step, (x, w1, w2) = moe_block_step("gelu", _delayed() if scaling_ == "delayed" else scaling_)
+    assert grouped.padding_reason(2048, jnp.bfloat16, w1[:4]) is None
+    garbage_freed(1 << 30)
+    got = step(x, w1, w2)
+    monkeypatch.setattr(grouped, "padding_reason", lambda *a: "turned off")
+    want = step(x, w1, w2)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        a, b = (np.asarray(v, np.float64) for v in (a, b))
+        assert np.isfinite(a).all()
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
