@@ -80,6 +80,30 @@ def grouped_layouts(rng: np.random.Generator, size: int, groups: int, most: int,
     return counts, *sides
 
 
+def returned_layouts(rng, size: int, groups: int, most: int, drop: bool):
+    """Random counts [src, dst, group] and per device: the experts' side (regions (group,
+    source) packed from row 0, group-major, over size * most rows), the tokens' side
+    (regions (peer, group) peer-major with up to 3 rows of slack each where `drop`: rows no
+    one returns, tiling `out_rows`), as int32 arrays [P, ...], and out_rows."""
+    totals = rng.integers(0, most + 1, size=(size, size))
+    totals[0, 1] = 0  # an empty pair
+    counts = np.stack([rng.multinomial(t, rng.dirichlet(np.ones(groups))) for t in totals.flat])
+    counts = counts.reshape(size, size, groups).astype(np.int32)
+    regions = size * groups
+    eb, ec = np.zeros((size, regions + 1), np.int32), np.zeros((size, regions), np.int32)
+    for d in range(size):  # the experts' device
+        ec[d] = counts[:, d, :].T.reshape(-1)  # region g * P + s
+        eb[d, 1:] = np.cumsum(ec[d])
+        eb[d, regions] = size * most
+    slack = rng.integers(0, 4 if drop else 1, size=(size, regions)).astype(np.int32)
+    tc = counts.reshape(size, regions)  # region d * groups + g on owner s
+    out_rows = int((tc + slack).sum(axis=1).max()) + 5
+    tb = np.zeros((size, regions + 1), np.int32)
+    tb[:, 1:] = np.cumsum(tc + slack, axis=1)
+    tb[:, regions] = out_rows
+    return counts, (eb, ec, tb, tc), out_rows
+
+
 def random(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
@@ -177,11 +201,11 @@ def balance_reference(logits: np.ndarray, k: int) -> float:
     return experts * float(np.sum(f * p.mean(axis=0)))
 
 
-def moe_block_step(activation, scaling):
+def moe_block_step(activation, scaling, capacity_factor=None):
     """(step, args): jit(value_and_grad) of the mean square of the MoE block (`moe_per_shard`,
-    AUTO, 4 experts a device over every device, top 2, 512 tokens a device, H 256, F 512) in
-    x, w1, w2 (fresh random bf16), the router fixed; `step(*args, scaling=...)` overrides the
-    block's scaling."""
+    AUTO, 4 experts a device over every device, top 2, 512 tokens a device, H 256, F 512,
+    `capacity_factor`) in x, w1, w2 (fresh random bf16), the router fixed;
+    `step(*args, scaling=...)` overrides the block's scaling."""
     import jax.numpy as jnp
 
     from commgemm.nnx import moe_per_shard
@@ -197,7 +221,8 @@ def moe_block_step(activation, scaling):
 
     def loss(x, w1, w2, scaling=scaling):
         block = lambda a, b, c: moe_per_shard(a, router, b, c, k=k, axis_name="tp", config=None,  # noqa: E731
-                                              scaling=scaling, activation=activation)  # fmt: skip
+                                              scaling=scaling, activation=activation,
+                                              capacity_factor=capacity_factor)  # fmt: skip
         out = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
         return jnp.mean(jnp.square(out(x, w1, w2).astype(jnp.float32)))
 

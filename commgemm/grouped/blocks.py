@@ -181,6 +181,21 @@ def whole_block_matmul(
     if reads_cotangent_padding(values, rows, experts, recipe):
         out = block_matmul(values, w, sizes, rows, experts)
         return with_quantized_cotangent(out, recipe, axis_name, experts)
+    return own_dy_block_matmul(values, w, sizes, rows, experts, axis_name, padded, fill)
+
+
+def own_dy_block_matmul(
+    values: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    rows: Rows,
+    experts: Float8Experts,
+    axis_name=None,
+    padded: bool = False,
+    fill: bool = True,
+) -> jax.Array:
+    """`whole_block_matmul` under current tensor scaling on the float8 kernel (where
+    `reads_cotangent_padding` is False): the block's backward quantizes dY itself."""
     names = () if axis_name is None else axis_name
     how = Float8Block(values.dtype.name, experts.split, experts.grad_dtype, names, padded, fill)
     return _float8_block(

@@ -124,13 +124,13 @@ def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_ro
     if kernel_reason(src.dtype, src.shape[1]) is None:
         from commgemm.mosaic_gpu import ragged_a2a
 
-        # where this shard's regions land on each peer d: d's regions (me, j)
-        at = lax.all_to_all(recv.grid(recv.bounds[:-1], size), axis_name, 0, 0, tiled=True)
-        peers = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[:, None], at.shape)
-        zeros_at = recv.bounds[:-1] + recv.counts  # the rest of each result region: zeros
-        zero_rows = recv.bounds[1:] - zeros_at if fills[0] else jnp.zeros_like(zeros_at)
+        groups = send.counts.shape[0] // size
+        peers = send.flat(jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[:, None],
+                                           (size, groups)))  # fmt: skip
+        zeros_at, zero_rows = unwritten(recv)
+        zero_rows = zero_rows if fills[0] else jnp.zeros_like(zeros_at)
         plan = ragged_a2a.plan_array(
-            (send.bounds[:-1], send.counts, send.flat(at), send.flat(peers)),
+            (send.bounds[:-1], send.counts, destinations(send, recv, axis_name), peers),
             (zeros_at, zero_rows),
             src.shape[1],
             src.dtype,
@@ -138,6 +138,21 @@ def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_ro
         out = ragged_a2a.exchange_kernel(src, plan, out_rows, axis_name)
         return varying_like(out, src, plan)  # a Pallas result carries no varying axes
     return _blocks(src, send, recv, axis_name, most, out_rows)
+
+
+def destinations(send: Layout, recv: Layout, axis_name: str) -> jax.Array:
+    """[R] by region of `send`: the first row where region (d, j) of this shard's rows lands
+    on peer d, that is peer d's region (me, j) of `recv`."""
+    at = lax.all_to_all(recv.grid(recv.bounds[:-1], lax.axis_size(axis_name)), axis_name, 0, 0,
+                        tiled=True)  # fmt: skip
+    return send.flat(at)
+
+
+def unwritten(recv: Layout) -> tuple[jax.Array, jax.Array]:
+    """(first row, rows) [R]: the rows of each region of `recv` past its live ones, which no
+    peer writes (the exchange's zeros)."""
+    zeros_at = recv.bounds[:-1] + recv.counts
+    return zeros_at, recv.bounds[1:] - zeros_at
 
 
 def _regions(rows: int, layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -44,6 +44,7 @@ from commgemm.grouped.blocks import (
 )
 from commgemm.grouped.exchange import Layout, ragged_all_to_all
 from commgemm.grouped.local import check_grouped, sizes_in_rows
+from commgemm.grouped.returned import matmul_returned
 from commgemm.grouped.scaling import (
     Float8Experts,
     Rows,
@@ -378,10 +379,8 @@ def expert_mlp(
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
                                                        live=skip if named else None,
                                                        fill=not unread)  # fmt: skip
-    z = whole_block_matmul(h2, w2, sizes, rows, experts, recipe, axis_name, padded=size > 1,
-                           fill=not unread)  # fmt: skip
-    dz_unread = unread and not reads_cotangent_padding(h2, rows, experts, recipe)
-    out = ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, m, fill_grad=not dz_unread)
+    out = matmul_returned(h2, w2, sizes, rows, experts, recipe, axis_name, by_expert, tokens,
+                          capacity, m, padded=size > 1, fill=not unread)  # fmt: skip
     return out, h
 
 

@@ -109,23 +109,24 @@ def ladder(tile_m: int) -> tuple[int, ...]:
     return tuple(top >> i for i in range(top.bit_length()))
 
 
-def ladder_store(source, dest, first, count, cols, tile_m: int) -> None:
-    """In a Mosaic GPU kernel: source's rows [0, count) (a tile_m-row shared-memory tile,
-    0 <= count <= tile_m) into dest's rows [first, first + count) at columns `cols`, by the
-    `ladder`'s TMA stores (to be waited on by the caller)."""
+def ladder_store(source, dest, first, count, cols, tile_m: int, at=0) -> None:
+    """In a Mosaic GPU kernel: source's rows [at, at + count) (of a tile_m-row shared-memory
+    tile, unswizzled where `at` is not 0; 0 <= count <= tile_m - at) into dest's rows [first,
+    first + count) at columns `cols`, by the `ladder`'s TMA stores (to be waited on by the
+    caller)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    at = 0
+    done = 0
     for step in ladder(tile_m):
 
         @pl.when(count & step != 0)
-        def _part(at=at, step=step):
+        def _part(done=done, step=step):
             plgpu.copy_smem_to_gmem(
-                source.at[pl.ds(at, step)], dest.at[pl.ds(first + at, step), cols]
+                source.at[pl.ds(at + done, step)], dest.at[pl.ds(first + done, step), cols]
             )
 
-        at = at + (count & step)
+        done = done + (count & step)
 
 
 def ring_stages(tiles: PingPongTiles, dtype, out_dtype) -> int:
@@ -209,6 +210,7 @@ def grouped_matmul(
     w_nk: bool = False,
     scale: jax.Array | None = None,
     out_dtype=None,
+    returned=None,
 ) -> jax.Array:
     """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
@@ -216,7 +218,8 @@ def grouped_matmul(
     [1] float32 if given; rows past the sum are zero. N and K whole tiles (`shape_reason`).
     Float8 x and w (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores,
     the wgmma accumulating across K-steps (the dense kernels' fast accumulation), in K-steps of
-    `operand_tiles`."""
+    `operand_tiles`. `returned` (a `grouped_return.Returned`, inside shard_map over its axis):
+    the rows go to their owners instead -> [returned.out_rows, N], this device's result."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
@@ -251,10 +254,14 @@ def grouped_matmul(
     transforms = mt.smem_transforms(x.dtype, tk)  # w's dtype is as wide (float8: 1 byte)
     w_block = (tn, tk) if w_nk else (tk, tn)
     halves = tm % (2 * WGMMA_M) == 0  # a last wave's halves: whole wgmma rows
+    peers = 0 if returned is None else lax.axis_size(returned.axis_name)
 
-    def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, x_ref, w_ref, *refs):
+    def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, *refs):
+        plan, (x_ref, w_ref, *refs) = (refs[:2], refs[2:]) if peers else ((), refs)
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         cta, used = lax.axis_index("sm"), counts_ref[0]
+        if returned is not None:  # the rows go to their owners (`grouped_return`)
+            epilogue = returned.epilogue(peers, *plan, out_ref, sms)
         deal = Deal.traced(used * n_iters, sms, halving=halves)
         tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # the tail's units
 
@@ -317,14 +324,10 @@ def grouped_matmul(
                 lo = jnp.maximum(skip, first)
                 count = jnp.maximum(jnp.minimum(skip + rows_ref[p], first + rows) - lo, 0)
                 row0, at = start_ref[p] + first, lo - first
-                for size in ladder(rows):
-
-                    @pl.when(count & size != 0)
-                    def _part(at=at, size=size):
-                        dest = out_ref.at[pl.ds(row0 + at, size), cols]
-                        plgpu.copy_smem_to_gmem(out_smem.at[c, pl.ds(at, size)], dest)
-
-                    at = at + (count & size)
+                if returned is None:
+                    ladder_store(out_smem.at[c], out_ref, row0 + at, count, cols, rows, at=at)
+                else:
+                    epilogue.store(out_smem.at[c], group_ref[p], row0 + at, at, count, cols, rows)
 
             def gemm_tile(c, i):
                 p, cols, half = where(i)
@@ -352,15 +355,26 @@ def grouped_matmul(
 
                 pl.run_scoped(tile_scope, plgpu.ACC((rows, tn), jnp.float32))
 
+            def zeros():
+                return plgpu.layout_cast(jnp.zeros((tm, tn), out_dtype), plgpu.Layout.WGMMA)
+
             def zero_tile(c, j):  # rows past the groups' sum
                 z = cta + j * sms
-                tile = plgpu.layout_cast(jnp.zeros((tm, tn), out_dtype), plgpu.Layout.WGMMA)
-                store(c, tile, used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
+                store(c, zeros(), used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
 
             def compute(c):
+                if returned is not None:
+                    epilogue.enter(cta, c)
                 pl.loop(c, deal.count(cta), step=2)(functools.partial(gemm_tile, c))
-                pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if returned is None:
+                    pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    return
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last stores read
+                out_smem.at[c][...] = zeros()
+                plgpu.commit_smem()
+                epilogue.zero(cta, c, out_smem.at[c], tn, n_iters)
+                epilogue.leave(cta, c)
 
             by_warpgroup(load, compute)
 
@@ -375,5 +389,8 @@ def grouped_matmul(
             collective_axes="wg",
         )
 
-    operands = (*row_tiles(sizes, m, tm).arrays(), x, w, *([] if scale is None else [scale]))
-    return launch(body, "grouped_gemm_pingpong", (m, n), out_dtype, *operands)
+    plan = () if returned is None else returned.operands(tm, n_iters)
+    operands = (*row_tiles(sizes, m, tm).arrays(), *plan, x, w, *([] if scale is None else [scale]))
+    if returned is None:
+        return launch(body, "grouped_gemm_pingpong", (m, n), out_dtype, *operands)
+    return launch(body, "grouped_gemm_returned", (returned.out_rows, n), out_dtype, *operands)

@@ -63,6 +63,31 @@ def plan_array(sends, fills, k: int, dtype) -> jax.Array:
                       pad(jnp.concatenate([peer, jnp.full_like(fill_first, -1)]))])  # fmt: skip
 
 
+def item_of(plan_ref, unit, items: int):
+    """In a kernel: the item of `unit` by a plan whose row 0 holds the items' first units
+    (`plan_array`'s): the last item whose first unit is at most `unit` (a binary search over
+    the nondecreasing firsts; empty items share their successor's)."""
+    item, step = jnp.int32(0), 1 << ((items - 1).bit_length() - 1) if items > 1 else 0
+    while step:
+        ahead = jnp.minimum(item + step, items - 1)
+        item = jnp.where((item + step < items) & (plan_ref[0, ahead] <= unit), ahead, item)
+        step >>= 1
+    return item
+
+
+def unit_of(plan_ref, unit, items: int, blocks: int, tile_rows: int, tile_cols: int):
+    """In a kernel: (item, chunk, rows, columns) of `unit` by a plan whose row 0 holds the
+    items' first units and row 2 their rows (`plan_array`'s), each item's units its chunks of
+    tile_rows rows times `blocks` blocks of tile_cols columns: the unit's chunk of its item,
+    the rows of that chunk (the last one's may be fewer) and its columns (a `pl.ds`)."""
+    from jax.experimental import pallas as pl
+
+    item = item_of(plan_ref, unit, items)
+    local = unit - plan_ref[0, item]
+    chunk, cols = local // blocks, pl.ds(lax.rem(local, blocks) * tile_cols, tile_cols)
+    return item, chunk, jnp.minimum(tile_rows, plan_ref[2, item] - chunk * tile_rows), cols
+
+
 def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: str) -> jax.Array:
     """src [R, K] -> [out_rows, K] by `plan` (`plan_array`), on a Hopper GPU inside
     shard_map over `axis_name` (every device of the axis calls it)."""
@@ -99,23 +124,10 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
         pl.semaphore_wait(entered.at[cta], value=size, decrement=True)
         total = plan_ref[0, items]
 
-        def item_of(unit):
-            """The item of a unit: the last whose first unit is at most it (a binary search
-            over the nondecreasing firsts; empty items share their successor's)."""
-            item, step = jnp.int32(0), 1 << ((items - 1).bit_length() - 1) if items > 1 else 0
-            while step:
-                ahead = jnp.minimum(item + step, items - 1)
-                item = jnp.where((item + step < items) & (plan_ref[0, ahead] <= unit), ahead, item)
-                step >>= 1
-            return item
-
         @pl.loop(0, (total - cta + ctas - 1) // ctas)
         def _units(i):
             unit = cta + i * ctas
-            item = item_of(unit)
-            local = unit - plan_ref[0, item]
-            chunk, cols = local // blocks, pl.ds(lax.rem(local, blocks) * tc, tc)
-            rows = jnp.minimum(tm, plan_ref[2, item] - chunk * tm)
+            item, chunk, rows, cols = unit_of(plan_ref, unit, items, blocks, tm, tc)
             first = plan_ref[3, item] + chunk * tm
 
             @pl.when(item < sends)

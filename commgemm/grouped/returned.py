@@ -1,0 +1,149 @@
+"""The expert-parallel block's second GEMM and its return exchange: the experts' results for the
+rows they received, back in their owners' token order, differentiable.
+
+`matmul_returned` is `blocks.whole_block_matmul` then `exchange.ragged_all_to_all` from the
+experts' layout to the tokens'. On Hopper GPUs, where the GEMM runs on the ping-pong kernel
+(16-bit, or float8 with current tensor scaling and fast accumulation) and the exchange on
+NVLink, both run as one kernel (`mosaic_gpu.grouped_return`): each output tile goes from the
+epilogue straight into its owners' results while the next tile multiplies, so the exchange runs
+under the GEMM instead of after it, and the GEMM's own [P*C, N] result is never written. Its
+backward is the unfused one: the exchange's transpose (dY's rows to the experts) and the
+GEMM's gradients."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from commgemm.grouped import exchange
+from commgemm.grouped.blocks import own_dy_block_matmul, reads_cotangent_padding, whole_block_matmul
+from commgemm.grouped.exchange import Layout, destinations, ragged_all_to_all, unwritten
+from commgemm.grouped.local import grouped_matmul
+from commgemm.grouped.scaling import Float8Experts, Rows
+from commgemm.operands import axis_size
+from commgemm.vma import varying_like
+
+
+class _How(NamedTuple):
+    """The fused op's static arguments (`matmul_returned`'s), and float8's: the experts'
+    split flags and dY's format (None: 16-bit)."""
+
+    axis_name: str
+    capacity: int
+    out_rows: int
+    padded: bool
+    fill: bool
+    fill_grad: bool
+    split: tuple[bool, bool] | None
+    grad_dtype: str | None
+
+
+def fused_reason(values, w, rows: Rows | None, experts: Float8Experts | None, recipe,
+                 axis_name: str) -> str | None:  # fmt: skip
+    """Why `matmul_returned` runs the GEMM and the exchange apart here, or None."""
+    from commgemm.mosaic_gpu import grouped as hopper
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    if axis_size(axis_name) == 1:
+        return "one shard: the exchange is a select"
+    (m, k), (groups, _, n) = values.shape, w.shape
+    if (reason := exchange.kernel_reason(values.dtype, n)) is not None:
+        return reason
+    if recipe is None:
+        if (reason := hopper.unsupported_reason(values, w)) is not None:
+            return reason
+        if not isinstance(hopper.pick_tiles(m, k, n, groups, values.dtype), PingPongTiles):
+            return "the ping-pong kernel does not take the shape"
+        return None
+    if reads_cotangent_padding(values, rows, experts, recipe):
+        return "dY goes to an amax over every row (delayed scaling, or no float8 kernel)"
+    kernel = hopper.float8_kernel(m, k, n, groups, rows.payload.dtype, split=experts.split[0])
+    if not isinstance(kernel, PingPongTiles):
+        return "split accumulation runs on the row-aligned kernel"
+    return None
+
+
+def matmul_returned(
+    values: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    recipe,
+    axis_name: str,
+    by_expert: Layout,
+    tokens: Layout,
+    capacity: int,
+    out_rows: int,
+    *,
+    padded: bool = False,
+    fill: bool = True,
+) -> jax.Array:
+    """values [P*C, K] (the rows this shard's experts received, in `by_expert`'s regions,
+    sorted by expert with counts `sizes` [e]), w [e, K, N] -> [out_rows, N]: each owner's rows
+    of `whole_block_matmul(values, w, sizes, rows, experts, recipe, axis_name, padded, fill)`
+    back in `tokens`' regions (`ragged_all_to_all(..., by_expert, tokens, axis_name, capacity,
+    out_rows)`), zeros in the rows no shard returns. Inside shard_map over `axis_name`; one
+    kernel where `fused_reason` is None. `fill=False` (values' rows past the groups are left
+    unwritten upstream, no one reads them): so are the GEMM's gradient's, and dZ's where the
+    GEMM's backward reads the groups' rows of it only (`blocks.reads_cotangent_padding`)."""
+    fill_grad = fill or reads_cotangent_padding(values, rows, experts, recipe)
+    if fused_reason(values, w, rows, experts, recipe, axis_name) is not None:
+        z = whole_block_matmul(values, w, sizes, rows, experts, recipe, axis_name, padded, fill)
+        return ragged_all_to_all(z, by_expert, tokens, axis_name, capacity, out_rows,
+                                 fill_grad=fill_grad)  # fmt: skip
+    f8, split, grad_dtype = None, None, None
+    if recipe is not None:
+        f8 = (experts.nk, experts.kn, experts.scale_inv)
+        split, grad_dtype = experts.split, experts.grad_dtype
+    how = _How(axis_name, capacity, out_rows, padded, fill, fill_grad, split, grad_dtype)
+    return _returned(values, w, sizes, rows, f8, by_expert, tokens, how)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _returned(values, w, sizes, rows, f8, by_expert: Layout, tokens: Layout, how: _How):
+    """The fused kernel; f8: the experts' (nk, kn, scale_inv) for float8 rows, else None."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+    from commgemm.mosaic_gpu.grouped_return import Returned
+
+    segments = jnp.stack([by_expert.bounds[:-1], by_expert.counts,
+                          destinations(by_expert, tokens, how.axis_name)])  # fmt: skip
+    returned = Returned(segments, jnp.stack(unwritten(tokens)), how.out_rows, how.axis_name)
+    sizes = sizes.astype(jnp.int32)
+    if f8 is None:
+        out = grouped_pingpong.grouped_matmul(values, w, sizes, PingPongTiles(), returned=returned)
+    else:
+        nk, _, scale_inv = f8
+        scale = (rows.scale * scale_inv).astype(jnp.float32).reshape(1)
+        out = grouped_pingpong.grouped_matmul(rows.payload, nk, sizes, PingPongTiles(), w_nk=True,
+                                              scale=scale, out_dtype=values.dtype,
+                                              returned=returned)  # fmt: skip
+    return varying_like(out, values, w, segments)  # a Pallas result carries no varying axes
+
+
+def _returned_fwd(values, w, sizes, rows, f8, by_expert, tokens, how):
+    out = _returned(values, w, sizes, rows, f8, by_expert, tokens, how)
+    return out, (values, w, sizes, rows, f8, by_expert, tokens)
+
+
+def _returned_bwd(how: _How, residuals, ct):
+    values, w, sizes, rows, f8, by_expert, tokens = residuals
+    dz = ragged_all_to_all(ct, tokens, by_expert, how.axis_name, how.capacity, values.shape[0],
+                           fill=how.fill_grad)  # fmt: skip
+    if f8 is None:
+        product = functools.partial(grouped_matmul, group_sizes=sizes)
+    else:
+        experts = Float8Experts(*f8, how.split, how.grad_dtype)
+        product = functools.partial(
+            own_dy_block_matmul, sizes=sizes, rows=rows, experts=experts,
+            axis_name=how.axis_name, padded=how.padded, fill=how.fill,
+        )  # fmt: skip
+    dvalues, dw = jax.vjp(product, values, w)[1](dz)
+    return dvalues, dw, None, None, None, None, None
+
+
+_returned.defvjp(_returned_fwd, _returned_bwd)

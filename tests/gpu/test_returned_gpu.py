@@ -1,0 +1,106 @@
+"""The expert-parallel block's second GEMM with its return exchange in one kernel
+(`grouped.returned.matmul_returned`, `mosaic_gpu.grouped_return`) on 2 or more Hopper GPUs: the
+op against a float32 reference (`lax.ragged_dot` then the all-to-all fallback) on fresh random
+layouts (uneven, empty and dropped segments; the dropped rows zeroed over freed NaNs), its
+gradients bit for bit the unfused op's; the MoE block with it against the block with the GEMM
+and the exchange apart, bf16 and FP8, with and without a capacity, check_vma on and off."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import garbage_freed, moe_block_step, returned_layouts
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import commgemm.grouped.exchange as ex
+from commgemm.grouped import returned
+from commgemm.grouped.local import grouped_matmul
+from commgemm.mosaic_gpu import grouped_return
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize(
+    "groups, most, k, n, drop",
+    [(4, 700, 512, 256, True), (16, 1500, 1408, 2048, False), (3, 40, 256, 128, True)],
+    ids=["4", "16-wide", "tiny"],
+)
+def test_op_against_reference(two_gpus, monkeypatch, groups, most, k, n, drop, check_vma):
+    """Each owner's rows of the experts' product (float32 reference: `lax.ragged_dot`, then
+    the fallback exchange), rows no one returns exactly zero over freed NaNs, twice; the
+    gradients bit for bit those of the GEMM and the exchange apart."""
+    size, rng = jax.device_count(), np.random.default_rng()
+    counts, layouts, out_rows = returned_layouts(rng, size, groups, most, drop)
+    x = jnp.asarray(rng.standard_normal((size * size * most, k))).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((size * groups, k, n)) / k**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray(counts.sum(axis=0), jnp.int32)  # [dst, group]
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def body(fn, a, b, g, eb, ec, tb, tc):
+        by_expert, tokens = ex.Layout(eb[0], ec[0], by_group=True), ex.Layout(tb[0], tc[0])
+        return fn(a, b, g[0], by_expert, tokens)
+
+    def fused(a, b, g, by_expert, tokens):
+        return returned.matmul_returned(a, b, g, None, None, None, "x", by_expert, tokens,
+                                        size * most, out_rows)  # fmt: skip
+
+    def reference(a, b, g, by_expert, tokens):
+        z = lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32)
+        return ex._blocks(z, by_expert, tokens, "x", size * most, out_rows)
+
+    def unfused(a, b, g, by_expert, tokens):
+        z = grouped_matmul(a, b, g)  # the kernel the fused op's backward runs
+        return ex.ragged_all_to_all(z, by_expert, tokens, "x", size * most, out_rows)
+
+    def jitted(fn):
+        return jax.jit(jax.shard_map(functools.partial(body, fn), mesh=mesh,
+                                     in_specs=(P("x"),) * 7, out_specs=P("x"),
+                                     check_vma=check_vma))  # fmt: skip
+
+    run = {fn.__name__: jitted(fn) for fn in (fused, reference, unfused)}
+    args = (x, w, sizes, *layouts)
+    want = np.asarray(run["reference"](*args))
+    traced = _spy(monkeypatch)
+    for _ in range(2):
+        garbage_freed(1 << 28)
+        got = np.asarray(run["fused"](*args).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+        np.testing.assert_array_equal(got[want == 0], 0)  # the dropped rows: zeros
+    assert traced  # the fused kernel ran
+    ct = jnp.asarray(rng.standard_normal(want.shape)).astype(jnp.bfloat16)
+    grads = [jax.vjp(lambda a, b, f=run[f]: f(a, b, *args[2:]), x, w)[1](ct)
+             for f in ("fused", "unfused")]  # fmt: skip
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))  # fmt: skip
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["all", "capped"])
+@pytest.mark.parametrize("scaling", [None, "current_tensor_scaling"], ids=["bf16", "fp8"])
+def test_moe_block_returned_from_its_gemm(two_gpus, monkeypatch, scaling, capacity_factor):
+    """The MoE block (AUTO, all GPUs) with its second GEMM returning the rows itself against
+    the same block with the GEMM and the exchange apart (`fused_reason` turned off): the fused
+    kernel traced, equal losses and gradients bit for bit, finite over freed NaNs."""
+    step, (x, w1, w2) = moe_block_step("gelu", scaling, capacity_factor=capacity_factor)
+    traced = _spy(monkeypatch)
+    garbage_freed(1 << 30)
+    got = step(x, w1, w2)
+    assert traced
+    monkeypatch.setattr(returned, "fused_reason", lambda *a: "turned off")
+    want = step(x, w1, w2)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for a, b in zip(got[1], want[1], strict=True):
+        a, b = (np.asarray(v.astype(jnp.float32)) for v in (a, b))
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
+
+
+def _spy(monkeypatch) -> list:
+    """A list that gets an item each time the fused kernel is traced."""
+    traced, init = [], grouped_return.Epilogue.__init__
+    monkeypatch.setattr(grouped_return.Epilogue, "__init__",
+                        lambda self, *a: traced.append(1) or init(self, *a))  # fmt: skip
+    return traced

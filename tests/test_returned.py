@@ -1,0 +1,145 @@
+"""The expert-parallel block's second GEMM with its return exchange (`grouped.returned`) off a
+GPU and as lowered for one: the fused kernel's plan (`grouped_return.Returned`: each segment's
+rows, where they land, the rows no one writes) carried out row by row in numpy equals the
+exchange of the GEMM's rows, and covers every result row once; the op off a GPU (GEMM, then the
+exchange) equals a float64 reference with its gradient; the MoE step lowered for CUDA as on a
+Hopper GPU runs the GEMM and the exchange as one kernel, under check_vma on and off. The
+kernel's results on GPUs: tests/gpu/test_returned_gpu.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import P, mesh1d, returned_layouts
+from test_kernels_lower import JaxOnAnH100
+
+import commgemm as cg
+from commgemm.grouped import exchange as ex
+from commgemm.grouped import returned
+from commgemm.mosaic_gpu import tiles as mosaic_tiles
+
+
+def _plans(size: int, layouts):
+    """Per device: (segments [3, R], fills [2, R]) as `returned._returned` builds them."""
+
+    def body(eb, ec, tb, tc):
+        by_expert, tokens = ex.Layout(eb[0], ec[0], by_group=True), ex.Layout(tb[0], tc[0])
+        segments = jnp.stack([by_expert.bounds[:-1], by_expert.counts,
+                              ex.destinations(by_expert, tokens, "x")])  # fmt: skip
+        return segments[None], jnp.stack(ex.unwritten(tokens))[None]
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"),) * 4, out_specs=P("x"))
+    return [np.asarray(a) for a in jax.jit(f)(*layouts)]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize(
+    "size, groups, most, drop",
+    [(2, 4, 60, True), (4, 3, 25, True), (2, 1, 9, False), (8, 2, 10, True)],
+)
+def test_plan_moves_the_rows_the_exchange_moves(size, groups, most, drop, check_vma):
+    """Segment g * P + s of device d's rows lands at its `destinations` row on device s and
+    the fills are the rest: every result row written exactly once, the same result as the
+    exchange (`ragged_all_to_all`, off a GPU its fallback) of those rows; and the op off a GPU
+    (`matmul_returned`) is the float64 product so returned, its gradient too."""
+    rng = np.random.default_rng()
+    counts, layouts, out_rows = returned_layouts(rng, size, groups, most, drop)
+    segments, fills = _plans(size, layouts)
+    k, n, rows = 16, 8, size * most
+    x = rng.standard_normal((size, rows, k))
+    w = rng.standard_normal((size, groups, k, n))
+    sizes = counts.sum(axis=0)  # [dst, group]
+    z = np.zeros((size, rows, n))  # each device's GEMM rows, float64
+    for d in range(size):
+        at = np.concatenate([[0], np.cumsum(sizes[d])])
+        for g in range(groups):
+            z[d, at[g] : at[g + 1]] = x[d, at[g] : at[g + 1]] @ w[d, g]
+    out, written = np.zeros((size, out_rows, n)), np.zeros((size, out_rows), int)
+    for d in range(size):
+        for r in range(size * groups):
+            first, count, dest = segments[d, :, r]
+            s = r % size
+            out[s, dest : dest + count] = z[d, first : first + count]
+            written[s, dest : dest + count] += 1
+    for s in range(size):
+        for first, count in fills[s].T:
+            written[s, first : first + count] += 1
+    np.testing.assert_array_equal(written, 1)
+
+    def op(a, b, g, eb, ec, tb, tc):
+        by_expert, tokens = ex.Layout(eb[0], ec[0], by_group=True), ex.Layout(tb[0], tc[0])
+        return returned.matmul_returned(a, b, g[0], None, None, None, "x", by_expert, tokens,
+                                        rows, out_rows)  # fmt: skip
+
+    f = jax.shard_map(op, mesh=mesh1d(size), in_specs=(P("x"),) * 7, out_specs=P("x"),
+                      check_vma=check_vma)  # fmt: skip
+    flat = lambda a: jnp.asarray(a.reshape(-1, *a.shape[2:]), jnp.float32)  # noqa: E731
+    args = (flat(x), flat(w), jnp.asarray(sizes, jnp.int32), *layouts)
+    got, pullback = jax.vjp(lambda a, b: jax.jit(f)(a, b, *args[2:]), *args[:2])
+    np.testing.assert_allclose(np.asarray(got), out.reshape(-1, n), rtol=1e-5, atol=1e-5)
+    ct = rng.standard_normal(out.shape)
+    dx = np.zeros_like(x)  # the transpose: each segment's rows of ct back, times w[g]^T
+    for d in range(size):
+        at = np.concatenate([[0], np.cumsum(sizes[d])])
+        for r in range(size * groups):
+            first, count, dest = segments[d, :, r]
+            g = r // size
+            dx[d, first : first + count] = ct[r % size, dest : dest + count] @ w[d, g].T
+    got_dx = pullback(jnp.asarray(ct.reshape(-1, n), jnp.float32))[0]
+    np.testing.assert_allclose(np.asarray(got_dx), dx.reshape(-1, k), rtol=1e-4, atol=1e-4)
+
+
+def _step_calls(size: int, fp8: bool, check_vma: bool) -> int:
+    """The Mosaic GPU calls of the MoE block's training step (`expert_mlp`, NONE, named GELU)
+    lowered for CUDA as on a Hopper GPU."""
+    from commgemm.grouped.expert_parallel import expert_mlp
+
+    m, k, f, n, e = 512 // size, 256, 256, 256, 2
+    grad = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"  # mixed: 0.11
+    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad) if fp8 else None
+    cfg = cg.OverlapConfig(method="none")
+
+    def body(x, w1, w2, g):
+        return expert_mlp(x, w1, w2, g[0], "x", activation="gelu", config=cfg,
+                          scaling=recipe)[0]  # fmt: skip
+
+    fn = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"),) * 4, out_specs=P("x"),
+                       check_vma=check_vma)  # fmt: skip
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)  # noqa: E731
+    sds = jax.ShapeDtypeStruct
+    args = (sds((size * m, k), jnp.bfloat16), sds((size * e, k, f), jnp.bfloat16),
+            sds((size * e, f, n), jnp.bfloat16), sds((size, size * e), jnp.int32))  # fmt: skip
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    return text.as_text().count("custom_call @mosaic_gpu")
+
+
+@pytest.mark.parametrize("size, fp8, check_vma", [(2, False, True), (4, True, False)])
+def test_step_returns_from_the_gemm(size, fp8, check_vma, monkeypatch):
+    """As on a Hopper GPU the step's second GEMM and return exchange lower as one Mosaic GPU
+    kernel: one call fewer than with them apart (`fused_reason` turned off)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
+    reasons = []
+    fused_reason = returned.fused_reason
+    monkeypatch.setattr(returned, "fused_reason",
+                        lambda *a: reasons.append(fused_reason(*a)) or reasons[-1])  # fmt: skip
+    fused = _step_calls(size, fp8, check_vma)
+    assert reasons == [None]
+    monkeypatch.setattr(returned, "fused_reason", lambda *a: "turned off")
+    assert _step_calls(size, fp8, check_vma) == fused + 1
+
+
+def test_fused_only_where_the_kernels_run():
+    """Off a GPU (and on one shard) the GEMM and the exchange stay apart, with the reason."""
+    x, w, reasons = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((2, 256, 256)), []
+
+    def body():
+        reasons.append(returned.fused_reason(x, w.astype(x.dtype), None, None, None, "x"))
+        return jnp.zeros(())
+
+    for size in (1, 2):
+        jax.eval_shape(jax.shard_map(body, mesh=mesh1d(size), in_specs=(), out_specs=P()))
+    assert "one shard" in reasons[0] and "GPUs" in reasons[1], reasons
