@@ -22,6 +22,8 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
   ragged-a2a: xla's block with commgemm's grouped GEMM (`cg.grouped_matmul`) in place of the
               ragged dots: XLA's ragged exchange against commgemm's (`grouped.exchange`), the
               GEMMs alike (bf16 only)
+With --input-grad every step also takes the gradient of the block's input (as a block inside a
+model does: dX of the first GEMM and the dispatch's transpose), returned beside the loss.
 With --microbatches N every variant's step accumulates gradients over N micro-batches of the
 tokens (`accumulated`: a `lax.scan` of forward and backward, float32 sums, one AdamW update).
 Before timing, every variant's first loss is checked against xla's (rtol 5e-2 bf16, 1e-1 FP8);
@@ -29,7 +31,7 @@ a variant that fails to compile or run is reported with its error and left out o
 A step under 90% busy is host-bound: no ratio is given from it.
 
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR [--sizes mixtral,fine] \
-        [--dtypes bf16,fp8] [--microbatches 4]
+        [--dtypes bf16,fp8] [--microbatches 4] [--input-grad]
     PYTHONPATH=. python benchmarks/moe_step.py --out DIR --quick     # tiny shapes, any backend
     PYTHONPATH=. python -m commgemm launch -n 4 --gpus-per-process 1 -- \
         python benchmarks/moe_step.py --out DIR
@@ -207,11 +209,15 @@ def accumulated(loss_fn):
     return run
 
 
-def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1) -> dict:
+def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1,
+             input_grad: bool = False) -> dict:  # fmt: skip
     """{name: (step fn, args)}: jit(loss, grad, AdamW) of each variant's block, its gradients
-    accumulated over `microbatches` batches of the tokens where more than one (`accumulated`)."""
+    accumulated over `microbatches` batches of the tokens where more than one (`accumulated`);
+    with `input_grad` (one batch) the step also returns the gradient of the block's input."""
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be 1 or more")
+    if input_grad and microbatches > 1:
+        raise ValueError("input_grad takes one batch a step, not micro-batches")
     opt = optax.adamw(1e-4)
     rng = np.random.default_rng(1)
     batches = (microbatches,) if microbatches > 1 else ()
@@ -255,9 +261,14 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
                 return jnp.mean(jnp.square(forward(q, b).astype(jnp.float32)))
 
             q, pullback = jax.vjp(quantized, p)  # the experts quantized once a step (+qw)
-            loss, grads = (accumulated if batches else jax.value_and_grad)(one)(q, a)
+            if input_grad:
+                loss, (grads, dx) = jax.value_and_grad(one, (0, 1))(q, a)
+            else:
+                loss, grads = (accumulated if batches else jax.value_and_grad)(one)(q, a)
             (grads,) = pullback(grads)
             updates, opt_state = opt.update(grads, opt_state, p)
+            if input_grad:
+                return optax.apply_updates(p, updates), opt_state, loss, dx
             return optax.apply_updates(p, updates), opt_state, loss
 
         out[name + QW * once] = (jax.jit(step), (params, opt.init(params), x))
@@ -282,18 +293,20 @@ def run(
     reference: dict,
     profile: bool = False,
     microbatches: int = 1,
+    input_grad: bool = False,
 ) -> dict:
     """One row: first losses checked against xla's bf16 loss (`reference`, per size), then
     device time per step where the backend is a GPU."""
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     scaling = FP8 if dtype_name == "fp8" else None
-    found = variants(size, mesh, jnp.bfloat16, scaling, names, microbatches)
+    found = variants(size, mesh, jnp.bfloat16, scaling, names, microbatches, input_grad)
     row = {
         "size": size_name,
         "dtype": dtype_name,
         "devices": mesh.devices.size,
         "shape": dataclasses.asdict(size),
         "microbatches": microbatches,
+        "input_grad": input_grad,
         "loss": {},
         "ms": {},
         "busy": {},
@@ -332,7 +345,7 @@ def ratios(row: dict) -> dict:
 
 def main() -> None:
     args = arguments(__doc__, "mixtral,fine", "auto,none,auto@1.25,xla,ragged-a2a",
-                     microbatches=True)  # fmt: skip
+                     microbatches=True, input_grad=True)  # fmt: skip
     writer = jax.process_index() == 0
     if writer:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -349,7 +362,7 @@ def main() -> None:
         size = QUICK if args.quick else SIZES[size_name]
         for dtype_name in args.dtypes.split(","):
             row = run(size_name, size, dtype_name, args.variants.split(","), args.calls,
-                      reference, args.profile, args.microbatches)  # fmt: skip
+                      reference, args.profile, args.microbatches, args.input_grad)  # fmt: skip
             row["ratios"] = ratios(row)
             result["rows"].append(row)
             if not writer:

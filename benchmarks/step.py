@@ -372,10 +372,10 @@ def ratios(row: dict) -> dict:
 
 
 def arguments(
-    doc: str, sizes: str, variants: str, microbatches: bool = False
+    doc: str, sizes: str, variants: str, microbatches: bool = False, input_grad: bool = False
 ) -> argparse.Namespace:
-    """The step benchmarks' command line (this script's and moe_step.py's; `microbatches`:
-    with --microbatches, moe_step.py's)."""
+    """The step benchmarks' command line (this script's and moe_step.py's; `microbatches`,
+    `input_grad`: with --microbatches and --input-grad, moe_step.py's)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--sizes", default=sizes)
@@ -388,6 +388,9 @@ def arguments(
     if microbatches:
         parser.add_argument("--microbatches", type=int, default=1,
                             help="micro-batches a step (a scan, one update)")  # fmt: skip
+    if input_grad:
+        parser.add_argument("--input-grad", action="store_true",
+                            help="the step takes the block input's gradient too")  # fmt: skip
     return parser.parse_args()
 
 

@@ -222,3 +222,27 @@ def test_ragged_variants_left_out_across_gpu_processes(processes, backend):
         if dropped
         else {}
     )
+
+
+def test_input_grad_step():
+    """With input_grad the step also returns the block input's gradient: the same loss and
+    updated parameters as without, and dX matching a central difference of the loss along a
+    random direction (float32; a fixed one, as the benchmark's data is: a longer step can
+    change a token's experts); refused with micro-batches."""
+    bench = _bench()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    ((f, args),) = bench.variants(bench.QUICK, mesh, jnp.float32, None, ["auto"]).values()
+    ((g, _),) = bench.variants(bench.QUICK, mesh, jnp.float32, None, ["auto"], 1, True).values()
+    p1, _, l1 = jax.jit(f)(*args)
+    p2, _, l2, dx = jax.jit(g)(*args)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for key in p1:
+        np.testing.assert_allclose(p1[key], p2[key], rtol=1e-6, atol=1e-8)
+    params, state, x = args
+    v = jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), jnp.float32)
+    eps = 1e-3
+    loss = lambda a: float(jax.jit(f)(params, state, a)[2])  # noqa: E731
+    slope = (loss(x + eps * v) - loss(x - eps * v)) / (2 * eps)
+    np.testing.assert_allclose(float(jnp.vdot(dx, v)), slope, rtol=1e-2)
+    with pytest.raises(ValueError, match="input_grad takes one batch"):
+        bench.variants(bench.QUICK, mesh, jnp.float32, None, ["auto"], 2, True)

@@ -37,14 +37,12 @@ from commgemm.grouped.blocks import (
     block_matmul,
     merged_order,
     permuted,
-    reads_cotangent_padding,
     regrouped,
     row_block,
-    whole_block_matmul,
 )
 from commgemm.grouped.exchange import Layout, ragged_all_to_all
 from commgemm.grouped.local import check_grouped, sizes_in_rows
-from commgemm.grouped.returned import matmul_returned
+from commgemm.grouped.returned import matmul_dispatched, matmul_returned, to_experts
 from commgemm.grouped.scaling import (
     Float8Experts,
     Rows,
@@ -183,7 +181,7 @@ def _dispatch_grouped(
     method = _method(config, "all_to_all_grouped_matmul", size)
     if method is not Method.RING_EXCHANGE:  # the tokens arrive by expert: one GEMM
         tokens, by_expert, sizes = _expert_layouts(x, w, group_sizes, axis_name, capacity)
-        flat, flat_rows = carry(_to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
+        flat, flat_rows = carry(to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
         out = block_matmul(flat, w, sizes.sum(axis=0), flat_rows, experts)
         dest, source, _ = merged_order(sizes, capacity)  # by expert -> by source: a gather
         return permuted(out, dest, source).reshape(size, capacity, -1), sizes
@@ -368,12 +366,10 @@ def expert_mlp(
     # where every reader of the received buffers takes their live rows only, the exchange and
     # the live-row kernels leave the padding unwritten (h, returned for its amax, keeps zeros)
     unread = size > 1 and all(padding_reason(size * capacity, x.dtype, w) is None for w in (w1, w2))
-    flat, flat_rows = carry(_to_experts(axis_name, capacity, fill=not unread), x, rows, None,
-                            tokens, by_expert, live=skip, fill=not unread)  # fmt: skip
-    y = whole_block_matmul(flat, w1, sizes, flat_rows, experts, recipe, axis_name,
-                           padded=size > 1, fill=not unread)  # fmt: skip
+    y, dy1_read = matmul_dispatched(x, w1, sizes, rows, experts, recipe, axis_name, tokens,
+                                    by_expert, capacity, live=skip, fill=not unread)  # fmt: skip
     named = not callable(activation)  # zeros past the live rows (GELU(0) = 0)
-    dy1_unread = unread and not reads_cotangent_padding(flat, flat_rows, experts, recipe)
+    dy1_unread = unread and not dy1_read
     h = activation_rows(y, live, activation, fill_grad=not dy1_unread) if named else activation(y)
     check_grouped(h, w2, sizes)
     h2, w2, recipe, rows, experts = quantized_operands(h, w2, down, axis_name,
@@ -410,10 +406,3 @@ def _layouts(sent, arrived, cut, m: int, capacity: int) -> tuple[Layout, Layout]
     counts = arrived.T.reshape(-1).astype(jnp.int32)  # (expert j, source s) at j * P + s
     ends = jnp.cumsum(counts, dtype=jnp.int32)
     return tokens, Layout(_bounds(ends - counts, size * capacity), counts, by_group=True)
-
-
-def _to_experts(axis_name: str, capacity: int, fill: bool = True):
-    """The exchange of a shard's tokens (x or its quantized payload) into its experts' rows
-    [P*C, .], by `_layouts`' pair (`fill=False`: their padding left unwritten)."""
-    return functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
-                             out_rows=axis_size(axis_name) * capacity, fill=fill)  # fmt: skip

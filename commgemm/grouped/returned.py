@@ -1,14 +1,18 @@
-"""The expert-parallel block's second GEMM and its return exchange: the experts' results for the
-rows they received, back in their owners' token order, differentiable.
+"""The expert-parallel block's grouped GEMMs with the exchanges that bring rows back to their
+owners inside them, differentiable.
 
-`matmul_returned` is `blocks.whole_block_matmul` then `exchange.ragged_all_to_all` from the
-experts' layout to the tokens'. On Hopper GPUs, where the GEMM runs on the ping-pong kernel
-(16-bit, or float8 with current tensor scaling and fast accumulation) and the exchange on
-NVLink, both run as one kernel (`mosaic_gpu.grouped_return`): each output tile goes from the
-epilogue straight into its owners' results while the next tile multiplies, so the exchange runs
-under the GEMM instead of after it, and the GEMM's own [P*C, N] result is never written. Its
-backward is the unfused one: the exchange's transpose (dY's rows to the experts) and the
-GEMM's gradients."""
+`matmul_returned` (the second GEMM) is `blocks.whole_block_matmul` then
+`exchange.ragged_all_to_all` from the experts' layout to the tokens'. On Hopper GPUs, where the
+GEMM runs on the ping-pong kernel (16-bit, or float8 with current tensor scaling and fast
+accumulation) and the exchange on NVLink, both run as one kernel (`mosaic_gpu.grouped_return`):
+each output tile goes from the epilogue straight into its owners' results while the next tile
+multiplies, so the exchange runs under the GEMM instead of after it, and the GEMM's own
+[P*C, N] result is never written. Its backward is the unfused one: the exchange's transpose
+(dY's rows to the experts) and the GEMM's gradients.
+
+`matmul_dispatched` (the first GEMM) is the dispatch (`to_experts`) then the GEMM; in 16 bits,
+where the same kernel takes dX's product, its backward runs dX that way: dX's rows go back to
+the tokens' owners from its epilogue, the dispatch's transpose inside dX's GEMM."""
 
 from __future__ import annotations
 
@@ -22,14 +26,15 @@ from commgemm.grouped import exchange
 from commgemm.grouped.blocks import own_dy_block_matmul, reads_cotangent_padding, whole_block_matmul
 from commgemm.grouped.exchange import Layout, destinations, ragged_all_to_all, unwritten
 from commgemm.grouped.local import grouped_matmul
-from commgemm.grouped.scaling import Float8Experts, Rows
+from commgemm.grouped.scaling import Float8Experts, Rows, carry
 from commgemm.operands import axis_size
 from commgemm.vma import varying_like
 
 
 class _How(NamedTuple):
-    """The fused op's static arguments (`matmul_returned`'s), and float8's: the experts'
-    split flags and dY's format (None: 16-bit)."""
+    """The fused ops' static arguments (`matmul_returned`'s; for `_dispatched` out_rows are
+    x's rows and fill the dispatch's), and float8's: the experts' split flags and dY's format
+    (None: 16-bit)."""
 
     axis_name: str
     capacity: int
@@ -41,9 +46,18 @@ class _How(NamedTuple):
     grad_dtype: str | None
 
 
+def to_experts(axis_name: str, capacity: int, fill: bool = True):
+    """The exchange of a shard's tokens (x or its quantized payload) into its experts' rows
+    [P*C, .], by `expert_parallel._layouts`' pair (`fill=False`: their padding left
+    unwritten)."""
+    return functools.partial(ragged_all_to_all, axis_name=axis_name, most=capacity,
+                             out_rows=axis_size(axis_name) * capacity, fill=fill)  # fmt: skip
+
+
 def fused_reason(values, w, rows: Rows | None, experts: Float8Experts | None, recipe,
                  axis_name: str) -> str | None:  # fmt: skip
-    """Why `matmul_returned` runs the GEMM and the exchange apart here, or None."""
+    """Why `matmul_returned` runs the GEMM values [M, K] @ w [e, K, N] and the exchange apart
+    here, or None (`values` and `w` may be shapes: jax.ShapeDtypeStruct)."""
     from commgemm.mosaic_gpu import grouped as hopper
     from commgemm.mosaic_gpu.configs import PingPongTiles
 
@@ -108,11 +122,8 @@ def _returned(values, w, sizes, rows, f8, by_expert: Layout, tokens: Layout, how
     """The fused kernel; f8: the experts' (nk, kn, scale_inv) for float8 rows, else None."""
     from commgemm.mosaic_gpu import grouped_pingpong
     from commgemm.mosaic_gpu.configs import PingPongTiles
-    from commgemm.mosaic_gpu.grouped_return import Returned
 
-    segments = jnp.stack([by_expert.bounds[:-1], by_expert.counts,
-                          destinations(by_expert, tokens, how.axis_name)])  # fmt: skip
-    returned = Returned(segments, jnp.stack(unwritten(tokens)), how.out_rows, how.axis_name)
+    returned = _returned_to(by_expert, tokens, how.axis_name, how.out_rows)
     sizes = sizes.astype(jnp.int32)
     if f8 is None:
         out = grouped_pingpong.grouped_matmul(values, w, sizes, PingPongTiles(), returned=returned)
@@ -122,7 +133,16 @@ def _returned(values, w, sizes, rows, f8, by_expert: Layout, tokens: Layout, how
         out = grouped_pingpong.grouped_matmul(rows.payload, nk, sizes, PingPongTiles(), w_nk=True,
                                               scale=scale, out_dtype=values.dtype,
                                               returned=returned)  # fmt: skip
-    return varying_like(out, values, w, segments)  # a Pallas result carries no varying axes
+    return varying_like(out, values, w, returned.segments)  # a Pallas result: no varying axes
+
+
+def _returned_to(by_expert: Layout, tokens: Layout, axis_name: str, out_rows: int):
+    """The fused kernel's `Returned`: by_expert's regions back into `tokens`' on their owners."""
+    from commgemm.mosaic_gpu.grouped_return import Returned
+
+    segments = jnp.stack([by_expert.bounds[:-1], by_expert.counts,
+                          destinations(by_expert, tokens, axis_name)])  # fmt: skip
+    return Returned(segments, jnp.stack(unwritten(tokens)), out_rows, axis_name)
 
 
 def _returned_fwd(values, w, sizes, rows, f8, by_expert, tokens, how):
@@ -147,3 +167,65 @@ def _returned_bwd(how: _How, residuals, ct):
 
 
 _returned.defvjp(_returned_fwd, _returned_bwd)
+
+
+def matmul_dispatched(
+    x: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    rows: Rows | None,
+    experts: Float8Experts | None,
+    recipe,
+    axis_name: str,
+    tokens: Layout,
+    by_expert: Layout,
+    capacity: int,
+    *,
+    live: jax.Array | None = None,
+    fill: bool = True,
+) -> tuple[jax.Array, bool]:
+    """x [m, K] (this shard's tokens in `tokens`' regions; `rows` their quantized form or
+    None) to its experts' rows [P*C, K] (`to_experts(axis_name, capacity, fill)`, carried as
+    `scaling.carry` carries them, `live` the rows that hold tokens there) times w [e, K, F]
+    (`whole_block_matmul` with `sizes` [e], padded on several shards) -> (y [P*C, F], whether
+    y's gradient is read past the groups: `blocks.reads_cotangent_padding`). 16-bit, where
+    `fused_reason` takes dX's product: its backward's dX returns its rows to their owners from
+    the GEMM's epilogue (the dispatch's transpose)."""
+    size = axis_size(axis_name)
+    k, f = w.shape[1:]
+    shape = jax.ShapeDtypeStruct
+    dx = (shape((size * capacity, f), x.dtype), shape((w.shape[0], f, k), x.dtype))
+    if recipe is None and fused_reason(*dx, None, None, None, axis_name) is None:
+        how = _How(axis_name, capacity, x.shape[0], size > 1, fill, True, None, None)
+        return _dispatched(x, w, sizes, tokens, by_expert, how), False
+    flat, flat_rows = carry(to_experts(axis_name, capacity, fill), x, rows, None, tokens,
+                            by_expert, live=live, fill=fill)  # fmt: skip
+    y = whole_block_matmul(flat, w, sizes, flat_rows, experts, recipe, axis_name, size > 1, fill)
+    return y, reads_cotangent_padding(flat, flat_rows, experts, recipe)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _dispatched(x, w, sizes, tokens: Layout, by_expert: Layout, how: _How):
+    """The dispatch and the 16-bit GEMM (how.out_rows: x's rows)."""
+    return _dispatched_fwd(x, w, sizes, tokens, by_expert, how)[0]
+
+
+def _dispatched_fwd(x, w, sizes, tokens, by_expert, how: _How):
+    flat = to_experts(how.axis_name, how.capacity, how.fill)(x, tokens, by_expert)
+    return grouped_matmul(flat, w, sizes), (flat, w, sizes, tokens, by_expert)
+
+
+def _dispatched_bwd(how: _How, residuals, dy):
+    from commgemm.mosaic_gpu import grouped_pingpong
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    flat, w, sizes, tokens, by_expert = residuals
+    returned = _returned_to(by_expert, tokens, how.axis_name, how.out_rows)
+    dx = grouped_pingpong.grouped_matmul(dy.astype(flat.dtype), w, sizes.astype(jnp.int32),
+                                         PingPongTiles(), w_nk=True, returned=returned)  # fmt: skip
+    dx = varying_like(dx, dy, w, returned.segments)  # a Pallas result carries no varying axes
+    dw = jax.vjp(lambda b: grouped_matmul(flat, b, sizes), w)[1](dy)[0]
+    return dx, dw, None, None, None
+
+
+_dispatched.defvjp(_dispatched_fwd, _dispatched_bwd)

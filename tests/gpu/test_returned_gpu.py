@@ -2,8 +2,10 @@
 (`grouped.returned.matmul_returned`, `mosaic_gpu.grouped_return`) on 2 or more Hopper GPUs: the
 op against a float32 reference (`lax.ragged_dot` then the all-to-all fallback) on fresh random
 layouts (uneven, empty and dropped segments; the dropped rows zeroed over freed NaNs), its
-gradients bit for bit the unfused op's; the MoE block with it against the block with the GEMM
-and the exchange apart, bf16 and FP8, with and without a capacity, check_vma on and off."""
+gradients bit for bit the unfused op's; the first GEMM's dX returned the same way
+(`matmul_dispatched`) against dX then the exchange; the MoE block with both against the block
+with the GEMMs and the exchanges apart, bf16 and FP8, with and without a capacity, check_vma on
+and off."""
 
 import functools
 
@@ -76,6 +78,46 @@ def test_op_against_reference(two_gpus, monkeypatch, groups, most, k, n, drop, c
     for a, b in zip(*grads, strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                       np.asarray(b.astype(jnp.float32)))  # fmt: skip
+
+
+@pytest.mark.parametrize("groups, most, k, f", [(4, 700, 512, 256), (3, 40, 256, 128)],
+                         ids=["4", "tiny"])  # fmt: skip
+def test_dispatched_dx_returned(two_gpus, monkeypatch, groups, most, k, f):
+    """The dispatch and the first GEMM (16-bit) with dX's rows returned from its epilogue:
+    result and gradients bit for bit those of dX then the dispatch's transpose, the gradient's
+    rows of tokens no expert took exactly zero over freed NaNs."""
+    size, rng = jax.device_count(), np.random.default_rng()
+    counts, layouts, rows = returned_layouts(rng, size, groups, most, True)
+    x = jnp.asarray(rng.standard_normal((size * rows, k))).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((size * groups, k, f)) / k**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray(counts.sum(axis=0), jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def body(a, b, g, eb, ec, tb, tc):
+        by_expert, tokens = ex.Layout(eb[0], ec[0], by_group=True), ex.Layout(tb[0], tc[0])
+        return returned.matmul_dispatched(a, b, g[0], None, None, None, "x", tokens, by_expert,
+                                          most)[0]  # fmt: skip
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x")))
+    args, traced = (sizes, *layouts), _spy(monkeypatch)
+    ct = jnp.asarray(rng.standard_normal((size * size * most, f))).astype(jnp.bfloat16)
+
+    def run():
+        garbage_freed(1 << 28)
+        y, pullback = jax.vjp(lambda a, b: fn(a, b, *args), x, w)
+        return [np.asarray(v.astype(jnp.float32)) for v in (y, *pullback(ct))]
+
+    got = run()
+    assert traced
+    monkeypatch.setattr(returned, "fused_reason", lambda *a: "turned off")
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    live = np.zeros((size, rows), bool)
+    for d in range(size):
+        for first, count in zip(layouts[2][d, :-1], layouts[3][d], strict=True):
+            live[d, first : first + count] = True
+    np.testing.assert_array_equal(got[1][~live.reshape(-1)], 0)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["all", "capped"])
