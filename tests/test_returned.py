@@ -133,8 +133,9 @@ def test_step_returns_from_the_gemm(size, fp8, check_vma, monkeypatch):
     assert _step_calls(size, fp8, check_vma) == fused + len(reasons)
 
 
-def test_fused_only_where_the_kernels_run():
-    """Off a GPU (and on one shard) the GEMM and the exchange stay apart, with the reason."""
+def test_fused_only_where_the_kernels_run(monkeypatch):
+    """Off a GPU, on one shard and (not yet verified there) with one process per GPU the GEMM
+    and the exchange stay apart, with the reason."""
     x, w, reasons = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((2, 256, 256)), []
 
     def body():
@@ -144,3 +145,7 @@ def test_fused_only_where_the_kernels_run():
     for size in (1, 2):
         jax.eval_shape(jax.shard_map(body, mesh=mesh1d(size), in_specs=(), out_specs=P()))
     assert "one shard" in reasons[0] and "GPUs" in reasons[1], reasons
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)  # as on Hopper GPUs
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    jax.eval_shape(jax.shard_map(body, mesh=mesh1d(2), in_specs=(), out_specs=P()))
+    assert "one process per GPU" in reasons[2], reasons
