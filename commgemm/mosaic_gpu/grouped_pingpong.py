@@ -32,7 +32,9 @@ dense ping-pong kernels' (`pingpong.Deal`, traced here: the tiles follow the gro
 the grouped dW kernel's (`grouped_dw`).
 
 It runs the forward and dX (w read [G, N, K]) at any group size (`grouped.pick_tiles`), and
-the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation)."""
+the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation). With a
+`grouped_return.Returned` plan the epilogue stores each tile's rows into their owners' results
+instead, over NVLink (`grouped_return`)."""
 
 from __future__ import annotations
 
