@@ -16,6 +16,7 @@ from test_kernels_lower import JaxOnAnH100
 import commgemm as cg
 from commgemm.grouped import exchange as ex
 from commgemm.grouped import returned
+from commgemm.mosaic_gpu import peers
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
 
@@ -89,9 +90,10 @@ def test_plan_moves_the_rows_the_exchange_moves(size, groups, most, drop, check_
     np.testing.assert_allclose(np.asarray(got_dx), dx.reshape(-1, k), rtol=1e-4, atol=1e-4)
 
 
-def _step_calls(size: int, fp8: bool, check_vma: bool) -> int:
-    """The Mosaic GPU calls of the MoE block's training step (`expert_mlp`, NONE, named GELU)
-    lowered for CUDA as on a Hopper GPU."""
+def _step_calls(size: int, fp8: bool, check_vma: bool, two_ops: bool = False) -> int:
+    """The Mosaic GPU calls of the MoE block's training step (`expert_mlp`, NONE, named GELU;
+    `two_ops`: `cg.all_to_all_grouped_matmul`, GELU, `cg.grouped_matmul_all_to_all`) lowered
+    for CUDA as on a Hopper GPU."""
     from commgemm.grouped.expert_parallel import expert_mlp
 
     m, k, f, n, e = 512 // size, 256, 256, 256, 2
@@ -100,6 +102,10 @@ def _step_calls(size: int, fp8: bool, check_vma: bool) -> int:
     cfg = cg.OverlapConfig(method="none")
 
     def body(x, w1, w2, g):
+        if two_ops:
+            y, recv = cg.all_to_all_grouped_matmul(x, w1, g[0], "x", config=cfg, scaling=recipe)
+            return cg.grouped_matmul_all_to_all(jax.nn.gelu(y), w2, recv, g[0], "x", config=cfg,
+                                                scaling=recipe)  # fmt: skip
         return expert_mlp(x, w1, w2, g[0], "x", activation="gelu", config=cfg,
                           scaling=recipe)[0]  # fmt: skip
 
@@ -113,11 +119,16 @@ def _step_calls(size: int, fp8: bool, check_vma: bool) -> int:
     return text.as_text().count("custom_call @mosaic_gpu")
 
 
-@pytest.mark.parametrize("size, fp8, check_vma", [(2, False, True), (4, True, False)])
-def test_step_returns_from_the_gemm(size, fp8, check_vma, monkeypatch):
+@pytest.mark.parametrize(
+    "size, fp8, check_vma, two_ops",
+    [(2, False, True, False), (4, True, False, False), (2, False, True, True),
+     (4, False, False, True)],
+)  # fmt: skip
+def test_step_returns_from_the_gemm(size, fp8, check_vma, two_ops, monkeypatch):
     """As on a Hopper GPU the step's second GEMM and return exchange lower as one Mosaic GPU
     kernel, and in 16 bits so do the first GEMM's dX and the dispatch's transpose: a call
-    fewer each than with them apart (`fused_reason` turned off)."""
+    fewer each than with them apart (`fused_reason` turned off); in the block and in the two
+    ops users compose (`cg.all_to_all_grouped_matmul`, `cg.grouped_matmul_all_to_all`)."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
@@ -127,25 +138,34 @@ def test_step_returns_from_the_gemm(size, fp8, check_vma, monkeypatch):
     fused_reason = returned.fused_reason
     monkeypatch.setattr(returned, "fused_reason",
                         lambda *a: reasons.append(fused_reason(*a)) or reasons[-1])  # fmt: skip
-    fused = _step_calls(size, fp8, check_vma)
+    fused = _step_calls(size, fp8, check_vma, two_ops)
     assert reasons == [None] * (1 if fp8 else 2)  # 16-bit: dX's return from its GEMM too
     monkeypatch.setattr(returned, "fused_reason", lambda *a: "turned off")
-    assert _step_calls(size, fp8, check_vma) == fused + len(reasons)
+    assert _step_calls(size, fp8, check_vma, two_ops) == fused + len(reasons)
 
 
 def test_fused_only_where_the_kernels_run(monkeypatch):
-    """Off a GPU, on one shard and (not yet verified there) with one process per GPU the GEMM
-    and the exchange stay apart, with the reason."""
+    """Off a GPU and on one shard the GEMM and the exchange stay apart, with the reason; with
+    one process per GPU they fuse where the NVLink kernels run there (`peers`: NCCL's peer
+    addresses) and stay apart with the peers' reason where not."""
     x, w, reasons = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((2, 256, 256)), []
 
     def body():
         reasons.append(returned.fused_reason(x, w.astype(x.dtype), None, None, None, "x"))
         return jnp.zeros(())
 
+    def traced():
+        jax.eval_shape(jax.shard_map(body, mesh=mesh1d(2), in_specs=(), out_specs=P()))
+        return reasons[-1]
+
     for size in (1, 2):
         jax.eval_shape(jax.shard_map(body, mesh=mesh1d(size), in_specs=(), out_specs=P()))
     assert "one shard" in reasons[0] and "GPUs" in reasons[1], reasons
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)  # as on Hopper GPUs
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    assert traced() is None
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    jax.eval_shape(jax.shard_map(body, mesh=mesh1d(2), in_specs=(), out_specs=P()))
-    assert "one process per GPU" in reasons[2], reasons
+    monkeypatch.setattr(peers, "multiprocess_reason", lambda: "NCCL too old (stand-in)")
+    assert traced() == "NCCL too old (stand-in)"
+    monkeypatch.setattr(peers, "multiprocess_reason", lambda: None)
+    assert traced() is None

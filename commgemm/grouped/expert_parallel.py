@@ -156,7 +156,8 @@ def all_to_all_grouped_matmul(
       `grouped_matmul_all_to_all`. `scaling`: quantized operands (commgemm.grouped.scaling);
       the tokens travel quantized. On a Hopper GPU with tensor scaling the forward multiplies
       the tokens' float8 payload as it arrived on the tensor cores, and dX the quantized dY
-      (`grouped.blocks.block_matmul`); otherwise emulated.
+      (`grouped.blocks.block_matmul`); otherwise emulated. In 16 bits on several Hopper GPUs
+      (NONE) dX's GEMM stores its rows straight into their owners' dX (`grouped.returned`).
     """
     return _all_to_all_grouped(x, w, group_sizes, axis_name, config, scaling, capacity)
 
@@ -181,8 +182,13 @@ def _dispatch_grouped(
     method = _method(config, "all_to_all_grouped_matmul", size)
     if method is not Method.RING_EXCHANGE:  # the tokens arrive by expert: one GEMM
         tokens, by_expert, sizes = _expert_layouts(x, w, group_sizes, axis_name, capacity)
-        flat, flat_rows = carry(to_experts(axis_name, capacity), x, rows, None, tokens, by_expert)
-        out = block_matmul(flat, w, sizes.sum(axis=0), flat_rows, experts)
+        if rows is None:  # 16 bits: dX may return its rows from its GEMM (`matmul_dispatched`)
+            out = matmul_dispatched(x, w, sizes.sum(axis=0), None, None, None, axis_name,
+                                    tokens, by_expert, capacity)[0]  # fmt: skip
+        else:
+            flat, flat_rows = carry(to_experts(axis_name, capacity), x, rows, None, tokens,
+                                    by_expert)  # fmt: skip
+            out = block_matmul(flat, w, sizes.sum(axis=0), flat_rows, experts)
         dest, source, _ = merged_order(sizes, capacity)  # by expert -> by source: a gather
         return permuted(out, dest, source).reshape(size, capacity, -1), sizes
     blocks, arrived, by_step_sizes = _ring_exchanged(x, w, group_sizes, axis_name, rows, capacity)
@@ -267,7 +273,9 @@ def grouped_matmul_all_to_all(
         results go back to).
       scaling: quantized operands (commgemm.grouped.scaling); on a Hopper GPU with tensor
         scaling the forward's GEMMs and their dX multiply float8 operands on the tensor cores
-        (`grouped.blocks.block_matmul`), otherwise emulated.
+        (`grouped.blocks.block_matmul`), otherwise emulated. In 16 bits on several Hopper
+        GPUs (NONE) the GEMM stores each row straight into its owner's result over NVLink, the
+        exchange inside the GEMM's kernel (`grouped.returned`).
       tokens: m, this shard's token rows (default C: `all_to_all_grouped_matmul` without a
         capacity).
     Returns:
@@ -292,10 +300,13 @@ def _return_grouped(y, w, recv_sizes, group_sizes, axis_name, config, rows, expe
     if method is Method.NONE:  # one GEMM over every source's tokens by expert, sent from there
         dest, source, sizes = merged_order(recv_sizes, y.shape[1])
         flat, flat_rows = regrouped(y, rows, source, dest)
-        z = block_matmul(flat, w, sizes, flat_rows, experts)
         cut = sizes_in_rows(group_sizes, 0, tokens).astype(jnp.int32)  # as the dispatch cut them
         sent = _capped(cut.reshape(size, -1), y.shape[1])
         mine, by_expert = _layouts(sent, recv_sizes, cut, tokens, y.shape[1])
+        if rows is None:  # 16 bits: the rows may go back from the GEMM (`matmul_returned`)
+            return matmul_returned(flat, w, sizes, None, None, None, axis_name, by_expert, mine,
+                                   y.shape[1], tokens)  # fmt: skip
+        z = block_matmul(flat, w, sizes, flat_rows, experts)
         return ragged_all_to_all(z, by_expert, mine, axis_name, y.shape[1], tokens)
     me = lax.axis_index(axis_name)
     starts, counts = _starts(group_sizes, size, y.shape[1])
