@@ -147,25 +147,30 @@ def test_step_returns_from_the_gemm(size, fp8, check_vma, two_ops, monkeypatch):
 def test_fused_only_where_the_kernels_run(monkeypatch):
     """Off a GPU and on one shard the GEMM and the exchange stay apart, with the reason; with
     one process per GPU they fuse where the NVLink kernels run there (`peers`: NCCL's peer
-    addresses) and stay apart with the peers' reason where not."""
-    x, w, reasons = jnp.zeros((256, 256), jnp.bfloat16), jnp.zeros((2, 256, 256)), []
+    addresses) and stay apart with the peers' reason where not, and in 16 bits where the
+    weights' copy into collective memory outweighs the rows returned (WEIGHT_COPY_RATIO)."""
+    reasons = []
 
-    def body():
-        reasons.append(returned.fused_reason(x, w.astype(x.dtype), None, None, None, "x"))
-        return jnp.zeros(())
+    def traced(rows=2048, groups=2, size=2):
+        x, w = jnp.zeros((rows, 256), jnp.bfloat16), jnp.zeros((groups, 256, 256), jnp.bfloat16)
 
-    def traced():
-        jax.eval_shape(jax.shard_map(body, mesh=mesh1d(2), in_specs=(), out_specs=P()))
+        def body():
+            reasons.append(returned.fused_reason(x, w, None, None, None, "x"))
+            return jnp.zeros(())
+
+        jax.eval_shape(jax.shard_map(body, mesh=mesh1d(size), in_specs=(), out_specs=P()))
         return reasons[-1]
 
-    for size in (1, 2):
-        jax.eval_shape(jax.shard_map(body, mesh=mesh1d(size), in_specs=(), out_specs=P()))
-    assert "one shard" in reasons[0] and "GPUs" in reasons[1], reasons
+    assert "one shard" in traced(size=1), reasons
+    assert "GPUs" in traced(), reasons
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)  # as on Hopper GPUs
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
-    assert traced() is None
+    assert traced() is None and traced(256, 8) is None
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(peers, "multiprocess_reason", lambda: "NCCL too old (stand-in)")
     assert traced() == "NCCL too old (stand-in)"
     monkeypatch.setattr(peers, "multiprocess_reason", lambda: None)
+    # weights 2 x 256 x 256, rows a shard returns 1024 x 256: 1/2 of them; 8 groups, 128 rows:
+    # 8x, over the ratio
     assert traced() is None
+    assert "copy into collective memory" in traced(256, 8)

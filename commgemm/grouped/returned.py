@@ -30,6 +30,13 @@ from commgemm.grouped.scaling import Float8Experts, Rows, carry
 from commgemm.operands import axis_size
 from commgemm.vma import varying_like
 
+#: With several processes a kernel with remote references gets every operand in the
+#: collective (symmetric) memory, and XLA copies there each operand that comes from outside
+#: it (`memcpy128`): in 16 bits the experts' weights, where they are the program's inputs. The
+#: fused kernels run there where the weights are at most this many times the rows a shard
+#: returns (bytes), so that the copy stays below the exchange it hides.
+WEIGHT_COPY_RATIO = 2
+
 
 class _How(NamedTuple):
     """The fused ops' static arguments (`matmul_returned`'s; for `_dispatched` out_rows are
@@ -57,7 +64,8 @@ def to_experts(axis_name: str, capacity: int, fill: bool = True):
 def fused_reason(values, w, rows: Rows | None, experts: Float8Experts | None, recipe,
                  axis_name: str) -> str | None:  # fmt: skip
     """Why `matmul_returned` runs the GEMM values [M, K] @ w [e, K, N] and the exchange apart
-    here, or None (`values` and `w` may be shapes: jax.ShapeDtypeStruct)."""
+    here, or None (`values` and `w` may be shapes: jax.ShapeDtypeStruct). With one process
+    per GPU, in 16 bits, also where the weights outweigh the rows (`WEIGHT_COPY_RATIO`)."""
     from commgemm.mosaic_gpu import grouped as hopper
     from commgemm.mosaic_gpu.configs import PingPongTiles
 
@@ -66,6 +74,14 @@ def fused_reason(values, w, rows: Rows | None, experts: Float8Experts | None, re
     (m, k), (groups, _, n) = values.shape, w.shape
     if (reason := exchange.kernel_reason(values.dtype, n)) is not None:
         return reason
+    if jax.process_count() > 1 and recipe is None:
+        weights = groups * k * n * jnp.dtype(w.dtype).itemsize
+        rows = m // axis_size(axis_name) * n * jnp.dtype(values.dtype).itemsize  # C rows of N
+        if weights > WEIGHT_COPY_RATIO * rows:
+            return (
+                f"one process per GPU: the weights' copy into collective memory ({weights} "
+                f"bytes) would outweigh the {rows} bytes of rows a shard returns"
+            )
     if recipe is None:
         if (reason := hopper.unsupported_reason(values, w)) is not None:
             return reason
