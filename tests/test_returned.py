@@ -3,8 +3,10 @@ GPU and as lowered for one: the fused kernel's plan (`grouped_return.Returned`: 
 rows, where they land, the rows no one writes) carried out row by row in numpy equals the
 exchange of the GEMM's rows, and covers every result row once; the op off a GPU (GEMM, then the
 exchange) equals a float64 reference with its gradient; the MoE step lowered for CUDA as on a
-Hopper GPU runs the GEMM and the exchange as one kernel, under check_vma on and off. The
-kernel's results on GPUs: tests/gpu/test_returned_gpu.py."""
+Hopper GPU runs the GEMM and the exchange as one kernel, under check_vma on and off; the
+dispatch inside the GEMM (`returned.arrival_plan`) carried out chunk by chunk moves the
+exchange's rows, each band expecting the chunks that land there. The kernels' results on GPUs:
+tests/gpu/test_returned_gpu.py."""
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,56 @@ def test_plan_moves_the_rows_the_exchange_moves(size, groups, most, drop, check_
     np.testing.assert_allclose(np.asarray(got_dx), dx.reshape(-1, k), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "size, groups, most, drop",
+    [(2, 4, 300, True), (4, 3, 200, True), (2, 1, 9, False), (8, 2, 140, True)],
+)
+def test_arrival_plan_moves_the_rows_the_exchange_moves(size, groups, most, drop):
+    """The dispatch inside the GEMM (`returned.arrival_plan`, `mosaic_gpu.grouped_dispatch`)
+    carried out chunk by chunk in numpy: every live row of each device's experts' rows written
+    exactly once, the rest not at all, the same rows as the exchange (`ragged_all_to_all`, off a
+    GPU its fallback); items group-major (each group's items for every peer before the next
+    group's); and each band of BAND rows expects exactly the chunks the senders' items land in
+    it (a receiver waits for these counts: one fewer would let it read rows not yet there)."""
+    from commgemm.mosaic_gpu.grouped_dispatch import BAND
+
+    rng = np.random.default_rng()
+    counts, (eb, ec, tb, tc), _ = returned_layouts(rng, size, groups, most, drop)
+    rows, src_rows = size * most, int(tb[0, -1])  # the tokens: out_rows on every device
+    x = rng.standard_normal((size * src_rows, 8)).astype(np.float32)
+
+    def body(a, eb, ec, tb, tc):
+        tokens, by_expert = ex.Layout(tb[0], tc[0]), ex.Layout(eb[0], ec[0], by_group=True)
+        plan = returned.arrival_plan(a, tokens, by_expert, "x", rows)
+        want = ex.ragged_all_to_all(a, tokens, by_expert, "x", most, rows)
+        return plan.items[None], plan.expected[None], want
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"),) * 5, out_specs=P("x"))
+    items, expected, want = (np.asarray(v) for v in jax.jit(f)(x, eb, ec, tb, tc))
+    got, written = np.zeros((size, rows, 8), np.float32), np.zeros((size, rows), int)
+    landed = np.zeros_like(expected)
+    for s in range(size):
+        first, src, count, dst, peer = items[s]
+        assert first[-1] == sum(-(-max(c, 0) // BAND) for c in count[:-1])
+        np.testing.assert_array_equal(peer[:-1], np.tile(np.arange(size), groups))  # group-major
+        for i in range(first.shape[0] - 1):
+            assert first[i + 1] - first[i] == -(-count[i] // BAND)
+            for c in range(first[i + 1] - first[i]):
+                lo, n = c * BAND, min(BAND, count[i] - c * BAND)
+                at = dst[i] + lo
+                got[peer[i], at : at + n] = x[s * src_rows + src[i] + lo :][:n]
+                written[peer[i], at : at + n] += 1
+                for band in {at // BAND, (at + n - 1) // BAND}:
+                    landed[peer[i], band] += 1
+    live = np.zeros((size, rows), bool)
+    for d in range(size):
+        for r, c in enumerate(ec[d]):
+            live[d, eb[d, r] : eb[d, r] + c] = True
+    np.testing.assert_array_equal(written, live.astype(int))
+    np.testing.assert_array_equal(got[live], want.reshape(size, rows, 8)[live])
+    np.testing.assert_array_equal(landed, expected)
+
+
 def _step_calls(size: int, fp8: bool, check_vma: bool, two_ops: bool = False) -> int:
     """The Mosaic GPU calls of the MoE block's training step (`expert_mlp`, NONE, named GELU;
     `two_ops`: `cg.all_to_all_grouped_matmul`, GELU, `cg.grouped_matmul_all_to_all`) lowered
@@ -122,13 +174,15 @@ def _step_calls(size: int, fp8: bool, check_vma: bool, two_ops: bool = False) ->
 @pytest.mark.parametrize(
     "size, fp8, check_vma, two_ops",
     [(2, False, True, False), (4, True, False, False), (2, False, True, True),
-     (4, False, False, True)],
+     (4, False, False, True), (4, False, False, False)],
 )  # fmt: skip
 def test_step_returns_from_the_gemm(size, fp8, check_vma, two_ops, monkeypatch):
     """As on a Hopper GPU the step's second GEMM and return exchange lower as one Mosaic GPU
     kernel, and in 16 bits so do the first GEMM's dX and the dispatch's transpose: a call
     fewer each than with them apart (`fused_reason` turned off); in the block and in the two
-    ops users compose (`cg.all_to_all_grouped_matmul`, `cg.grouped_matmul_all_to_all`)."""
+    ops users compose (`cg.all_to_all_grouped_matmul`, `cg.grouped_matmul_all_to_all`). In
+    the 16-bit block the dispatch and dY's exchange run inside the GEMMs that read their rows
+    (`arrive_reason`): a call fewer each again."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
@@ -138,10 +192,20 @@ def test_step_returns_from_the_gemm(size, fp8, check_vma, two_ops, monkeypatch):
     fused_reason = returned.fused_reason
     monkeypatch.setattr(returned, "fused_reason",
                         lambda *a: reasons.append(fused_reason(*a)) or reasons[-1])  # fmt: skip
+    arrivals, arrive_reason = [], returned.arrive_reason
+
+    def spy(*a, **k):
+        arrivals.append(arrive_reason(*a, **k))
+        return arrivals[-1]
+
+    monkeypatch.setattr(returned, "arrive_reason", spy)
     fused = _step_calls(size, fp8, check_vma, two_ops)
     assert reasons == [None] * (1 if fp8 else 2)  # 16-bit: dX's return from its GEMM too
+    # in the 16-bit block (padding unread) the dispatch and dY's exchange run inside GEMMs too
+    arrived = arrivals.count(None)
+    assert arrived == (0 if fp8 or two_ops else 2), arrivals
     monkeypatch.setattr(returned, "fused_reason", lambda *a: "turned off")
-    assert _step_calls(size, fp8, check_vma, two_ops) == fused + len(reasons)
+    assert _step_calls(size, fp8, check_vma, two_ops) == fused + len(reasons) + arrived
 
 
 def test_fused_only_where_the_kernels_run(monkeypatch):
@@ -174,3 +238,37 @@ def test_fused_only_where_the_kernels_run(monkeypatch):
     # 8x, over the ratio
     assert traced() is None
     assert "copy into collective memory" in traced(256, 8)
+
+
+def test_rows_arrive_only_where_they_pay(monkeypatch):
+    """The rows arrive inside the GEMM (`arrive_reason` None) where the ping-pong kernel takes
+    the shape, K is whole pairs of the senders' staged blocks, the GEMM's N is at most
+    ARRIVE_MAX_N (beyond, the exchange is short beside the GEMM) and SMs are left to multiply;
+    a kernel whose ring cannot hold the staged blocks raises."""
+    from commgemm.mosaic_gpu import grouped_dispatch, grouped_pingpong
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    reason = returned.arrive_reason
+    assert reason(4096, 2048, 1408, 32, jnp.bfloat16, "x") is None
+    assert reason(4096, 2048, 1408, 32, jnp.bfloat16, "x", w_nk=True) is None  # dY @ w2^T
+    assert "N=" in reason(4096, 4096, 14336, 8, jnp.bfloat16, "x")
+    assert "staged" in reason(4096, 384, 1408, 32, jnp.bfloat16, "x")
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 2 * grouped_dispatch.SENDERS)
+    assert "SMs" in reason(4096, 2048, 1408, 32, jnp.bfloat16, "x")
+
+    size, rows, k = 2, 512, 256
+    send = ex.Layout(jnp.array([0, 128, 256]), jnp.array([100, 50]))
+    recv = ex.Layout(jnp.array([0, 100, 512]), jnp.array([100, 50]), by_group=True)
+
+    def body(x, w):
+        plan = returned.arrival_plan(x, send, recv, "x", rows)
+        shape = jax.ShapeDtypeStruct((rows, k), x.dtype)
+        tiles, sizes = PingPongTiles(stages=2), jnp.array([150], jnp.int32)
+        return grouped_pingpong.grouped_matmul(shape, w, sizes, tiles, dispatched=plan)[0]
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), P()), out_specs=P("x"),
+                      check_vma=False)  # fmt: skip
+    args = jnp.zeros((size * rows, k), jnp.bfloat16), jnp.zeros((1, k, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no room for the senders' blocks"):
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

@@ -12,7 +12,12 @@ multiplies, so the exchange runs under the GEMM instead of after it, and the GEM
 
 `matmul_dispatched` (the first GEMM) is the dispatch (`to_experts`) then the GEMM; in 16 bits,
 where the same kernel takes dX's product, its backward runs dX that way: dX's rows go back to
-the tokens' owners from its epilogue, the dispatch's transpose inside dX's GEMM."""
+the tokens' owners from its epilogue, the dispatch's transpose inside dX's GEMM.
+
+In 16 bits, where no reader takes the receive buffer's padding (fill=False) and
+`arrive_reason` allows, the rows a GEMM reads arrive inside it too
+(`mosaic_gpu.grouped_dispatch`): the dispatch inside the first GEMM's forward and dY's exchange
+inside the second GEMM's dX, each kernel also returning the rows received (for dW)."""
 
 from __future__ import annotations
 
@@ -36,6 +41,10 @@ from commgemm.vma import varying_like
 #: fused kernels run there where the weights are at most this many times the rows a shard
 #: returns (bytes), so that the copy stays below the exchange it hides.
 WEIGHT_COPY_RATIO = 2
+#: The most columns of a GEMM whose rows arrive inside it (`arrive_reason`): beyond, a row's
+#: exchange is short beside its products, and the senders' SMs cost the GEMM more than the
+#: exchange they hide.
+ARRIVE_MAX_N = 4096
 
 
 class _How(NamedTuple):
@@ -51,6 +60,7 @@ class _How(NamedTuple):
     fill_grad: bool
     split: tuple[bool, bool] | None
     grad_dtype: str | None
+    arrive: bool = False  # the rows this GEMM reads arrive inside its kernel (`arrive_reason`)
 
 
 def to_experts(axis_name: str, capacity: int, fill: bool = True):
@@ -96,6 +106,59 @@ def fused_reason(values, w, rows: Rows | None, experts: Float8Experts | None, re
     return None
 
 
+def arrive_reason(m: int, k: int, n: int, groups: int, dtype, axis_name: str, *,
+                  w_nk: bool = False) -> str | None:  # fmt: skip
+    """Why the 16-bit GEMM x [m, k] @ w [groups, k, n] ([groups, n, k] with w_nk) takes x's
+    rows after their exchange instead of while they arrive (`mosaic_gpu.grouped_dispatch`),
+    or None; the caller has checked the NVLink kernels (`fused_reason`). The senders take
+    SMs from the GEMM: they pay where a row's exchange is long beside its products, n at most
+    ARRIVE_MAX_N."""
+    from commgemm.mosaic_gpu import grouped as hopper
+    from commgemm.mosaic_gpu import grouped_dispatch, grouped_pingpong
+    from commgemm.mosaic_gpu import tiles as mt
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    if n > ARRIVE_MAX_N:
+        return f"N={n} > {ARRIVE_MAX_N}: the exchange is short beside the GEMM"
+    if grouped_dispatch.staging_cols(k, dtype) is None:
+        return f"rows of {k} x {jnp.dtype(dtype).name} are no whole pairs of staged blocks"
+    if not w_nk and not isinstance(hopper.pick_tiles(m, k, n, groups, dtype), PingPongTiles):
+        return "the ping-pong kernel does not take the shape"
+    if reason := grouped_pingpong.shape_reason(PingPongTiles(), m, k, n, dtype, w_nk=w_nk):
+        return reason
+    if mt.num_sms() <= 2 * grouped_dispatch.SENDERS:
+        return f"{mt.num_sms()} SMs leave too few to multiply beside the senders"
+    return None
+
+
+def arrival_plan(x, send: Layout, recv: Layout, axis_name: str, m: int):
+    """The `mosaic_gpu.grouped_dispatch.Dispatched` of the exchange `ragged_all_to_all(x, send,
+    recv, ...)` into m rows: each of send's regions an item, taken group-major (the order in
+    which the receivers' GEMMs read them)."""
+    from commgemm.mosaic_gpu import grouped_dispatch
+
+    size, regions = axis_size(axis_name), send.counts.shape[0]
+    order = lambda a: send.grid(a, size).T.reshape(-1)  # noqa: E731  (group-major)
+    peers = jnp.repeat(jnp.arange(size, dtype=jnp.int32), regions // size).reshape(size, -1)
+    sends = (send.bounds[:-1], send.counts, destinations(send, recv, axis_name), send.flat(peers))
+    return grouped_dispatch.plan(x, *map(order, sends), recv.bounds[:-1], recv.counts, m,
+                                 axis_name)  # fmt: skip
+
+
+def _arriving(x, w, sizes, send: Layout, recv: Layout, axis_name: str, m: int, w_nk=False):
+    """x [R, K] in `send`'s regions -> (recv's rows [m, K] times w per group (`sizes` [G]),
+    those rows): the exchange `ragged_all_to_all(x, send, recv, ...)` (recv's padding left
+    unwritten) inside the GEMM's kernel."""
+    from commgemm.mosaic_gpu import grouped_pingpong
+    from commgemm.mosaic_gpu.configs import PingPongTiles
+
+    plan = arrival_plan(x, send, recv, axis_name, m)
+    rows = jax.ShapeDtypeStruct((m, x.shape[1]), x.dtype)
+    y, flat = grouped_pingpong.grouped_matmul(rows, w, sizes.astype(jnp.int32), PingPongTiles(),
+                                              w_nk=w_nk, dispatched=plan)  # fmt: skip
+    return varying_like(y, x, w, plan.items), varying_like(flat, x, plan.items)
+
+
 def matmul_returned(
     values: jax.Array,
     w: jax.Array,
@@ -129,7 +192,13 @@ def matmul_returned(
     if recipe is not None:
         f8 = (experts.nk, experts.kn, experts.scale_inv)
         split, grad_dtype = experts.split, experts.grad_dtype
-    how = _How(axis_name, capacity, out_rows, padded, fill, fill_grad, split, grad_dtype)
+    (m, k), (groups, _, n) = values.shape, w.shape
+    arrive = (
+        recipe is None
+        and not fill_grad
+        and arrive_reason(m, n, k, groups, values.dtype, axis_name, w_nk=True) is None
+    )
+    how = _How(axis_name, capacity, out_rows, padded, fill, fill_grad, split, grad_dtype, arrive)
     return _returned(values, w, sizes, rows, f8, by_expert, tokens, how)
 
 
@@ -168,6 +237,11 @@ def _returned_fwd(values, w, sizes, rows, f8, by_expert, tokens, how):
 
 def _returned_bwd(how: _How, residuals, ct):
     values, w, sizes, rows, f8, by_expert, tokens = residuals
+    if how.arrive:  # dY's rows arrive inside dX's GEMM
+        dvalues, dz = _arriving(ct, w, sizes, tokens, by_expert, how.axis_name, values.shape[0],
+                                w_nk=True)  # fmt: skip
+        dw = jax.vjp(lambda b: grouped_matmul(values, b, sizes), w)[1](dz)[0]
+        return dvalues, dw, None, None, None, None, None
     dz = ragged_all_to_all(ct, tokens, by_expert, how.axis_name, how.capacity, values.shape[0],
                            fill=how.fill_grad)  # fmt: skip
     if f8 is None:
@@ -212,7 +286,9 @@ def matmul_dispatched(
     shape = jax.ShapeDtypeStruct
     dx = (shape((size * capacity, f), x.dtype), shape((w.shape[0], f, k), x.dtype))
     if recipe is None and fused_reason(*dx, None, None, None, axis_name) is None:
-        how = _How(axis_name, capacity, x.shape[0], size > 1, fill, True, None, None)
+        arrive = not fill and arrive_reason(size * capacity, k, f, w.shape[0], x.dtype,
+                                            axis_name) is None  # fmt: skip
+        how = _How(axis_name, capacity, x.shape[0], size > 1, fill, True, None, None, arrive)
         return _dispatched(x, w, sizes, tokens, by_expert, how), False
     flat, flat_rows = carry(to_experts(axis_name, capacity, fill), x, rows, None, tokens,
                             by_expert, live=live, fill=fill)  # fmt: skip
@@ -227,6 +303,10 @@ def _dispatched(x, w, sizes, tokens: Layout, by_expert: Layout, how: _How):
 
 
 def _dispatched_fwd(x, w, sizes, tokens, by_expert, how: _How):
+    m = axis_size(how.axis_name) * how.capacity
+    if how.arrive:  # the rows arrive inside the GEMM
+        y, flat = _arriving(x, w, sizes, tokens, by_expert, how.axis_name, m)
+        return y, (flat, w, sizes, tokens, by_expert)
     flat = to_experts(how.axis_name, how.capacity, how.fill)(x, tokens, by_expert)
     return grouped_matmul(flat, w, sizes), (flat, w, sizes, tokens, by_expert)
 

@@ -34,7 +34,8 @@ the grouped dW kernel's (`grouped_dw`).
 It runs the forward and dX (w read [G, N, K]) at any group size (`grouped.pick_tiles`), and
 the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation). With a
 `grouped_return.Returned` plan the epilogue stores each tile's rows into their owners' results
-instead, over NVLink (`grouped_return`)."""
+instead, over NVLink (`grouped_return`); with a `grouped_dispatch.Dispatched` one, x's rows
+arrive from their owners while the GEMM runs (`grouped_dispatch`)."""
 
 from __future__ import annotations
 
@@ -160,16 +161,18 @@ def ring_scratch(stages: int, x_smem, w_smem, out_smem) -> tuple:
     return (x_smem, w_smem, *loads, consumed, out_smem, *turns)
 
 
-def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands) -> jax.Array:
+def launch(body, name: str, out_shape: tuple[int, ...], out_dtype, *operands, also=None):
     """A ping-pong grouped kernel `body` on `operands`: one persistent CTA per SM ("sm"), two
     compute warpgroups and one that loads ("wg"), traced in 32-bit mode (its loops are bounded
-    at run time) under the named scope `name`; its result [out_shape] of `out_dtype`."""
+    at run time) under the named scope `name`; its result [out_shape] of `out_dtype` (and a
+    second, `also`: a jax.ShapeDtypeStruct)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    out_type = jax.ShapeDtypeStruct(out_shape, out_dtype)
     with jax.named_scope(name), jax.enable_x64(False):
         return plgpu.kernel(
             body,
-            out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+            out_type=out_type if also is None else (out_type, also),
             grid=(mt.num_sms(),),
             grid_names=("sm",),
             num_threads=3,
@@ -213,7 +216,8 @@ def grouped_matmul(
     scale: jax.Array | None = None,
     out_dtype=None,
     returned=None,
-) -> jax.Array:
+    dispatched=None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x [M, K] (rows sorted by group) times w [G, K, N] ([G, N, K] with w_nk, as dX's
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
     [M, N] in `out_dtype` (default x's; bf16 for float8 x), float32 accumulation, times `scale`
@@ -221,7 +225,9 @@ def grouped_matmul(
     Float8 x and w (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores,
     the wgmma accumulating across K-steps (the dense kernels' fast accumulation), in K-steps of
     `operand_tiles`. `returned` (a `grouped_return.Returned`, inside shard_map over its axis):
-    the rows go to their owners instead -> [returned.out_rows, N], this device's result."""
+    the rows go to their owners instead -> [returned.out_rows, N], this device's result.
+    `dispatched` (a `grouped_dispatch.Dispatched`, inside shard_map over its axis; 16 bits): x
+    (a jax.ShapeDtypeStruct) arrives from its owners while the GEMM runs -> (result, x)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
@@ -256,19 +262,25 @@ def grouped_matmul(
     transforms = mt.smem_transforms(x.dtype, tk)  # w's dtype is as wide (float8: 1 byte)
     w_block = (tn, tk) if w_nk else (tk, tn)
     halves = tm % (2 * WGMMA_M) == 0  # a last wave's halves: whole wgmma rows
-    peers = 0 if returned is None else lax.axis_size(returned.axis_name)
+    axis = getattr(returned or dispatched, "axis_name", None)  # the mesh axis of the peers
+    peers, senders = lax.axis_size(axis) if axis else 0, getattr(dispatched, "senders", 0)
+    n_plan = 2 if returned is not None else 3 if dispatched is not None else 0
 
     def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, *refs):
-        plan, (x_ref, w_ref, *refs) = (refs[:2], refs[2:]) if peers else ((), refs)
+        plan, refs = refs[:n_plan], refs[n_plan:]
+        x_ref, w_ref, *refs = refs if dispatched is None else (refs[-1], *refs[:-1])  # x: a result
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
         cta, used = lax.axis_index("sm"), counts_ref[0]
+        me, ctas = cta - senders, sms - senders  # this GEMM CTA, of `ctas`
         if returned is not None:  # the rows go to their owners (`grouped_return`)
             epilogue = returned.epilogue(peers, *plan, out_ref, sms)
-        deal = Deal.traced(used * n_iters, sms, halving=halves)
-        tail = ((counts_ref[1] - used) * n_iters - cta + sms - 1) // sms  # the tail's units
+        if dispatched is not None:  # the rows arrive from their owners (`grouped_dispatch`)
+            arrivals = dispatched.arrivals(peers, *plan, x_ref, sms)
+        deal = Deal.traced(used * n_iters, ctas, halving=halves)
+        tail = ((counts_ref[1] - used) * n_iters - me + ctas - 1) // ctas  # the tail's units
 
         def where(i):  # the CTA's i-th GEMM unit: its rows' tile, columns and half (0 or 1)
-            tile, half = deal.tile(cta, i)
+            tile, half = deal.tile(me, i)
             p, n_idx = plgpu.planar_snake(tile, (used, n_iters), MatmulDimension.M, tiles.band)
             return p, pl.ds(n_idx * tn, tn), half
 
@@ -279,7 +291,7 @@ def grouped_matmul(
             pl.when(~half)(lambda: fn(tm))
             pl.when(half)(lambda: fn(tm // 2))
 
-        def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1):
+        def scoped(x_smem, w_smem, loaded0, loaded1, consumed, out_smem, turn0, turn1, blocks=None):
             loaded, turn = (loaded0, loaded1), (turn0, turn1)
 
             def x_slot(slot, rows):  # the first `rows` rows of a slot's x block
@@ -293,10 +305,12 @@ def grouped_matmul(
 
             def load():
 
-                @pl.loop(0, deal.count(cta))
+                @pl.loop(0, deal.count(me))
                 def _tile(i):  # the tile's schedule read once, not in each of its K-steps
                     p, cols, half = where(i)
                     group = w_ref.at[group_ref[p]]
+                    if dispatched is not None:  # until its rows have arrived
+                        arrivals.wait(start_ref[p] + skip_ref[p], rows_ref[p])
 
                     def steps(rows):
                         first = pl.multiple_of(start_ref[p] + half * rows, ROW_ALIGN)
@@ -315,6 +329,9 @@ def grouped_matmul(
                                 pl.when(i % 2 == c)(step)
 
                     whole_or_half(i, steps)
+
+                if dispatched is not None:
+                    arrivals.finish(me)
 
             def store(c, value, p, cols, half=0, rows=tm):
                 """The unit's own rows (its tile's rows [skip, skip + rows_ref[p]) inside the
@@ -361,13 +378,13 @@ def grouped_matmul(
                 return plgpu.layout_cast(jnp.zeros((tm, tn), out_dtype), plgpu.Layout.WGMMA)
 
             def zero_tile(c, j):  # rows past the groups' sum
-                z = cta + j * sms
+                z = me + j * ctas
                 store(c, zeros(), used + z // n_iters, pl.ds((z % n_iters) * tn, tn))
 
             def compute(c):
                 if returned is not None:
                     epilogue.enter(cta, c)
-                pl.loop(c, deal.count(cta), step=2)(functools.partial(gemm_tile, c))
+                pl.loop(c, deal.count(me), step=2)(functools.partial(gemm_tile, c))
                 if returned is None:
                     pl.loop(c, tail, step=2)(functools.partial(zero_tile, c))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -378,21 +395,26 @@ def grouped_matmul(
                 epilogue.zero(cta, c, out_smem.at[c], tn, n_iters)
                 epilogue.leave(cta, c)
 
-            by_warpgroup(load, compute)
+            if dispatched is None:
+                return by_warpgroup(load, compute)
+            arrivals.roles(cta, lambda: by_warpgroup(load, compute), blocks, loaded0)
 
-        pl.run_scoped(
-            scoped,
-            *ring_scratch(
-                stages,
-                plgpu.SMEM((stages, tm, tk), x.dtype, transforms=transforms),
-                plgpu.SMEM((stages, *w_block), w.dtype, transforms=transforms),
-                plgpu.SMEM((2, tm, tn), out_dtype),  # plain rows: the ladder starts at any row
-            ),
-            collective_axes="wg",
+        scratch = ring_scratch(
+            stages,
+            plgpu.SMEM((stages, tm, tk), x.dtype, transforms=transforms),
+            plgpu.SMEM((stages, *w_block), w.dtype, transforms=transforms),
+            plgpu.SMEM((2, tm, tn), out_dtype),  # plain rows: the ladder starts at any row
         )
+        if dispatched is None:
+            return pl.run_scoped(scoped, *scratch, collective_axes="wg")
+        dispatched.run_scoped(scoped, scratch, stages * (tm + tn) * tk * x.dtype.itemsize)
 
-    plan = () if returned is None else returned.operands(tm, n_iters)
-    operands = (*row_tiles(sizes, m, tm).arrays(), *plan, x, w, *([] if scale is None else [scale]))
-    if returned is None:
-        return launch(body, "grouped_gemm_pingpong", (m, n), out_dtype, *operands)
-    return launch(body, "grouped_gemm_returned", (returned.out_rows, n), out_dtype, *operands)
+    plan, inputs, name = (), (x, w) + (() if scale is None else (scale,)), "grouped_gemm_pingpong"
+    if returned is not None:
+        plan, name = returned.operands(tm, n_iters), "grouped_gemm_returned"
+    if dispatched is not None:  # x is the second result
+        plan, inputs, name = dispatched.operands(), inputs[1:], "grouped_gemm_dispatched"
+    operands = (*row_tiles(sizes, m, tm).arrays(), *plan, *inputs)
+    also = None if dispatched is None else jax.ShapeDtypeStruct((m, k), x.dtype)
+    rows = m if returned is None else returned.out_rows
+    return launch(body, name, (rows, n), out_dtype, *operands, also=also)

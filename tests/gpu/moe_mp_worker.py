@@ -2,7 +2,8 @@
 the MoE block (`moe_per_shard`, AUTO) with one process per GPU, its returns inside its GEMMs
 (`grouped.returned`) against the same block with the GEMMs and the exchanges apart.
 
-Prints per case `case NAME OK|BAD FUSED` (FUSED: whether the fused kernel was traced; OK: equal
+Prints per case `case NAME OK|BAD FUSED arrived=ARRIVED` (FUSED: whether the fused kernel was
+traced, ARRIVED: whether a GEMM took its rows as they arrived, `grouped_dispatch`; OK: equal
 losses and gradients bit for bit, all finite), or `refused REASON` where the NVLink kernels
 cannot run in this job (`peers.multiprocess_reason`)."""
 
@@ -58,10 +59,12 @@ if reason is not None:
 else:
     traced, init, real = [], grouped_return.Epilogue.__init__, returned.fused_reason
     grouped_return.Epilogue.__init__ = lambda self, *a: traced.append(1) or init(self, *a)
+    arrived, arriving = [], returned._arriving
+    returned._arriving = lambda *a, **k: arrived.append(1) or arriving(*a, **k)
     for scaling, capacity_factor in ((None, None), ("current_tensor_scaling", 0.75)):
-        returned.fused_reason, traced[:] = real, []
+        returned.fused_reason, traced[:], arrived[:] = real, [], []
         got = step(scaling, capacity_factor)
-        fused = bool(traced)
+        fused, arrive = bool(traced), bool(arrived)
         returned.fused_reason = lambda *a: "turned off"
         want = step(scaling, capacity_factor)
         ok = got[0] == want[0] and all(
@@ -69,4 +72,5 @@ else:
             for a, b in zip(got[1], want[1], strict=True)
         )
         name = f"{'fp8' if scaling else 'bf16'}-{'capped' if capacity_factor else 'all'}"
-        print("case", name, "OK" if ok else "BAD", fused, got[0], want[0], flush=True)
+        print("case", name, "OK" if ok else "BAD", fused, f"arrived={arrive}", got[0], want[0],
+              flush=True)  # fmt: skip

@@ -62,10 +62,12 @@ def test_fused_kernels_with_one_process_per_gpu(two_gpus):
 
 
 def test_moe_block_with_one_process_per_gpu(two_gpus):
-    """The MoE block with one process per GPU, its returns inside its GEMMs: the fused kernels
-    traced and their losses and gradients bit for bit those of the block with the GEMMs and
-    the exchanges apart (bf16 without a capacity, FP8 with one); skipped with the reason
+    """The MoE block with one process per GPU, its returns inside its GEMMs (and in bf16 its
+    rows arriving inside them): the fused kernels traced and their losses and gradients bit for
+    bit those of the block with the GEMMs and the exchanges apart (bf16 without a capacity, FP8
+    with one); skipped with the reason
     where this job cannot run the NVLink kernels (NCCL older than 2.29.2: `peers`)."""
     cases = _worker_cases("moe_mp_worker.py")
     assert len(cases) == 2 * 2, "\n".join(cases)
     assert all(" OK True " in ln for ln in cases), "\n".join(cases)
+    assert all("arrived=True" in ln for ln in cases if "bf16" in ln), "\n".join(cases)

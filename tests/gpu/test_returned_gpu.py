@@ -3,9 +3,10 @@
 op against a float32 reference (`lax.ragged_dot` then the all-to-all fallback) on fresh random
 layouts (uneven, empty and dropped segments; the dropped rows zeroed over freed NaNs), its
 gradients bit for bit the unfused op's; the first GEMM's dX returned the same way
-(`matmul_dispatched`) against dX then the exchange; the MoE block with both against the block
-with the GEMMs and the exchanges apart, bf16 and FP8, with and without a capacity, check_vma on
-and off."""
+(`matmul_dispatched`) against dX then the exchange; the dispatch and dY's exchange inside the
+GEMMs that read their rows (`grouped_dispatch`) against them apart; the MoE block with all of
+them against the block with the GEMMs and the exchanges apart, bf16 and FP8, with and without a
+capacity, check_vma on and off."""
 
 import functools
 
@@ -119,6 +120,48 @@ def test_dispatched_dx_returned(two_gpus, monkeypatch, groups, most, k, f):
         for first, count in zip(layouts[2][d, :-1], layouts[3][d], strict=True):
             live[d, first : first + count] = True
     np.testing.assert_array_equal(got[1][~live.reshape(-1)], 0)
+
+
+@pytest.mark.parametrize("groups, most, k, f", [(4, 700, 512, 256), (3, 40, 256, 512)],
+                         ids=["4", "tiny"])  # fmt: skip
+def test_rows_arrive_inside_the_gemms(two_gpus, monkeypatch, groups, most, k, f):
+    """The dispatch inside the first GEMM and dY's exchange inside the second GEMM's dX
+    (`grouped_dispatch`, padding unread: fill=False) against the same ops with the exchanges
+    apart (`arrive_reason` turned off): both traced, result and gradients bit for bit."""
+    size, rng = jax.device_count(), np.random.default_rng()
+    counts, layouts, rows = returned_layouts(rng, size, groups, most, True)
+    x = jnp.asarray(rng.standard_normal((size * rows, k))).astype(jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((size * groups, k, f)) / k**0.5).astype(jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((size * groups, f, k)) / f**0.5).astype(jnp.bfloat16)
+    sizes = jnp.asarray(counts.sum(axis=0), jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def body(a, b, c, g, eb, ec, tb, tc):
+        by_expert, tokens = ex.Layout(eb[0], ec[0], by_group=True), ex.Layout(tb[0], tc[0])
+        y = returned.matmul_dispatched(a, b, g[0], None, None, None, "x", tokens, by_expert,
+                                       most, fill=False)[0]  # fmt: skip
+        return returned.matmul_returned(jax.nn.gelu(y), c, g[0], None, None, None, "x",
+                                        by_expert, tokens, most, rows, padded=True,
+                                        fill=False)  # fmt: skip
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 8, out_specs=P("x")))
+    args, traced, arriving = (sizes, *layouts), set(), returned._arriving
+    spy = lambda *a, **kw: traced.add(kw.get("w_nk", False)) or arriving(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(returned, "_arriving", spy)
+    ct = jnp.asarray(rng.standard_normal((size * rows, k))).astype(jnp.bfloat16)
+
+    def run():
+        garbage_freed(1 << 28)
+        out, pullback = jax.vjp(lambda *a: fn(*a, *args), x, w1, w2)
+        return [np.asarray(v.astype(jnp.float32)) for v in (out, *pullback(ct))]
+
+    got = run()
+    assert traced == {False, True}  # the dispatch (x @ w1) and dY's exchange (dY @ w2^T)
+    monkeypatch.setattr(returned, "arrive_reason", lambda *a, **k: "turned off")
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["all", "capped"])
