@@ -100,11 +100,11 @@ def test_dispatched_dx_returned(two_gpus, monkeypatch, groups, most, k, f):
         return returned.matmul_dispatched(a, b, g[0], None, None, None, "x", tokens, by_expert,
                                           most)[0]  # fmt: skip
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x")))
     args, traced = (sizes, *layouts), _spy(monkeypatch)
     ct = jnp.asarray(rng.standard_normal((size * size * most, f))).astype(jnp.bfloat16)
 
-    def run():
+    def run():  # traced anew each time: the patched reasons take effect
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=P("x")))
         garbage_freed(1 << 28)
         y, pullback = jax.vjp(lambda a, b: fn(a, b, *args), x, w)
         return [np.asarray(v.astype(jnp.float32)) for v in (y, *pullback(ct))]
@@ -144,13 +144,13 @@ def test_rows_arrive_inside_the_gemms(two_gpus, monkeypatch, groups, most, k, f)
                                         by_expert, tokens, most, rows, padded=True,
                                         fill=False)  # fmt: skip
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 8, out_specs=P("x")))
     args, traced, arriving = (sizes, *layouts), set(), returned._arriving
     spy = lambda *a, **kw: traced.add(kw.get("w_nk", False)) or arriving(*a, **kw)  # noqa: E731
     monkeypatch.setattr(returned, "_arriving", spy)
     ct = jnp.asarray(rng.standard_normal((size * rows, k))).astype(jnp.bfloat16)
 
-    def run():
+    def run():  # traced anew each time: the patched reasons take effect
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 8, out_specs=P("x")))
         garbage_freed(1 << 28)
         out, pullback = jax.vjp(lambda *a: fn(*a, *args), x, w1, w2)
         return [np.asarray(v.astype(jnp.float32)) for v in (out, *pullback(ct))]
@@ -215,7 +215,10 @@ def test_two_ops_returned_from_their_gemms(two_gpus, monkeypatch, capacity):
         return jnp.sum(out.astype(jnp.float32) * d)[None]
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))
-    step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)), (0, 1, 2)))
+
+    def step(*a):  # traced anew each call: the patched reasons take effect
+        return jax.jit(jax.value_and_grad(lambda *b: jnp.sum(fn(*b)), (0, 1, 2)))(*a)
+
     args = (x, w1, w2, jnp.asarray(counts, jnp.int32), ct)
     traced = _spy(monkeypatch)
     garbage_freed(1 << 30)
