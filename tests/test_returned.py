@@ -5,14 +5,16 @@ exchange of the GEMM's rows, and covers every result row once; the op off a GPU 
 exchange) equals a float64 reference with its gradient; the MoE step lowered for CUDA as on a
 Hopper GPU runs the GEMM and the exchange as one kernel, under check_vma on and off; the
 dispatch inside the GEMM (`returned.arrival_plan`) carried out chunk by chunk moves the
-exchange's rows, each band expecting the chunks that land there. The kernels' results on GPUs:
-tests/gpu/test_returned_gpu.py."""
+exchange's rows, each band expecting the chunks that land there (so too for any regions, by
+hypothesis). The kernels' results on GPUs: tests/gpu/test_returned_gpu.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import P, mesh1d, returned_layouts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_kernels_lower import JaxOnAnH100
 
 import commgemm as cg
@@ -140,6 +142,33 @@ def test_arrival_plan_moves_the_rows_the_exchange_moves(size, groups, most, drop
     np.testing.assert_array_equal(written, live.astype(int))
     np.testing.assert_array_equal(got[live], want.reshape(size, rows, 8)[live])
     np.testing.assert_array_equal(landed, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    regions=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 400)), min_size=1, max_size=8),
+    pad=st.integers(0, 300),
+)
+def test_expected_chunks_count_every_chunk_per_band(regions, pad):
+    """`grouped_dispatch.expected_chunks` for regions (a gap before each, rows) of any sizes,
+    empty ones and ones that straddle bands included: per band the chunks of BAND rows (from
+    each region's first row) that touch it, as counted chunk by chunk."""
+    from commgemm.mosaic_gpu.grouped_dispatch import BAND, expected_chunks
+
+    firsts, at = [], 0
+    for gap, rows in regions:
+        firsts.append(at + gap)
+        at += gap + rows
+    rows = [r for _, r in regions]
+    m = at + pad + 1
+    want = np.zeros(-(-m // BAND), np.int32)
+    for first, count in zip(firsts, rows, strict=True):
+        for lo in range(0, count, BAND):
+            start, end = first + lo, first + min(lo + BAND, count) - 1
+            for band in {start // BAND, end // BAND}:
+                want[band] += 1
+    got = jax.jit(expected_chunks, static_argnums=2)(jnp.array(firsts), jnp.array(rows), m)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def _step_calls(size: int, fp8: bool, check_vma: bool, two_ops: bool = False) -> int:
