@@ -273,7 +273,8 @@ def test_rows_arrive_only_where_they_pay(monkeypatch):
     """The rows arrive inside the GEMM (`arrive_reason` None) where the ping-pong kernel takes
     the shape, K is whole pairs of the senders' staged blocks, the GEMM's N is at most
     ARRIVE_MAX_N (beyond, the exchange is short beside the GEMM) and SMs are left to multiply;
-    a kernel whose ring cannot hold the staged blocks raises."""
+    a kernel whose ring cannot hold the staged blocks raises, and so does one asked for a
+    result of another dtype than the rows'."""
     from commgemm.mosaic_gpu import grouped_dispatch, grouped_pingpong
     from commgemm.mosaic_gpu.configs import PingPongTiles
 
@@ -300,4 +301,15 @@ def test_rows_arrive_only_where_they_pay(monkeypatch):
                       check_vma=False)  # fmt: skip
     args = jnp.zeros((size * rows, k), jnp.bfloat16), jnp.zeros((1, k, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="no room for the senders' blocks"):
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+    def wide(x, w):  # a float32 result: the senders' rows and the result share no dtype
+        plan = returned.arrival_plan(x, send, recv, "x", rows)
+        shape, sizes = jax.ShapeDtypeStruct((rows, k), x.dtype), jnp.array([150], jnp.int32)
+        return grouped_pingpong.grouped_matmul(shape, w, sizes, dispatched=plan,
+                                               out_dtype=jnp.float32)[0]  # fmt: skip
+
+    f = jax.shard_map(wide, mesh=mesh1d(size), in_specs=(P("x"), P()), out_specs=P("x"),
+                      check_vma=False)  # fmt: skip
+    with pytest.raises(ValueError, match="rows dispatched into it take 16-bit operands"):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

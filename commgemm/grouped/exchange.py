@@ -124,9 +124,7 @@ def _exchange(src, send: Layout, recv: Layout, axis_name: str, most: int, out_ro
     if kernel_reason(src.dtype, src.shape[1]) is None:
         from commgemm.mosaic_gpu import ragged_a2a
 
-        groups = send.counts.shape[0] // size
-        peers = send.flat(jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[:, None],
-                                           (size, groups)))  # fmt: skip
+        peers = send.pair(jnp.arange(send.counts.shape[0], dtype=jnp.int32), size)[0]
         zeros_at, zero_rows = unwritten(recv)
         zero_rows = zero_rows if fills[0] else jnp.zeros_like(zeros_at)
         plan = ragged_a2a.plan_array(

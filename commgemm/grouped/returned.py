@@ -139,8 +139,8 @@ def arrival_plan(x, send: Layout, recv: Layout, axis_name: str, m: int):
 
     size, regions = axis_size(axis_name), send.counts.shape[0]
     order = lambda a: send.grid(a, size).T.reshape(-1)  # noqa: E731  (group-major)
-    peers = jnp.repeat(jnp.arange(size, dtype=jnp.int32), regions // size).reshape(size, -1)
-    sends = (send.bounds[:-1], send.counts, destinations(send, recv, axis_name), send.flat(peers))
+    peers = send.pair(jnp.arange(regions, dtype=jnp.int32), size)[0]
+    sends = (send.bounds[:-1], send.counts, destinations(send, recv, axis_name), peers)
     return grouped_dispatch.plan(x, *map(order, sends), recv.bounds[:-1], recv.counts, m,
                                  axis_name)  # fmt: skip
 

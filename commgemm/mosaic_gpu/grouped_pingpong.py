@@ -22,14 +22,12 @@ idle; an ordered pair of barriers makes the K loops alternate. A compute warpgro
 the "loaded" barriers of its own tiles only (one array per warpgroup, so each barrier's phases
 are awaited in order) and releases each slot on one "consumed" array, which the load warpgroup
 awaits before reusing the slot. The load warpgroup reads a tile's place (its first row and
-group, int32 arrays in global memory) once per tile, then issues the loads of its K-steps;
-read in every K-step, those dependent global loads would set the pace of the loads, below
-the tensor cores'. CTAs walk the output tiles in bands `band` row tiles wide. The groups'
-partial last tiles often leave a last wave that fills few CTAs; where it fills at most half
-of them, its tiles run as two halves of tile_m / 2 rows each, on two CTAs. Its pieces are the
-dense ping-pong kernels' (`pingpong.Deal`, traced here: the tiles follow the group sizes;
-`pingpong.by_warpgroup`, `pingpong.k_loop_in_turn`) and, with `ring_scratch` and `launch`,
-the grouped dW kernel's (`grouped_dw`).
+group, from global memory) once per tile, not in each K-step, where those dependent loads
+would set the loads' pace. CTAs walk the output tiles in bands `band` row tiles wide. The
+groups' partial last tiles often leave a last wave that fills few CTAs; where it fills at most
+half of them, its tiles run as two halves of tile_m / 2 rows each, on two CTAs. Its pieces are
+the dense ping-pong kernels' (`pingpong.Deal`, traced: the tiles follow the group sizes;
+`pingpong.by_warpgroup`, `k_loop_in_turn`) and, with `ring_scratch` and `launch`, `grouped_dw`'s.
 
 It runs the forward and dX (w read [G, N, K]) at any group size (`grouped.pick_tiles`), and
 the float8 forward and dX where `grouped.float8_kernel` picks it (fast accumulation). With a
@@ -265,6 +263,9 @@ def grouped_matmul(
     axis = getattr(returned or dispatched, "axis_name", None)  # the mesh axis of the peers
     peers, senders = lax.axis_size(axis) if axis else 0, getattr(dispatched, "senders", 0)
     n_plan = 2 if returned is not None else 3 if dispatched is not None else 0
+    if dispatched is not None and (returned is not None or float8 or out_dtype != x.dtype):
+        raise ValueError("ping-pong grouped kernel: rows dispatched into it take 16-bit operands,"
+                         " a result of x's dtype and no `returned` plan")  # fmt: skip
 
     def body(start_ref, skip_ref, rows_ref, group_ref, counts_ref, *refs):
         plan, refs = refs[:n_plan], refs[n_plan:]
@@ -274,8 +275,7 @@ def grouped_matmul(
         me, ctas = cta - senders, sms - senders  # this GEMM CTA, of `ctas`
         if returned is not None:  # the rows go to their owners (`grouped_return`)
             epilogue = returned.epilogue(peers, *plan, out_ref, sms)
-        if dispatched is not None:  # the rows arrive from their owners (`grouped_dispatch`)
-            arrivals = dispatched.arrivals(peers, *plan, x_ref, sms)
+        arrivals = None if dispatched is None else dispatched.arrivals(peers, *plan, x_ref, sms)
         deal = Deal.traced(used * n_iters, ctas, halving=halves)
         tail = ((counts_ref[1] - used) * n_iters - me + ctas - 1) // ctas  # the tail's units
 
