@@ -865,3 +865,30 @@ def test_ragged_all_to_all_kernel_lowers(size, groups, dtype, check_vma, monkeyp
 
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (2 if wide else 1)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_pingpong_kernels_lower_through_the_public_ops(op, size, monkeypatch):
+    """The ping-pong AG and RS kernels (`-pp`), their flags raised after the awaited stores
+    (`signals.landed`), lower for a CUDA target through the public ops, as on P Hopper GPUs."""
+    from commgemm.mosaic_gpu import pingpong_ag, pingpong_rs
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(jax, "device_count", lambda *_: size)
+    module, name = (pingpong_ag, "all_gather_matmul") if op == "ag" else (
+        pingpong_rs, "matmul_reduce_scatter")  # fmt: skip
+    called, kernel = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or kernel(*a, **k))
+    config = parse_method("fused-direct-pp-gm-cm", op)
+    if op == "ag":
+        fn, specs = cg.all_gather_matmul, (P("x", None), P(None, "x"), P(None, "x"))
+        shapes = ((2048 * size, 1024), (1024, 2048 * size))
+    else:
+        fn, specs = cg.matmul_reduce_scatter, (P(None, "x"), P("x", None), P("x", None))
+        shapes = ((2048 * size, 1024 * size), (1024 * size, 2048))
+    f = jax.shard_map(lambda x, w: fn(x, w, "x", config=config), mesh=mesh1d(size),
+                      in_specs=specs[:2], out_specs=specs[2])  # fmt: skip
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and called

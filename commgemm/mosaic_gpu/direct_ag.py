@@ -15,8 +15,8 @@ of device (d - j - 1) mod P.
       the rows of device (d - s) mod P and forwards them, band by band, into slot s of the next
       device's inbox (steps 0 to P - 2), so each link carries every block once and a device
       sends one block a step. On two devices the two are the same kernel.
-Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
-relaxed atomic (`tiles.relaxed_signal`). 2-CTA clusters along M only (the pair shares w).
+Invariant: a flag is raised only after its sender's stores have landed (awaited), and
+ordered after them (`signals.landed`). 2-CTA clusters along M only (the pair shares w).
 With DirectAGConfig.narrow_tail, a last wave of tiles that fills at most half the CTAs runs
 each of its tiles as two of half the columns (`narrow_tail`), in a shared-memory scope of its
 own.
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import DirectAGConfig, RingAGConfig
 
@@ -206,7 +207,7 @@ def all_gather_matmul(
                     def _band_sent():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # it has landed
                         for peer, slot in destinations(step):
-                            mt.relaxed_signal(arrived.at[slot, at.m_idx], device_id=peer)
+                            signals.landed(arrived.at[slot, at.m_idx], device_id=peer)
 
                 acc = mt.scaled(read(), scale_ref, out_dtype)
                 out_rows = pl.ds(source * m + at.m_idx * tiles.cta_m, tiles.cta_m)

@@ -8,8 +8,8 @@ blocks). No step barrier: the transfers spread over the whole GEMM.
 Invariant: a tile is added into only after every device zeroed it. The compute warpgroups zero
 the tiles of the first `zero_ahead` waves of CTAs (all of them when 0); with zero_ahead = D the
 load warpgroups zero wave j + D's tiles while loading wave j, one semaphore a wave
-(`wave_tiles`). Every signal follows awaited TMA stores, so it is a relaxed atomic
-(`tiles.relaxed_signal`). `split_tail` splits the last, partly filled wave's tiles (this
+(`wave_tiles`). Every signal follows awaited TMA stores and is ordered after them
+(`signals.landed`). `split_tail` splits the last, partly filled wave's tiles (this
 device's own) along K (`tail_plan`), or `stream_tail` deals their K-steps evenly to every CTA
 (`stream_pieces`); the schedule's arithmetic is `rs_schedule`'s. Partial sums are added in the
 output dtype, in arrival order where a tile gets more than two (P > 2, split or streamed
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import ZERO_ROWS, DirectRSConfig
 from commgemm.mosaic_gpu.rs_schedule import (
@@ -44,10 +45,10 @@ from commgemm.mosaic_gpu.rs_schedule import (
 
 
 def signal_devices(sem, peers) -> None:
-    """`tiles.relaxed_signal` semaphore `sem` here and on every peer (peers[0] is this device),
-    with relaxed_signal's invariant: after this thread's awaited TMA stores."""
+    """`signals.landed` semaphore `sem` here and on every peer (peers[0] is this device): after
+    this thread's awaited TMA stores."""
     for i, peer in enumerate(peers):
-        mt.relaxed_signal(sem, device_id=None if i == 0 else peer)
+        signals.landed(sem, device_id=None if i == 0 else peer)
 
 
 def matmul_reduce_scatter(
@@ -326,7 +327,7 @@ def matmul_reduce_scatter(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                 if reduce:
                     for peer in peers[1:]:
-                        mt.relaxed_signal(landed, device_id=peer)
+                        signals.landed(landed, device_id=peer)
                     pl.semaphore_wait(landed, value=(size - 1) * adds_per_device, decrement=False)
 
         @mt.tile_smem(

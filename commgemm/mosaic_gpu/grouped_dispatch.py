@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.grouped_pingpong import ladder_store
 from commgemm.mosaic_gpu.ragged_a2a import item_of
@@ -129,21 +130,6 @@ def expected_chunks(first, rows, m: int) -> jax.Array:
     return count.at[jnp.where(live & (hi != lo), hi, bands)].add(1, mode="drop")
 
 
-def _fence_async_proxy() -> None:
-    """Orders this warpgroup's acquired view of global memory before its TMA loads."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu()
-    def _fence(_):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
-
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "",
-                        has_side_effects=True)  # fmt: skip
-
-    _fence()
-
-
 def _zero_semaphore(sem) -> None:
     """Sets semaphore `sem` (this device's) to 0: a relaxed store, ordered before the kernel's
     end."""
@@ -231,11 +217,11 @@ class Arrivals:
 
                 @pl.when(peer == d)
                 def _arrived(d=d):
-                    pl.semaphore_signal(self.bands.at[lo], device_id=self._peer(d))
+                    signals.landed(self.bands.at[lo], device_id=self._peer(d))
 
                     @pl.when(hi != lo)
                     def _next():
-                        pl.semaphore_signal(self.bands.at[hi], device_id=self._peer(d))
+                        signals.landed(self.bands.at[hi], device_id=self._peer(d))
 
     def roles(self, cta, gemm, staging, loaded) -> None:
         """CTA `cta`'s part: gemm() (the ping-pong's warpgroups) past the first `senders`
@@ -256,7 +242,7 @@ class Arrivals:
         def _wait():
             for band in (first // BAND, (first + rows - 1) // BAND):
                 pl.semaphore_wait(self.bands.at[band], self.expected_ref[band], decrement=False)
-            _fence_async_proxy()
+            signals.fence_async_proxy()
 
     def finish(self, gemm_cta) -> None:
         """GEMM CTA `gemm_cta`'s load warpgroup, its waits done; the first then sets the bands

@@ -17,9 +17,10 @@ warpgroups of every CTA (`zeros`: ragged_a2a's plan of fill items).
 Invariants, as in `ragged_a2a`: each compute warpgroup adds 1 to its own "entered" semaphore on
 every device and waits for P before its first store, so no device writes into a peer's result
 before the peer runs this kernel (its earlier work, whose memory the result may reuse, done);
-each, its stores landed (awaited), adds 1 to "arrived" on every device, and warpgroup 0 of CTA
-0 waits for 2 x CTAs x P of them, so the kernel ends when every row has arrived. Waits take
-their counts off: each call starts where the last left them."""
+each, its stores landed (awaited), adds 1 to "arrived" on every device, ordered after those
+stores (`signals.landed`), and warpgroup 0 of CTA 0 waits for 2 x CTAs x P of them, so the
+kernel ends when every row has arrived. Waits take their counts off: each call starts where
+the last left them."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.grouped_pingpong import ladder_store
 from commgemm.mosaic_gpu.ragged_a2a import unit_of
@@ -85,7 +87,7 @@ class Epilogue:
 
         slot = self.entered.at[2 * cta + c]
         for d in range(self.size):
-            mt.relaxed_signal(slot, device_id=self._peer(d))
+            signals.entered(slot, device_id=self._peer(d))
         pl.semaphore_wait(slot, value=self.size, decrement=True)
 
     def store(self, source, group, lo, at, count, cols, tile_m: int) -> None:
@@ -125,7 +127,7 @@ class Epilogue:
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         for d in range(self.size):
-            mt.relaxed_signal(self.arrived.at[0], device_id=self._peer(d))
+            signals.landed(self.arrived.at[0], device_id=self._peer(d))
         if c == 0:
 
             @pl.when(cta == 0)

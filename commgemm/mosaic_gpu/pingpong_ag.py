@@ -10,8 +10,8 @@ back to the loads once the push has read it, awaited a K-step later. Once its pu
 tile raises the band's flag on every peer. The load warpgroup awaits a band's flags before
 loading a peer tile's rows. The last column of tiles may be partial: TMA zero-fills the loads
 past n and clips the stores.
-Invariant: a flag is raised only after its sender's stores have landed (awaited), so it is a
-relaxed atomic (`tiles.relaxed_signal`); every own tile precedes every peer tile in each CTA's
+Invariant: a flag is raised only after its sender's stores have landed (awaited), ordered
+after them (`signals.landed`); every own tile precedes every peer tile in each CTA's
 order, so no CTA waits on a band whose senders wait on it.
 """
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.mosaic_gpu import pingpong
+from commgemm.mosaic_gpu import pingpong, signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, PingPongAGConfig
 from commgemm.mosaic_gpu.direct_ag import SENDERS, gathered_rows
@@ -167,7 +167,7 @@ def all_gather_matmul(
             def _band_sent():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # its pushes have landed
                 for j, peer in enumerate(peers):
-                    mt.relaxed_signal(arrived.at[j, band], device_id=peer)
+                    signals.landed(arrived.at[j, band], device_id=peer)
 
         def store(state, r, out_smem):
             step, row, col, *_ = state

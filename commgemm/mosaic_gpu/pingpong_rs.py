@@ -11,7 +11,7 @@ Invariant (P > 1): a tile is added into only after every device zeroed it. The c
 warpgroups zero the tiles of the first `zero_ahead` waves of CTAs (all when 0) before their
 first tile; the load warpgroups zero wave j + D's tiles between wave j's loads, one semaphore
 a wave, as `direct_rs` does (`rs_schedule.wave_tiles`). Every signal follows
-awaited TMA stores, so it is a relaxed atomic (`tiles.relaxed_signal`); at the end each
+awaited TMA stores, ordered after them (`signals.landed`); at the end each
 compute warpgroup awaits the peers' "landed" signals. On one device
 (axis_name None: the kernel's GEMM core) the tiles are stored, not added, and nothing is zeroed.
 Partial sums are added in the output dtype, in arrival order on more than 2 devices.
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.mosaic_gpu import pingpong
+from commgemm.mosaic_gpu import pingpong, signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import EPI, ZERO_ROWS, PingPongRSConfig
 from commgemm.mosaic_gpu.direct_rs import signal_devices
@@ -81,7 +81,7 @@ def matmul_reduce_scatter(
         tiles.zero_ahead, ctas, units, size, per_block, 0, bands, sms
     )
     zero_columns = tiles.zero_columns
-    signals = 2 * sms  # each compute warpgroup of each CTA signals each device once
+    adds = 2 * sms  # each compute warpgroup of each CTA signals each device once
 
     def body(x_ref, w_ref, *refs):
         scale_ref, out_ref = refs if scale is not None else (None, *refs)
@@ -184,7 +184,7 @@ def matmul_reduce_scatter(
         def before_stores(c, i):
             @pl.when(i < 2)
             def _():  # before this warpgroup's first adds: the first waves zeroed
-                pl.semaphore_wait(zeroed, value=size * signals, decrement=False)
+                pl.semaphore_wait(zeroed, value=size * adds, decrement=False)
 
             if late_zero:
 
@@ -211,8 +211,8 @@ def matmul_reduce_scatter(
                 return
             with jax.named_scope("landed"):
                 for peer in peers[1:]:
-                    mt.relaxed_signal(landed, device_id=peer)
-                pl.semaphore_wait(landed, value=(size - 1) * signals, decrement=False)
+                    signals.landed(landed, device_id=peer)
+                pl.semaphore_wait(landed, value=(size - 1) * adds, decrement=False)
 
         unit = pingpong.Unit(
             load_x=load_x,

@@ -14,9 +14,9 @@ round-robin to the CTAs, each finding its item by a binary search of the items' 
 CTA c first adds 1 to semaphore c on every device (itself included) and waits for P of its
 own: no device writes into a peer's result before the peer has entered the kernel (its earlier
 work, whose memory the result may reuse, done). Every CTA, its stores landed, adds 1 to
-another semaphore on every device; CTA 0 waits for P x CTAs of them, so the kernel ends when
-every row has arrived. Waits take their counts off: each call starts where the last left
-them."""
+another semaphore on every device, ordered after those stores (`signals.landed`); CTA 0 waits
+for P x CTAs of them, so the kernel ends when every row has arrived. Waits take their counts
+off: each call starts where the last left them."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.grouped_pingpong import ladder_store
 
@@ -118,7 +119,7 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
         # no store into a peer's result before the peer runs this kernel: its earlier work,
         # which may use the same memory, has finished by then
         for d in range(size):
-            mt.relaxed_signal(entered.at[cta], device_id=mt.peer_id(axis_name, jnp.int32(d)))
+            signals.entered(entered.at[cta], device_id=mt.peer_id(axis_name, jnp.int32(d)))
         plgpu.copy_gmem_to_smem(zeros_ref, zeros, loaded)  # the zero block, once
         plgpu.barrier_wait(loaded)
         pl.semaphore_wait(entered.at[cta], value=size, decrement=True)
@@ -150,7 +151,7 @@ def exchange_kernel(src: jax.Array, plan: jax.Array, out_rows: int, axis_name: s
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store has landed
         for d in range(size):
-            mt.relaxed_signal(arrived.at[0], device_id=mt.peer_id(axis_name, jnp.int32(d)))
+            signals.landed(arrived.at[0], device_id=mt.peer_id(axis_name, jnp.int32(d)))
 
         @pl.when(cta == 0)
         def _all_arrived():

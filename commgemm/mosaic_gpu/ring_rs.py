@@ -11,7 +11,7 @@ order (deterministic).
 Invariant: a device reads slot s - 1 only after every compute warpgroup of device d - 1 said
 its stores of step s - 1 landed (one count per step: with one shared count, a CTA a step
 ahead could complete the count of a step whose writes have not all landed), and each signal
-follows awaited TMA stores, so it is a relaxed atomic (`tiles.relaxed_signal`).
+follows awaited TMA stores, ordered after them (`signals.landed`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu import signals
 from commgemm.mosaic_gpu import tiles as mt
 from commgemm.mosaic_gpu.configs import RingRSConfig
 
@@ -123,7 +124,7 @@ def matmul_reduce_scatter(
                 @jax.named_scope("step_sent")
                 def _sent():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the writes have landed
-                    mt.relaxed_signal(received.at[step], device_id=succ)
+                    signals.landed(received.at[step], device_id=succ)
 
         @mt.tile_smem(
             tiles, dtype, k_iters, x_ref, w_ref, release=1, out_dtype=out_dtype, w_nk=w_nk

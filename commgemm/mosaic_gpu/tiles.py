@@ -54,29 +54,6 @@ def kernel_params(sms: int, cluster: int, compiler_params: Mapping | None = None
                 compiler_params=params)  # fmt: skip
 
 
-def relaxed_signal(sem, device_id=None) -> None:
-    """Add 1 to semaphore `sem` (on peer `device_id`, or here) with a relaxed atomic: no
-    system-scope release fence, which `pl.semaphore_signal` issues and which stalls the
-    warpgroup for thousands of cycles while NVLink traffic is in flight. Invariant: only for a
-    signal that says this thread's awaited TMA stores (`wait_smem_to_gmem(...,
-    wait_read_only=False)`) have landed. On jax < 0.11 (no peer refs in Mosaic GPU's inline
-    code; the fused kernels need >= 0.11) it is `pl.semaphore_signal`."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if jax.__version_info__ < (0, 11):
-        pl.semaphore_signal(sem, device_id=device_id)
-        return
-    ref = sem if device_id is None else plgpu.remote_ref(sem, device_id)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def _signal(_, sem_ref):
-        mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem_ref)).signal(1, relaxed=True)
-
-    _signal(ref)
-
-
 def axis_position(axis_name: str | None) -> tuple[int, jax.Array]:
     """(size, this device's index) of the kernels' mesh axis; axis_name None: one device, the
     kernel on its own (its GEMM core: nothing to send, no NVSHMEM)."""
