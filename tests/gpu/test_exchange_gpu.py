@@ -1,9 +1,9 @@
 """The ragged all-to-all kernel (`mosaic_gpu.ragged_a2a`) on 2 or more Hopper GPUs: results and
 gradients equal, bit for bit, to the all-to-all fallback's (`grouped.exchange._blocks`) on
 fresh random layouts (skewed, empty and capped regions, rows not whole tiles; one region per
-peer or several in either order), repeated calls, several dtypes and row widths, under
-shard_map with and without check_vma; and the expert-parallel block through it against the
-block with the fallback."""
+peer or several in either order), repeated calls, read by the next op of the same program,
+several dtypes and row widths, under shard_map with and without check_vma; and the
+expert-parallel block through it against the block with the fallback."""
 
 import functools
 
@@ -96,6 +96,34 @@ def test_grouped_kernel_equals_fallback(two_gpus, groups, most, orders):
     ct = jnp.asarray(rng.standard_normal(want.shape)).astype(dtype)
     grads = [jax.vjp(lambda v, f=f: f(v, sb, sc, rb, rc), x)[1](ct)[0] for f in (kernel, fallback)]
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
+
+
+@pytest.mark.parametrize("groups, most", [(4, 700), (16, 1500)], ids=["4", "16"])
+def test_rows_read_right_after_the_exchange(two_gpus, groups, most):
+    """An op that reads the kernel's result right after it, in the same program, sees every
+    row (the kernel ends only when every peer's rows have landed): the first run and two more,
+    each after the allocations moved (freed NaNs of another size), against the fallback."""
+    size, k = jax.device_count(), 512
+    rng = np.random.default_rng()
+    orders = (False, True)
+    _, sb, sc, rb, rc = grouped_layouts(rng, size, groups, most, orders)
+    rows = size * (most + groups)
+    x = jnp.asarray(rng.standard_normal((size * rows, k))).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()[:size]), ("x",))
+
+    def read_after(exchange):
+        def fn(v, sb, sc, rb, rc):
+            send = ex.Layout(sb[0], sc[0], by_group=orders[0])
+            recv = ex.Layout(rb[0], rc[0], by_group=orders[1])
+            return exchange(v, send, recv, "x", most, rows).astype(jnp.float32)
+
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))
+
+    kernel, fallback = read_after(ex.ragged_all_to_all), read_after(ex._blocks)
+    want = np.asarray(fallback(x, sb, sc, rb, rc))
+    for nbytes in (1 << 28, 1 << 27, 1 << 29):
+        garbage_freed(nbytes)
+        np.testing.assert_array_equal(np.asarray(kernel(x, sb, sc, rb, rc)), want)
 
 
 def _live(bounds: np.ndarray, counts: np.ndarray) -> np.ndarray:
