@@ -27,6 +27,14 @@ def _h100_sms(monkeypatch):
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)  # CPU devices have no SM count
 
 
+def _calls(monkeypatch, module, name: str) -> list:
+    """Replace module.name by one that also records each call's positional arguments, in the
+    returned list."""
+    calls, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a) or fn(*a, **k))
+    return calls
+
+
 def _recorded(monkeypatch, module, name: str) -> list:
     """Replace module.name (a plan function) by one that also records each result, in the
     returned list."""
@@ -841,8 +849,12 @@ def test_kept_transposed_dense_lowers(spec, keep, monkeypatch):
 def test_ragged_all_to_all_kernel_lowers(size, groups, dtype, check_vma, monkeypatch):
     """The expert-parallel exchange on its NVLink kernel (`mosaic_gpu.ragged_a2a`), as on a
     Hopper GPU, one region per peer or several (peer-major out, group-major in): forward and
-    (for 16-bit and wider rows) its transpose each one Mosaic GPU call."""
+    (for 16-bit and wider rows) its transpose each one Mosaic GPU call, the rows' arrival
+    signalled after the stores (`signals.landed`), the entries relaxed (`signals.entered`)."""
     from commgemm.grouped import exchange
+    from commgemm.mosaic_gpu import signals
+
+    landed, entered = (_calls(monkeypatch, signals, name) for name in ("landed", "entered"))
 
     monkeypatch.setattr(exchange, "kernel_reason", lambda dtype, k: None)
     rows, most, k, regions = 1000, 700, 512, size * groups
@@ -865,6 +877,7 @@ def test_ragged_all_to_all_kernel_lowers(size, groups, dtype, check_vma, monkeyp
 
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == (2 if wide else 1)
+    assert len(landed) == len(entered) == size * (2 if wide else 1)  # one each to every device
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -872,14 +885,13 @@ def test_ragged_all_to_all_kernel_lowers(size, groups, dtype, check_vma, monkeyp
 def test_pingpong_kernels_lower_through_the_public_ops(op, size, monkeypatch):
     """The ping-pong AG and RS kernels (`-pp`), their flags raised after the awaited stores
     (`signals.landed`), lower for a CUDA target through the public ops, as on P Hopper GPUs."""
-    from commgemm.mosaic_gpu import pingpong_ag, pingpong_rs
+    from commgemm.mosaic_gpu import pingpong_ag, pingpong_rs, signals
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     monkeypatch.setattr(jax, "device_count", lambda *_: size)
     module, name = (pingpong_ag, "all_gather_matmul") if op == "ag" else (
         pingpong_rs, "matmul_reduce_scatter")  # fmt: skip
-    called, kernel = [], getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or kernel(*a, **k))
+    called, landed = _calls(monkeypatch, module, name), _calls(monkeypatch, signals, "landed")
     config = parse_method("fused-direct-pp-gm-cm", op)
     if op == "ag":
         fn, specs = cg.all_gather_matmul, (P("x", None), P(None, "x"), P(None, "x"))
@@ -891,4 +903,4 @@ def test_pingpong_kernels_lower_through_the_public_ops(op, size, monkeypatch):
                       in_specs=specs[:2], out_specs=specs[2])  # fmt: skip
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and called
+    assert "mosaic_gpu" in text and called and landed
