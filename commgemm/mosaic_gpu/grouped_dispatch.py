@@ -8,8 +8,8 @@ exchange's send layout) into their owners' x over NVLink, while the other CTAs r
 the rows that have arrived. Senders take chunks of up to BAND rows of one region (all K
 columns, in pairs of blocks of `STAGING_BYTES`-byte rows: TMA loads into shared memory, then a
 ladder of TMA stores, `grouped_pingpong.ladder_store`, of the live rows only), in the order of
-their place on the receiver (group-major), and after a chunk's stores have landed add 1 (a
-release at system scope) to the semaphore of each band of BAND rows of x it wrote. The load
+their place on the receiver (group-major), and after a chunk's stores have landed add 1 to
+the semaphore of each band of BAND rows of x it wrote (`signals.landed`). The load
 warpgroup of a GEMM CTA waits, before a tile's loads, for its live rows' bands to hold the
 chunks that land there (`expected`, counted in XLA from the receive layout), then fences the
 async proxy, so the TMA loads read what arrived.
