@@ -98,8 +98,9 @@ def test_grouped_kernel_equals_fallback(two_gpus, groups, most, orders):
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
 @pytest.mark.parametrize("groups, most", [(4, 700), (16, 1500)], ids=["4", "16"])
-def test_rows_read_right_after_the_exchange(two_gpus, groups, most):
+def test_rows_read_right_after_the_exchange(two_gpus, groups, most, check_vma):
     """An op that reads the kernel's result right after it, in the same program, sees every
     row (the kernel ends only when every peer's rows have landed): the first run and two more,
     each after the allocations moved (freed NaNs of another size), against the fallback."""
@@ -117,7 +118,8 @@ def test_rows_read_right_after_the_exchange(two_gpus, groups, most):
             recv = ex.Layout(rb[0], rc[0], by_group=orders[1])
             return exchange(v, send, recv, "x", most, rows).astype(jnp.float32)
 
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"),
+                                     check_vma=check_vma))  # fmt: skip
 
     kernel, fallback = read_after(ex.ragged_all_to_all), read_after(ex._blocks)
     want = np.asarray(fallback(x, sb, sc, rb, rc))
