@@ -320,15 +320,14 @@ class ScalingRecipe:
     K-step's product into a float32 total, in smaller tiles (`mosaic_gpu.tiles.accumulated`).
     Default (False, True, True), the reference system's: fast for the forward, promoted for the
     two gradients. XLA's GEMM keeps promoting either way (same speed, same error). The fused
-    kernels' fast form, which the forward's default lets AUTO pick, had 1.9 to 3x the error of
-    the promoted GEMM on the presets' shapes (at most 8.8e-3 of max |ref|); their split form has
-    XLA's error but 1.2 to 1.3x the time of XLA's promoted FP8 GEMM. Fast dgrad
-    (split_accumulator[1] False) lets a fused op's dX run on the fused kernels
-    (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. On the presets' dX
-    GEMMs the largest error against the bf16 operands' product was the same either way, dY's
-    e5m2 rounding outweighing the accumulation's; whether fast accumulation biases long sums in
-    training was not measured, so the default stays the reference's. Elsewhere the GEMMs
-    accumulate in float32 and the flag does nothing.
+    kernels' fast form, which the forward's default lets AUTO pick, has a larger error than the
+    promoted GEMM; their split form has XLA's error but runs slower than XLA's promoted FP8
+    GEMM. Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on the fused kernels
+    (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. Fast wgrad
+    (split_accumulator[2] False) lets `grouped_matmul`'s dW run on commgemm's float8 dW kernel
+    (`mosaic_gpu.grouped_dw`); with the default dW multiplies dequantized 16-bit operands.
+    Whether fast accumulation biases long sums in training is not known here, so the default
+    stays the reference's. Elsewhere the GEMMs accumulate in float32 and the flags do nothing.
 
     DELAYED_TENSOR_SCALING takes
     the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and

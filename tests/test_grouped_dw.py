@@ -22,13 +22,16 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     sizes=st.lists(st.integers(0, 700), min_size=1, max_size=12),
     m=st.integers(1, 2500),
     tile_k=st.sampled_from([64, 128]),
+    align=st.sampled_from([ROW_ALIGN, grouped_dw.TOKEN_ALIGN]),
 )
-def test_group_steps_cover_each_groups_rows(sizes, m, tile_k):
-    """Each group's steps start at a whole 8 of rows at most 7 rows before the group, cover
-    every row of the group (its sum cut at m) and end less than tile_k rows past it; an empty
-    group takes none. Against the rows' groups counted in numpy."""
+def test_group_steps_cover_each_groups_rows(sizes, m, tile_k, align):
+    """Each group's steps start at a whole `align` of rows (8: the 16-bit kernel's; 16: the
+    float8 one's) less than `align` rows before the group, cover every row of the group (its
+    sum cut at m) and end less than tile_k rows past it; an empty group takes none. Against
+    the rows' groups counted in numpy."""
+    sizes_ = jnp.asarray(sizes, jnp.int32)
     starts, ends, base, steps = (
-        np.asarray(a) for a in grouped_dw.group_steps(jnp.asarray(sizes, jnp.int32), m, tile_k)
+        np.asarray(a) for a in grouped_dw.group_steps(sizes_, m, tile_k, align)
     )
     owner = np.repeat(np.arange(len(sizes)), sizes)[:m]
     for g in range(len(sizes)):
@@ -37,7 +40,7 @@ def test_group_steps_cover_each_groups_rows(sizes, m, tile_k):
         if not rows.size:
             assert steps[g] == 0
             continue
-        assert base[g] % ROW_ALIGN == 0 and 0 <= starts[g] - base[g] < ROW_ALIGN
+        assert base[g] % align == 0 and 0 <= starts[g] - base[g] < align
         covered_end = base[g] + steps[g] * tile_k
         assert covered_end >= ends[g] > covered_end - tile_k
 
@@ -71,7 +74,7 @@ def test_bad_operands_raise(monkeypatch):
         grouped_dw.weight_grad(x, dy, sizes[:0])
     with pytest.raises(ValueError, match="N=320"):
         grouped_dw.weight_grad(x, jnp.zeros((256, 320), jnp.bfloat16), sizes)
-    with pytest.raises(ValueError, match="bf16 or fp16"):
+    with pytest.raises(ValueError, match="bfloat16/float16"):
         grouped_dw.weight_grad(x.astype(jnp.float32), dy.astype(jnp.float32), sizes)
     with pytest.raises(ValueError, match="whole 64s"):
         grouped_dw.weight_grad(x, dy, sizes, PingPongTiles(tile_k=32))
@@ -118,3 +121,78 @@ def test_grouped_backward_takes_the_kernel(monkeypatch):
                          x, dy, sizes)  # fmt: skip
     assert len(jaxs) == 1 and "tensor<24xi32>" not in jaxs[0], jaxs
     assert not _mosaic_calls(grouped.weight_grad, sds((512, 200), jnp.bfloat16), dy, sizes)
+
+
+def test_transposed_pads_rows_to_whole_128s():
+    """The float8 kernel's operands: q [M, C] transposed, zeros past M up to a multiple of 128;
+    float8 values exact."""
+    rng = np.random.default_rng()
+    for m in (128, 37, 1000):
+        q = jnp.asarray(rng.normal(size=(m, 5)), jnp.float8_e4m3fn)
+        got = np.asarray(grouped_dw.transposed(q).astype(jnp.float32))
+        assert got.shape == (5, -(-m // 128) * 128)
+        np.testing.assert_array_equal(got[:, :m], np.asarray(q.astype(jnp.float32)).T)
+        assert not got[:, m:].any()
+
+
+def test_float8_bad_operands_raise(monkeypatch):
+    """The float8 form's checks: float8 operands of one row count, whole tiles."""
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    f8 = jnp.float8_e4m3fn
+    x, dy = jnp.zeros((256, 256), f8), jnp.zeros((256, 384), jnp.float8_e5m2)
+    sizes, one = jnp.asarray([100, 156], jnp.int32), jnp.ones((), jnp.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn/float8_e5m2"):
+        grouped_dw.float8_weight_grad(x.astype(jnp.bfloat16), one, dy, one, sizes)
+    with pytest.raises(ValueError, match=r"\[M, N\]"):
+        grouped_dw.float8_weight_grad(x, one, dy[:128], one, sizes)
+    with pytest.raises(ValueError, match="G >= 1"):
+        grouped_dw.float8_weight_grad(x, one, dy, one, sizes[:0])
+    with pytest.raises(ValueError, match="K=192"):
+        grouped_dw.float8_weight_grad(x[:, :192], one, dy, one, sizes)
+
+
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_float8_weight_grad_lowers(groups, monkeypatch):
+    """The float8 form lowers for a CUDA target: one Mosaic GPU call taking x and dy
+    transposed ([K, M'], [N, M'] float8, M' the rows rounded up to 128) and the scale, giving
+    [G, K, N] bf16. (Both e4m3: jax < 0.11's wgmma takes no mixed pair; the GPU tests run
+    e4m3 x e5m2.)"""
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    sds, f8, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
+    m, cols = 1000, 1024
+    args = (sds((m, 256), f8), sds((), f32), sds((m, 384), f8), sds((), f32))
+    calls = _mosaic_calls(grouped_dw.float8_weight_grad, *args, sds((groups,), jnp.int32))
+    assert len(calls) == 1, calls
+    assert f"-> tensor<{groups}x256x384xbf16>" in calls[0], calls[0]
+    assert f"tensor<256x{cols}xf8E4M3FN>" in calls[0], calls[0]
+    assert f"tensor<384x{cols}xf8E4M3FN>" in calls[0], calls[0]
+
+
+@pytest.mark.parametrize("wgrad_split", [False, True], ids=["fast-wgrad", "split-wgrad"])
+def test_float8_backward_takes_the_float8_dw_kernel(wgrad_split, monkeypatch):
+    """`cg.grouped_matmul` under tensor scaling, as on a Hopper GPU: its dW runs the float8 dW
+    kernel (x's and dY's float8 values transposed) where the recipe
+    lets dW accumulate fast and the groups hold FLOAT8_MIN_GROUP_ROWS rows on average, the
+    16-bit dW kernel where the recipe asks for split accumulation or the groups are smaller.
+    (dY in e4m3: jax < 0.11's wgmma takes no mixed pair.)"""
+    import commgemm as cg
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    split = (False, False, wgrad_split)
+    recipe = cg.ScalingRecipe(grad_dtype="float8_e4m3fn", split_accumulator=split)
+    sds = jax.ShapeDtypeStruct
+
+    def loss(x, w, sizes):
+        return cg.grouped_matmul(x, w, sizes, scaling=recipe).astype(jnp.float32).sum()
+
+    for m in (4 * grouped_dw.FLOAT8_MIN_GROUP_ROWS, 4 * grouped_dw.FLOAT8_MIN_GROUP_ROWS - 8):
+        args = (sds((m, 256), jnp.bfloat16), sds((4, 256, 384), jnp.bfloat16),
+                sds((4,), jnp.int32))  # fmt: skip
+        calls = _mosaic_calls(jax.grad(loss, argnums=(0, 1)), *args)
+        cols = -(-m // 128) * 128  # the tokens rounded up to 128
+        float8_dw = [c for c in calls if f"tensor<256x{cols}xf8E4M3FN>" in c]
+        dw = [c for c in calls if "-> tensor<4x256x384xbf16>" in c]
+        fast = not wgrad_split and m >= 4 * grouped_dw.FLOAT8_MIN_GROUP_ROWS
+        assert len(dw) == 1 and len(float8_dw) == int(fast), (m, calls)
+        assert any(f"-> tensor<{m}x256xbf16>" in c for c in calls), calls  # dX on a kernel

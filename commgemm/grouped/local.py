@@ -124,7 +124,9 @@ def grouped_matmul(
         dy_state gets the advanced state as its gradient, as for the other ops). On a Hopper
         GPU, tensor scaling multiplies float8 operands on the tensor cores in the forward and dX
         (`mosaic_gpu.grouped.float8_ragged_dot`, where commgemm's kernel takes the shape),
-        accumulating as the recipe's `split_accumulator` asks; otherwise emulated: see
+        accumulating as the recipe's `split_accumulator` asks, and in dW where it lets dW
+        accumulate fast (`split_accumulator[2]` False) and the groups are large enough
+        (`mosaic_gpu.grouped_dw.float8_reason`); otherwise emulated: see
         commgemm.grouped.scaling.
       x, w may instead be `ScaledTensor`s quantized by the caller: forward only, see
         `prequantized_matmul`. With `scaling`, w may be a `QuantizedWeight` (quantized once

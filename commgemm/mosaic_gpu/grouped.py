@@ -11,7 +11,8 @@ group by group; jax's `transposed_ragged_dot_mgpu` where asked for). XLA's own r
 far below the tensor cores' rate on a Hopper GPU, which is why this path exists; it stays the
 fall-back for shapes no kernel takes. Tensor scaling (current or delayed) runs the forward and
 dX on float8 operands in the same two kernels (`float8_kernel`: the ping-pong one where
-accumulation is fast, the row-aligned one for split accumulation)."""
+accumulation is fast, the row-aligned one for split accumulation), and `ragged_dot`'s dW on
+the float8 dW kernel where the recipe lets dW accumulate fast (`float8_dw`)."""
 
 from __future__ import annotations
 
@@ -216,19 +217,17 @@ def float8_reason(x, w, recipe, tiles: GroupedConfig | None = None) -> str | Non
 @dataclasses.dataclass(frozen=True)
 class Float8Plan:
     """How `float8_ragged_dot` quantizes and accumulates (static): x and w's float8 format,
-    the cotangent's (`grad_dtype`), and split accumulation in the forward and dX
-    (`ScalingRecipe.split_accumulator`'s first two); the forward's kernel tiles."""
+    the cotangent's (`grad_dtype`), and split accumulation in the forward, dX and dW
+    (`ScalingRecipe.split_accumulator`); the forward's kernel tiles."""
 
     dtype: str
     grad_dtype: str
-    split: tuple[bool, bool]
+    split: tuple[bool, bool, bool]
     tiles: GroupedConfig | None = None
 
     @staticmethod
     def of(recipe, tiles: GroupedConfig | None = None) -> Float8Plan:
-        return Float8Plan(
-            recipe.dtype, recipe.grad_dtype, tuple(recipe.split_accumulator[:2]), tiles
-        )
+        return Float8Plan(recipe.dtype, recipe.grad_dtype, tuple(recipe.split_accumulator), tiles)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -248,9 +247,9 @@ def float8_ragged_dot(
     `grouped.scaling.with_quantized_cotangent` does on the emulated path). dX = dY @ w^T runs on
     the float8 tensor cores too, on dY's float8 values and w's float8 values as they are
     ([G, K, N] is K-major for dX's contraction over N), where the kernel takes dX's shape (else
-    the 16-bit kernel on the dequantized values); dW = x^T dY is the 16-bit product of the
-    dequantized x and dY (jax's transposed kernel takes no float8). The residuals are the
-    float8 operands, not dequantized copies. qw gets no gradient."""
+    the 16-bit kernel on the dequantized values); dW = x^T dY too where its accumulation may be
+    fast (`float8_dw`), else the 16-bit product of the dequantized x and dY. The residuals are
+    the float8 operands, not dequantized copies. qw gets no gradient."""
     return _float8_forward(x, w, sizes, qw, nk, states, plan)[0]
 
 
@@ -283,12 +282,15 @@ def _float8_bwd(plan: Float8Plan, residuals, dy):
     qx, qw, sizes, dy_state = residuals  # x, w and the result share dy's dtype
     mode = ScalingMode.DELAYED_TENSOR_SCALING if dy_state is not None else qx.mode
     qdy, new_state = dy_quantized(dy, mode, plan.grad_dtype, (), dy_state)
-    dy16 = dequantize_fusible(qdy, dy.dtype)  # written by dY's quantizing pass
     dx = float8_dx(qdy, qw.data, qw.scale_inv, sizes, dy.dtype, plan.split[1])
+    dw = float8_dw(qx.data, qx.scale_inv, qdy, sizes, dy.dtype, plan.split[2])
+    if dx is None or dw is None:
+        dy16 = dequantize_fusible(qdy, dy.dtype)  # written by dY's quantizing pass
     if dx is None:
         dx = product(dy16, dequantize(qw, dy.dtype), sizes, None, transpose_rhs=True)
-    x16 = dequantize(qx, dy.dtype)
-    dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
+    if dw is None:
+        x16 = dequantize(qx, dy.dtype)
+        dw = varying_like(weight_grad(x16, dy16, sizes), x16, dy16)
     # inside shard_map: dW summed over the axes the tokens vary over and w does not (the
     # quantized values vary as the operands do)
     return like_primal(dx, qx.data), like_primal(dw, qw.data), None, None, None, (None, new_state)
@@ -370,6 +372,20 @@ def float8_dx(qdy, w_kn: jax.Array, w_scale_inv, sizes, out_dtype, split: bool):
     if float8_shape_reason(m, n, k, groups, qdy.data.dtype, split=split) is not None:
         return None
     return float8_matmul(qdy.data, qdy.scale_inv, w_kn, w_scale_inv, sizes, out_dtype, split=split)
+
+
+def float8_dw(x, x_scale_inv, qdy, sizes, out_dtype, split: bool) -> jax.Array | None:
+    """dW [G, K, N] = x_g^T @ dY_g for each group g on commgemm's float8 dW kernel
+    (`grouped_dw.float8_weight_grad`): x [M, K] float8 values and their tensor scale, qdy [M, N]
+    (a tensor-scaled float8 `ScaledTensor`) -> `out_dtype`; None where it does not run: split
+    accumulation asked for (the kernel's is fast), or `grouped_dw.float8_reason`."""
+    (m, k), n = x.shape, qdy.data.shape[1]
+    if split or grouped_dw.float8_reason(m, k, n, sizes.shape[0]) is not None:
+        return None
+    dw = grouped_dw.float8_weight_grad(
+        x, x_scale_inv, qdy.data, qdy.scale_inv, sizes.astype(jnp.int32), out_dtype
+    )
+    return varying_like(dw, x, qdy.data)  # a Pallas result carries no varying axes
 
 
 def prequantized_reason(x, w, w_nk: bool, out_dtype) -> str | None:

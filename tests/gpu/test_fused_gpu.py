@@ -496,7 +496,8 @@ def test_grouped_matmul_float8_kernel(groups, split):
     the forward and dX (the compiled programs' kernels take f8; dX e5m2 dY against e4m3 w):
     within float8 accumulation and bf16 rounding of the float32 ragged dot of the dequantized
     operands, rows past the groups' sum zero; the gradients the emulated path's (jax's tiles
-    requested: emulated), whichever accumulation the recipe asks."""
+    requested: emulated), whichever accumulation the recipe asks; dW on float8 operands where
+    the recipe lets it accumulate fast and the groups are large enough."""
     _check_float8_grouped(2048, 1024, 512, groups, split)
 
 
@@ -546,6 +547,14 @@ def _check_float8_grouped(m: int, k: int, n: int, groups: int, split) -> None:
     loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * g)  # noqa: E731
     grads = jax.jit(jax.grad(loss(float8), (0, 1))).lower(x, w).compile().as_text()
     assert "f8e5m2" in _mosaic_operand_types(grads)  # dX on dY's float8 values
+    dw_calls = [c for c in grads.splitlines() if 'custom_call_target="mosaic_gpu' in c
+                and f"bf16[{groups},{k},{n}]" in c.split("custom-call(")[0]]  # fmt: skip
+    assert len(dw_calls) == 1, dw_calls  # dW on a kernel: float8 where it may accumulate fast
+    from commgemm.mosaic_gpu import grouped_dw
+
+    float8_dw = not split[2] and grouped_dw.float8_reason(m, k, n, groups) is None
+    types = _mosaic_operand_types(dw_calls[0])
+    assert any(t.startswith("f8e") for t in types) == float8_dw, (types, dw_calls)
     qx, qw = cg.quantize(x, mode), cg.quantize(w, mode, axis=1)
     want = jax.lax.ragged_dot(cg.dequantize(qx, jnp.float32), cg.dequantize(qw, jnp.float32),
                               sizes, precision="highest")  # fmt: skip

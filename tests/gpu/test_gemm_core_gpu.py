@@ -358,3 +358,37 @@ def test_grouped_weight_grad_against_ragged_dot(sizes, tiles):
     assert got.shape == want.shape and got.dtype == x.dtype
     scale = max(float(jnp.abs(want).max()), 1.0)  # no rows at all: dW is zero
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 1.5e-2 * scale
+
+
+@pytest.mark.parametrize("dtypes", [("e4m3", "e5m2"), ("e4m3", "e4m3")])
+@pytest.mark.parametrize(
+    "sizes",
+    [[1024], [100, 0, 300, 1, 500], [0, 0, 0], [7] * 40 + [400], [3, 61, 5, 900], [13] * 64],
+    ids=["one", "uneven", "none", "tiny", "unaligned", "many-small"],
+)
+def test_float8_grouped_weight_grad_against_ragged_dot(sizes, dtypes):
+    """The float8 dW kernel (`grouped_dw.float8_weight_grad`): the shapes of the 16-bit test,
+    x e4m3 and dy e5m2 (dX's cotangent format) or e4m3, their scales in the epilogue. Against
+    the float32 product of the dequantized values; the rows past the sum hold NaN (they are
+    never read)."""
+    from commgemm.mosaic_gpu import grouped_dw
+
+    m, k, n = 1024, 256, 384
+    formats = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+    sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kd = jax.random.split(jax.random.key(7 * sizes.shape[0]), 2)
+    inside = (jnp.arange(m) < int(sizes.sum()))[:, None]
+    x = jnp.where(inside, jax.random.normal(kx, (m, k)), jnp.nan).astype(formats[dtypes[0]])
+    dy = jnp.where(inside, jax.random.normal(kd, (m, n)), jnp.nan).astype(formats[dtypes[1]])
+    sx, sd = jnp.float32(0.5), jnp.float32(3.0)
+    fn = jax.jit(grouped_dw.float8_weight_grad)
+    got = fn(x, sx, dy, sd, sizes)
+    owner = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=m)
+    x32 = jnp.where(inside, x.astype(jnp.float32), 0.0) * sx
+    dy32 = jnp.where(inside, dy.astype(jnp.float32), 0.0) * sd
+    one_hot = (owner[None, :] == jnp.arange(sizes.shape[0])[:, None]) & inside[:, 0][None]
+    want = jnp.einsum("gm,mk,mn->gkn", one_hot.astype(jnp.float32), x32, dy32,
+                      precision="highest")  # fmt: skip
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    scale = max(float(jnp.abs(want).max()), 1.0)  # no rows at all: dW is zero
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 1.5e-2 * scale
