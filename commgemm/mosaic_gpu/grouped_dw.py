@@ -161,9 +161,8 @@ def weight_grad(
     if dy.dtype != x.dtype:
         raise ValueError(f"grouped dW kernel: x {x.dtype} and dy {dy.dtype} must be one dtype")
     _check("grouped dW kernel", x, dy, sizes, tiles, DTYPES)
-    starts, ends, base, steps = group_steps(sizes, x.shape[0], tiles.tile_k)
-    plan = (starts, ends, base, steps)
-    return _kernel(tiles, x.shape[1], dy.shape[1], x.dtype, plan, steps, x, dy, None)
+    plan = group_steps(sizes, x.shape[0], tiles.tile_k)
+    return _kernel(tiles, x.shape[1], dy.shape[1], x.dtype, plan, x, dy, None)
 
 
 def float8_weight_grad(
@@ -184,21 +183,17 @@ def float8_weight_grad(
     plan = group_steps(sizes, x.shape[0], tiles.tile_k, TOKEN_ALIGN)
     scale = (x_scale_inv * dy_scale_inv).astype(jnp.float32).reshape(1)
     k, n = x.shape[1], dy.shape[1]
-    # the float8 values as they are (XLA would otherwise fuse each transpose into the passes
-    # that quantize and take the amax, and run them far slower)
-    x, dy = lax.optimization_barrier((x, dy))
-    xt, dyt = transposed(x), transposed(dy)
-    return _kernel(tiles, k, n, jnp.dtype(out_dtype), plan, plan[3], xt, dyt, scale)
+    return _kernel(tiles, k, n, jnp.dtype(out_dtype), plan, transposed(x), transposed(dy), scale)
 
 
-def _kernel(tiles: PingPongTiles, k: int, n: int, out_dtype, plan, steps, x, dy, scale):
+def _kernel(tiles: PingPongTiles, k: int, n: int, out_dtype, plan, x, dy, scale):
     """The kernel: 16-bit (`scale` None; x [M, K], dy [M, N]) or float8 (x [K, M'] and dy
     [N, M'] transposed, `scale` [1]); plan = `group_steps`'."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
 
-    float8 = scale is not None
+    float8, steps = scale is not None, plan[3]
     layout = plgpu.Layout.WGMMA_8BIT if float8 else plgpu.Layout.WGMMA
     groups = steps.shape[0]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
