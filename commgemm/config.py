@@ -256,9 +256,8 @@ class OverlapConfig:
         peers, `commgemm.mosaic_gpu.gemm_core`: Hopper GPUs with jax >= 0.11, else refused at
         plan time; a GEMM it cannot run multiplies on XLA's dot), or "auto" (the default):
         XLA's dot, except a tensor-scaled float8 GEMM with fast accumulation that the ping-pong
-        kernel takes on a Hopper GPU (`gemm_core.auto_takes`), which runs on it (on one GPU
-        1.80 to 1.94x the best bf16 GEMM of the presets' P = 2 shapes, XLA's FP8 dot 1.61 to
-        1.90x). AUTO takes it from the tune cache, where the tuner measured
+        kernel takes on a Hopper GPU (`gemm_core.auto_takes`), which runs on it (faster than
+        XLA's FP8 dot there). AUTO takes it from the tune cache, where the tuner measured
         "mosaic" faster.
       deterministic: only plans whose result is the same bit for bit on every call. The direct
         reduce-add kernel (ATOMIC_GEMM_RS) adds partial sums in their arrival order where a

@@ -138,8 +138,7 @@ def grouped_matmul(
         `GroupedConfig` (its row-aligned kernel) or a `GroupedTiles` (jax's ragged dot). On a
         Hopper GPU with 16-bit operands whose shape divides into the tiles, the forward and dX
         run a Mosaic GPU kernel and dW commgemm's ping-pong dW kernel; elsewhere XLA's ragged
-        dot (on a Hopper GPU 4 to 23 times slower for 8 to 64 groups, its dW 6.6 to 18 times
-        slower).
+        dot (on a Hopper GPU far below the tensor cores' rate: docs/performance.md).
     Returns:
       [M, N]. Differentiable in x, w and bias. Not batchable with `jax.vmap` where x, w and
       group_sizes are not all batched along axis 0: `lax.ragged_dot` raises

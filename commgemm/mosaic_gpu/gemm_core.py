@@ -4,8 +4,8 @@ the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE).
 Where the ping-pong RS kernel (`pingpong_rs`) takes the shape and its 192-wide
 tiles pad at most 1% of N (`heuristics.pingpong_tiles`), it is that kernel with nothing to
 add: each compute warpgroup a whole 128 x 192 tile, its epilogue under the other's K loop, 2-CTA
-clusters; on one GPU it ran the RS presets' llama local GEMMs at 0.99 to 1.014x XLA's dot,
-where the kernel below ran them at 1.06 to 1.19x.
+clusters (level with XLA's dot on the RS presets' local GEMMs, where the kernel below is
+slower: docs/performance.md).
 Elsewhere it is the kernel the fused AG op runs, with nothing to send: one persistent CTA per
 SM, 128 x 256 tiles of two compute warpgroups, 4 stages of TMA loads, one wgmma in flight, TMA
 stores of the result in 64 x 64 blocks; where the last wave of tiles fills at most half the
@@ -84,10 +84,9 @@ def gemm_reason(x: jax.Array, w, w_transposed: bool, result_dtype) -> str | None
 def auto_takes(x: jax.Array, w, w_transposed: bool, result_dtype) -> bool:
     """Whether local_gemm "auto" runs x [r, K] @ w here: w a `quantized_gemm.QuantizedRhs` (tensor
     scales, fast accumulation, one float8 format) that the kernel can run (`gemm_reason`) on
-    the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%). On one GPU that
-    core ran the presets' eight P = 2 local shapes at 1.80 to 1.94x the best bf16 GEMM, XLA's
-    FP8 dot at 1.61 to 1.90x, and on one GPU it beat XLA's FP8 dot on all eight too; bf16 stays on
-    XLA's dot, as fast or faster there."""
+    the ping-pong kernel (`heuristics.pingpong_tiles`: N padded at most 3.5%), where it is
+    faster than XLA's FP8 dot on the presets' local shapes; bf16 stays on XLA's dot, as fast or
+    faster there (docs/performance.md)."""
     from commgemm.quantized_gemm import QuantizedRhs
 
     if not isinstance(w, QuantizedRhs) or gemm_reason(x, w, w_transposed, result_dtype):
