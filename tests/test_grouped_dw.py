@@ -151,17 +151,20 @@ def test_float8_bad_operands_raise(monkeypatch):
         grouped_dw.float8_weight_grad(x[:, :192], one, dy, one, sizes)
 
 
+@pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("groups", [1, 8, 64])
-def test_float8_weight_grad_lowers(groups, monkeypatch):
+def test_float8_weight_grad_lowers(groups, x64, monkeypatch):
     """The float8 form lowers for a CUDA target: one Mosaic GPU call taking x and dy
     transposed ([K, M'], [N, M'] float8, M' the rows rounded up to 128) and the scale, giving
-    [G, K, N] bf16. (Both e4m3: jax < 0.11's wgmma takes no mixed pair; the GPU tests run
-    e4m3 x e5m2.)"""
+    [G, K, N] bf16, under jax_enable_x64 too. (Both e4m3: jax < 0.11's wgmma takes no mixed
+    pair; the GPU tests run e4m3 x e5m2.)"""
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
     sds, f8, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
     m, cols = 1000, 1024
     args = (sds((m, 256), f8), sds((), f32), sds((m, 384), f8), sds((), f32))
-    calls = _mosaic_calls(grouped_dw.float8_weight_grad, *args, sds((groups,), jnp.int32))
+    with jax.enable_x64(x64):  # sizes int64 under x64: the kernel takes int32
+        sizes = sds((groups,), jnp.int64 if x64 else jnp.int32)
+        calls = _mosaic_calls(grouped_dw.float8_weight_grad, *args, sizes)
     assert len(calls) == 1, calls
     assert f"-> tensor<{groups}x256x384xbf16>" in calls[0], calls[0]
     assert f"tensor<256x{cols}xf8E4M3FN>" in calls[0], calls[0]
