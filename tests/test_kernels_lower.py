@@ -670,9 +670,11 @@ def test_prequantized_grouped_kernel_in_shard_map(check_vma, monkeypatch):
 def test_float8_grouped_backward_lowers(grad_dtype, split, delayed, monkeypatch):
     """The float8 grouped op's gradient (tensor scaling, current or delayed with a dy_state, as
     on a Hopper GPU) runs dX on commgemm's float8 kernel, dY's float8 values times w's as
-    quantized ([G, K, N]: one kernel whose operands are both f8, [M, K] out), and dW on jax's
-    16-bit transposed kernel; the forward's kernel is not needed by the gradient. dY in e5m2
-    against e4m3 weights needs jax >= 0.11's wgmma (what the GPUs run)."""
+    quantized ([G, K, N]: one kernel whose operands are both f8, [M, K] out), and dW on the
+    float8 dW kernel where the recipe lets dW accumulate fast (x's and dY's float8 values
+    transposed, [G, K, N] out), else on the 16-bit dW kernel; the forward's kernel is not
+    needed by the gradient. dY in e5m2 against e4m3 weights needs jax >= 0.11's wgmma (what
+    the GPUs run)."""
     if grad_dtype == "float8_e5m2" and jax.__version_info__ < (0, 11):
         pytest.skip("e5m2 x e4m3 wgmma needs jax >= 0.11")
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
@@ -697,8 +699,10 @@ def test_float8_grouped_backward_lowers(grad_dtype, split, delayed, monkeypatch)
     calls = [ln for ln in text.as_text().splitlines()
              if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
     float8 = [c for c in calls if c.rsplit(" : (", 1)[1].count("f8E") == 2]
-    assert len(calls) == 2 and len(float8) == 1, calls
-    assert ") -> tensor<1024x512xbf16>" in float8[0], float8
+    assert len(calls) == 2 and len(float8) == (1 if split else 2), calls
+    assert any(") -> tensor<1024x512xbf16>" in c for c in float8), float8  # dX
+    dw = [c for c in calls if c.endswith("-> tensor<4x512x768xbf16>")]
+    assert len(dw) == 1 and (dw[0] in float8) == (not split), dw
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
