@@ -199,3 +199,31 @@ def test_float8_backward_takes_the_float8_dw_kernel(wgrad_split, monkeypatch):
         fast = not wgrad_split and m >= 4 * grouped_dw.FLOAT8_MIN_GROUP_ROWS
         assert len(dw) == 1 and len(float8_dw) == int(fast), (m, calls)
         assert any(f"-> tensor<{m}x256xbf16>" in c for c in calls), calls  # dX on a kernel
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+def test_float8_dw_inside_shard_map(check_vma, monkeypatch):
+    """The op's float8 dW inside shard_map (rows over 2 devices, w replicated), as on a Hopper
+    GPU, under check_vma on and off: the gradient traces and lowers, dW on the float8 kernel
+    (its [256, M'] float8 operand) and summed over the rows' axis like the 16-bit dW."""
+    from helpers import mesh1d, shard
+    from jax.sharding import PartitionSpec as P
+
+    import commgemm as cg
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    recipe = cg.ScalingRecipe(grad_dtype="float8_e4m3fn", split_accumulator=(False,) * 3)
+
+    def body(x, w, sizes):
+        return cg.grouped_matmul(x, w, sizes, scaling=recipe)
+
+    f = shard(body, mesh1d(2), (P("x"), P(), P()), P("x"), check_vma=check_vma)
+    loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32))  # noqa: E731
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2048, 256), jnp.bfloat16), sds((4, 256, 384), jnp.bfloat16), sds((4,), jnp.int32))
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
+    assert [c for c in calls if "tensor<256x1024xf8E4M3FN>" in c], calls  # 1024 rows a shard
+    assert "all-reduce" in text or "all_reduce" in text  # dW summed over the rows' shards
