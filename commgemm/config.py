@@ -249,8 +249,8 @@ class OverlapConfig:
         (`RingAGConfig`, `RingRSConfig`, `DirectAGConfig`, `DirectRSConfig`; checked at plan
         time); None: that family's default.
       chain_gemms: RING_EXCHANGE: run the GEMMs strictly in order (a schedule hint that keeps
-        XLA's dot merger from fusing the pieces' GEMMs). Off by default: on 2 GPUs it was slower
-        in a same-run A/B (comm_heavy AG ring 1.59 vs 1.34 vs_bound; docs/performance.md).
+        XLA's dot merger from fusing the pieces' GEMMs). Off by default: the slower on GPUs
+        (docs/performance.md).
       local_gemm: the GEMM of the methods that are not fused (NONE, PIPELINE, RING_EXCHANGE):
         "xla" (XLA's dot, every backend), "mosaic" (the fused kernels' GEMM core run with no
         peers, `commgemm.mosaic_gpu.gemm_core`: Hopper GPUs with jax >= 0.11, else refused at

@@ -41,11 +41,9 @@ class Plan:
 
 #: The axis sizes at which AUTO runs a grouped op's ring (RING_EXCHANGE) on 16-bit blocks; at
 #: the others, and wherever the blocks multiply on the float8 kernel, it runs NONE, every block
-#: in one regrouped GEMM. Measured with 8192 tokens, 8 experts, K 4096, N 14336 sharded: on 2
-#: GPUs the all-gather's ring took 1.254 ms against 1.302 for none, while the reduce-scatter's
-#: and the dispatch's none won (1.116 against 1.212, 1.457 against 1.820); on 4 GPUs none won
-#: everywhere (the ring's P blocks each bring their G group boundaries); in float8 on 2 GPUs
-#: none won too. The return follows the dispatch. Column chunks were never the fastest.
+#: in one regrouped GEMM: only the all-gather's ring on 2 GPUs beats none; beyond, the ring's P
+#: blocks each bring their G group boundaries (docs/performance.md: "AUTO for the grouped ops on
+#: four GPUs"). The return follows the dispatch. Column chunks are never the fastest.
 GROUPED_AUTO_RING_SIZES = {"all_gather_grouped_matmul": frozenset({2})}
 #: The grouped ops that exchange rows between experts' devices (no column chunks).
 EXPERT_PARALLEL_OPS = ("all_to_all_grouped_matmul", "grouped_matmul_all_to_all")

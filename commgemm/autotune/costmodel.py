@@ -24,8 +24,7 @@ class MachineFigures:
     duplex_ring: whether the two directions of a bidirectional ring move at once, each at
     bytes_per_s, on links of their own (TPU ICI), rather than one after the other through the
     device's one set of links (GPUs behind NVSwitch, where XLA also keeps one collective in
-    flight: on 4 GPUs the bidirectional split ring ran 2.4x slower than this model without
-    that)."""
+    flight)."""
 
     flops_per_s: float
     bytes_per_s: float
@@ -34,9 +33,8 @@ class MachineFigures:
     duplex_ring: bool = False
 
 
-#: Defaults when nothing was measured: about what the 2-GPU suite measured (bf16 GEMM about
-#: 700 TFLOP/s, NVLink all-gather about 240 GB/s received; overlapped GEMMs ran about 25%
-#: slower than alone), and a slow CPU.
+#: Defaults where the tuner measured nothing: a Hopper GPU's bf16 GEMM rate and NVLink
+#: all-gather bandwidth received (an overlapped GEMM about 25% slower than alone), a slow CPU.
 DEFAULT_FIGURES = {
     "gpu": MachineFigures(7.0e14, 2.4e11, 2.0e-5),
     "cpu": MachineFigures(2.0e10, 5.0e9, 5.0e-5),
@@ -61,24 +59,17 @@ TPU_FIGURES = {
 #: scores its predicted time x (1 + margin); NONE scores its own. 0 where nothing was measured
 #: (TPUs, CPUs): the model's choice as it is. A tune cache's measured winner overrides all.
 AUTO_MARGINS = {
-    # AUTO's fused picks ran 1.2x to 1.9x faster than serial on 2 and 4 GPUs, as predicted
+    # the fused kernels: the model predicts them well, a margin against noise
     ("gpu", "fused", 2): 0.10,
     ("gpu", "fused", "3+"): 0.10,
-    # the split rings where the fused kernels cannot run (one process per GPU on an older NCCL
-    # or on several machines) on 2 GPUs: the model's 0.77 to 0.80 of serial ran 0.995x to 1.22x
-    # serial's time; only comm_heavy AG's ring ever beat serial there (0.66 to 0.79, one process)
+    # the split rings (where the fused kernels cannot run: one process per GPU on an older NCCL,
+    # several machines): the model overrates them on GPUs; only a tuned winner picks them
     ("gpu", "split", 2): 1.0,
-    # RS 16384 x 8192 x 28672 on 4 GPUs: the split ring predicted 0.63 of serial, measured
-    # 1.33; the bidirectional ring 2.4x its prediction on 4 GPUs: unknown to the model
     ("gpu", "split", "3+"): 1.0,
-    # FP8 operands (the model knows bf16 rates only). 2 GPUs: as bf16's (the FP8 fused ops ran
-    # 1.3x to 1.6x faster than serial on 2 GPUs; the layer step's AUTO equalled NONE on
-    # 2 GPUs)
+    # FP8 operands (the model knows bf16 rates only): as bf16's, but the split rings never
+    # beyond 2 GPUs (the layer step's FP8 dX in them is slower than serial there)
     ("gpu", "fused-fp8", 2): 0.10,
     ("gpu", "split-fp8", 2): 1.0,
-    # 4 GPUs: with the fused kernels' dX in the split ring the layer step's AUTO ran 1.06x to
-    # 1.14x NONE's time in FP8; with that dX serial (`autodiff.unfused_backward`) the fused
-    # forward ran 0.96x NONE's (8b); as bf16's
     ("gpu", "fused-fp8", "3+"): 0.10,
     ("gpu", "split-fp8", "3+"): float("inf"),
 }
@@ -233,7 +224,7 @@ def _predict_fused(t_gemm: float, t_comm: float, size: int, lat: float) -> float
     """The fused kernel: P steps of one row block's GEMM each; a step's block (AG: the x rows it
     multiplied; RS: the partial sums it wrote) travels to the next device during the step, by the
     CTAs themselves, and the next step waits for it. No interference term: the CTAs that send
-    are the ones computing (on 2 GPUs the fused GEMM ran within 7% of the same kernel alone)."""
+    are the ones computing."""
     step, transfer = t_gemm / size, t_comm / (size - 1)
     return (size - 1) * (max(step, transfer) + lat) + step + lat
 
@@ -333,8 +324,7 @@ def choose(
     hopper_ag = collective is Collective.ALL_GATHER and not tpu
     if hopper_ag and best[2].atomic_gemm and ring_ag_first(size):
         # the model has both AG kernels at the transfers' time; the tuner measures both. The
-        # direct one ran slower than the ring there: where the ring does not beat serial,
-        # neither does it
+        # direct one is the slower there: where the ring does not beat serial, neither does it
         ring = [s for s in scored if s[2].atomic_gemm and s[2].method is Method.RING_EXCHANGE]
         serial = next(s for s in scored if s[2].method is Method.NONE)
         best = min(ring[:1] + [serial], key=score) if ring else best

@@ -5,11 +5,10 @@ timestamps instead (CUPTI, through `jax.profiler`): the calls run one at a time 
 between them, and a call's time is how long its device had at least one kernel or copy running
 (the union of their intervals), on the device that took the least (as jax's own
 collective-matmul benchmark takes it: the others include waiting for the last device to start,
-which a one-process launch staggers). Gaps where a device waited for the host inside a call
-(seen on 2 GPUs: up to 0.5 ms between a Mosaic kernel's setup and its launch, when the host is
-not running ahead) are left out; a kernel that spins waiting for a peer counts. It is a
-cross-check of `benchmark`, not a replacement: the idle gaps let the GPUs rest, so
-sustained-load slowdowns show less here.
+which a one-process launch staggers). Gaps where a device waited for the host inside a call (between
+a Mosaic kernel's setup and its launch, when the host is not running ahead) are left out; a kernel
+that spins waiting for a peer counts. It is a cross-check of `benchmark`, not a replacement: the
+idle gaps let the GPUs rest, so sustained-load slowdowns show less here.
 """
 
 from __future__ import annotations

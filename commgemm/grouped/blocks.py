@@ -4,14 +4,9 @@ expert-parallel dispatch brings, each sorted by group with counts of its own): o
 allow), or all blocks in one GEMM (`merged_matmul`): their rows regrouped so that each group's
 rows, from every block, are contiguous, multiplied once, and put back. Regrouping costs a gather
 of the rows and of the result; it pays because a grouped GEMM's cost grows with its group
-boundaries, and P blocks of G groups have P times as many as G groups over the same rows. On 2
-GPUs (8192 tokens, 8 experts, K 4096, N 7168 a GPU) method none of the all-gather form took
-1.302 ms regrouped against 1.343 block by block, the expert-parallel dispatch 1.448 against
-1.804 (each block a source's tokens, then padding), the all-gather's float8 forward 1.234
-against 1.424 and its 4-chunk pipeline 1.556 against 2.034; on 4 GPUs the all-gather 0.804 against
-0.872, the dispatch 1.201 against
-1.538 ("The grouped ops on four GPUs"). The ring multiplies each block as it arrives
-(`block_matmul`)."""
+boundaries, and P blocks of G groups have P times as many as G groups over the same rows
+(docs/performance.md: "collective grouped ops' blocks as one grouped GEMM"). The ring
+multiplies each block as it arrives (`block_matmul`)."""
 
 from __future__ import annotations
 

@@ -144,10 +144,8 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
     whole tile's time whatever its rows (w[g]'s blocks are loaded either way), a half tile half
     that; the G - 1 group boundaries fall inside row tiles spread evenly; tiles are dealt as
     `balanced_slots` deals them, costliest first. A tie keeps the tiles whole (a half tile does
-    about 10% less per cycle). On one GPU (M 8192, K 4096, N 1792, uneven groups) the model's
-    choice was the faster with 8 groups (whole: 7 to 15% faster; the model 4 tile-times whole
-    against 4.5) and 16 (narrowed: 5 to 10% faster; 5 against 4.5); with 32 and 64 groups,
-    where the weights' reads bound the kernel, the two were within 3%."""
+    less per cycle). Where the weights' reads bound the kernel (many groups) the two forms run
+    alike (docs/performance.md: "the last wave narrowed in the grouped kernel")."""
     if tiles.cta_m % 128 or tiles.cta_n % 128:  # no half tiles of whole epilogue blocks
         return False
     tiles_m, tiles_n = m // tiles.cta_m, n // tiles.cta_n

@@ -23,10 +23,9 @@ from commgemm.mosaic_gpu.configs import (
 from commgemm.mosaic_gpu.tiles import HOPPER_SMS
 
 #: Most of N that the ping-pong RS kernel's partial last column of 192-wide tiles may pad (the
-#: work on columns past N is wasted): at 3.1% padding it ran 4 to 5% slower than the
-#: cooperative kernel; at 0.45% it was faster.
+#: work on columns past N is wasted); past it the cooperative kernel is the faster.
 PINGPONG_PAD = 0.01
-#: The same for float8 operands, whose core still beat XLA's FP8 dot at 3.1% padding.
+#: The same for float8 operands, whose core beats XLA's FP8 dot at more padding.
 FLOAT8_PINGPONG_PAD = 0.035
 
 
@@ -65,9 +64,9 @@ def direct_rs_config(
 ) -> DirectRSConfig | PingPongRSConfig:
     """The direct RS kernel's tiling for x [rows, K/P] (global `shape` (M, K, N) if known).
     On 2 devices, where `pingpong_tiles` gives one: the ping-pong kernel with its last wave
-    whole (as fast as the cooperative tiling or up to 9% faster on the llama presets; not
-    measured on more devices). Else the cooperative kernel: warpgroup tiles of 64 x 256 (a
-    128 x 256 CTA tile, as cuBLAS's cooperative kernels), 2-CTA clusters along M where the rows
+    whole (as fast as the cooperative tiling or faster on the llama presets). Else the
+    cooperative kernel: warpgroup tiles of 64 x 256 (a 128 x 256 CTA tile, as cuBLAS's
+    cooperative kernels), 2-CTA clusters along M where the rows
     per device fill them, the last wave split or streamed along K (`rs_schedule.tail_plan`)
     unless `deterministic`, chained tile pipelines where K/tile_k is whole rounds of stages and
     every CTA of a 132-SM GPU gets two tiles, and the output zeroed two waves ahead of the adds:
@@ -93,8 +92,8 @@ def direct_rs_config(
 
 def ring_ag_first(size: int) -> bool:
     """Whether the ring AG kernel is the preferred fused AG on `size` devices (over the direct
-    one, where both run): on more than 2 GPUs the direct AG ran 15 to 30% slower than the ring
-    on three presets; on 2 the direct plan won."""
+    one, where both run): on more than 2 GPUs the ring, on 2 the direct plan
+    (docs/performance.md)."""
     return size > 2
 
 
@@ -106,9 +105,9 @@ COLUMNS_192 = 192
 def direct_ag_config(rows: int, *, spread: bool = False, n: int | None = None) -> DirectAGConfig:
     """The direct AG kernel's tiling for x [rows, K] on each device (n: w's columns there, if
     known): tiles walked along M, the last wave narrowed where it fills at most half the CTAs
-    (4 to 8% faster where it applies); with `spread` (sending the own rows takes longer than
+    (where it applies); with `spread` (sending the own rows takes longer than
     their GEMM), the own tiles spread among the peers' (50%) in 2-CTA clusters where the rows
-    allow (where the sends take less than the own GEMM, spreading was 1 to 2% slower). Where n
+    allow (where the sends take less than the own GEMM, spreading does not pay). Where n
     is whole 192s but not 256s, 128 x 192 CTA tiles (as `gemm_core.tiling`), not narrowed."""
     base = DirectAGConfig()
     if n is not None and n % base.cta_n and n % COLUMNS_192 == 0:
@@ -131,8 +130,8 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
         DirectAGConfig(grid_tile_width=16),
         DirectAGConfig(cluster="m"),
         DirectAGConfig(cluster="m", spread=50),
-        PingPongAGConfig(),  # not the plan: 2 to 3% behind it on two presets
-        # bands 1 row wide: the fastest AG cores on some local shapes, up to 13% slower on others
+        PingPongAGConfig(),  # not the plan: behind it on the presets
+        # bands 1 row wide: the fastest AG cores on some local shapes, slower on others
         PingPongAGConfig(grid_tile_width=1),
         PingPongAGConfig(tile_n=128, grid_tile_width=1),
     ),
@@ -152,9 +151,9 @@ TUNING_CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
             split_tail=0,
             zero_ahead=2,
         ),
-        PingPongRSConfig(),  # in 128 x 128 tiles its core ran 13 to 20% slower: not a candidate
-        # bands 1 row wide: the fastest RS cores on comm_heavy's local shapes, 3 to 11% slower on
-        # most llama shapes
+        PingPongRSConfig(),
+        # bands 1 row wide: the fastest RS cores on comm_heavy's local shapes, slower on most
+        # llama shapes
         PingPongRSConfig(grid_tile_width=1),
     ),
 }
