@@ -221,9 +221,10 @@ def test_float8_dw_inside_shard_map(check_vma, monkeypatch):
     f = shard(body, mesh1d(2), (P("x"), P(), P()), P("x"), check_vma=check_vma)
     loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32))  # noqa: E731
     sds = jax.ShapeDtypeStruct
-    args = (sds((2048, 256), jnp.bfloat16), sds((4, 256, 384), jnp.bfloat16), sds((4,), jnp.int32))
+    m = 2 * 4 * grouped_dw.FLOAT8_MIN_GROUP_ROWS  # 4 groups of that many rows on each shard
+    args = (sds((m, 256), jnp.bfloat16), sds((4, 256, 384), jnp.bfloat16), sds((4,), jnp.int32))
     text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
     calls = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
-    assert [c for c in calls if "tensor<256x1024xf8E4M3FN>" in c], calls  # 1024 rows a shard
+    assert [c for c in calls if f"tensor<256x{m // 2}xf8E4M3FN>" in c], calls  # a shard's rows
     assert "all-reduce" in text or "all_reduce" in text  # dW summed over the rows' shards

@@ -81,10 +81,12 @@ def shape_reason(tiles: PingPongTiles, m: int, k: int, n: int, dtype) -> str | N
     return None
 
 
-#: The fewest rows a group holds on average where dW runs on float8 (`float8_reason`): with
-#: fewer, most of a unit's K-steps are its group's first or last, masked in registers, and
-#: the 16-bit kernel on dequantized operands is the faster.
-FLOAT8_MIN_GROUP_ROWS = 256
+#: The fewest rows a group holds on average where dW runs on float8 (`float8_reason`). The float8
+#: path pays for two transposes of x and dY (XLA's, for 1-byte elements well below the memory's
+#: bandwidth) and for its groups' edge steps, masked in registers; the 16-bit path's dequantized
+#: operands come from the passes that quantize them anyway. With fewer rows a group the float8
+#: rate does not buy that back in a training step (docs/performance.md: "float8 dW").
+FLOAT8_MIN_GROUP_ROWS = 2048
 
 
 def float8_reason(m: int, k: int, n: int, groups: int) -> str | None:
