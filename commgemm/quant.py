@@ -324,7 +324,8 @@ class ScalingRecipe:
     promoted GEMM; their split form has XLA's error but runs slower than XLA's promoted FP8
     GEMM. Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on the fused kernels
     (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. Fast wgrad
-    (split_accumulator[2] False) lets `grouped_matmul`'s dW run on commgemm's float8 dW kernel
+    (split_accumulator[2] False) lets the grouped ops' dW (`grouped_matmul`'s, the collective
+    grouped ops' and the MoE layer's) run on commgemm's float8 dW kernel
     (`mosaic_gpu.grouped_dw`); with the default dW multiplies dequantized 16-bit operands.
     Whether fast accumulation biases long sums in training is not known here, so the default
     stays the reference's. Elsewhere the GEMMs accumulate in float32 and the flags do nothing.

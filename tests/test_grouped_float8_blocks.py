@@ -173,6 +173,48 @@ def _emulated(op):
     return run
 
 
+@pytest.mark.parametrize(("method", "check_vma"), [("ring_exchange", True), ("none", False)])
+def test_fast_wgrad_blocks_take_the_float8_dw(rng, kernel_calls, monkeypatch, method, check_vma):
+    """With a fast wgrad every block that multiplied on the float8 kernel takes its dW on the
+    float8 dW kernel too (here a float32 product of its operands): the payload's e4m3 values
+    and dY's e5m2 ones with their two scales; dW within DX_TOL of the emulated path's (the same
+    float8 values, dequantized to bf16), dX as before."""
+    from commgemm.mosaic_gpu import grouped_dw
+
+    dw_calls = []
+
+    def fake_dw(x, x_scale_inv, dy, dy_scale_inv, sizes, out_dtype=jnp.bfloat16, tiles=None):
+        dw_calls.append((x.dtype.name, dy.dtype.name))
+        ends = jnp.cumsum(sizes)
+        rows = jnp.arange(x.shape[0])
+        member = (rows >= (ends - sizes)[:, None]) & (rows < ends[:, None])  # [G, M]
+        f32 = jnp.float32
+        dw = jnp.einsum("gm,mk,mn->gkn", member.astype(f32), x.astype(f32), dy.astype(f32))
+        return (dw * x_scale_inv * dy_scale_inv).astype(out_dtype)
+
+    monkeypatch.setattr(grouped_dw, "float8_weight_grad", fake_dw)
+    monkeypatch.setattr(grouped_dw, "FLOAT8_MIN_GROUP_ROWS", 1)
+    size, m, groups = 2, 256, 3
+    x, w = _bf16(rng, (size * m, 128)), _bf16(rng, (groups, 128, 256 * size))
+    sizes = jnp.asarray(np.stack([random_sizes(rng, groups, m) for _ in range(size)]))
+    fast = cg.ScalingRecipe(split_accumulator=(False, False, False))
+
+    def op(mode):
+        body = lambda a, b, s: cg.all_gather_grouped_matmul(  # noqa: E731
+            a, b, s[0], "x", config=_config(method), scaling=mode)  # fmt: skip
+        f = shard(body, mesh1d(size), (P("x"), P(None, None, "x"), P("x")), P(None, "x"),
+                  check_vma=check_vma)  # fmt: skip
+        return lambda a, b: f(a, b, sizes)
+
+    (dx, dw), dy = _grads(lambda _: op(fast), (x, w))
+    blocks = {"ring_exchange": size, "none": 1}[method]
+    assert dw_calls == [("float8_e4m3fn", "float8_e5m2")] * blocks, dw_calls
+    (ex, ew), _ = _grads(_emulated(op), (x, w), dy)
+    for got, want in ((dx, ex), (dw, ew)):
+        scale = float(np.abs(np.float32(want)).max())
+        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=DX_TOL * scale)
+
+
 @pytest.mark.parametrize(
     ("method", "reduce_dtype"),
     [("none", None), ("pipeline", None), ("ring_exchange", "float32")],

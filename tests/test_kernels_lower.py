@@ -777,6 +777,44 @@ def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
         assert f"tensor<{m}x{n // size}x{f8}>" in o and f"x256x{n // size}xf8E4M3FN>" in o, o
 
 
+@pytest.mark.parametrize("wgrad_split", [False, True], ids=["fast-wgrad", "split-wgrad"])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+def test_collective_grouped_float8_dw_lowers(check_vma, wgrad_split, monkeypatch):
+    """The all-gather ring's float8 blocks (as on a Hopper GPU) with a fast wgrad: each block's
+    dW on the float8 dW kernel (the payload's and dY's float8 values, [K, M'] and [n, M'], each
+    transposed by one Pallas Triton call), [G, K, n] out; with wgrad split, on a 16-bit kernel
+    and no transposes. The groups' row floor lowered to these blocks' 64 rows a group."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    from commgemm.mosaic_gpu import grouped_dw
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
+    monkeypatch.setattr(grouped_dw, "FLOAT8_MIN_GROUP_ROWS", 64)
+    size, m, groups, n = 2, 256, 4, 1024
+    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype="float8_e4m3fn",
+                              split_accumulator=(False, False, wgrad_split))  # fmt: skip
+    ring = cg.OverlapConfig(method="ring_exchange")
+
+    def body(x, w, sizes):
+        return cg.all_gather_grouped_matmul(x, w, sizes[0], "x", config=ring, scaling=recipe)
+
+    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), P(None, None, "x"), P("x")),
+                      out_specs=P(None, "x"), check_vma=check_vma)  # fmt: skip
+    loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) ** 2)  # noqa: E731
+    sds = jax.ShapeDtypeStruct
+    args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, n), jnp.bfloat16),
+            sds((size, groups), jnp.int32))  # fmt: skip
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
+    lines = text.as_text().splitlines()
+    calls = [ln for ln in lines if "custom_call @mosaic_gpu" in ln]
+    dw = [c for c in calls if f"-> tensor<{groups}x256x{n // size}xbf16>" in c]
+    float8_dw = [c for c in dw if f"tensor<256x{m}xf8E4M3FN>" in c]
+    assert len(dw) == size and len(float8_dw) == (0 if wgrad_split else size), dw
+    assert sum("xla.gpu.triton" in ln for ln in lines) == (0 if wgrad_split else 2 * size)
+
+
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("op", ["local", "ag"])
 def test_kept_transposed_experts_lower(op, keep, monkeypatch):

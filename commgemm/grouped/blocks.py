@@ -139,7 +139,10 @@ def block_matmul(
     copy of either operand), and so does dX in the backward: dY's rows requantized by dY's
     tensor scale (which reaches the block through its tag, `Float8Experts.tags`) times the
     experts' float8 values, where the kernel takes dX's shape (`mosaic_gpu.grouped.float8_dx`).
-    dW is the 16-bit product of the values and dY. Elsewhere `grouped_matmul` on the values."""
+    dW multiplies the payload's and dY's float8 values on commgemm's float8 dW kernel where the
+    recipe lets dW accumulate fast and the groups are large enough (`mosaic_gpu.grouped.
+    float8_dw`), else it is the 16-bit product of the values and dY. Elsewhere `grouped_matmul`
+    on the values."""
     out_dtype = out_dtype or values.dtype.name
     if float8_block_reason(rows, experts, out_dtype) is not None:
         return grouped_matmul(values, w, sizes, out_dtype=out_dtype)
@@ -227,14 +230,14 @@ def float8_block_reason(rows: Rows | None, experts: Float8Experts | None, out_dt
 
 class Float8Block(NamedTuple):
     """How a block multiplies on the float8 kernel (static): its result's dtype, split
-    accumulation in the forward and in dX, dY's float8 dtype, and `dy_over`: None where dY
+    accumulation in the forward, dX and dW, dY's float8 dtype, and `dy_over`: None where dY
     comes quantized by the op's scale (its tag's cotangent), else the mesh axes over which the
     block's own backward takes dY's current amax (`whole_block_matmul`), over the rows of the
     groups only where `padded` (the quantized dY's rows past them left unwritten unless
     `fill`)."""
 
     out_dtype: str
-    split: tuple[bool, bool]
+    split: tuple[bool, bool, bool]
     grad_dtype: str
     dy_over: str | tuple[str, ...] | None = None
     padded: bool = False
@@ -256,13 +259,13 @@ def _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how)
 
 def _float8_block_fwd(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how):
     out = _float8_block(values, w, sizes, payload_rows, x_scale, nk, kn, w_scale, how)
-    return out, (values, w, sizes, kn, w_scale)
+    return out, (values, w, sizes, payload_rows, x_scale, kn, w_scale)
 
 
 def _float8_block_bwd(how, residuals, cotangents):
     from commgemm.mosaic_gpu import grouped as hopper
 
-    values, w, sizes, kn, w_scale = residuals
+    values, w, sizes, payload_rows, x_scale, kn, w_scale = residuals
     dy, dy_scale = cotangents  # dY's rows, and the tensor scale the op quantized dY by
     qdy = None
     if how.dy_over is not None:  # dY as it comes: quantized here, once (where padded, its
@@ -271,15 +274,17 @@ def _float8_block_bwd(how, residuals, cotangents):
         qdy, dy = quantized_rows(dy, live, how.grad_dtype, how.dy_over, fill=how.fill)
         dy = lax.stop_gradient(dy)
     product = functools.partial(grouped_matmul, group_sizes=sizes, out_dtype=how.out_dtype)
-    dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
-    dx = None
+    dx = dw = None
     if values.dtype in (jnp.bfloat16, jnp.float16):  # the kernel's result is 16-bit
         # dY's float8 values (as the op quantized them) times the experts', on the kernel
         qdy = quantize_by(dy, dy_scale, how.grad_dtype) if qdy is None else qdy
         dx = hopper.float8_dx(qdy, kn, w_scale, sizes, values.dtype, how.split[1])
+        dw = hopper.float8_dw(payload_rows, x_scale, qdy, sizes, w.dtype, how.split[2])
+    if dw is None:  # the 16-bit product of the rows' values and dY
+        dw = jax.vjp(lambda b: product(values, b), w)[1](dy)[0]
     if dx is None:  # emulated: the 16-bit product of dY and the experts' quantized values
         dx = jax.vjp(lambda a: product(a, w), values)[1](dy)[0]
-    return like_primal(dx, values), dw, None, None, None, None, None, None
+    return like_primal(dx, values), like_primal(dw, w), None, None, None, None, None, None
 
 
 _float8_block.defvjp(_float8_block_fwd, _float8_block_bwd)

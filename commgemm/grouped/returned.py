@@ -58,7 +58,7 @@ class _How(NamedTuple):
     padded: bool
     fill: bool
     fill_grad: bool
-    split: tuple[bool, bool] | None
+    split: tuple[bool, bool, bool] | None
     grad_dtype: str | None
     arrive: bool = False  # the rows this GEMM reads arrive inside its kernel (`arrive_reason`)
 

@@ -148,8 +148,8 @@ class Float8Experts:
     [G, N, K] for the forward (`nk`: a `QuantizedWeight`'s `transposed`, else transposed once
     per call, not per block) and as quantized,
     [G, K, N], for dX (`kn`: K-major for dX's contraction over N), their tensor scale, whether
-    the forward and dX accumulate split (the recipe's first two `split_accumulator` flags),
-    and dY's float8 format.
+    the forward, dX and dW accumulate split (the recipe's `split_accumulator`), and dY's float8
+    format.
 
     `tags`: one zero scalar from each block that multiplied on the kernel. The op hands their
     sum to `with_quantized_cotangent`, whose backward gives it dY's tensor scale as its
@@ -159,7 +159,7 @@ class Float8Experts:
     nk: jax.Array
     kn: jax.Array
     scale_inv: jax.Array
-    split: tuple[bool, bool]
+    split: tuple[bool, bool, bool]
     grad_dtype: str
     tags: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -167,7 +167,7 @@ class Float8Experts:
     def of(recipe: ScalingRecipe, qw: ScaledTensor, nk: jax.Array | None = None) -> Float8Experts:
         """qw [G, K, N], tensor-scaled by `recipe`, as the kernel reads it; `nk`: its values
         transposed already ([G, N, K]), or None."""
-        split = tuple(recipe.split_accumulator[:2])
+        split = tuple(recipe.split_accumulator)
         nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
         return Float8Experts(nk, qw.data, qw.scale_inv, split, jnp.dtype(recipe.grad_dtype).name)
 

@@ -15,7 +15,7 @@ inf there reaches this group's dW too (XLA's ragged dot keeps it in its own grou
 group's units store zero tiles.
 
 Float8: wgmma multiplies float8 operands K-major only, and the tokens are the contraction, so
-the kernel reads x and dy transposed (`transposed`: one XLA transpose each, [K, M'] and
+the kernel reads x and dy transposed (`transposed`: one Pallas Triton kernel each, [K, M'] and
 [N, M'], 1 byte an element read and written), a unit's K loop over its group's tokens in
 steps of 128 columns from the group's first token rounded down to a multiple of 128
 (`TOKEN_ALIGN`); the columns of a step outside the group are zeroed in x's block, those past
@@ -45,6 +45,7 @@ from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, WGMMA_M, PingP
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 from commgemm.mosaic_gpu.grouped_pingpong import SMEM_BYTES, launch, ring_scratch
 from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
+from commgemm.vma import out_struct
 
 #: Operand dtypes the 16-bit kernel multiplies (`float8_weight_grad` takes FLOAT8's).
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -81,12 +82,11 @@ def shape_reason(tiles: PingPongTiles, m: int, k: int, n: int, dtype) -> str | N
     return None
 
 
-#: The fewest rows a group holds on average where dW runs on float8 (`float8_reason`). The float8
-#: path pays for two transposes of x and dY (XLA's, for 1-byte elements well below the memory's
-#: bandwidth) and for its groups' edge steps, masked in registers; the 16-bit path's dequantized
-#: operands come from the passes that quantize them anyway. With fewer rows a group the float8
-#: rate does not buy that back in a training step (docs/performance.md: "float8 dW").
-FLOAT8_MIN_GROUP_ROWS = 2048
+#: The fewest rows a group holds on average where dW runs on float8 (`float8_reason`): with
+#: fewer, most of a unit's K-steps are its group's first or last, masked in registers, and the
+#: 16-bit kernel on dequantized operands (which the passes that quantize them write anyway) is
+#: the faster.
+FLOAT8_MIN_GROUP_ROWS = 256
 
 
 def float8_reason(m: int, k: int, n: int, groups: int) -> str | None:
@@ -126,8 +126,52 @@ def group_steps(
 
 
 def transposed(q: jax.Array) -> jax.Array:
-    """q [M, C] -> [C, M'] (M' = M rounded up to TOKEN_ALIGN, zeros past M)."""
-    return jnp.pad(q.T, ((0, 0), (0, -q.shape[0] % TOKEN_ALIGN)))
+    """q [M, C] -> [C, M'] (M' = M rounded up to TOKEN_ALIGN, zeros past M). On CUDA GPUs, for
+    C whole TOKEN_ALIGNs, a Pallas Triton kernel (`triton_transposed`): a custom call, which
+    XLA neither fuses into q's producer nor lays q out for. XLA's own transpose of a float8
+    operand built by a row gather (the MoE block's rows) fuses the gather into a pass that
+    reads it at transposed addresses and may lay out the producer transposed, several times
+    slower than a copy. Elsewhere XLA's transpose."""
+    m, c = q.shape
+    cols = -(-m // TOKEN_ALIGN) * TOKEN_ALIGN
+
+    def by_xla(q):
+        return jnp.pad(q.T, ((0, 0), (0, cols - m)))
+
+    if c % TOKEN_ALIGN or m == 0:
+        return by_xla(q)
+    kernel = functools.partial(triton_transposed, cols=cols)
+    return lax.platform_dependent(q, cuda=kernel, default=by_xla)
+
+
+def triton_transposed(q: jax.Array, cols: int, interpret: bool = False) -> jax.Array:
+    """q [M, C] (any 1-byte dtype, C whole TOKEN_ALIGNs) -> [C, cols] (cols >= M, whole
+    TOKEN_ALIGNs, zeros past M) in a Pallas Triton kernel: one program per TOKEN_ALIGN x
+    TOKEN_ALIGN tile, its rows past M masked off the load."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    (m, c), tile = q.shape, TOKEN_ALIGN
+    if q.dtype.itemsize != 1 or c % tile or cols % tile or cols < m:
+        raise ValueError(
+            f"triton_transposed: q {q.dtype}{list(q.shape)} must be 1-byte [M, C] with C whole "
+            f"{tile}s, cols={cols} whole {tile}s and >= M"
+        )
+
+    def kernel(q_ref, out_ref):
+        rows = pl.program_id(0) * tile + lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
+        out_ref[...] = plt.load(q_ref, mask=rows < m, other=0).T
+
+    out = pl.pallas_call(
+        kernel,
+        grid=(cols // tile, c // tile),
+        in_specs=[pl.BlockSpec((tile, tile), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((tile, tile), lambda i, j: (j, i)),
+        out_shape=out_struct((c, cols), jnp.uint8, (q,)),
+        compiler_params=plt.CompilerParams(num_warps=4),
+        interpret=interpret,
+    )(lax.bitcast_convert_type(q, jnp.uint8))
+    return lax.bitcast_convert_type(out, q.dtype)
 
 
 def unit_offsets(steps: jax.Array, per_group: int, ctas: int) -> jax.Array:

@@ -491,17 +491,14 @@ def test_grouped_matmul_float8_in_shard_map(form, check_vma):
     ids=["default", "fast", "split"],
 )
 @pytest.mark.parametrize("groups", [8, 64])
-def test_grouped_matmul_float8_kernel(groups, split, monkeypatch):
+def test_grouped_matmul_float8_kernel(groups, split):
     """cg.grouped_matmul with current tensor scaling on Hopper multiplies float8 operands in
     the forward and dX (the compiled programs' kernels take f8; dX e5m2 dY against e4m3 w):
     within float8 accumulation and bf16 rounding of the float32 ragged dot of the dequantized
     operands, rows past the groups' sum zero; the gradients the emulated path's (jax's tiles
     requested: emulated), whichever accumulation the recipe asks; dW on float8 operands where
-    the recipe lets it accumulate fast and the groups are large enough (here from 256 rows a
-    group, so that 8 groups of these 2048 rows take the float8 dW and 64 do not)."""
-    from commgemm.mosaic_gpu import grouped_dw
-
-    monkeypatch.setattr(grouped_dw, "FLOAT8_MIN_GROUP_ROWS", 256)
+    the recipe lets it accumulate fast and the groups are large enough (8 groups of these 2048
+    rows take the float8 dW, 64 do not)."""
     _check_float8_grouped(2048, 1024, 512, groups, split)
 
 
