@@ -226,15 +226,17 @@ def test_kept_transposed_dense(local_gemm):
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("wgrad", ["split", "fast"])
 @pytest.mark.parametrize("method", ["none", "ring_exchange"])
 @pytest.mark.parametrize("op", ["ag", "rs", "dispatch"])
-def test_collective_grouped_float8_blocks(op, method):
+def test_collective_grouped_float8_blocks(op, method, wgrad):
     """The collective grouped ops under tensor scaling, on every GPU of the machine: each
     block's forward GEMM runs commgemm's float8 grouped kernel on the rows as they travelled
     (f8 operands in the compiled program), within float8 accumulation of the emulated path
     (the same quantized values on the 16-bit kernels); dX runs on the float8 kernel too (e5m2
     dY beside e4m3 w in a Mosaic GPU call of the gradient's program), the gradients within
-    float8 noise of the emulated ones."""
+    float8 noise of the emulated ones. With a fast wgrad the blocks take dW on the float8 dW
+    kernel (these hold 256 rows a group or more), its operands transposed by Triton calls."""
     from commgemm.grouped import scaling
 
     devices = jax.devices()
@@ -266,8 +268,10 @@ def test_collective_grouped_float8_blocks(op, method):
             a, b, s[0], "x", config=cfg, scaling=sc)[0]  # fmt: skip
         specs, out_spec = (P("x"), P("x"), P("x")), P("x")
 
+    recipe = cg.ScalingRecipe(split_accumulator=(False, True, wgrad == "split"))
+
     def run(emulated: bool):
-        f = jax.shard_map(lambda a, b, s: body(a, b, s, "current_tensor_scaling"), mesh=mesh,
+        f = jax.shard_map(lambda a, b, s: body(a, b, s, recipe), mesh=mesh,
                           in_specs=specs, out_specs=out_spec)  # fmt: skip
         loss = lambda a, b: jnp.sum(f(a, b, sizes).astype(jnp.float32) ** 2)  # noqa: E731
         with pytest.MonkeyPatch.context() as patch:
@@ -276,15 +280,18 @@ def test_collective_grouped_float8_blocks(op, method):
             fwd = jax.jit(lambda a, b: f(a, b, sizes))
             text = fwd.lower(x, w).compile().as_text()
             grad = jax.jit(jax.grad(loss, (0, 1)))
-            lines = grad.lower(x, w).compile().as_text().splitlines()
+            lowered = grad.lower(x, w)
+            triton = "xla.gpu.triton" in lowered.as_text()  # dW's transposes
+            lines = lowered.compile().as_text().splitlines()
             dx_calls = [ln for ln in lines if "custom-call" in ln and "mosaic" in ln
                         and "f8e5m2[" in ln and "f8e4m3fn[" in ln]  # fmt: skip
-            return fwd(x, w), grad(x, w), text, dx_calls
+            return fwd(x, w), grad(x, w), text, dx_calls, triton
 
-    out, grads, text, dx_calls = run(False)
-    want, want_grads, emulated_text, emulated_dx = run(True)
+    out, grads, text, dx_calls, triton = run(False)
+    want, want_grads, emulated_text, emulated_dx, _ = run(True)
     assert "f8e4m3fn" in text and "mosaic" in text
     assert dx_calls and not emulated_dx, (dx_calls, emulated_dx)
+    assert triton == (wgrad == "fast")
     rel = float(jnp.abs(out.astype(jnp.float32) - want).max() / jnp.abs(want).max())
     assert rel < 2e-2, rel  # the kernel's fast accumulation and bf16 result
     for g, e in zip(grads, want_grads, strict=True):
