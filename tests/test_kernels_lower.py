@@ -740,20 +740,9 @@ def test_collective_grouped_float8_lowers(op, check_vma, monkeypatch):
         assert result.startswith(f"tensor<{m}x{n}xbf16>"), result
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
-    """The gradient of the all-gather ring's float8 blocks (as on a Hopper GPU): per block, the
-    forward's float8 kernel, dX on the float8 kernel (dY's float8 values times the experts' as
-    quantized, [G, K, n]: both operands f8, [m, K] out) and dW on jax's 16-bit transposed
-    kernel; no 16-bit dX kernel beside the float8 one. dY in e4m3 under jax 0.10 (e5m2 against
-    e4m3 weights needs jax >= 0.11's wgmma)."""
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
-
-    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
-    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
-    size, m, groups, n = 2, 256, 4, 1024
-    grad_dtype = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"
-    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype)
+def _ring_float8_grad_lines(recipe, check_vma, size, m, groups, n) -> list[str]:
+    """The lines of the gradient's program (lowered for CUDA) of the all-gather ring's blocks
+    under `recipe`: x [size * m, 256] rows over "x", w [groups, 256, n] columns over "x"."""
     ring = cg.OverlapConfig(method="ring_exchange")
 
     def body(x, w, sizes):
@@ -766,8 +755,25 @@ def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
     args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, n), jnp.bfloat16),
             sds((size, groups), jnp.int32))  # fmt: skip
     text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
-    calls = [ln for ln in text.as_text().splitlines()
-             if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
+    return text.as_text().splitlines()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
+    """The gradient of the all-gather ring's float8 blocks (as on a Hopper GPU): per block, the
+    forward's float8 kernel, dX on the float8 kernel (dY's float8 values times the experts' as
+    quantized, [G, K, n]: both operands f8, [m, K] out) and dW on a 16-bit kernel (the
+    default recipe's wgrad is split); no 16-bit dX kernel beside the float8 one. dY in e4m3
+    under jax 0.10 (e5m2 against e4m3 weights needs jax >= 0.11's wgmma)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
+    monkeypatch.setattr(transposed, "jax", JaxOnAnH100())
+    size, m, groups, n = 2, 256, 4, 1024
+    grad_dtype = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"
+    recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype)
+    lines = _ring_float8_grad_lines(recipe, check_vma, size, m, groups, n)
+    calls = [ln for ln in lines if "custom_call" in ln and "mosaic_gpu" in ln]
     operands = [c.rsplit(" : (", 1)[1].split(") -> ", 1) for c in calls]
     float8 = [(o, r) for o, r in operands if o.count("f8E") == 2]
     dx = [(o, r) for o, r in float8 if r.startswith(f"tensor<{m}x256xbf16>")]
@@ -795,19 +801,7 @@ def test_collective_grouped_float8_dw_lowers(check_vma, wgrad_split, monkeypatch
     size, m, groups, n = 2, 256, 4, 1024
     recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype="float8_e4m3fn",
                               split_accumulator=(False, False, wgrad_split))  # fmt: skip
-    ring = cg.OverlapConfig(method="ring_exchange")
-
-    def body(x, w, sizes):
-        return cg.all_gather_grouped_matmul(x, w, sizes[0], "x", config=ring, scaling=recipe)
-
-    f = jax.shard_map(body, mesh=mesh1d(size), in_specs=(P("x"), P(None, None, "x"), P("x")),
-                      out_specs=P(None, "x"), check_vma=check_vma)  # fmt: skip
-    loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) ** 2)  # noqa: E731
-    sds = jax.ShapeDtypeStruct
-    args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, n), jnp.bfloat16),
-            sds((size, groups), jnp.int32))  # fmt: skip
-    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",))
-    lines = text.as_text().splitlines()
+    lines = _ring_float8_grad_lines(recipe, check_vma, size, m, groups, n)
     calls = [ln for ln in lines if "custom_call @mosaic_gpu" in ln]
     dw = [c for c in calls if f"-> tensor<{groups}x256x{n // size}xbf16>" in c]
     float8_dw = [c for c in dw if f"tensor<256x{m}xf8E4M3FN>" in c]
