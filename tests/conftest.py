@@ -21,6 +21,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)  # float64 references and check_grads
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # also LLVM's expensive passes off (jax's switch for programs cheaper to run than to
+    # optimize): the suite 7% faster
+    jax.config.update("jax_disable_most_optimizations", True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

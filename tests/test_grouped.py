@@ -22,13 +22,17 @@ METHODS = {
 
 
 def reference(x, w, sizes):
-    """float64 sum over groups of the group's rows times its weight (zero past the sum)."""
+    """float64 sum over groups of the group's rows times its weight (zero past the sum); in
+    numpy where x and w are numpy arrays (no jax op to compile), else in jnp (traceable)."""
+    xp = np if isinstance(x, np.ndarray) and isinstance(w, np.ndarray) else jnp
+    if xp is np:
+        x, w = x.astype(np.float64), w.astype(np.float64)
     ends = np.cumsum(sizes)
     rows = np.arange(x.shape[0])
     out = 0.0
     for g in range(w.shape[0]):
         mask = ((rows >= ends[g] - sizes[g]) & (rows < ends[g]))[:, None]
-        out = out + jnp.where(mask, x @ w[g], 0.0)
+        out = out + xp.where(mask, x @ w[g], 0.0)
     return out
 
 
@@ -47,7 +51,10 @@ def random_sizes(rng, groups: int, rows: int) -> np.ndarray:
 
 
 def _grads(f, *args):
-    return f(*args), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1))(*args)
+    """f(*args) and the gradient of sum(sin(f)) in x and w, in one jitted program (the float64
+    references run eagerly op by op otherwise: a compile each)."""
+    loss = lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1))(*a)))(*args)
 
 
 def _close(got, want, tol=1e-9):
@@ -235,10 +242,11 @@ def _check_expert_mlp(f, x, w1, w2, sizes, capacity=None) -> None:
              for s in range(size)]
         )  # fmt: skip
 
-    loss = lambda g: lambda *a: jnp.sum(jnp.sin(g(*a)))  # noqa: E731
-    got = f(x, w1, w2, sizes), jax.grad(loss(lambda *a: f(*a, sizes)), (0, 1, 2))(x, w1, w2)
-    want = plain(x, w1, w2), jax.grad(loss(plain), (0, 1, 2))(x, w1, w2)
-    _close(got, want)
+    def both(g):  # values and gradients in one jitted program
+        loss = lambda *a: jnp.sum(jnp.sin(g(*a)))  # noqa: E731
+        return jax.jit(lambda *a: (g(*a), jax.grad(loss, (0, 1, 2))(*a)))(x, w1, w2)
+
+    _close(both(lambda *a: f(*a, sizes)), both(plain))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -528,17 +536,17 @@ def test_merged_blocks(blocks, groups, rows, seed):
     np.testing.assert_array_equal(merged, sizes.sum(0))
     x = rng.standard_normal((blocks, rows, 8))
     w = rng.standard_normal((groups, 8, 5))
-    got = merged_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), None, None)
-    want = np.stack([reference(x[p], w, sizes[p]) for p in range(blocks)])
-    _close(got, want)
+    merged = jax.jit(lambda a, b: merged_matmul(a, b, jnp.asarray(sizes), None, None))
+    want = jax.jit(lambda a: jnp.stack([reference(a[p], w, sizes[p]) for p in range(blocks)]))
+    _close(merged(x, w), want(x))
 
     def each(a, b):
         return jnp.stack([cg.grouped_matmul(a[p], b, sizes[p]) for p in range(blocks)])
 
     def loss(f):
-        return jax.grad(lambda a, b: jnp.sum(f(a, b) * jnp.arange(5.0)), (0, 1))(x, w)
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * jnp.arange(5.0)), (0, 1)))(x, w)
 
-    got_g = loss(lambda a, b: merged_matmul(a, b, jnp.asarray(sizes), None, None))
+    got_g = loss(merged)
     want_g = loss(each)
     for g, e in zip(got_g, want_g, strict=True):
         _close(g, e)
@@ -578,7 +586,7 @@ def test_load_balancing_loss_against_numpy(tokens, experts, data):
     dtype = data.draw(st.sampled_from([np.float64, np.float32, jnp.bfloat16]))
     logits = np.random.default_rng(tokens * 31 + experts).standard_normal((tokens, experts))
     logits = np.asarray(logits.astype(dtype), np.float64)  # the values the loss sees
-    got = load_balancing_loss(jnp.asarray(logits, dtype), k)
+    got = jax.jit(load_balancing_loss, static_argnums=1)(jnp.asarray(logits, dtype), k)
     assert got.dtype == (jnp.float64 if dtype == np.float64 else jnp.float32)
     np.testing.assert_allclose(float(got), balance_reference(logits, k), rtol=1e-5)
 

@@ -3,6 +3,8 @@ reference on the same quantized operands (shards share the tensor's scales, so p
 quantization is the global one), and the straight-through gradients with dY quantized; the
 all-gather's rows and the dispatch's tokens moving quantized (the lowered program's types)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,13 @@ TOL = 1e-5  # float32 accumulation of values that are exact after quantization
 
 
 def _dq(a, mode, axis):
-    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+    """a's values after quantizing (float64), in one jitted program."""
+    return np.asarray(_dq_program(jnp.asarray(a), mode, axis))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _dq_program(a, mode, axis):
+    return cg.dequantize(cg.quantize(a, mode, axis=axis), jnp.float64)
 
 
 def _grad_dq(g, mode):

@@ -113,11 +113,13 @@ def test_visit_rank_counts_a_bands_visits_in_order(m_pairs, n_iters, width, mino
     band's first visits, each rank once)."""
     tiles = PingPongAGConfig(grid_tile_width=width, grid_minor_m=minor_m, cluster=None)
     count = m_pairs * n_iters
-    lin = jnp.arange(count, dtype=jnp.int32)
-    rows, cols = pingpong.tile_origin(tiles, lin, m_pairs, n_iters)
-    m_pair, n_idx = rows // tiles.cluster_m, cols // tiles.tile_n
-    ranks = np.asarray(pingpong_ag.visit_rank(tiles, m_pair, n_idx, n_iters))
-    m_pair = np.asarray(m_pair)
+
+    def walk(lin):  # one jitted program, not an eager compile per op
+        rows, cols = pingpong.tile_origin(tiles, lin, m_pairs, n_iters)
+        m_pair, n_idx = rows // tiles.cluster_m, cols // tiles.tile_n
+        return m_pair, n_idx, pingpong_ag.visit_rank(tiles, m_pair, n_idx, n_iters)
+
+    m_pair, n_idx, ranks = map(np.asarray, jax.jit(walk)(jnp.arange(count, dtype=jnp.int32)))
     assert sorted(zip(m_pair.tolist(), np.asarray(n_idx).tolist(), strict=True)) == [
         (a, b) for a in range(m_pairs) for b in range(n_iters)
     ]  # every tile once
@@ -125,7 +127,7 @@ def test_visit_rank_counts_a_bands_visits_in_order(m_pairs, n_iters, width, mino
         assert ranks[m_pair == band].tolist() == list(range(n_iters))
 
 
-@settings(max_examples=12, deadline=None)  # eager jax ops: about 0.3 s an example
+@settings(max_examples=12, deadline=None)
 @given(units=st.integers(1, 700), ctas=st.integers(1, 66), narrow=st.booleans())
 @example(units=288, ctas=66, narrow=True)  # llama13b's AG core at P = 8: a tail of 24
 @example(units=1408, ctas=66, narrow=True)  # comm_heavy's RS cores: 22
@@ -138,10 +140,10 @@ def test_deal_runs_every_tile_once_and_balances_the_last_wave(units, ctas, narro
     tiles = PingPongAGConfig(narrow_tail=narrow)
     dealt = pingpong.deal(tiles, units, ctas)
     cid = jnp.arange(ctas, dtype=jnp.int32)[:, None]
-    count = np.asarray(dealt.count(cid))[:, 0]
+    count = np.asarray(jax.jit(dealt.count)(cid))[:, 0]
     i = jnp.arange(int(count.max()), dtype=jnp.int32)[None, :]
-    tile, part = np.broadcast_arrays(*(np.asarray(a) for a in dealt.tile(cid, i)))
-    half = np.broadcast_to(np.asarray(dealt.half(i) if dealt.tail else False), tile.shape)
+    found = jax.jit(lambda c, j: (*dealt.tile(c, j), dealt.half(j) if dealt.tail else False))
+    tile, part, half = np.broadcast_arrays(*(np.asarray(a) for a in found(cid, i)))
     ran = i < count[:, None]
     whole = sorted(tile[ran & ~half].tolist())
     halves = sorted(zip(tile[ran & half].tolist(), part[ran & half].tolist(), strict=True))
