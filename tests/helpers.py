@@ -22,6 +22,18 @@ import commgemm as cg
 TOLERANCES = {np.float32: (1e-5, 1e-5), ml_dtypes.bfloat16: (2e-2, 2e-2)}
 
 
+def dequantized(a, mode, axis: int = -1, dtype=None) -> np.ndarray:
+    """a quantized whole in `mode` (blocks along `axis`; float8 `dtype` where given) and back,
+    float64, in one jitted program (eagerly each op compiles on its own)."""
+    return np.asarray(_dequantized(jax.numpy.asarray(a), mode, axis, dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _dequantized(a, mode, axis, dtype):
+    kw = {} if dtype is None else {"dtype": dtype}
+    return cg.dequantize(cg.quantize(a, mode, axis=axis, **kw), np.float64)
+
+
 def mesh1d(size: int, name: str = "x") -> Mesh:
     return Mesh(np.array(jax.devices()[:size]), (name,))
 

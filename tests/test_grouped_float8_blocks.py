@@ -13,7 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, mesh1d, shard
+from helpers import P, dequantized, mesh1d, shard
 from test_grouped import random_sizes, reference
 
 import commgemm as cg
@@ -64,8 +64,7 @@ def kernel_calls(monkeypatch):
 
 
 def _dq(a, axis):
-    mode = "current_tensor_scaling"
-    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+    return dequantized(a, "current_tensor_scaling", axis)
 
 
 def _bf16(rng, shape):

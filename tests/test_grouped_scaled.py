@@ -3,13 +3,11 @@ reference on the same quantized operands (shards share the tensor's scales, so p
 quantization is the global one), and the straight-through gradients with dY quantized; the
 all-gather's rows and the dispatch's tokens moving quantized (the lowered program's types)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, mesh1d, shard
+from helpers import P, dequantized, mesh1d, shard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_grouped import random_sizes, reference
@@ -21,13 +19,7 @@ TOL = 1e-5  # float32 accumulation of values that are exact after quantization
 
 
 def _dq(a, mode, axis):
-    """a's values after quantizing (float64), in one jitted program."""
-    return np.asarray(_dq_program(jnp.asarray(a), mode, axis))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _dq_program(a, mode, axis):
-    return cg.dequantize(cg.quantize(a, mode, axis=axis), jnp.float64)
+    return dequantized(a, mode, axis)
 
 
 def _grad_dq(g, mode):
@@ -38,8 +30,7 @@ def _grad_dq(g, mode):
 
 
 def _dq_dtype(a, mode, dtype):
-    t = cg.quantize(jnp.asarray(a), mode, dtype=dtype)
-    return np.asarray(cg.dequantize(t, jnp.float64))
+    return dequantized(a, mode, -1, dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -210,11 +210,12 @@ def test_parallel_mlp_with_fp8(rng):
     assert np.abs(np.asarray(k8) - np.asarray(k)).max() <= 0.15 * np.abs(np.asarray(k)).max()
 
 
+@functools.partial(jax.jit, static_argnames=("k", "capacity_factor", "activation"))
 def _moe_reference(x, router, w1, w2, k, capacity_factor=None, activation="gelu"):
     """Every token's top-k experts on one device, weighted by the softmax of their logits; with
     `capacity_factor`, per shard of `_mesh()` (x [B, S, H] sharded [data, tp]): each expert's
     copies from the shard past the first ceil(capacity_factor * copies / E) in token order
-    dropped."""
+    dropped. One jitted program (eager, a compile an op)."""
     if capacity_factor is not None and capacity_factor > 0:  # each shard's tokens alone
         rows = [jnp.split(b, 4, axis=1) for b in jnp.split(x, 2, axis=0)]
         return jnp.concatenate([

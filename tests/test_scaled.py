@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import P, config_id, mesh1d, mesh2d, shard
+from helpers import P, config_id, dequantized, mesh1d, mesh2d, shard
 
 import commgemm as cg
 from commgemm import scaled
@@ -52,7 +52,7 @@ CASES = [(op, cfg) for op in OPS for cfg in _configs(op)]
 
 def _dq(a, mode, axis):
     """a quantized globally in `mode` (blocks along `axis`) and back, in float64."""
-    return np.asarray(cg.dequantize(cg.quantize(jnp.asarray(a), mode, axis=axis), jnp.float64))
+    return dequantized(a, mode, axis)
 
 
 def _problem(rng, size):
@@ -123,7 +123,7 @@ def test_gradients_straight_through(rng, op, cfg, mode, check_vma):
     g = rng.standard_normal(y.shape).astype(np.float32)
     dx, dw = jax.jit(vjp)(g)
     g_mode, g_dtype = (CUR, jnp.float8_e5m2) if mode is CUR else (mode, jnp.float8_e4m3fn)
-    qg = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(g), g_mode, dtype=g_dtype), jnp.float64))
+    qg = dequantized(g, g_mode, -1, g_dtype)
     w_dgrad = _dq(w, mode, 0) if mode is CUR else _dq(w, mode, 1)
     want_dx = qg @ w_dgrad.T
     want_dw = _dq(x, mode, -1).T @ qg
@@ -307,7 +307,7 @@ def test_matmul_2d_quantized(rng, mode, mesh, method, check_vma):
     g = rng.standard_normal(y.shape).astype(np.float32)
     dx, dw = jax.jit(vjp)(g)
     g_mode, g_dtype = (CUR, jnp.float8_e5m2) if mode is CUR else (mode, jnp.float8_e4m3fn)
-    qg = np.asarray(cg.dequantize(cg.quantize(jnp.asarray(g), g_mode, dtype=g_dtype), jnp.float64))
+    qg = dequantized(g, g_mode, -1, g_dtype)
     w_dgrad = _dq(w, mode, 0) if mode is CUR else _dq(_dq(w, mode, 0).astype(np.float32), mode, 1)
     for got, want, depth in (
         (dx, qg @ w_dgrad.T, w.shape[1]),
