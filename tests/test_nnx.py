@@ -215,7 +215,7 @@ def _moe_reference(x, router, w1, w2, k, capacity_factor=None, activation="gelu"
     """Every token's top-k experts on one device, weighted by the softmax of their logits; with
     `capacity_factor`, per shard of `_mesh()` (x [B, S, H] sharded [data, tp]): each expert's
     copies from the shard past the first ceil(capacity_factor * copies / E) in token order
-    dropped. One jitted program (eager, a compile an op)."""
+    dropped. Jitted: run eagerly, each of its ops would compile on its own."""
     if capacity_factor is not None and capacity_factor > 0:  # each shard's tokens alone
         rows = [jnp.split(b, 4, axis=1) for b in jnp.split(x, 2, axis=0)]
         return jnp.concatenate([
