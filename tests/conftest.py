@@ -8,10 +8,9 @@ import zlib
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if os.environ["JAX_PLATFORMS"] == "cpu" and "optimization_level" not in _flags:
-    # The tests' programs are tiny: compiling them, not running them, takes the time. Without
-    # LLVM's optimizations of the CPU code the same tests pass, in 8:37 instead of 10:29; with
-    # jaxlib 0.10's older CPU fusion emitters too, the suite in 8:15 instead of 11:30 (jaxlib
-    # 0.11 has no such flag, and an unknown flag stops XLA).
+    # The tests' programs are tiny: compiling them, not running them, takes the time. So no
+    # LLVM optimization of the CPU code, and on jaxlib 0.10 its older, faster-compiling CPU
+    # fusion emitters (jaxlib 0.11 has no such flag, and an unknown flag stops XLA).
     _flags += " --xla_backend_optimization_level=0"
     if tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11):
         _flags += " --xla_cpu_use_fusion_emitters=false"
