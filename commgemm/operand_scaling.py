@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu.transposes import swapped
 from commgemm.quant import (
     BLOCK,
     TENSOR_MODES,
@@ -126,7 +127,7 @@ def quantize_weight(
     q = lax.stop_gradient(
         quantize_operand(lax.stop_gradient(w), recipe, axis % w.ndim, names, recipe.w_state)
     )
-    transposed = jnp.swapaxes(q.data, -1, -2) if keep_transposed else None
+    transposed = swapped(q.data) if keep_transposed else None
     return QuantizedWeight(w, q, transposed)
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu.transposes import swapped
 from commgemm.operand_scaling import tensor_scale
 from commgemm.quant import E8M0, TENSOR_MODES, ScaledTensor, ScalingMode, _held, dequantize
 
@@ -102,10 +103,11 @@ class QuantizedRhs:
     def k_major(self, w_transposed: bool) -> jax.Array:
         """W's float8 values [n, K] (tensor modes), K-major as Hopper's float8 GEMMs read both
         operands: the values themselves where w is [n, K] (`w_transposed`), else the kept
-        transposed copy, else the values transposed (a copy XLA makes in each call)."""
+        transposed copy, else the values transposed (a copy made in each call,
+        `mosaic_gpu.transposes.swapped`)."""
         if w_transposed:
             return self.w.data
-        return self.w.data.T if self.transposed is None else self.transposed
+        return swapped(self.w.data) if self.transposed is None else self.transposed
 
     def matmul(
         self, rows: jax.Array, w_transposed: bool, accumulate_dtype: str, result_dtype

@@ -66,7 +66,7 @@ def _lowered(op, spec, shape, size=2, scaling=None, grad=False, check_vma=True):
         f = jax.grad(lambda a, b: (forward(a, b).astype(jnp.float32) ** 2).sum(), (0, 1))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n))]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = sum("custom_call" in line and "mosaic_gpu" in line for line in text.splitlines())
+    kernels = sum("custom_call @mosaic_gpu" in line for line in text.splitlines())
     return kernels, text
 
 
@@ -94,7 +94,7 @@ def test_float8_and_gradients_lower_to_the_kernel(hopper):
     backward's dX multiplies e5m2 dY by e4m3 W (two formats Mosaic GPU's wgmma does not mix)
     with split accumulation, so it stays on XLA."""
     found, text = _lowered("ag", "none-mosaic", (512, 256, 1024), scaling="current_tensor_scaling")
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert found == 1 and calls[0].count("f8E4M3FN") >= 2
     for check_vma in (True, False):
         found, _ = _lowered("ag", "none-mosaic", (512, 256, 1024), grad=True, check_vma=check_vma)
@@ -228,7 +228,7 @@ def test_local_gemm_takes_the_pingpong_kernel_where_it_fits(
             called.append((_op, a[3].kernel)), _r(*a, **kw))[1])  # fmt: skip
     f = jax.jit(lambda a, b: gemm_core.matmul(a, b, w_transposed))
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and [op for op, _ in called] == [kernel]
+    assert "custom_call @mosaic_gpu" in text and [op for op, _ in called] == [kernel]
     assert isinstance(called[0][1], PingPongRSConfig) == (kernel == "rs")
 
 

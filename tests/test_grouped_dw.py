@@ -123,61 +123,6 @@ def test_grouped_backward_takes_the_kernel(monkeypatch):
     assert not _mosaic_calls(grouped.weight_grad, sds((512, 200), jnp.bfloat16), dy, sizes)
 
 
-def test_transposed_pads_rows_to_whole_128s():
-    """The float8 kernel's operands: q [M, C] transposed, zeros past M up to a multiple of 128;
-    float8 values exact."""
-    rng = np.random.default_rng()
-    for m in (128, 37, 1000):
-        q = jnp.asarray(rng.normal(size=(m, 5)), jnp.float8_e4m3fn)
-        got = np.asarray(grouped_dw.transposed(q).astype(jnp.float32))
-        assert got.shape == (5, -(-m // 128) * 128)
-        np.testing.assert_array_equal(got[:, :m], np.asarray(q.astype(jnp.float32)).T)
-        assert not got[:, m:].any()
-
-
-@settings(max_examples=12, deadline=None)
-@given(
-    m=st.integers(1, 600),
-    c=st.sampled_from([128, 384]),
-    dtype=st.sampled_from([jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint8]),
-    extra=st.integers(0, 1),
-)
-def test_triton_transposed_matches_xla(m, c, dtype, extra):
-    """The float8 operands' transpose kernel (interpreted here) equals XLA's transpose bit for
-    bit, zeros past M up to `cols` (M rounded up to 128, or a tile more), any 1-byte dtype."""
-    rng = np.random.default_rng()
-    bits = rng.integers(0, 256, size=(m, c), dtype=np.uint8)
-    q = jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype)
-    cols = (-(-m // 128) + extra) * 128
-    got = grouped_dw.triton_transposed(q, cols, interpret=True)
-    assert got.shape == (c, cols) and got.dtype == dtype
-    want = np.zeros((c, cols), np.uint8)
-    want[:, :m] = bits.T
-    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)), want)
-
-
-def test_triton_transposed_refuses_bad_operands():
-    """2-byte values, columns not whole 128s, too few or ragged output columns: ValueError."""
-    q = jnp.zeros((200, 256), jnp.float8_e4m3fn)
-    for bad, cols in ((q.astype(jnp.bfloat16), 256), (q[:, :200], 256), (q, 128), (q, 300)):
-        with pytest.raises(ValueError, match="must be 1-byte"):
-            grouped_dw.triton_transposed(bad, cols)
-
-
-def test_transposed_is_a_triton_kernel_on_cuda():
-    """Lowered for CUDA, `transposed` is one Pallas Triton call (opaque to XLA's fusion) where
-    C is whole 128s, XLA's transpose where not; evaluated on the CPU, XLA's."""
-    f8 = jnp.float8_e4m3fn
-
-    def triton_calls(shape):
-        lowered = jax.jit(grouped_dw.transposed).trace(jax.ShapeDtypeStruct(shape, f8))
-        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-        return sum("xla.gpu.triton" in line for line in text.splitlines())
-
-    assert triton_calls((1000, 256)) == 1
-    assert triton_calls((1000, 200)) == 0
-
-
 def test_float8_bad_operands_raise(monkeypatch):
     """The float8 form's checks: float8 operands of one row count, whole tiles."""
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)

@@ -96,7 +96,7 @@ def test_push_gather_gemm_lowers(size, spec):
         (4096 * size, 256),  # 256 tiles a block (128 in clusters): more than a spread's head
         (256, 2048 * size),
     )
-    assert "mosaic_gpu" in text and "custom_call" in text
+    assert "custom_call @mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -124,7 +124,7 @@ def test_scatter_add_gemm_lowers(size, spec):
         (2048 * size, 512 * size),
         (512 * size, 4096),
     )
-    assert "mosaic_gpu" in text and "custom_call" in text
+    assert "custom_call @mosaic_gpu" in text
 
 
 @pytest.mark.parametrize(
@@ -145,7 +145,7 @@ def test_scatter_add_core_splits_its_tail(spec, expected, monkeypatch):
     f = jax.jit(lambda x, w: direct_rs.matmul_reduce_scatter(x, w, None, cfg.kernel))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8192, 1024), (1024, 14336))]
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and planned == [expected]
+    assert "custom_call @mosaic_gpu" in text and planned == [expected]
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -164,7 +164,7 @@ def test_streamed_tail_through_the_public_op(check_vma, monkeypatch):
                       out_specs=P("x", None), check_vma=check_vma)  # fmt: skip
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 1024), (1024, 4096))]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and planned == [(58, rs_schedule.STREAMED)]
+    assert "custom_call @mosaic_gpu" in text and planned == [(58, rs_schedule.STREAMED)]
 
 
 def test_chain_tiles_needs_two_tiles_per_cta():
@@ -277,7 +277,7 @@ def test_ring_kernels_lower(op, spec, size):
         specs = (P(None, "x"), P("x", None), P("x", None))
         shapes = ((512 * size, 256 * size), (256 * size, 1024))
     text = lower(fn, *specs, size, *shapes)
-    assert "mosaic_gpu" in text and "custom_call" in text
+    assert "custom_call @mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -302,7 +302,7 @@ def test_kernels_lower_on_a_mesh_with_more_axes(kernel, rows):
             fn = lambda x, w: fused.matmul_reduce_scatter(x, w, "x", cfg, w_transposed=False)  # noqa: E731
         specs, shapes = (P(None, "x"), P("x", None), P("x", None)), ((2048, 1024), (1024, 4096))
     text = lower(fn, *specs, size, *shapes, mesh=mesh)
-    assert "mosaic_gpu" in text and "custom_call" in text
+    assert "custom_call @mosaic_gpu" in text
 
 
 def test_fused_ag_plans_on_a_mesh_with_more_axes(monkeypatch):
@@ -367,7 +367,7 @@ def test_hopper_grouped_gemm_lowers(groups, kernel, monkeypatch):
     text = (
         jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     )
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     # dX and dW (the forward's result is unused by the gradient): dW's is the [G, K, N] one
     assert len(calls) == 2, calls
     assert sum(f"-> tensor<{groups}x256x512xbf16>" in call for call in calls) == 1, calls
@@ -398,7 +398,7 @@ def test_grouped_kernel_lowers(w_nk, row_tiles, narrow):
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1, calls
     # row tiles, row tiles + 7 (row tile, group) pairs, row tiles x 2 output tiles
     pairs = row_tiles + 7
@@ -441,7 +441,7 @@ def test_fused_kernels_lower_on_float8(spec, op, size, split):
         f = jax.jit(jax.shard_map(body, mesh=mesh1d(size), in_specs=specs, out_specs=out,
                                   check_vma=False))  # fmt: skip
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1, calls
     operands, results = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)  # the call's types
     assert operands.count("f8E4M3FN") == 2 and "tensor<1xf32>" in operands, operands
@@ -613,7 +613,7 @@ def test_narrow_tail_lowers(size, spec, m, expected, fp8, monkeypatch):
         args = ((size * m, k), (k, size * n))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in args]
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and planned == [expected]
+    assert "custom_call @mosaic_gpu" in text and planned == [expected]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
@@ -633,7 +633,7 @@ def test_grouped_kernel_lowers_on_float8(dtype, split):
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )  # fmt: skip
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1, calls
     operands, result = calls[0].rsplit(" : (", 1)[1].split(") -> ", 1)
     assert operands.count("f8E") == 2 and "tensor<1xf32>" in operands, operands
@@ -657,7 +657,7 @@ def test_prequantized_grouped_kernel_in_shard_map(check_vma, monkeypatch):
     shapes = (((1024, 256), f8), ((), f32), ((3, 512, 256), f8), ((), f32))
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1 and "tensor<512x512xbf16>" in calls[0], calls
 
 
@@ -697,7 +697,7 @@ def test_float8_grouped_backward_lowers(grad_dtype, split, delayed, monkeypatch)
     text = jax.jit(jax.grad(loss, (0, 1, 2) if delayed else (0, 1))).trace(*args)
     text = text.lower(lowering_platforms=("cuda",))
     calls = [ln for ln in text.as_text().splitlines()
-             if "custom_call" in ln and "mosaic_gpu" in ln]  # fmt: skip
+             if "custom_call @mosaic_gpu" in ln]  # fmt: skip
     float8 = [c for c in calls if c.rsplit(" : (", 1)[1].count("f8E") == 2]
     assert len(calls) == 2 and len(float8) == (1 if split else 2), calls
     assert any(") -> tensor<1024x512xbf16>" in c for c in float8), float8  # dX
@@ -730,7 +730,7 @@ def test_collective_grouped_float8_lowers(op, check_vma, monkeypatch):
     sizes = sds((size, groups), jnp.int32)  # dispatch: 2 of the 4 experts on each shard
     args = (sds((size * m, 256), jnp.bfloat16), sds((groups, 256, 512), jnp.bfloat16), sizes)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == size, calls
     n = 512 // size if op == "ag" else 512
     for call in calls:
@@ -773,7 +773,7 @@ def test_collective_grouped_float8_backward_lowers(check_vma, monkeypatch):
     grad_dtype = "float8_e5m2" if jax.__version_info__ >= (0, 11) else "float8_e4m3fn"
     recipe = cg.ScalingRecipe("current_tensor_scaling", grad_dtype=grad_dtype)
     lines = _ring_float8_grad_lines(recipe, check_vma, size, m, groups, n)
-    calls = [ln for ln in lines if "custom_call" in ln and "mosaic_gpu" in ln]
+    calls = [ln for ln in lines if "custom_call @mosaic_gpu" in ln]
     operands = [c.rsplit(" : (", 1)[1].split(") -> ", 1) for c in calls]
     float8 = [(o, r) for o, r in operands if o.count("f8E") == 2]
     dx = [(o, r) for o, r in float8 if r.startswith(f"tensor<{m}x256xbf16>")]
@@ -789,7 +789,8 @@ def test_collective_grouped_float8_dw_lowers(check_vma, wgrad_split, monkeypatch
     """The all-gather ring's float8 blocks (as on a Hopper GPU) with a fast wgrad: each block's
     dW on the float8 dW kernel (the payload's and dY's float8 values, [K, M'] and [n, M'], each
     transposed by one Pallas Triton call), [G, K, n] out; with wgrad split, on a 16-bit kernel
-    and no transposes. The groups' row floor lowered to these blocks' 64 rows a group."""
+    and no transposes of rows. Either way the experts' [G, N, K] float8 copy is one more Triton
+    call. The groups' row floor lowered to these blocks' 64 rows a group."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
     from commgemm.mosaic_gpu import grouped_dw
@@ -806,7 +807,10 @@ def test_collective_grouped_float8_dw_lowers(check_vma, wgrad_split, monkeypatch
     dw = [c for c in calls if f"-> tensor<{groups}x256x{n // size}xbf16>" in c]
     float8_dw = [c for c in dw if f"tensor<256x{m}xf8E4M3FN>" in c]
     assert len(dw) == size and len(float8_dw) == (0 if wgrad_split else size), dw
-    assert sum("xla.gpu.triton" in ln for ln in lines) == (0 if wgrad_split else 2 * size)
+    triton = [ln for ln in lines if "xla.gpu.triton" in ln]
+    rows = [ln for ln in triton if re.search(r": \(tensor<1x\d+x\d+xui8>\)", ln)]  # dW's x, dY
+    assert len(rows) == (0 if wgrad_split else 2 * size), triton
+    assert len(triton) - len(rows) == 1, triton  # the experts' [G, N, K] copy, once a call
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -815,7 +819,8 @@ def test_kept_transposed_experts_lower(op, keep, monkeypatch):
     """A `QuantizedWeight` of the experts with its values kept transposed
     (`quantize_weight(..., keep_transposed=True)`) reaches the float8 kernel as it is: the
     forward's program (the local op, and the all-gather ring's blocks, as on a Hopper GPU) has
-    no transpose of float8 experts; without the kept copy it transposes them."""
+    no transpose of float8 experts; without the kept copy it transposes them (a Triton call
+    on CUDA)."""
     from commgemm.quant import ScaledTensor
 
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
@@ -843,10 +848,11 @@ def test_kept_transposed_experts_lower(op, keep, monkeypatch):
     sizes = sds((groups,) if op == "local" else (size, groups), jnp.int32)
     text = jax.jit(f).trace(sds((rows, k), jnp.bfloat16), w, sizes)
     text = text.lower(lowering_platforms=("cuda",)).as_text()
-    experts = re.compile(r"\(tensor<\d+x\d+x\d+xf8E4M3FN>\)")  # a 3-D float8 operand
+    experts = re.compile(r"\(tensor<\d+x\d+x\d+x(f8E4M3FN|ui8)>\)")  # 3-D float8 (or its bytes)
+    moves = ("stablehlo.transpose", "xla.gpu.triton")  # XLA's, or the Triton kernel's on CUDA
     transposes = [ln for ln in text.splitlines()
-                  if "stablehlo.transpose" in ln and experts.search(ln)]  # fmt: skip
-    calls = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
+                  if any(op in ln for op in moves) and experts.search(ln)]  # fmt: skip
+    calls = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
     assert calls and all(c.rsplit(" : (", 1)[1].count("f8E4M3FN") == 2 for c in calls), calls
     assert bool(transposes) is not keep, transposes
 
@@ -872,10 +878,11 @@ def test_kept_transposed_dense_lowers(spec, keep, monkeypatch):
                             sds((2048, 512), f8) if keep else None)  # fmt: skip
     text = jax.jit(f).trace(sds((2048, 512), jnp.bfloat16), qw)
     text = text.lower(lowering_platforms=("cuda",)).as_text()
-    transposes = [ln for ln in text.splitlines()
-                  if "stablehlo.transpose" in ln and "xf8E4M3FN>) ->" in ln]  # fmt: skip
+    transposes = [ln for ln in text.splitlines()  # XLA's or the Triton kernel's (on CUDA)
+                  if ("stablehlo.transpose" in ln and "xf8E4M3FN>) ->" in ln)
+                  or "xla.gpu.triton" in ln]  # fmt: skip
     assert bool(transposes) is not keep, transposes
-    kernels = [ln for ln in text.splitlines() if "custom_call" in ln and "mosaic_gpu" in ln]
+    kernels = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
     assert len(kernels) == (spec != "none"), kernels
 
 
@@ -939,4 +946,4 @@ def test_pingpong_kernels_lower_through_the_public_ops(op, size, monkeypatch):
                       in_specs=specs[:2], out_specs=specs[2])  # fmt: skip
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and called and landed
+    assert "custom_call @mosaic_gpu" in text and called and landed

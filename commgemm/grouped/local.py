@@ -9,6 +9,7 @@ import numpy as np
 from jax import lax
 
 from commgemm.config import floating_dtype_name
+from commgemm.mosaic_gpu.transposes import swapped
 from commgemm.quant import as_recipe, check_weight_scaling
 
 
@@ -75,7 +76,7 @@ def prequantized_matmul(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arr
     out_dtype = floating_dtype_name(out_dtype or "bfloat16", "out_dtype")
     sizes = group_sizes.astype(jnp.int32)
     if hopper.prequantized_reason(x, w, w_nk, out_dtype) is None:
-        data = w.data if w_nk else jnp.swapaxes(w.data, 1, 2)
+        data = w.data if w_nk else swapped(w.data)
         return hopper.float8_matmul(x.data, x.scale_inv, data, w.scale_inv, sizes, out_dtype)
     xs, ws = dequantize(x, jnp.float32), dequantize(w, jnp.float32)
     ws = jnp.swapaxes(ws, 1, 2) if w_nk else ws

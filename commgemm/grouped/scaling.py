@@ -14,7 +14,7 @@ as it travelled (its float8 payload) by the experts' float8 values, and each blo
 the quantized dY by them in dX (`grouped.blocks.block_matmul`), with the same quantized
 values; dW stays 16-bit. The forward reads the experts' float8 values [G, N, K]: a
 `QuantizedWeight`'s kept copy (`quantize_weight(..., keep_transposed=True)`), else transposed
-once per call."""
+once per call (`mosaic_gpu.transposes.swapped`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commgemm.mosaic_gpu.transposes import swapped
 from commgemm.operand_scaling import (
     check_blocks,
     dy_quantized,
@@ -168,7 +169,7 @@ class Float8Experts:
         """qw [G, K, N], tensor-scaled by `recipe`, as the kernel reads it; `nk`: its values
         transposed already ([G, N, K]), or None."""
         split = tuple(recipe.split_accumulator)
-        nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
+        nk = swapped(qw.data) if nk is None else nk
         return Float8Experts(nk, qw.data, qw.scale_inv, split, jnp.dtype(recipe.grad_dtype).name)
 
     def link(self) -> jax.Array | None:

@@ -26,6 +26,7 @@ from jax import lax
 from commgemm.mosaic_gpu import grouped_dw, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig, PingPongTiles
+from commgemm.mosaic_gpu.transposes import swapped
 from commgemm.vma import like_primal, varying_like
 
 
@@ -261,7 +262,7 @@ def _float8_forward(x, w, sizes, qw, nk, states, plan: Float8Plan):
         qx = quantize(x, ScalingMode.CURRENT_TENSOR_SCALING, dtype=plan.dtype)
     else:
         qx = quantize(x, ScalingMode.DELAYED_TENSOR_SCALING, dtype=plan.dtype, state=x_state)[0]
-    w_nk = jnp.swapaxes(qw.data, 1, 2) if nk is None else nk
+    w_nk = swapped(qw.data) if nk is None else nk
     out = float8_matmul(
         qx.data,
         qx.scale_inv,

@@ -15,13 +15,13 @@ inf there reaches this group's dW too (XLA's ragged dot keeps it in its own grou
 group's units store zero tiles.
 
 Float8: wgmma multiplies float8 operands K-major only, and the tokens are the contraction, so
-the kernel reads x and dy transposed (`transposed`: one Pallas Triton kernel each, [K, M'] and
-[N, M'], 1 byte an element read and written), a unit's K loop over its group's tokens in
-steps of 128 columns from the group's first token rounded down to a multiple of 128
-(`TOKEN_ALIGN`); the columns of a step outside the group are zeroed in x's block, those past
-the groups' sum in dy's too, as the 16-bit kernel zeroes rows (in f16 registers: Mosaic GPU
-selects on 16 bits or more). The two tensor scales multiply the float32 accumulator in the
-epilogue; the wgmma accumulates across the K-steps (fast accumulation).
+the kernel reads x and dy transposed (`transposes.padded_rows_transposed`: one Pallas Triton
+kernel each, [K, M'] and [N, M'], 1 byte an element read and written), a unit's K loop over
+its group's tokens in steps of 128 columns from the group's first token rounded down to a
+multiple of 128 (`TOKEN_ALIGN`); the columns of a step outside the group are zeroed in x's
+block, those past the groups' sum in dy's too, as the 16-bit kernel zeroes rows (in f16
+registers: Mosaic GPU selects on 16 bits or more). The two tensor scales multiply the float32
+accumulator in the epilogue; the wgmma accumulates across the K-steps (fast accumulation).
 
 Schedule (as `grouped_pingpong`, CUTLASS's ping-pong): a load warpgroup fills one ring of
 `stages` slots step by step across the CTA's units (a unit's steps are counted by a prefix
@@ -45,14 +45,14 @@ from commgemm.mosaic_gpu.configs import FLOAT8_TILE_K, ROW_ALIGN, WGMMA_M, PingP
 from commgemm.mosaic_gpu.grouped_kernel import FLOAT8
 from commgemm.mosaic_gpu.grouped_pingpong import SMEM_BYTES, launch, ring_scratch
 from commgemm.mosaic_gpu.pingpong import by_warpgroup, k_loop_in_turn
-from commgemm.vma import out_struct
+from commgemm.mosaic_gpu.transposes import TILE, padded_rows_transposed
 
 #: Operand dtypes the 16-bit kernel multiplies (`float8_weight_grad` takes FLOAT8's).
 DTYPES = (jnp.bfloat16, jnp.float16)
 #: The float8 kernel's transposed operands hold whole 128s of tokens a row and its K loops
 #: start at whole 128s: Mosaic GPU loads tiled shared memory (128-byte swizzled rows) from
 #: whole tiles of the minor dimension.
-TOKEN_ALIGN = 128
+TOKEN_ALIGN = TILE
 
 
 def shape_reason(tiles: PingPongTiles, m: int, k: int, n: int, dtype) -> str | None:
@@ -125,55 +125,6 @@ def group_steps(
     return starts, ends, base, steps.astype(jnp.int32)
 
 
-def transposed(q: jax.Array) -> jax.Array:
-    """q [M, C] -> [C, M'] (M' = M rounded up to TOKEN_ALIGN, zeros past M). On CUDA GPUs, for
-    C whole TOKEN_ALIGNs, a Pallas Triton kernel (`triton_transposed`): a custom call, which
-    XLA neither fuses into q's producer nor lays q out for. XLA's own transpose of a float8
-    operand built by a row gather (the MoE block's rows) fuses the gather into a pass that
-    reads it at transposed addresses and may lay out the producer transposed, several times
-    slower than a copy. Elsewhere XLA's transpose."""
-    m, c = q.shape
-    cols = -(-m // TOKEN_ALIGN) * TOKEN_ALIGN
-
-    def by_xla(q):
-        return jnp.pad(q.T, ((0, 0), (0, cols - m)))
-
-    if c % TOKEN_ALIGN or m == 0:
-        return by_xla(q)
-    kernel = functools.partial(triton_transposed, cols=cols)
-    return lax.platform_dependent(q, cuda=kernel, default=by_xla)
-
-
-def triton_transposed(q: jax.Array, cols: int, interpret: bool = False) -> jax.Array:
-    """q [M, C] (any 1-byte dtype, C whole TOKEN_ALIGNs) -> [C, cols] (cols >= M, whole
-    TOKEN_ALIGNs, zeros past M) in a Pallas Triton kernel: one program per TOKEN_ALIGN x
-    TOKEN_ALIGN tile, its rows past M masked off the load."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
-
-    (m, c), tile = q.shape, TOKEN_ALIGN
-    if q.dtype.itemsize != 1 or c % tile or cols % tile or cols < m:
-        raise ValueError(
-            f"triton_transposed: q {q.dtype}{list(q.shape)} must be 1-byte [M, C] with C whole "
-            f"{tile}s, cols={cols} whole {tile}s and >= M"
-        )
-
-    def kernel(q_ref, out_ref):
-        rows = pl.program_id(0) * tile + lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
-        out_ref[...] = plt.load(q_ref, mask=rows < m, other=0).T
-
-    out = pl.pallas_call(
-        kernel,
-        grid=(cols // tile, c // tile),
-        in_specs=[pl.BlockSpec((tile, tile), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((tile, tile), lambda i, j: (j, i)),
-        out_shape=out_struct((c, cols), jnp.uint8, (q,)),
-        compiler_params=plt.CompilerParams(num_warps=4),
-        interpret=interpret,
-    )(lax.bitcast_convert_type(q, jnp.uint8))
-    return lax.bitcast_convert_type(out, q.dtype)
-
-
 def unit_offsets(steps: jax.Array, per_group: int, ctas: int) -> jax.Array:
     """[units] int32: unit u's first step among its CTA's (CTA u % ctas runs units u, u +
     ctas, ...: an exclusive prefix sum of their steps, `per_group` units a group)."""
@@ -229,7 +180,8 @@ def float8_weight_grad(
     plan = group_steps(sizes, x.shape[0], tiles.tile_k, TOKEN_ALIGN)
     scale = (x_scale_inv * dy_scale_inv).astype(jnp.float32).reshape(1)
     k, n = x.shape[1], dy.shape[1]
-    return _kernel(tiles, k, n, jnp.dtype(out_dtype), plan, transposed(x), transposed(dy), scale)
+    xt, dyt = padded_rows_transposed(x), padded_rows_transposed(dy)
+    return _kernel(tiles, k, n, jnp.dtype(out_dtype), plan, xt, dyt, scale)
 
 
 def _kernel(tiles: PingPongTiles, k: int, n: int, out_dtype, plan, x, dy, scale):

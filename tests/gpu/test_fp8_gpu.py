@@ -202,8 +202,8 @@ def test_kept_transposed_experts(op):
 def test_kept_transposed_dense(local_gemm):
     """A dense op's float8 forward on w [K, n] quantized before (passed in, as for serving),
     on one GPU (XLA's FP8 GEMM, or commgemm's Mosaic GEMM): with the values kept transposed
-    the compiled program moves no float8 operand (no transpose or copy), without them it
-    does; the results are equal bit for bit."""
+    the compiled program moves no float8 operand (no transpose, copy or Triton transpose),
+    without them it does; the results are equal bit for bit."""
     import re
 
     m, k, n, mode = 1024, 512, 768, "current_tensor_scaling"
@@ -220,6 +220,7 @@ def test_kept_transposed_dense(local_gemm):
             mesh=mesh, in_specs=(P("x"), specs), out_specs=P("x")))  # fmt: skip
         text = f.lower(x, qw).compile().as_text()
         moved = re.findall(r"= f8e4m3fn\[[^\]]*\][^ ]* (?:transpose|copy)\(", text)
+        moved += [ln for ln in text.splitlines() if "xla.gpu.triton" in ln]  # `swapped`
         assert bool(moved) is not keep, moved
         assert ("mosaic" if local_gemm == "mosaic" else "cublas$lt$matmul$f8") in text
         outs.append(np.float32(f(x, qw)))
@@ -237,6 +238,8 @@ def test_collective_grouped_float8_blocks(op, method, wgrad):
     dY beside e4m3 w in a Mosaic GPU call of the gradient's program), the gradients within
     float8 noise of the emulated ones. With a fast wgrad the blocks take dW on the float8 dW
     kernel (these hold 256 rows a group or more), its operands transposed by Triton calls."""
+    import re
+
     from commgemm.grouped import scaling
 
     devices = jax.devices()
@@ -281,7 +284,9 @@ def test_collective_grouped_float8_blocks(op, method, wgrad):
             text = fwd.lower(x, w).compile().as_text()
             grad = jax.jit(jax.grad(loss, (0, 1)))
             lowered = grad.lower(x, w)
-            triton = "xla.gpu.triton" in lowered.as_text()  # dW's transposes
+            # dW's transposes: Triton calls on rows [1, M, C] (the experts' values: [G, K, N])
+            triton = any("xla.gpu.triton" in ln and re.search(r": \(tensor<1x\d+x\d+xui8>\)", ln)
+                         for ln in lowered.as_text().splitlines())  # fmt: skip
             lines = lowered.compile().as_text().splitlines()
             dx_calls = [ln for ln in lines if "custom-call" in ln and "mosaic" in ln
                         and "f8e5m2[" in ln and "f8e4m3fn[" in ln]  # fmt: skip
