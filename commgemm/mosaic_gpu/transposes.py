@@ -28,16 +28,9 @@ TILE = 128
 def swapped(q: jax.Array) -> jax.Array:
     """q [..., M, C] -> [..., C, M], `jnp.swapaxes(q, -1, -2)`: on CUDA GPUs the Pallas Triton
     kernel where q is 1-byte with M and C whole TILEs, XLA's transpose elsewhere."""
-
-    def by_xla(q):
-        return jnp.swapaxes(q, -1, -2)
-
-    if q.ndim < 2 or q.dtype.itemsize != 1 or q.size == 0 or q.shape[-1] % TILE:
-        return by_xla(q)
-    if q.shape[-2] % TILE:
-        return by_xla(q)
-    kernel = functools.partial(triton_transposed, cols=q.shape[-2])
-    return lax.platform_dependent(q, cuda=kernel, default=by_xla)
+    whole = q.ndim >= 2 and q.size and not (q.shape[-1] % TILE or q.shape[-2] % TILE)
+    by_xla = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+    return _on_cuda(q, q.shape[-2] if whole else None, by_xla)
 
 
 def padded_rows_transposed(q: jax.Array) -> jax.Array:
@@ -50,7 +43,13 @@ def padded_rows_transposed(q: jax.Array) -> jax.Array:
     def by_xla(q):
         return jnp.pad(q.T, ((0, 0), (0, cols - m)))
 
-    if c % TILE or m == 0 or q.dtype.itemsize != 1:
+    return _on_cuda(q, cols if m and not c % TILE else None, by_xla)
+
+
+def _on_cuda(q: jax.Array, cols: int | None, by_xla):
+    """`triton_transposed(q, cols)` on CUDA GPUs and by_xla(q) elsewhere, or by_xla(q) wherever
+    the kernel does not take q (cols None, or q not 1-byte)."""
+    if cols is None or q.dtype.itemsize != 1:
         return by_xla(q)
     kernel = functools.partial(triton_transposed, cols=cols)
     return lax.platform_dependent(q, cuda=kernel, default=by_xla)
@@ -63,7 +62,8 @@ def triton_transposed(q: jax.Array, cols: int, interpret: bool = False) -> jax.A
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    *lead, m, c = q.shape if q.ndim >= 2 else (0, 0)
+    shape = q.shape if q.ndim >= 2 else (0, 1)  # a vector: C 1, refused below
+    *lead, m, c = shape
     if q.ndim < 2 or q.dtype.itemsize != 1 or c % TILE or cols % TILE or cols < m:
         raise ValueError(
             f"triton_transposed: q {q.dtype}{list(q.shape)} must be 1-byte [..., M, C] with C "
