@@ -3,6 +3,7 @@ traces and compiles to Mosaic GPU's MLIR, for several meshes and tilings. They o
 Hopper GPUs (tests/gpu checks their outputs there); this catches what breaks
 before a kernel is ever launched."""
 
+import functools
 import re
 
 import jax
@@ -517,6 +518,34 @@ def test_split_tiling():
     assert split_tiling(chained, 1024).chain_tiles  # 4 steps, 2 stages
     assert not split_tiling(chained, 768).chain_tiles  # 3 steps
     assert split_tiling(chained, 768).tile_k == 256
+
+
+@pytest.mark.parametrize("k,tile_k", [(768, 256), (640, 128)])
+def test_grouped_split_form_takes_256_element_steps(k, tile_k, monkeypatch):
+    """The row-aligned grouped kernel's split form (the promoted float8 dX) runs in
+    `split_tiling`: K-steps of 256 where K is whole steps of them (768), else of 128 (640), and
+    lowers either way; fast accumulation keeps `float8_tiling`'s 128."""
+    from commgemm.mosaic_gpu import grouped_kernel
+    from commgemm.mosaic_gpu.configs import GroupedConfig
+
+    tilings = []
+    original = grouped_kernel._float8_tiling
+    monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
+    monkeypatch.setattr(
+        grouped_kernel,
+        "_float8_tiling",
+        lambda *a, **kw: tilings.append(original(*a, **kw)) or tilings[-1],
+    )
+    f8, sds = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    args = (sds((512, k), f8), sds((4, 256, k), f8), sds((4,), jnp.int32))
+    for split, steps in ((True, tile_k), (False, 128)):
+        tilings.clear()
+        f = functools.partial(grouped_kernel.grouped_matmul, w_nk=True, out_dtype=jnp.bfloat16,
+                              split_accumulator=split)  # fmt: skip
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "custom_call @mosaic_gpu" in text
+        assert tilings and {t.tile_k for t in tilings} == {steps}, tilings
+        assert all(isinstance(t, GroupedConfig) for t in tilings)
 
 
 def test_split_accumulation_needs_small_warpgroup_tiles():

@@ -342,9 +342,9 @@ def float8_kernel(
     """The kernel `float8_matmul` runs x [m, K] (float8 `dtype`) times w [groups, n, K] on, or
     why none takes the shape (a str): the row-aligned kernel in `tiles` where they are given;
     else the ping-pong kernel where accumulation is fast (it has no split form) and its tiles
-    fit; else the row-aligned kernel (`fused.float8_tiling`: 64 x 128 warpgroup tiles with
-    split accumulation). `groups` does not change the pick (the ping-pong kernel's tiles fit
-    any groups)."""
+    fit; else the row-aligned kernel (with split accumulation in `fused.split_tiling`: 64 x
+    128 warpgroup tiles, K-steps of 256 where K allows). `groups` does not change the pick
+    (the ping-pong kernel's tiles fit any groups)."""
     aligned = tiles or GroupedConfig()
     reason = grouped_kernel.shape_reason(aligned, m, k, n, dtype, w_nk=True, split=split)
     if tiles is None and not split:

@@ -171,15 +171,15 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
 #: The float8 formats the kernel multiplies, either on either side (jax >= 0.11's wgmma takes
 #: the e4m3 x e5m2 pair: dX's e5m2 cotangent times e4m3 weights), with w laid out [G, N, K]
 #: (K-major, as float8 wgmma needs), in the dense kernels' float8 tiling
-#: (`fused.float8_tiling`: K-steps of 128 where K allows; 64 x 128 warpgroup tiles with split
-#: accumulation).
+#: (`fused.float8_tiling`: K-steps of 128 where K allows; with split accumulation
+#: `fused.split_tiling`'s 64 x 128 warpgroup tiles and K-steps of 256 where K allows).
 FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def _float8_tiling(tiles: GroupedConfig, k: int, split: bool = False) -> GroupedConfig:
     from commgemm.mosaic_gpu import fused
 
-    return fused.float8_tiling(tiles, k, split=split)
+    return fused.split_tiling(tiles, k) if split else fused.float8_tiling(tiles, k)
 
 
 def _load(ref, layout) -> jax.Array:
@@ -234,10 +234,10 @@ def grouped_matmul(
     transposed weight) per group, `sizes` [G] int32 rows per group summing to at most M ->
     [M, N] in `out_dtype` (default x's), float32 accumulation, times `scale` [1] float32 if
     given; rows past the sum are zero. M, K and N whole tiles (`shape_reason`). Float8 x and w
-    (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores, in
-    `fused.float8_tiling`: the wgmma accumulating across K-steps (the dense kernels' fast
-    accumulation), or with `split_accumulator` each K-step's product added into a float32
-    total (`tiles.accumulate`)."""
+    (w_nk; e4m3 and e5m2 in any pairing) multiply on the float8 tensor cores: in
+    `fused.float8_tiling` the wgmma accumulating across K-steps (the dense kernels' fast
+    accumulation), or with `split_accumulator` in `fused.split_tiling`, each K-step's product
+    added into a float32 total (`tiles.accumulate`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
