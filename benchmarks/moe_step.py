@@ -10,6 +10,9 @@ Variants, timed interleaved on the devices (`bench.spans.batch_spans_interleaved
   NAME@CF:    the variant with capacity factor CF (`moe_per_shard`'s capacity_factor: each
               expert takes at most ceil(CF * m*k / E) copies from a shard, the rest dropped),
               e.g. auto@1.25; its loss is not checked (dropped tokens change it)
+  NAME-fast:  FP8 rows: the variant with fast accumulation in the forward, dX and dW
+              (`ScalingRecipe(split_accumulator=(False, False, False))`; the default recipe
+              promotes dX and dW), e.g. auto-fast
   NAME+qw:    FP8 rows: the variant with its experts quantized once a step (`cg.quantize_weight`,
               both float8 layouts kept, gradients pulled back to the weights) rather than in
               every call: with --microbatches, once for all micro-batches (XLA on a GPU
@@ -65,6 +68,8 @@ from commgemm.cli.specs import parse_method
 from commgemm.nnx import moe_per_shard, top_k_routing
 
 FP8 = "current_tensor_scaling"
+FAST = "-fast"  # a variant's suffix: FP8 rows with fast accumulation everywhere
+FAST_RECIPE = cg.ScalingRecipe(FP8, split_accumulator=(False, False, False))
 #: XLA's ragged all-to-all with commgemm's grouped GEMMs: what the exchange alone costs
 RAGGED = "ragged-a2a"
 QW = "+qw"  # a variant's suffix: its experts quantized once a step (FP8 rows)
@@ -225,8 +230,12 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
     params = {k: shard(v, mesh, SPECS[k]) for k, v in init(size, dtype).items()}
     x = shard(x, mesh, P(*(None,) * len(batches), "tp", None))
     out = {}
-    for name in names:
-        name, once = name.removesuffix(QW), name.endswith(QW)
+    for label in names:
+        name, once = label.removesuffix(QW), label.endswith(QW)
+        name, fast = name.removesuffix(FAST), name.endswith(FAST)
+        if fast and scaling is None:
+            continue  # an FP8 recipe's variant
+        recipe = FAST_RECIPE if fast else scaling
         if once and name in ("xla", RAGGED):
             raise ValueError(f"{name + QW}: the {name} block runs in bf16, nothing to quantize")
         if once and scaling is None:
@@ -243,10 +252,10 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
                 k=size.top_k,
                 axis_name="tp",
                 config=parse_method(method),
-                scaling=scaling,
+                scaling=recipe,
                 capacity_factor=float(factor) if factor else None,
             )
-        quantized = functools.partial(quantized_experts, scaling=scaling if once else None)
+        quantized = functools.partial(quantized_experts, scaling=recipe if once else None)
         shapes = jax.eval_shape(quantized, params)  # experts split, their scales everywhere
         specs = jax.tree.map(lambda a: P("tp") if a.ndim else P(), shapes) | {"router": P()}
         forward = jax.shard_map(
@@ -271,7 +280,7 @@ def variants(size: Moe, mesh: Mesh, dtype, scaling, names, microbatches: int = 1
                 return optax.apply_updates(p, updates), opt_state, loss, dx
             return optax.apply_updates(p, updates), opt_state, loss
 
-        out[name + QW * once] = (jax.jit(step), (params, opt.init(params), x))
+        out[label] = (jax.jit(step), (params, opt.init(params), x))
     return out
 
 

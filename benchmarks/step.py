@@ -95,6 +95,8 @@ SIZES = {
 }
 QUICK = Size(64, 128, 8, 2, 32)
 FP8 = "current_tensor_scaling"
+#: The rows' dtypes (--dtypes): bf16 operands, or FP8 (current tensor scaling, default recipe).
+DTYPES = ("bf16", "fp8")
 #: AUTO on FP8 with fast accumulation in dX too: the recipe's default promotes dX's partial sums,
 #: which the fused kernels' dX does not take (a fused forward's dX then runs the split ring)
 FAST_DGRAD = "auto-fast-dgrad"
@@ -379,7 +381,7 @@ def arguments(
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--sizes", default=sizes)
-    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--dtypes", default="bf16,fp8", help="bf16, fp8 (comma-separated)")
     parser.add_argument("--variants", default=variants)
     parser.add_argument("--calls", type=int, default=4, help="steps per timed batch")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
@@ -391,7 +393,10 @@ def arguments(
     if input_grad:
         parser.add_argument("--input-grad", action="store_true",
                             help="the step takes the block input's gradient too")  # fmt: skip
-    return parser.parse_args()
+    args = parser.parse_args()
+    if unknown := set(args.dtypes.split(",")) - set(DTYPES):
+        parser.error(f"--dtypes: {', '.join(sorted(unknown))} not among {', '.join(DTYPES)}")
+    return args
 
 
 def main() -> None:

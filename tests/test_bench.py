@@ -659,6 +659,19 @@ def test_step_variant_with_an_unknown_suffix_is_refused():
         step.variants(step.QUICK, mesh, jnp.bfloat16, None, ["auto", "xla+fast"])
 
 
+@pytest.mark.parametrize("dtypes", ["fp9", "bf16,fp8-fast", "fp8,"])
+def test_step_scripts_refuse_an_unknown_dtype(dtypes, monkeypatch, capsys):
+    """The step scripts' --dtypes (step.py's and moe_step.py's command line) takes bf16 and fp8
+    only: another name is refused with the known ones, not run as bf16."""
+    step = _step_module()
+    monkeypatch.setattr("sys.argv", ["step.py", "--out", "o", "--dtypes", dtypes])
+    with pytest.raises(SystemExit) as raised:
+        step.arguments(step.__doc__, "8b", "auto")
+    assert raised.value.code == 2 and "not among bf16, fp8" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["step.py", "--out", "o", "--dtypes", "fp8,bf16"])
+    assert step.arguments(step.__doc__, "8b", "auto").dtypes == "fp8,bf16"
+
+
 def test_step_benchmarks_run_only_the_steps_that_compile_and_fit(monkeypatch):
     """The step benchmarks' first steps: a variant that does not compile, or whose compiled
     buffers exceed the device's free memory (one GPU out of memory left the other waiting in

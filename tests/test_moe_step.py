@@ -111,8 +111,9 @@ def test_moe_step_script_runs(tmp_path):
     """The script on 8 virtual CPU devices with tiny shapes, gradients accumulated over 2
     micro-batches a step:
     commgemm's AUTO and serial blocks' and the ragged all-to-all block's first losses equal the
-    XLA-ops block's (bf16), and FP8's are within 10%; a capacity-capped variant (none@0.5)
-    runs, its loss finite and unchecked; no device timing on a CPU, so no ratio is claimed.
+    XLA-ops block's (bf16), and FP8's are within 10%, with fast accumulation everywhere
+    (auto-fast: FP8 rows only) too; a capacity-capped variant (none@0.5) runs, its loss finite
+    and unchecked; no device timing on a CPU, so no ratio is claimed.
     (One batch a step: test_multiprocess's run of the script.)"""
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -125,7 +126,7 @@ def test_moe_step_script_runs(tmp_path):
             "--sizes",
             "fine",
             "--variants",
-            "auto,none,none@0.5,xla,ragged-a2a",
+            "auto,none,none@0.5,xla,ragged-a2a,auto-fast",
             "--microbatches",
             "2",
         ],
@@ -140,7 +141,7 @@ def test_moe_step_script_runs(tmp_path):
     assert all(r["microbatches"] == 2 for r in rows)
     ours = {"auto": True, "none": True}
     assert rows[0]["loss_ok"] == {**ours, "xla": True, "ragged-a2a": True}
-    assert rows[1]["loss_ok"] == ours
+    assert rows[1]["loss_ok"] == {**ours, "auto-fast": True}
     assert all(r["ms"] == {} and r["ratios"] == {} for r in rows)
     assert all(np.isfinite(r["loss"]["none@0.5"]) for r in rows)
 
