@@ -235,7 +235,9 @@ def collective_matmul(
     check_blocks(recipe, x.shape[1], w.shape[0] if w_transposed else w.shape[1])
     qx = x_operand(x, recipe, axis_name)
     k_dim = 1 if w_transposed else 0
-    w, qw, kept = weight_operand(w, recipe, k_dim, () if axis_name is None else axis_name)
+    names = () if axis_name is None else axis_name
+    # w [K, n]: the forward reads its values [n, K] (K-major), dX as they are
+    w, qw, kept = weight_operand(w, recipe, k_dim, names, swap=not w_transposed)
     quantizer = Quantizer.of(recipe)
     return _vjp(
         collective, axis_name, cfg, w_transposed, quantizer, x, w, qx, qw, recipe.dy_state, kept

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.mosaic_gpu.transposes import swapped
+from commgemm.mosaic_gpu.transposes import quantized_swapped
 from commgemm.quant import (
     BLOCK,
     TENSOR_MODES,
@@ -28,6 +28,7 @@ from commgemm.quant import (
     as_recipe,
     dequantize_fusible,
     quantize,
+    scale_for,
 )
 from commgemm.vma import checks_vma, varying_axes
 
@@ -84,6 +85,23 @@ def quantize_operand(
     return quantize(a, recipe.mode, dtype=recipe.dtype, axis=axis, amax=shared)
 
 
+def quantize_swapped(
+    a: jax.Array, recipe: ScalingRecipe, axis: int, axis_names, state: ScalingState | None
+) -> tuple[ScaledTensor, jax.Array | None]:
+    """`quantize_operand(a, ...)` and, for tensor modes, its float8 values with the last two
+    dimensions swapped, both written by one pass where a CUDA GPU's kernel takes `a`
+    (`mosaic_gpu.transposes.quantized_swapped`: the values bit for bit as `quantize` writes
+    them); block modes: (`quantize_operand(a, ...)`, None)."""
+    if recipe.mode not in TENSOR_MODES or a.ndim < 2:
+        return quantize_operand(a, recipe, axis, axis_names, state), None
+    if recipe.mode is ScalingMode.DELAYED_TENSOR_SCALING:
+        scale = state.scale  # a delayed recipe holds its states
+    else:
+        scale = scale_for(amax(a, axis_names), recipe.dtype)
+    data, t = quantized_swapped(a, scale, recipe.dtype)
+    return ScaledTensor(data, 1.0 / scale, mode=recipe.mode, axis=axis), t
+
+
 def quantize_weight(
     w: jax.Array,
     scaling: Scaling,
@@ -124,23 +142,33 @@ def quantize_weight(
             f"shape {w.shape}"
         )
     names = () if axis_name is None else axis_name
-    q = lax.stop_gradient(
-        quantize_operand(lax.stop_gradient(w), recipe, axis % w.ndim, names, recipe.w_state)
-    )
-    transposed = swapped(q.data) if keep_transposed else None
-    return QuantizedWeight(w, q, transposed)
+    stopped = lax.stop_gradient(w)
+    if keep_transposed:
+        q, transposed = quantize_swapped(stopped, recipe, axis % w.ndim, names, recipe.w_state)
+    else:
+        q = quantize_operand(stopped, recipe, axis % w.ndim, names, recipe.w_state)
+        transposed = None
+    return QuantizedWeight(w, lax.stop_gradient(q), transposed)
 
 
 def weight_operand(
-    w: jax.Array | QuantizedWeight, recipe: ScalingRecipe, k_dim: int, axis_names
+    w: jax.Array | QuantizedWeight,
+    recipe: ScalingRecipe,
+    k_dim: int,
+    axis_names,
+    *,
+    swap: bool = False,
 ) -> tuple[jax.Array, ScaledTensor, jax.Array | None]:
     """(the weight the gradient flows to, the weight quantized along its dimension k_dim, its
-    float8 values kept transposed or None): a `QuantizedWeight`'s own (checked against
-    `recipe`, the op's K dimension and its mesh axes), else w quantized now with its scale
-    shared over `axis_names` (and nothing kept)."""
+    float8 values transposed or None): a `QuantizedWeight`'s own (checked against `recipe`,
+    the op's K dimension and its mesh axes), else w quantized now with its scale shared over
+    `axis_names`, with `swap` (the caller reads both layouts) its values transposed in the
+    same pass (`quantize_swapped`; None for block modes), else None."""
     if not isinstance(w, QuantizedWeight):
-        q = quantize_operand(lax.stop_gradient(w), recipe, k_dim, axis_names, recipe.w_state)
-        return w, q, None
+        stopped = lax.stop_gradient(w)
+        if swap:
+            return w, *quantize_swapped(stopped, recipe, k_dim, axis_names, recipe.w_state)
+        return w, quantize_operand(stopped, recipe, k_dim, axis_names, recipe.w_state), None
     q, ndim = w.quantized, w.value.ndim
     if q.mode is not recipe.mode:
         raise ValueError(f"w was quantized as {q.mode.name}, but scaling= asks {recipe.mode.name}")

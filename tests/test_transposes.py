@@ -1,7 +1,10 @@
 """The float8 operands' transposes (`mosaic_gpu.transposes`), off the GPU: the Pallas Triton
-kernel interpreted against numpy's transpose bit for bit, its checks, and where the float8
-GEMMs' operands lower to it for a CUDA target (the experts' and dense weights' values, dW's
-rows). tests/gpu/ checks the kernels they feed on Hopper."""
+kernels interpreted against numpy's transpose and `quant.quantize` bit for bit, their checks,
+and where the float8 GEMMs' operands lower to them for a CUDA target (the experts' and dense
+weights' values, quantized and transposed in one kernel; dW's rows). tests/gpu/ checks the
+kernels they feed on Hopper."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -97,26 +100,113 @@ def test_transposes_are_triton_kernels_on_cuda():
     assert _triton_calls(transposes.swapped, sds((256, 384), jnp.bfloat16)) == 0
 
 
-def test_kept_transposed_weight_is_the_kernels():
-    """`cg.quantize_weight(..., keep_transposed=True)`: its [N, K] copy by the kernel on CUDA,
-    here the float8 values transposed exactly."""
-    w = jnp.asarray(np.random.default_rng().normal(size=(256, 384)), jnp.bfloat16)
-    qw = cg.quantize_weight(w, "current_tensor_scaling", keep_transposed=True)
+def _specials(shape, rng, dtype=jnp.bfloat16):
+    """Normal values over twelve decades (float8's subnormals, saturation after scaling) with
+    a few infinities and NaNs."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 4, size=shape)
+    flat = x.reshape(-1)
+    flat[rng.integers(0, flat.size, size=3)] = [np.inf, -np.inf, np.nan]
+    return jnp.asarray(x, dtype)
+
+
+def _same_float8(a, b):
+    """Bit for bit, NaNs (whatever their payload) equal."""
+    a32, b32 = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    np.testing.assert_array_equal(np.isnan(a32), np.isnan(b32))
     np.testing.assert_array_equal(
-        np.asarray(qw.transposed.astype(jnp.float32)), np.asarray(qw.quantized.data.T, np.float32)
+        np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))[~np.isnan(a32)],
+        np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8))[~np.isnan(b32)],
     )
 
-    def keep(w):
-        return cg.quantize_weight(w, "current_tensor_scaling", keep_transposed=True).transposed
 
-    assert _triton_calls(keep, jax.ShapeDtypeStruct(w.shape, w.dtype)) == 1
+@settings(max_examples=10, deadline=None)
+@given(
+    lead=st.sampled_from([(), (3,), (2, 2)]),
+    m=st.sampled_from([128, 256]),
+    c=st.sampled_from([128, 384]),
+    dtype=st.sampled_from([jnp.float8_e4m3fn, jnp.float8_e5m2]),
+    wide=st.sampled_from([jnp.bfloat16, jnp.float16]),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_triton_quantized_swapped_is_quantize(lead, m, c, dtype, wide, scale):
+    """The kernel (interpreted here) writes `quant.quantize`'s float8 values of a 16-bit x by
+    a given tensor scale, bit for bit (subnormals, saturation, infinities and NaNs included),
+    and the same values with the last two axes swapped."""
+    x = _specials((*lead, m, c), np.random.default_rng(), wide)
+    scale = jnp.float32(scale)
+    q, t = transposes.triton_quantized_swapped(x, scale, dtype, interpret=True)
+    want = cg.quantize(x, "delayed_tensor_scaling", dtype=dtype, state=_state(scale))[0].data
+    assert q.shape == x.shape and t.shape == (*lead, c, m) and q.dtype == t.dtype == dtype
+    _same_float8(q, want)
+    _same_float8(t, jnp.swapaxes(want, -1, -2))
+
+
+def _state(scale):
+    """A delayed-scaling state whose scale is `scale`."""
+    state = cg.ScalingState.create()
+    return dataclasses.replace(state, scale=jnp.asarray(scale, jnp.float32))
+
+
+def test_triton_quantized_swapped_refuses_bad_operands():
+    """float32 or float8 x, sides not whole 128s, a vector, a scale of several numbers, a
+    16-bit target: ValueError."""
+    x, one = jnp.zeros((256, 128), jnp.bfloat16), jnp.float32(1)
+    bad = (
+        (x.astype(jnp.float32), one, F8),
+        (x.astype(F8), one, F8),
+        (x[:200], one, F8),
+        (x[:, :64], one, F8),
+        (x[0], one, F8),
+        (x, jnp.ones(2, jnp.float32), F8),
+        (x, one, jnp.bfloat16),
+    )
+    for operand, scale, dtype in bad:
+        with pytest.raises(ValueError, match="must be 16-bit"):
+            transposes.triton_quantized_swapped(operand, scale, dtype)
+
+
+@pytest.mark.parametrize("shape", [(4, 256, 384), (256, 128), (3, 5, 8), (1, 200, 256)])
+def test_quantized_swapped_off_the_gpu(shape):
+    """`quantized_swapped` evaluated here (XLA): quantize's values and their swapaxes, for any
+    shape (the kernel's or not)."""
+    x, scale = _specials(shape, np.random.default_rng()), jnp.float32(0.37)
+    q, t = jax.jit(transposes.quantized_swapped, static_argnums=2)(x, scale, F8)
+    want = cg.quantize(x, "delayed_tensor_scaling", dtype=F8, state=_state(scale))[0].data
+    _same_float8(q, want)
+    _same_float8(t, jnp.swapaxes(want, -1, -2))
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_kept_transposed_weight_is_the_kernels(recipe):
+    """`cg.quantize_weight(..., keep_transposed=True)`: its values and [N, K] copy by one
+    kernel on CUDA (reading the 16-bit weight), here quantize's values (the same as without
+    the copy, current and delayed scaling) and those transposed exactly."""
+    w = jnp.asarray(np.random.default_rng().normal(size=(256, 384)), jnp.bfloat16)
+    state = cg.ScalingState.create().update(jnp.float32(3.0), jnp.float8_e4m3fn)
+    scaling = (
+        cg.ScalingRecipe(mode="delayed_tensor_scaling", x_state=state, w_state=state)
+        if recipe == "delayed"
+        else "current_tensor_scaling"
+    )
+    qw = cg.quantize_weight(w, scaling, keep_transposed=True)
+    plain = cg.quantize_weight(w, scaling)
+    _same_float8(qw.quantized.data, plain.quantized.data)
+    np.testing.assert_array_equal(qw.quantized.scale_inv, plain.quantized.scale_inv)
+    _same_float8(qw.transposed, qw.quantized.data.T)
+
+    def keep(w):
+        return cg.quantize_weight(w, scaling, keep_transposed=True).transposed
+
+    text = jax.jit(keep).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "xla.gpu.triton" in ln]
+    assert len(calls) == 1 and "x256x384xbf16>) ->" in calls[0], calls
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
 def test_grouped_float8_forward_reads_the_kernels_weights(check_vma, monkeypatch):
     """The grouped op's float8 forward on Hopper, inside shard_map under check_vma on and off:
-    the experts' [G, N, K] float8 values come from the kernel (a Triton call taking the
-    quantized [G, K, N] values), and the program lowers."""
+    the experts' float8 values in both layouts come from one kernel (a Triton call taking the
+    16-bit [G, K, N] weights, writing [G, K, N] and [G, N, K] bytes), and the program lowers."""
     monkeypatch.setattr(mosaic_tiles, "hopper_reason", lambda: None)
     monkeypatch.setattr(mosaic_tiles, "num_sms", lambda: 132)
 
@@ -128,4 +218,30 @@ def test_grouped_float8_forward_reads_the_kernels_weights(check_vma, monkeypatch
     args = (sds((1024, 256), jnp.bfloat16), sds((4, 256, 384), jnp.bfloat16), sds((4,), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     triton = [ln for ln in text.splitlines() if "xla.gpu.triton" in ln]
-    assert [ln for ln in triton if "tensor<4x256x384xui8>" in ln], triton
+    types = (
+        "(tensor<1xf32>, tensor<4x256x384xbf16>) -> (tensor<4x256x384xui8>, tensor<4x384x256xui8>)"
+    )
+    assert [ln for ln in triton if types in ln], triton
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("w_transposed", [False, True])
+def test_dense_float8_weight_quantized_in_one_kernel(w_transposed, check_vma):
+    """A dense op's float8 forward lowered for CUDA inside shard_map: w [K, n] quantized and
+    transposed to [n, K] (what the forward reads) in one Triton call reading the 16-bit
+    weight; w [n, K] (w_transposed) is read as quantized, no Triton call."""
+
+    def body(x, w):
+        return cg.all_gather_matmul(
+            x, w, "x", scaling="current_tensor_scaling", w_transposed=w_transposed
+        )
+
+    f = shard(body, mesh1d(2), (P("x"), P()), P("x"), check_vma=check_vma)
+    sds = jax.ShapeDtypeStruct
+    w = sds((384, 256) if w_transposed else (256, 384), jnp.bfloat16)
+    text = f.trace(sds((512, 256), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "xla.gpu.triton" in ln]
+    if w_transposed:
+        assert not calls, calls
+    else:
+        assert len(calls) == 1 and "x256x384xbf16>) ->" in calls[0], calls

@@ -179,7 +179,7 @@ def grouped_matmul(
     if float8:  # Hopper's float8 tensor cores (`mosaic_gpu.grouped.float8_ragged_dot`)
         from commgemm.operand_scaling import weight_operand
 
-        w, qw, nk = weight_operand(w, recipe, 1, ())
+        w, qw, nk = weight_operand(w, recipe, 1, (), swap=True)  # both layouts read
         plan = hopper.Float8Plan.of(recipe, hopper_tiles)
         states = (recipe.x_state, recipe.dy_state)
         out = hopper.float8_ragged_dot(x, w, sizes, qw, nk, states, plan)  # quantizes dY itself

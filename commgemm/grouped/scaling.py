@@ -81,7 +81,7 @@ def quantized_operands(
     elif qx is None:
         qx = x_operand(x, recipe, names)
     rows = Rows(payload(qx), tensor_scale(qx), qx.mode, x.shape[-1], x.dtype.name)
-    w, qw, nk = weight_operand(w, recipe, 1, names)
+    w, qw, nk = weight_operand(w, recipe, 1, names, swap=float8_kernels(recipe))
     experts = float8_experts(recipe, qw, nk)
     return straight_through(x, qx, values), straight_through(w, qw), recipe, rows, experts
 
@@ -183,11 +183,15 @@ def float8_experts(
     """qw [G, K, N] (`nk`: its values transposed already, or None) as `Float8Experts`, or None
     where the collective grouped ops' GEMMs stay emulated: block modes, and backends other
     than a Hopper GPU."""
+    return Float8Experts.of(recipe, qw, nk) if float8_kernels(recipe) else None
+
+
+def float8_kernels(recipe: ScalingRecipe) -> bool:
+    """Whether the collective grouped ops' GEMMs multiply on the float8 kernels under `recipe`
+    (`float8_experts`): tensor modes on a Hopper GPU."""
     from commgemm.mosaic_gpu import tiles as mosaic_tiles
 
-    if recipe.mode not in TENSOR_MODES or mosaic_tiles.hopper_reason() is not None:
-        return None
-    return Float8Experts.of(recipe, qw, nk)
+    return recipe.mode in TENSOR_MODES and mosaic_tiles.hopper_reason() is None
 
 
 @jax.tree_util.register_dataclass

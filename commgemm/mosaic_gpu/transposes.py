@@ -3,12 +3,14 @@ operands K-major only, so the float8 GEMMs need copies with the last two axes sw
 experts' and dense weights' values [..., N, K] for the forward, the tokens' rows [K, M] and
 dY's [N, M] for dW).
 
-Each is one Pallas Triton kernel (`triton_transposed`) on CUDA GPUs, XLA's transpose elsewhere:
-the kernel is a custom call, which XLA neither fuses into the operand's producer nor lays the
-producer out for. XLA's own transpose of a float8 operand fuses its producer into a pass that
-reads it at transposed addresses (the quantizing convert of a 16-bit weight, the row gather of
-the MoE block's rows), several times slower than a copy; the kernel reads and writes each byte
-once."""
+Each is one Pallas Triton kernel on CUDA GPUs, XLA's transpose elsewhere: `triton_transposed`
+copies float8 values transposed; `triton_quantized_swapped` quantizes a 16-bit weight and
+writes its float8 values in both layouts, reading the weight once (a weight's forward and dX
+read both). The kernels are custom calls, which XLA neither fuses into the operand's producer
+nor lays the producer out for. XLA's own transpose of a float8 operand fuses its producer into
+a pass that reads it at transposed addresses (the quantizing convert of a 16-bit weight, the
+row gather of the MoE block's rows), several times slower than a copy; the kernels read and
+write each byte once."""
 
 from __future__ import annotations
 
@@ -19,10 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commgemm.vma import out_struct
+from commgemm.quant import clip_cast
+from commgemm.vma import out_struct, varying_like
 
-#: The kernel's tile (TILE x TILE bytes a program); its operands' minor dimension is whole TILEs.
+#: The kernels' tile (TILE x TILE elements a program); their operands' last two dimensions are
+#: whole TILEs (`padded_rows_transposed`'s rows: any number).
 TILE = 128
+#: Warps a program of `triton_quantized_swapped` runs on.
+QUANTIZE_WARPS = 8
 
 
 def swapped(q: jax.Array) -> jax.Array:
@@ -86,3 +92,71 @@ def triton_transposed(q: jax.Array, cols: int, interpret: bool = False) -> jax.A
         interpret=interpret,
     )(flat)
     return lax.bitcast_convert_type(out.reshape(*lead, c, cols), q.dtype)
+
+
+def quantized_swapped(x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., M, C] quantized by a tensor `scale` (float32, the factor that quantizes) to the
+    float8 `dtype` as `quant.quantize` rounds (`quant.clip_cast(x * scale)`), and the same
+    values with the last two dimensions swapped [..., C, M]: on CUDA GPUs, for 16-bit x with M
+    and C whole TILEs, one Pallas Triton kernel that reads x once and writes both; elsewhere
+    XLA's quantize and transpose."""
+
+    def by_xla(x, scale):
+        q = clip_cast(x.astype(jnp.float32) * scale, dtype)
+        return q, jnp.swapaxes(q, -1, -2)
+
+    scale = jnp.asarray(scale, jnp.float32)
+    if x.ndim < 2 or not x.size or x.dtype.itemsize != 2 or x.shape[-1] % TILE:
+        return by_xla(x, scale)
+    if x.shape[-2] % TILE or scale.size != 1:
+        return by_xla(x, scale)
+    kernel = functools.partial(triton_quantized_swapped, dtype=dtype)
+    return lax.platform_dependent(x, scale, cuda=kernel, default=by_xla)
+
+
+def triton_quantized_swapped(
+    x: jax.Array, scale: jax.Array, dtype, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """x [..., M, C] (16-bit, M and C whole TILEs) times `scale` (float32, one element) clipped
+    and cast to the float8 `dtype` (`quant.clip_cast`) -> (values [..., M, C], values
+    [..., C, M]) in a Pallas Triton kernel: one program per TILE x TILE tile of one leading
+    index reads the tile once and stores it in both layouts."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    *lead, m, c = x.shape if x.ndim >= 2 else (0, 1)
+    dtype = jnp.dtype(dtype)
+    ok = x.ndim >= 2 and x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+    if not ok or m % TILE or c % TILE or dtype.itemsize != 1 or jnp.size(scale) != 1:
+        raise ValueError(
+            f"triton_quantized_swapped: x {x.dtype}{list(x.shape)} must be 16-bit [..., M, C] "
+            f"with M and C whole {TILE}s, scale one number, dtype a float8 type (got {dtype})"
+        )
+    batch = math.prod(lead)
+
+    def kernel(scale_ref, x_ref, q_ref, t_ref):
+        q = clip_cast(x_ref[...].astype(jnp.float32) * scale_ref[0], dtype)
+        bits = lax.bitcast_convert_type(q, jnp.uint8)
+        q_ref[...] = bits
+        t_ref[...] = bits.T
+
+    flat = x.reshape(batch, m, c)
+    scale = varying_like(jnp.asarray(scale, jnp.float32).reshape(1), flat)
+    flat = varying_like(flat, scale)
+    tile = pl.BlockSpec((None, TILE, TILE), lambda b, i, j: (b, i, j))
+    q, t = pl.pallas_call(
+        kernel,
+        grid=(batch, m // TILE, c // TILE),
+        in_specs=[pl.BlockSpec((1,), lambda b, i, j: (0,)), tile],
+        out_specs=[tile, pl.BlockSpec((None, TILE, TILE), lambda b, i, j: (b, j, i))],
+        out_shape=[
+            out_struct((batch, m, c), jnp.uint8, (flat,)),
+            out_struct((batch, c, m), jnp.uint8, (flat,)),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=QUANTIZE_WARPS),
+        interpret=interpret,
+    )(scale, flat)
+    return (
+        lax.bitcast_convert_type(q.reshape(*lead, m, c), dtype),
+        lax.bitcast_convert_type(t.reshape(*lead, c, m), dtype),
+    )
