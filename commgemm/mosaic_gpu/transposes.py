@@ -99,13 +99,14 @@ def quantized_swapped(x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array,
     float8 `dtype` as `quant.quantize` rounds (`quant.clip_cast(x * scale)`), and the same
     values with the last two dimensions swapped [..., C, M]: on CUDA GPUs, for 16-bit x with M
     and C whole TILEs, one Pallas Triton kernel that reads x once and writes both; elsewhere
-    XLA's quantize and transpose."""
+    XLA's quantize and transpose. No gradient reaches x or `scale` (float8 values carry none;
+    the ops pass w's gradient straight through, and the kernel has no derivative rule)."""
 
     def by_xla(x, scale):
         q = clip_cast(x.astype(jnp.float32) * scale, dtype)
         return q, jnp.swapaxes(q, -1, -2)
 
-    scale = jnp.asarray(scale, jnp.float32)
+    x, scale = lax.stop_gradient(x), lax.stop_gradient(jnp.asarray(scale, jnp.float32))
     if x.ndim < 2 or not x.size or x.dtype.itemsize != 2 or x.shape[-1] % TILE:
         return by_xla(x, scale)
     if x.shape[-2] % TILE or scale.size != 1:
