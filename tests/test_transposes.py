@@ -303,3 +303,27 @@ def test_gradient_through_a_delayed_recipe(check_vma, monkeypatch):
         .as_text()
     )
     assert "tensor<4x256x384xbf16>) -> (tensor<4x256x384xui8>" in text
+
+
+@pytest.mark.parametrize(
+    "platform, capability, kernel",
+    [("gpu", "8.0", False), ("gpu", "8.6", False), ("gpu", "8.9", True), ("gpu", "9.0", True),
+     ("gpu", "10.0", True), ("cpu", None, True)],
+)  # fmt: skip
+def test_quantized_swapped_only_where_kernels_cast_float8(
+    monkeypatch, platform, capability, kernel
+):
+    """The one-pass kernel is traced only where the devices' kernels convert to float8
+    (compute capability 8.9 and up; no GPU here: lowered for CUDA from this machine), XLA's
+    passes on older GPUs (an A100's Triton refuses the cast)."""
+
+    class Device:
+        pass
+
+    device = Device()
+    device.platform, device.compute_capability = platform, capability
+    monkeypatch.setattr(jax, "devices", lambda *_: [device])
+    assert transposes.kernels_cast_float8() is kernel
+    x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x: transposes.quantized_swapped(x, 2.0, F8))(x)
+    assert ("pallas_call" in str(jaxpr)) is kernel

@@ -109,10 +109,22 @@ def quantized_swapped(x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array,
     x, scale = lax.stop_gradient(x), lax.stop_gradient(jnp.asarray(scale, jnp.float32))
     if x.ndim < 2 or not x.size or x.dtype.itemsize != 2 or x.shape[-1] % TILE:
         return by_xla(x, scale)
-    if x.shape[-2] % TILE or scale.size != 1:
+    if x.shape[-2] % TILE or scale.size != 1 or not kernels_cast_float8():
         return by_xla(x, scale)
     kernel = functools.partial(triton_quantized_swapped, dtype=dtype)
     return lax.platform_dependent(x, scale, cuda=kernel, default=by_xla)
+
+
+def kernels_cast_float8() -> bool:
+    """False where this process's devices are NVIDIA GPUs older than compute capability 8.9
+    (Ada, Hopper), whose kernels convert to no float8 type (Triton refuses the cast there);
+    True elsewhere (a program lowered for CUDA from a machine without a GPU included)."""
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", "") or "")
+    if device.platform != "gpu" or not capability.replace(".", "").isdigit():
+        return True
+    major, _, minor = capability.partition(".")
+    return (int(major), int(minor or 0)) >= (8, 9)
 
 
 def triton_quantized_swapped(
