@@ -120,7 +120,7 @@ def _same_float8(a, b):
     )
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     lead=st.sampled_from([(), (3,), (2, 2)]),
     m=st.sampled_from([128, 256]),
