@@ -36,7 +36,7 @@ def swapped(q: jax.Array) -> jax.Array:
     kernel where q is 1-byte with M and C whole TILEs, XLA's transpose elsewhere."""
     whole = q.ndim >= 2 and q.size and not (q.shape[-1] % TILE or q.shape[-2] % TILE)
     by_xla = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
-    return _on_cuda(q, q.shape[-2] if whole else None, by_xla)
+    return _on_cuda((q,), _transpose_kernel(q, q.shape[-2] if whole else None), by_xla)
 
 
 def padded_rows_transposed(q: jax.Array) -> jax.Array:
@@ -49,16 +49,23 @@ def padded_rows_transposed(q: jax.Array) -> jax.Array:
     def by_xla(q):
         return jnp.pad(q.T, ((0, 0), (0, cols - m)))
 
-    return _on_cuda(q, cols if m and not c % TILE else None, by_xla)
+    return _on_cuda((q,), _transpose_kernel(q, cols if m and not c % TILE else None), by_xla)
 
 
-def _on_cuda(q: jax.Array, cols: int | None, by_xla):
-    """`triton_transposed(q, cols)` on CUDA GPUs and by_xla(q) elsewhere, or by_xla(q) wherever
-    the kernel does not take q (cols None, or q not 1-byte)."""
+def _transpose_kernel(q: jax.Array, cols: int | None):
+    """`triton_transposed` with `cols`, or None where it does not take q (cols None, or q not
+    1-byte)."""
     if cols is None or q.dtype.itemsize != 1:
-        return by_xla(q)
-    kernel = functools.partial(triton_transposed, cols=cols)
-    return lax.platform_dependent(q, cuda=kernel, default=by_xla)
+        return None
+    return functools.partial(triton_transposed, cols=cols)
+
+
+def _on_cuda(operands: tuple, kernel, by_xla):
+    """kernel(*operands) on CUDA GPUs and by_xla(*operands) elsewhere; by_xla everywhere where
+    kernel is None (the kernel does not take the operands)."""
+    if kernel is None:
+        return by_xla(*operands)
+    return lax.platform_dependent(*operands, cuda=kernel, default=by_xla)
 
 
 def triton_transposed(q: jax.Array, cols: int, interpret: bool = False) -> jax.Array:
@@ -107,12 +114,10 @@ def quantized_swapped(x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array,
         return q, jnp.swapaxes(q, -1, -2)
 
     x, scale = lax.stop_gradient(x), lax.stop_gradient(jnp.asarray(scale, jnp.float32))
-    if x.ndim < 2 or not x.size or x.dtype.itemsize != 2 or x.shape[-1] % TILE:
-        return by_xla(x, scale)
-    if x.shape[-2] % TILE or scale.size != 1 or not kernels_cast_float8():
-        return by_xla(x, scale)
-    kernel = functools.partial(triton_quantized_swapped, dtype=dtype)
-    return lax.platform_dependent(x, scale, cuda=kernel, default=by_xla)
+    whole = x.ndim >= 2 and x.size and not (x.shape[-1] % TILE or x.shape[-2] % TILE)
+    takes = whole and x.dtype.itemsize == 2 and scale.size == 1 and kernels_cast_float8()
+    kernel = functools.partial(triton_quantized_swapped, dtype=dtype) if takes else None
+    return _on_cuda((x, scale), kernel, by_xla)
 
 
 def kernels_cast_float8() -> bool:
