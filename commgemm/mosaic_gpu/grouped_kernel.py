@@ -170,9 +170,8 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
 
 #: The float8 formats the kernel multiplies, either on either side (jax >= 0.11's wgmma takes
 #: the e4m3 x e5m2 pair: dX's e5m2 cotangent times e4m3 weights), with w laid out [G, N, K]
-#: (K-major, as float8 wgmma needs), in the dense kernels' float8 tiling
-#: (`fused.float8_tiling`: K-steps of 128 where K allows; with split accumulation
-#: `fused.split_tiling`'s 64 x 128 warpgroup tiles and K-steps of 256 where K allows).
+#: (K-major, as float8 wgmma needs), in `fused.float8_tiling` (K-steps of 128 where K allows;
+#: with split accumulation `fused.split_tiling`: 64 x 128 warpgroup tiles, K-steps of 256).
 FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
@@ -381,8 +380,12 @@ def grouped_matmul(
                         acc[...] = mt.accumulate(tiling, acc[...], rows, rhs, split=True)
                     else:
                         plgpu.wgmma(acc, rows, rhs)
+                    plgpu.wgmma_wait(1)
 
-                plgpu.wgmma_wait(1)
+                @pl.when(~mine)  # an earlier step's wgmma may read the slot released after this
+                def _idle():
+                    plgpu.wgmma_wait(0)
+
                 mt.await_last_step((j == count - 1) & (idxs[1] == k_iters - 1))
                 return acc
 
