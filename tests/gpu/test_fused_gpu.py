@@ -573,7 +573,7 @@ def test_grouped_kernel_mixed_float8(sizes, n):
     """commgemm's grouped kernel on e5m2 x [M, N] times e4m3 w [G, K, N] read as [G, out, in]
     (dX's form and formats), accumulating fast or split, against the float32 ragged dot of the
     same float8 values; split accumulation at most as far from it as fast. The contraction N
-    makes split K-steps of 256, 128 and 64 (each multiplied as two halves)."""
+    makes split K-steps of 256, 128 and 64."""
     from commgemm.mosaic_gpu import grouped_kernel
 
     m, k = 2048, 768
