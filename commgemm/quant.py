@@ -313,32 +313,33 @@ class ScalingRecipe:
     """How an op quantizes its operands: `mode`, the forward operands' float8 `dtype` and dY's
     `grad_dtype` (tensor modes; block modes have fixed formats).
 
-    `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA GPU
-    promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
-    Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower accumulator
-    (False: ..._FAST_ACCUM). The direct fused kernels do either: split adds each K-step's product
-    into a float32 total, in smaller tiles (`mosaic_gpu.tiles.accumulated`). Default (False, True,
-    True), the reference system's: fast for the forward, promoted for the two gradients. XLA's GEMM
-    promotes either way. The fused kernels' fast form, which the forward's default lets AUTO pick,
-    has a larger error than the promoted GEMM; their split form has XLA's error but runs slower than
-    XLA's promoted FP8 GEMM. Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on the
-    fused kernels (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. Fast wgrad
+    `split_accumulator` (forward, dgrad, wgrad): whether a tensor-scaled FP8 GEMM on an NVIDIA
+    GPU promotes its partial sums to float32 every few K-steps (True: XLA's ANY_F8_ANY_F8_ANY,
+    Transformer Engine's split accumulator) or accumulates in the tensor cores' narrower
+    accumulator (False: ..._FAST_ACCUM). The direct fused kernels do either: split adds each
+    K-step's product into a float32 total, in smaller tiles (`mosaic_gpu.tiles.accumulated`).
+    Default (False, True, True), the reference system's: fast for the forward, promoted for the
+    two gradients. XLA's GEMM keeps promoting either way (same speed, same error). The fused
+    kernels' fast form, which the forward's default lets AUTO pick, has a larger error than the
+    promoted GEMM; their split form has XLA's error but runs slower than XLA's promoted FP8
+    GEMM. Fast dgrad (split_accumulator[1] False) lets a fused op's dX run on the fused kernels
+    (commgemm.autodiff); with the default it runs on XLA's promoted GEMMs. Fast wgrad
     (split_accumulator[2] False) lets the grouped ops' dW (`grouped_matmul`'s, the collective
-    grouped ops' and the MoE layer's) run on commgemm's float8 dW kernel (`mosaic_gpu.grouped_dw`);
-    with the default dW multiplies dequantized 16-bit operands. A fast float8 dX erred by at most
-    0.9% of its largest value (K 14336), dY's e5m2 rounding by 5% RMS (docs/performance.md); whether
-    it biases long sums in training is not known here, so the default stays the reference's.
-    Elsewhere the GEMMs accumulate in float32 and the flags do nothing.
+    grouped ops' and the MoE layer's) run on commgemm's float8 dW kernel
+    (`mosaic_gpu.grouped_dw`); with the default dW multiplies dequantized 16-bit operands.
+    Whether fast accumulation biases long sums in training is not known here, so the default
+    stays the reference's. Elsewhere the GEMMs accumulate in float32 and the flags do nothing.
 
-    DELAYED_TENSOR_SCALING takes the operands' scales from `x_state` and `w_state` (`ScalingState`s
-    the caller keeps and advances with `state.update(amax(x, axis_name))`, like optimizer state).
-    dY's amax is known only in the backward, so its state comes back the way Flax's FP8 ops return
-    theirs ("overwrite with gradient"): with `dy_state`, the backward quantizes dY with its scale
-    and the gradient of the recipe's `dy_state` is the advanced state (dY's amax over every device
-    that holds a part of it, pushed into the history), which the caller keeps in place of the old
-    one: `jax.grad(loss, argnums=(..., recipe_arg))`. A dy_state belongs to one op call (two calls
-    sharing one would add their states); a scan over layers takes stacked states. Without dy_state,
-    dY is scaled by its current amax."""
+    DELAYED_TENSOR_SCALING takes
+    the operands' scales from `x_state` and `w_state` (`ScalingState`s the caller keeps and
+    advances with `state.update(amax(x, axis_name))`, like optimizer state). dY's amax is known
+    only in the backward, so its state comes back the way Flax's FP8 ops return theirs
+    ("overwrite with gradient"): with `dy_state`, the backward quantizes dY with its scale and
+    the gradient of the recipe's `dy_state` is the advanced state (dY's amax over every device
+    that holds a part of it, pushed into the history), which the caller keeps in place of the
+    old one: `jax.grad(loss, argnums=(..., recipe_arg))`. A dy_state belongs to one op call
+    (two calls sharing one would add their states); a scan over layers takes stacked states.
+    Without dy_state, dY is scaled by its current amax."""
 
     mode: ScalingMode = dataclasses.field(
         default=ScalingMode.CURRENT_TENSOR_SCALING, metadata=dict(static=True)
