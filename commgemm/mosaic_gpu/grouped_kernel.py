@@ -171,7 +171,7 @@ def narrowing_pays(tiles: GroupedConfig, m: int, n: int, groups: int, ctas: int)
 #: The float8 formats the kernel multiplies, either on either side (jax >= 0.11's wgmma takes
 #: the e4m3 x e5m2 pair: dX's e5m2 cotangent times e4m3 weights), with w laid out [G, N, K]
 #: (K-major, as float8 wgmma needs), in `fused.float8_tiling` (K-steps of 128 where K allows;
-#: with split accumulation `fused.split_tiling`: 64 x 128 warpgroup tiles, K-steps of 256).
+#: split accumulation `fused.split_tiling`: 64 x 128 warpgroup tiles, K-steps of 256 if K allows).
 FLOAT8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
