@@ -6,13 +6,16 @@ FLOPs and the dense kernels' GEMM core, for G experts with uneven groups (M toke
 expert shard), timed interleaved in one run (device periods where the GPU's timestamps can be
 read, else host medians); reading w once, the memory bound of many experts; then the weight
 gradient dW = x_g^T dy_g alone, against XLA's (the transpose of `lax.ragged_dot`) and a dense
-GEMM of the same FLOPs; and the float8 forward (`cg.grouped_matmul` with current tensor
+GEMM of the same FLOPs; the float8 forward (`cg.grouped_matmul` with current tensor
 scaling, quantizing in each call; on weights quantized before, quantizing x; emulated; and
-commgemm's two kernels alone on float8 operands). Each against the roofline of the same run:
+commgemm's two kernels alone on float8 operands), float8 dX (e5m2 dY, fast and promoted) and
+float8 dW (the float8 kernel where it runs, and the default recipe's 16-bit kernel on the
+dequantized values). Each against the roofline of the same run:
 t_roof = max(FLOPs / R, bytes / B), R the rate of the dense GEMM of the same total shape, B
 the HBM bandwidth of a device-to-device copy, bytes what the kernel must move at least (x, the
 experts that receive tokens, the output; for dW: x, dY and dW); the float8 variants also
-against their own (R of cuBLASLt's tensor-scaled FP8 GEMM, 1-byte operands, a bf16 output).
+against their own (R of cuBLASLt's tensor-scaled FP8 GEMM, 1-byte operands, a bf16 output;
+dX's bytes with N and K swapped, dW's those of x, dY and the experts' dW).
 Group sizes: uneven (every group non-empty), Zipf-skewed (some empty) or equal; each row also
 records the ping-pong kernel's tiles and waves against a dense GEMM's (`pingpong_waves`).
 Writes OUT/grouped_gemm.json.
@@ -35,7 +38,7 @@ from commgemm import quantized_gemm
 from commgemm.bench.record import record
 from commgemm.bench.spans import device_periods_interleaved
 from commgemm.bench.timing import benchmark_interleaved
-from commgemm.mosaic_gpu import gemm_core, grouped_kernel, grouped_pingpong
+from commgemm.mosaic_gpu import gemm_core, grouped_dw, grouped_kernel, grouped_pingpong
 from commgemm.mosaic_gpu import grouped as hopper
 from commgemm.mosaic_gpu import tiles as mosaic_tiles
 from commgemm.mosaic_gpu.configs import GroupedConfig
@@ -100,8 +103,10 @@ def least_bytes(
     each) and the output [m, n]; for dW (x^T dY per group): x, dY [m, n] and those experts'
     dW. Operands of `itemsize` bytes, the output of `out_itemsize` (default the same: float8
     operands give a bf16 output, 2)."""
-    active = int(np.count_nonzero(np.asarray(sizes)))
-    return itemsize * (m * k + active * k * n) + (out_itemsize or itemsize) * m * n
+    active, out_itemsize = int(np.count_nonzero(np.asarray(sizes))), out_itemsize or itemsize
+    if dw:  # read x and dY, write dW
+        return itemsize * (m * k + m * n) + out_itemsize * active * k * n
+    return itemsize * (m * k + active * k * n) + out_itemsize * m * n
 
 
 def roofline_ms(flops: float, nbytes: int, flops_per_s: float, bytes_per_s: float) -> float:
@@ -182,6 +187,25 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
             )
             for name, kernel in (("commgemm", grouped_kernel), ("ping-pong", grouped_pingpong))
         },  # fmt: skip
+        # float8 dX as the op's backward runs it (`hopper.float8_matmul`, the kernel it picks):
+        # e5m2 dY times the e4m3 experts read [G, K, N] (K-major for the contraction over N),
+        # fast and promoted (split: the default recipe's)
+        **{
+            f"fp8 dX, {name}": (
+                jax.jit(
+                    lambda a, b, s, c, split=split: hopper.float8_matmul(
+                        a, c, b, c, s, dtype, split=split
+                    )
+                ),
+                (
+                    dy.astype(jnp.float8_e5m2),
+                    w.astype(jnp.float8_e4m3fn),
+                    sizes,
+                    jnp.ones((), jnp.float32),
+                ),
+            )  # fmt: skip
+            for name, split in (("fast", False), ("promoted", True))
+        },
         "read w once": (jax.jit(lambda b: jnp.sum(b, axis=(0, 1))), (w,)),
         "dense GEMM core (commgemm)": (
             jax.jit(lambda a, b: gemm_core.matmul(a, b, False)),
@@ -223,6 +247,14 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
     errors["fp8 grouped_matmul (quantizing), vs its quantized operands"] = err / float(
         jnp.abs(ref8).max()
     )
+    # float8 dX against the float32 ragged dot of the same float8 values
+    a8, b8 = variants["fp8 dX, fast"][1][:2]
+    ref_dx = jax.lax.ragged_dot(a8.astype(jnp.float32), jnp.swapaxes(b8, 1, 2).astype(jnp.float32),
+                                sizes, precision="highest")  # fmt: skip
+    for name in ("fp8 dX, fast", "fp8 dX, promoted"):
+        fn, args = variants[name]
+        err = float(jnp.abs(fn(*args).astype(jnp.float32) - ref_dx).max())
+        errors[name] = err / float(jnp.abs(ref_dx).max())
     return variants, errors, sizes
 
 
@@ -262,8 +294,31 @@ def weight_grad_problem(
     scale = float(jnp.abs(ref).max())
     errors = {name: float(jnp.abs(f32(fn(*args)) - ref).max()) / scale
               for name, (fn, args) in variants.items()}  # fmt: skip
+    # float8: e4m3 x and e5m2 dY (unit scales) on the fast recipe's float8 kernel (its
+    # transposes included) where it runs (`grouped_dw.float8_reason`), and as the default
+    # recipe runs dW (the 16-bit kernel on the dequantized values)
+    x8, dy8 = x.astype(jnp.float8_e4m3fn), dy.astype(jnp.float8_e5m2)
+    one = jnp.ones((), jnp.float32)
+    fp8 = {"dW fp8, dequantized + 16-bit kernel": (
+        jax.jit(lambda a, d, s: hopper.weight_grad(a.astype(dtype), d.astype(dtype), s)),
+        (x8, dy8, sizes))}  # fmt: skip
+    if grouped_dw.float8_reason(m, k, n, groups) is None:
+        fp8["dW fp8, float8 kernel"] = (
+            jax.jit(lambda a, d, s: grouped_dw.float8_weight_grad(a, one, d, one, s, dtype)),
+            (x8, dy8, sizes),
+        )
+    ref8 = jax.jit(xla)(f32(x8), f32(dy8), sizes)
+    for name, (fn, args) in fp8.items():
+        errors[name] = float(jnp.abs(f32(fn(*args)) - ref8).max()) / float(jnp.abs(ref8).max())
+    variants.update(fp8)
     variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
     variants["dense x^T dy, same FLOPs"] = (jax.jit(lambda a, d: a.T @ d), (x, dy))
+    # the float8 rows' rate: cuBLASLt's FP8 GEMM of the same FLOPs on K-major copies
+    variants["fp8 dense x^T dy, same FLOPs"] = (
+        jax.jit(lambda a, d, c: quantized_gemm.scaled_dot(
+            a, d, ((1,), (1,)), c, "float32", dtype, split=False)),
+        (x8.T, dy8.T, one),
+    )  # fmt: skip
     return variants, errors
 
 
@@ -308,6 +363,10 @@ def main() -> None:
             "dw": (least_bytes(sizes, m, k, n, 2, dw=True), dense_dw, dw_times["hbm copy"]),
             "fp8": (least_bytes(sizes, m, k, n, 1, out_itemsize=2),
                     times["fp8 dense GEMM, same FLOPs"], times["hbm copy"]),
+            "fp8 dX": (least_bytes(sizes, m, n, k, 1, out_itemsize=2),
+                       times["fp8 dense GEMM, same FLOPs"], times["hbm copy"]),
+            "fp8 dW": (least_bytes(sizes, m, k, n, 1, dw=True, out_itemsize=2),
+                       dw_times["fp8 dense x^T dy, same FLOPs"], dw_times["hbm copy"]),
         }  # fmt: skip
         t_roof = {
             key: roofline_ms(flops, nbytes, flops / (t_gemm * 1e-3), copy_bytes / (t_copy * 1e-3))
@@ -325,7 +384,12 @@ def main() -> None:
             "vs_roof": {name: t / t_roof["fwd"] for name, t in times.items()},
             # the FP8 variants against the FP8 roofline: 1-byte operands, the FP8 GEMM's rate
             "fp8_t_roof_ms": t_roof["fp8"],
-            "fp8_vs_roof": {n: t / t_roof["fp8"] for n, t in times.items() if n.startswith("fp8")},
+            "fp8_vs_roof": {
+                n: t / t_roof["fp8 dX" if n.startswith("fp8 dX") else "fp8"]
+                for n, t in times.items()
+                if n.startswith("fp8")
+            },  # fmt: skip
+            "fp8_dx_t_roof_ms": t_roof["fp8 dX"],
             "gb_per_s": {name: roof["fwd"][0] / (t * 1e-3) / 1e9 for name, t in times.items()},
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in times.items()},
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
@@ -338,6 +402,10 @@ def main() -> None:
                 "vs_dense": {name: t / dense_dw for name, t in dw_times.items()},
                 "t_roof_ms": t_roof["dw"],
                 "vs_roof": {name: t / t_roof["dw"] for name, t in dw_times.items()},
+                "fp8_t_roof_ms": t_roof["fp8 dW"],
+                "fp8_vs_roof": {
+                    name: t / t_roof["fp8 dW"] for name, t in dw_times.items() if "fp8" in name
+                },  # fmt: skip
                 "max_rel_error_vs_float32": dw_err,
             },
         }

@@ -758,6 +758,9 @@ def test_grouped_roofline_helpers():
     assert bench.least_bytes(sizes, 8, 4, 6, 2) == 2 * (8 * 4 + 2 * 4 * 6 + 8 * 6)
     # float8 operands, a bf16 output
     assert bench.least_bytes(sizes, 8, 4, 6, 1, out_itemsize=2) == 8 * 4 + 2 * 4 * 6 + 2 * 8 * 6
+    # dW: x and dY read, the two receiving experts' dW written
+    dw = bench.least_bytes(sizes, 8, 4, 6, 1, dw=True, out_itemsize=2)
+    assert dw == 8 * 4 + 8 * 6 + 2 * 2 * 4 * 6
     assert bench.roofline_ms(2e12, 1e9, 1e15, 2e12) == 2.0  # compute: 2 ms, memory: 0.5 ms
     assert bench.roofline_ms(2e12, 8e9, 1e15, 2e12) == 4.0  # memory-bound
 
