@@ -21,7 +21,7 @@ records the ping-pong kernel's tiles and waves against a dense GEMM's (`pingpong
 Writes OUT/grouped_gemm.json.
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --out DIR [--groups 8,16,64,128]
-        [--skews uneven,zipf,equal]
+        [--skews uneven,zipf,equal] [--quick]
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ KERNELS = {
     "commgemm kernel, last wave whole": GroupedConfig(narrow_tail=False),
     "jax kernel": hopper.default_tiles(2 * 128),
 }
+
+
+#: `--quick`'s variants: the library's op and kernels (bf16, FP8 forward, dX and dW) and the
+#: references its rooflines need; not jax's kernel, XLA's ragged dot (its compile takes
+#: minutes at 64 groups and more), the row-aligned tilings or the emulated FP8 path.
+QUICK = (
+    "commgemm.grouped_matmul", "commgemm ping-pong kernel", "dX commgemm ping-pong kernel",
+    "fp8 ping-pong kernel", "fp8 commgemm kernel", "fp8 dX, fast", "fp8 dX, promoted",
+    "dense GEMM core (commgemm)", "dense GEMM, same FLOPs", "fp8 dense GEMM, same FLOPs",
+)  # fmt: skip
 
 
 def uneven_sizes(groups: int, tokens: int, seed: int) -> np.ndarray:
@@ -127,7 +137,13 @@ def emulated_operands(x, w):
     return quantized_operands(x, w, "current_tensor_scaling")[:2]
 
 
-def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven"):
+def problem(
+    groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven",
+    kernels=None,
+):  # fmt: skip
+    """The forward's, dX's and FP8's variants, their errors and the group sizes; `kernels`: the
+    tilings beside the default op (KERNELS where None)."""
+    kernels = KERNELS if kernels is None else kernels
     keys = jax.random.split(jax.random.key(groups), 3)
     x = jax.random.normal(keys[0], (m, k), dtype)
     w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) / k**0.5).astype(dtype)
@@ -141,7 +157,7 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
                 jax.jit(lambda a, b, s, t=t: cg.grouped_matmul(a, b, s, hopper_tiles=t)),
                 (x, w, sizes),
             )  # fmt: skip
-            for name, t in KERNELS.items()
+            for name, t in kernels.items()
         },
         "dX commgemm ping-pong kernel": (
             jax.jit(lambda a, b, s: hopper.product(a, b, s, hopper.PingPongTiles(), True)),
@@ -233,7 +249,7 @@ def problem(groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str =
     ref = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
         a.astype(jnp.float32), b.astype(jnp.float32), s))(x, w, sizes)  # fmt: skip
     errors = {}
-    for name in ("commgemm.grouped_matmul", *KERNELS):
+    for name in ("commgemm.grouped_matmul", *kernels):
         fn, args = variants[name]
         err = float(jnp.abs(fn(*args).astype(jnp.float32) - ref).max())
         errors[name] = err / float(jnp.abs(ref).max())
@@ -269,11 +285,12 @@ DW_KERNELS = {
 
 
 def weight_grad_problem(
-    groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven"
-):
-    """dW's variants: ours (default, then `DW_KERNELS`), XLA's, a dense x^T dy of the same FLOPs;
-    and each kernel's largest error against the float32 ragged dot, relative to its largest
-    value."""
+    groups: int, m: int, k: int, n: int, dtype=jnp.bfloat16, skew: str = "uneven",
+    quick: bool = False,
+):  # fmt: skip
+    """dW's variants: ours (default, then `DW_KERNELS` unless `quick`), XLA's (not with
+    `quick`), a dense x^T dy of the same FLOPs, float8 dW; and each kernel's largest error
+    against the float32 ragged dot, relative to its largest value."""
     keys = jax.random.split(jax.random.key(groups + 1), 2)
     x = jax.random.normal(keys[0], (m, k), dtype)
     dy = jax.random.normal(keys[1], (m, n), dtype)
@@ -284,7 +301,7 @@ def weight_grad_problem(
         _, pullback = jax.vjp(lambda b: jax.lax.ragged_dot(a, b, s), zeros)
         return pullback(d)[0]
 
-    kernels = {"dW commgemm (ping-pong)": None, **DW_KERNELS}
+    kernels = {"dW commgemm (ping-pong)": None, **({} if quick else DW_KERNELS)}
     variants = {
         name: (jax.jit(lambda a, d, s, t=t: hopper.weight_grad(a, d, s, t)), (x, dy, sizes))
         for name, t in kernels.items()
@@ -311,7 +328,8 @@ def weight_grad_problem(
     for name, (fn, args) in fp8.items():
         errors[name] = float(jnp.abs(f32(fn(*args)) - ref8).max()) / float(jnp.abs(ref8).max())
     variants.update(fp8)
-    variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
+    if not quick:  # XLA's compile takes minutes at 64 groups and more
+        variants["dW lax.ragged_dot (XLA)"] = (jax.jit(xla), (x, dy, sizes))
     variants["dense x^T dy, same FLOPs"] = (jax.jit(lambda a, d: a.T @ d), (x, dy))
     # the float8 rows' rate: cuBLASLt's FP8 GEMM of the same FLOPs on K-major copies
     variants["fp8 dense x^T dy, same FLOPs"] = (
@@ -324,7 +342,6 @@ def weight_grad_problem(
 
 def timed(variants) -> tuple[dict, str]:
     """{name: ms} by device periods (host medians where they cannot be read), and which."""
-    host = benchmark_interleaved(variants, iters=30)
     try:
         periods = device_periods_interleaved(variants, rounds=6)
         times = {name: f["median"] for name, f in periods.items() if "median" in f}
@@ -332,6 +349,7 @@ def timed(variants) -> tuple[dict, str]:
             return times, "device periods"
     except RuntimeError:
         pass
+    host = benchmark_interleaved(variants, iters=30)
     return {name: r.median for name, r in host.items()}, "host"
 
 
@@ -343,16 +361,20 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=14336 // 8)
     parser.add_argument("--groups", default="8,16,64,128", help="comma-separated group counts")
     parser.add_argument("--skews", default="uneven,zipf", help="group sizes: uneven, zipf, equal")
+    parser.add_argument("--quick", action="store_true", help="the library's kernels only (QUICK)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     m, k, n = args.m, args.k, args.n
     cases = [(int(g), skew) for skew in args.skews.split(",") for g in args.groups.split(",")]
     for groups, skew in cases:
-        variants, rel_errs, sizes = problem(groups, m, k, n, skew=skew)
+        kernels = {"commgemm ping-pong kernel": hopper.PingPongTiles()} if args.quick else None
+        variants, rel_errs, sizes = problem(groups, m, k, n, skew=skew, kernels=kernels)
+        if args.quick:
+            variants = {name: v for name, v in variants.items() if name in QUICK}
         variants["hbm copy"], copy_bytes = copy_variant()
         times, timing = timed(variants)
-        dw_variants, dw_err = weight_grad_problem(groups, m, k, n, skew=skew)
+        dw_variants, dw_err = weight_grad_problem(groups, m, k, n, skew=skew, quick=args.quick)
         dw_variants["hbm copy"], _ = copy_variant()
         dw_times, dw_timing = timed(dw_variants)
         dense_dw = dw_times["dense x^T dy, same FLOPs"]
@@ -393,7 +415,9 @@ def main() -> None:
             "gb_per_s": {name: roof["fwd"][0] / (t * 1e-3) / 1e9 for name, t in times.items()},
             "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in times.items()},
             "vs_dense": {name: t / times["dense GEMM, same FLOPs"] for name, t in times.items()},
-            "vs_ragged_dot": times["commgemm.grouped_matmul"] / times["lax.ragged_dot"],
+            "vs_ragged_dot": times["commgemm.grouped_matmul"] / times["lax.ragged_dot"]
+            if "lax.ragged_dot" in times
+            else None,
             "max_rel_error_vs_float32": rel_errs,
             "dw": {
                 "timing": dw_timing,
