@@ -765,6 +765,46 @@ def test_grouped_roofline_helpers():
     assert bench.roofline_ms(2e12, 8e9, 1e15, 2e12) == 4.0  # memory-bound
 
 
+def test_grouped_benchmark_rows_quick(tmp_path, monkeypatch):
+    """benchmarks/grouped_gemm.py's main() with --quick (kernels and timing stubbed: the GPU
+    kernels do not run on the CPU): the problem builders get the quick forms, only QUICK's
+    variants and the roofline's references are timed, and each row's FP8 dX and dW ratios
+    read against their own rooflines, t = t_roof where a variant is its own reference."""
+    bench = load_script("benchmarks/grouped_gemm.py", "grouped_gemm_benchmark")
+    extra = ["lax.ragged_dot", "jax kernel", "fp8 emulated (quantizing)"]
+    dw_names = ["dW commgemm (ping-pong)", "dW fp8, dequantized + 16-bit kernel",
+                "dense x^T dy, same FLOPs", "fp8 dense x^T dy, same FLOPs"]  # fmt: skip
+    calls = []
+
+    def problem(groups, m, k, n, skew, kernels=None):
+        calls.append(("fwd", list(kernels)))
+        sizes = jnp.asarray(bench.SIZES[skew](groups, m, groups))
+        return {name: (None, ()) for name in [*bench.QUICK, *extra]}, {}, sizes
+
+    def weight_grad_problem(groups, m, k, n, skew, quick=False):
+        calls.append(("dw", quick))
+        return {name: (None, ()) for name in dw_names}, {}
+
+    def timed(variants):  # the FP8 dX and dense FP8 GEMM alike: dX's ratio is its roofline's
+        ms = {"fp8 dX, fast": 0.5, "fp8 dense GEMM, same FLOPs": 0.5}
+        return {name: ms.get(name, 1.0) for name in variants}, "stub"
+
+    monkeypatch.setattr(bench, "problem", problem)
+    monkeypatch.setattr(bench, "weight_grad_problem", weight_grad_problem)
+    monkeypatch.setattr(bench, "timed", timed)
+    monkeypatch.setattr(bench.mosaic_tiles, "num_sms", lambda: 132)
+    argv = ["grouped_gemm.py", "--out", str(tmp_path), "--groups", "8", "--skews", "equal"]
+    monkeypatch.setattr("sys.argv", [*argv, "--quick"])
+    bench.main()
+    assert calls == [("fwd", ["commgemm ping-pong kernel"]), ("dw", True)]
+    (row,) = json.loads((tmp_path / "grouped_gemm.json").read_text())["rows"]
+    assert set(row["ms"]) == {*bench.QUICK, "hbm copy"} and row["vs_ragged_dot"] is None
+    # the FP8 dX's bytes: dY [M, N] and w (1 byte), dX [M, K] (2 bytes); compute-bound here
+    assert row["fp8_dx_t_roof_ms"] == pytest.approx(0.5)
+    assert row["fp8_vs_roof"]["fp8 dX, fast"] == pytest.approx(1.0)
+    assert row["dw"]["fp8_vs_roof"]["fp8 dense x^T dy, same FLOPs"] == pytest.approx(1.0)
+
+
 def test_grouped_pingpong_waves():
     """benchmarks/grouped_gemm.py's wave count: equal groups of whole tiles run a dense GEMM's
     tiles; a group's partial last tile (and its first, from the row below its start rounded to
