@@ -368,7 +368,8 @@ def main() -> None:
     m, k, n = args.m, args.k, args.n
     cases = [(int(g), skew) for skew in args.skews.split(",") for g in args.groups.split(",")]
     for groups, skew in cases:
-        kernels = {"commgemm ping-pong kernel": hopper.PingPongTiles()} if args.quick else None
+        pingpong = "commgemm ping-pong kernel"
+        kernels = {pingpong: KERNELS[pingpong]} if args.quick else None
         variants, rel_errs, sizes = problem(groups, m, k, n, skew=skew, kernels=kernels)
         if args.quick:
             variants = {name: v for name, v in variants.items() if name in QUICK}
